@@ -1,0 +1,472 @@
+// SPDX-License-Identifier: Apache-2.0
+// Top-k / DGC and random-k compressors: state, validation, payload building. The math lives in
+// kernels/; this file picks the backend by the device of the data.
+#include "gradcomp/topk.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/state_io.hpp"
+#include "kernels/topk.hpp"
+#include "kernels/topk_math.h"
+
+namespace gradcomp {
+
+namespace k = kernels;
+
+void SelectOptions::validate() const {
+  GC_CHECK_ARG(method == SelectMethod::kExact || method == SelectMethod::kSampled,
+               "unknown selection method ", int(method));
+  GC_CHECK_ARG(sample_rate > 0.0 && sample_rate <= 1.0, "sample_rate must be in (0, 1], got ",
+               sample_rate);
+  GC_CHECK_ARG(oversample >= 1.0 && oversample <= 16.0, "oversample must be in [1, 16], got ",
+               oversample);
+  GC_CHECK_ARG(min_fraction > 0.0 && min_fraction <= 1.0, "min_fraction must be in (0, 1], got ",
+               min_fraction);
+  GC_CHECK_ARG(max_retries >= 0 && max_retries <= 16, "max_retries must be in [0, 16], got ",
+               max_retries);
+}
+
+static void check_ratio(double r, const char* what) {
+  GC_CHECK_ARG(std::isfinite(r) && r > 0.0 && r <= 1.0, what, " must be in (0, 1], got ", r);
+}
+
+void TopKConfig::validate() const {
+  check_ratio(ratio, "ratio");
+  select.validate();
+  GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
+               "momentum must be in [0, 1), got ", momentum);
+  GC_CHECK_ARG(std::isfinite(clip_norm) && clip_norm >= 0.0, "clip_norm must be >= 0, got ",
+               clip_norm);
+  GC_CHECK_ARG(warmup_ratios.empty() || warmup_steps > 0,
+               "warmup_steps must be > 0 when warmup_ratios are given, got ", warmup_steps);
+  GC_CHECK_ARG(warmup_steps >= 0, "warmup_steps must be >= 0, got ", warmup_steps);
+  for (double r : warmup_ratios) check_ratio(r, "each warm-up ratio");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
+}
+
+double TopKConfig::ratio_at(int64_t step) const {
+  if (!warmup_ratios.empty() && warmup_steps > 0) {
+    const int64_t stage = step / warmup_steps;
+    if (stage < static_cast<int64_t>(warmup_ratios.size())) return warmup_ratios[stage];
+  }
+  return ratio;
+}
+
+void RandomKConfig::validate() const {
+  check_ratio(ratio, "ratio");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
+}
+
+int64_t topk_count(double ratio, int64_t n) {
+  if (n <= 0) return 0;
+  const double c = std::ceil(ratio * static_cast<double>(n) - 1e-9);
+  return std::clamp<int64_t>(static_cast<int64_t>(c), 1, n);
+}
+
+int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, const RngKey& key,
+                     uint32_t* out) {
+  opt.validate();
+  GC_CHECK_ARG(x.dtype == DType::kFloat32, "top-k selection takes fp32, got ", x.describe());
+  GC_CHECK_ARG(kk >= 0 && kk <= x.numel, "k must be in [0, n] = [0, ", x.numel, "], got ", kk);
+  GC_CHECK_ARG(x.numel < (int64_t{1} << 32), "tensor has ", x.numel,
+               " elements; indices are uint32 (split the tensor)");
+  GC_CHECK_ARG(kk == 0 || out != nullptr, "output index pointer is null");
+  k::SelectWorkspace ws(x.device);
+  if (x.is_cuda())
+    return k::cuda::select(x.as<float>(), x.numel, kk, opt, key, out, ws, x.stream);
+  return k::cpu::select(x.as<float>(), x.numel, kk, opt, key, out, ws);
+}
+
+namespace {
+
+/// Checks shared by the compressors' encode().
+void check_grad(const TensorView& g, int64_t numel, Device dev, int dev_index, uint32_t tid,
+                const char* who) {
+  GC_CHECK_ARG(g.numel == numel, who, " tensor ", tid, ": gradient has ", g.numel,
+               " elements but the state was built for ", numel, " (", g.describe(), ")");
+  GC_CHECK_ARG(g.device == dev && (dev == Device::kCPU || g.device_index == dev_index), who,
+               " tensor ", tid, ": gradient is on ", device_name(g.device), " but the state is on ",
+               device_name(dev));
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(g.dtype)), who, " tensor ", tid,
+               ": unsupported gradient dtype code ", int(g.dtype), " (expected fp32, fp16, bf16)");
+  GC_CHECK_ARG(g.numel == 0 || g.data != nullptr, who, " tensor ", tid, ": null gradient data");
+}
+
+void check_finite(const TensorView& g, uint32_t tid, const char* who, k::SelectWorkspace& ws) {
+  const int64_t bad = g.is_cuda() ? k::cuda::first_nonfinite(g.data, g.dtype, g.numel, ws, g.stream)
+                                  : k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
+  GC_CHECK_ARG(bad < 0, who, " tensor ", tid, ": gradient has a non-finite value (NaN or Inf) at "
+               "index ", bad, "; nothing was changed (disable check_finite to skip this test)");
+}
+
+void check_dense(const TensorView& d, int64_t numel, Device dev, const char* who) {
+  GC_CHECK_ARG(d.dtype == DType::kFloat32, who, " decode: the output must be fp32, got ",
+               d.describe());
+  GC_CHECK_ARG(d.numel == numel, who, " decode: output has ", d.numel, " elements, expected ",
+               numel);
+  GC_CHECK_ARG(d.device == dev, who, " decode: output is on ", device_name(d.device),
+               ", the compressor on ", device_name(dev));
+}
+
+/// Reads the header of a payload on any device into host memory and validates its structure.
+PayloadHeader read_header(const void* payload, size_t nbytes, Device dev, void* stream) {
+  GC_CHECK_PAYLOAD(nbytes >= sizeof(PayloadHeader), "payload has ", nbytes,
+                   " bytes, fewer than the 64-byte header");
+  GC_CHECK_PAYLOAD(payload != nullptr, "null payload pointer");
+  if (dev == Device::kCPU) return parse_header(payload, nbytes);
+  uint8_t host[sizeof(PayloadHeader)];
+  device_copy(host, Device::kCPU, payload, dev, sizeof host, stream);
+  // parse_header only reads the 64 header bytes, and checks the sizes against nbytes
+  return parse_header(host, nbytes);
+}
+
+void write_header(Payload& out, Device dev, void* stream) {
+  if (dev == Device::kCPU) {
+    std::memcpy(out.bytes.data(), &out.header, sizeof(PayloadHeader));
+  } else {
+    device_copy(out.bytes.data(), dev, &out.header, Device::kCPU, sizeof(PayloadHeader), stream);
+  }
+}
+
+void prepare_payload(Payload& out, Device dev, void* stream) {
+  if (out.bytes.device() != dev) out.bytes = Buffer(dev, stream);
+  out.bytes.set_stream(stream);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+struct TopKCompressor::Impl {
+  Impl(Device dev, void* s) : u(dev, s), v(dev, s), idx(dev, s), host_idx(Device::kCPU), ws(dev), stream(s) {}
+  Buffer u, v, idx, host_idx;
+  k::SelectWorkspace ws;
+  void* stream;
+  int device_index = 0;
+};
+
+TopKCompressor::TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_dtype,
+                               Device device, int device_index, void* stream)
+    : cfg_(cfg), numel_(numel), grad_dtype_(grad_dtype), device_(device) {
+  cfg_.validate();
+  GC_CHECK_ARG(numel >= 0, "numel must be >= 0, got ", numel);
+  GC_CHECK_ARG(numel < (int64_t{1} << 32), "tensor has ", numel,
+               " elements; indices are uint32 (split the tensor)");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");
+  if (device == Device::kCUDA && !built_with_cuda()) throw_not_built_with_cuda("TopKCompressor on CUDA");
+  impl_ = std::make_unique<Impl>(device, stream);
+  impl_->device_index = device_index;
+  float* v = impl_->v.get<float>(static_cast<size_t>(numel));
+  device_zero(device, v, numel * sizeof(float), stream);
+  if (cfg_.momentum > 0.0) {
+    float* u = impl_->u.get<float>(static_cast<size_t>(numel));
+    device_zero(device, u, numel * sizeof(float), stream);
+  }
+  stats_.numel = numel;
+}
+
+TopKCompressor::~TopKCompressor() = default;
+
+const float* TopKCompressor::residual() const { return static_cast<const float*>(impl_->v.data()); }
+const float* TopKCompressor::momentum_buffer() const {
+  return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u.data()) : nullptr;
+}
+
+void TopKCompressor::encode(const TensorView& g, Payload& out) {
+  Impl& s = *impl_;
+  check_grad(g, numel_, device_, s.device_index, cfg_.tensor_id, "topk");
+  if (cfg_.check_finite) check_finite(g, cfg_.tensor_id, "topk", s.ws);
+  // ---- from here on the state changes ----
+  const bool cuda = device_ == Device::kCUDA;
+  const int64_t n = numel_;
+  float* v = static_cast<float*>(s.v.data());
+  float* u = cfg_.momentum > 0.0 ? static_cast<float*>(s.u.data()) : nullptr;
+  float coef = 1.0f;
+  if (cfg_.clip_norm > 0.0 && n > 0) {
+    const double ss = cuda ? k::cuda::sum_squares(g.data, g.dtype, n, s.ws, s.stream)
+                           : k::cpu::sum_squares(g.data, g.dtype, n);
+    coef = k::clip_coefficient(std::sqrt(ss), cfg_.clip_norm);
+  }
+  if (!cfg_.error_feedback) device_zero(device_, v, n * sizeof(float), s.stream);
+  const float m = static_cast<float>(cfg_.momentum);
+  if (n > 0) {
+    if (cuda)
+      k::cuda::dgc_accumulate(g.data, g.dtype, n, coef, m, cfg_.nesterov, u, v, s.stream);
+    else
+      k::cpu::dgc_accumulate(g.data, g.dtype, n, coef, m, cfg_.nesterov, u, v);
+  }
+  const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
+  const RngKey key{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
+  uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
+  const int64_t c = cuda ? k::cuda::select(v, n, kk, cfg_.select, key, idx, s.ws, s.stream)
+                         : k::cpu::select(v, n, kk, cfg_.select, key, idx, s.ws);
+
+  // ---- payload: header | indices | values ----
+  prepare_payload(out, device_, s.stream);
+  PayloadHeader& h = out.header;
+  h = PayloadHeader{};
+  h.kind = static_cast<uint8_t>(PayloadKind::kSparse);
+  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
+  h.tensor_id = cfg_.tensor_id;
+  h.numel = static_cast<uint64_t>(n);
+  h.count = static_cast<uint64_t>(c);
+  h.aux = static_cast<uint64_t>(step_);
+  uint64_t ibytes = 0;
+  IndexCoding coding;
+  if (cuda) {  // the GPU writes raw or bitmap indices (no serial varint pass on the device)
+    const uint64_t raw = 4 * static_cast<uint64_t>(c), bm = (static_cast<uint64_t>(n) + 7) / 8;
+    coding = (c > 0 && bm < raw) ? IndexCoding::kBitmap : IndexCoding::kRaw32;
+    ibytes = coding == IndexCoding::kBitmap ? bm : raw;
+  } else {
+    coding = choose_index_coding(h.numel, h.count, delta_varint_bytes(idx, h.count), &ibytes);
+  }
+  h.index_coding = static_cast<uint8_t>(coding);
+  h.section_bytes[0] = ibytes;
+  h.section_bytes[1] = static_cast<uint64_t>(c) * dtype_size(cfg_.value_dtype);
+  out.bytes.resize(h.total_bytes(), false);
+  uint8_t* base = static_cast<uint8_t*>(out.bytes.data());
+  void* values = base + h.section_offset(1);
+  float* mask_u = cfg_.momentum_masking ? u : nullptr;
+  if (cuda) {
+    k::cuda::gather_and_clear(v, mask_u, idx, c, values, cfg_.value_dtype, s.stream);
+    if (coding == IndexCoding::kBitmap)
+      k::cuda::indices_to_bitmap(idx, c, n, base + h.section_offset(0), s.stream);
+    else
+      device_copy(base + h.section_offset(0), device_, idx, device_, ibytes, s.stream);
+  } else {
+    k::cpu::gather_and_clear(v, mask_u, idx, c, values, cfg_.value_dtype);
+    encode_indices(idx, h.count, h.numel, coding, base + h.section_offset(0));
+  }
+  write_header(out, device_, s.stream);
+
+  stats_.step = step_;
+  stats_.numel = n;
+  stats_.count = c;
+  stats_.dense_bytes = static_cast<uint64_t>(n) * dtype_size(g.dtype);
+  stats_.payload_bytes = h.total_bytes();
+  ++step_;
+}
+
+void TopKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,
+                                float scale) {
+  Impl& s = *impl_;
+  check_dense(dense, numel_, device_, "topk");
+  const PayloadHeader h = read_header(payload, nbytes, device_, s.stream);
+  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kSparse), "expected a sparse (top-k) payload, got ",
+                   payload_kind_name(PayloadKind(h.kind)));
+  GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
+                   " elements, the output has ", numel_);
+  GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
+                   "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
+                   dtype_size(DType(h.value_dtype)));
+  GC_CHECK_PAYLOAD(h.section_bytes[2] == 0, "unexpected extra section of ", h.section_bytes[2],
+                   " bytes in a sparse payload");
+  if (h.count == 0) return;
+  const auto* base = static_cast<const uint8_t*>(payload);
+  const uint8_t* isec = base + h.section_offset(0);
+  const void* values = base + h.section_offset(1);
+  const IndexCoding coding = IndexCoding(h.index_coding);
+  const int64_t c = static_cast<int64_t>(h.count);
+  if (device_ == Device::kCPU) {
+    uint32_t* idx = s.idx.get<uint32_t>(h.count);
+    decode_indices(isec, h.section_bytes[0], coding, h.count, h.numel, idx);  // validates
+    k::cpu::scatter_add(idx, values, DType(h.value_dtype), c, scale, dense.as<float>());
+    return;
+  }
+  uint32_t* idx = s.idx.get<uint32_t>(h.count);
+  const uint32_t* use = idx;
+  switch (coding) {
+    case IndexCoding::kRaw32: {
+      GC_CHECK_PAYLOAD(h.section_bytes[0] == 4 * h.count, "raw index section has ",
+                       h.section_bytes[0], " bytes, expected 4 x ", h.count);
+      use = reinterpret_cast<const uint32_t*>(isec);
+      const int64_t bad = k::cuda::check_indices(use, c, numel_, s.ws, s.stream);
+      GC_CHECK_PAYLOAD(bad < 0, "index at position ", bad, " is out of range or not ascending");
+      break;
+    }
+    case IndexCoding::kBitmap: {
+      GC_CHECK_PAYLOAD(h.section_bytes[0] == (h.numel + 7) / 8, "bitmap section has ",
+                       h.section_bytes[0], " bytes, expected ", (h.numel + 7) / 8);
+      const int64_t got = k::cuda::bitmap_to_indices(isec, numel_, idx, c, s.ws, s.stream);
+      GC_CHECK_PAYLOAD(got == c, "bitmap has ", got, " indices, header announces ", c);
+      break;
+    }
+    case IndexCoding::kDeltaVarint: {  // made on a CPU: decode on the host, then upload
+      std::vector<uint8_t> sec(h.section_bytes[0]);
+      device_copy(sec.data(), Device::kCPU, isec, device_, sec.size(), s.stream);
+      uint32_t* hidx = s.host_idx.get<uint32_t>(h.count);
+      decode_indices(sec.data(), sec.size(), coding, h.count, h.numel, hidx);
+      device_copy(idx, device_, hidx, Device::kCPU, 4 * h.count, s.stream);
+      break;
+    }
+    default:
+      GC_CHECK_PAYLOAD(false, "index coding ", int(h.index_coding), " is not valid for sparse payloads");
+  }
+  k::cuda::scatter_add(use, values, DType(h.value_dtype), c, scale, dense.as<float>(), s.stream);
+}
+
+std::vector<uint8_t> TopKCompressor::state_dict() const {
+  detail::StateWriter w("topk");
+  w.put<int64_t>(numel_);
+  w.put<uint8_t>(cfg_.momentum > 0.0);
+  w.put<uint32_t>(cfg_.tensor_id);
+  w.put<int64_t>(step_);
+  w.put_array(impl_->v.data(), device_, numel_ * sizeof(float), impl_->stream);
+  if (cfg_.momentum > 0.0)
+    w.put_array(impl_->u.data(), device_, numel_ * sizeof(float), impl_->stream);
+  return w.take();
+}
+
+void TopKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
+  detail::StateReader r(data, nbytes, "topk");
+  r.expect<int64_t>("numel", numel_);
+  r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
+  r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
+  const auto step = r.get<int64_t>("step");
+  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const uint8_t* v = r.array("residual", numel_ * sizeof(float));
+  const uint8_t* u = cfg_.momentum > 0.0 ? r.array("momentum", numel_ * sizeof(float)) : nullptr;
+  r.finish();
+  // all checks passed: now overwrite
+  device_copy(impl_->v.data(), device_, v, Device::kCPU, numel_ * sizeof(float), impl_->stream);
+  if (u) device_copy(impl_->u.data(), device_, u, Device::kCPU, numel_ * sizeof(float), impl_->stream);
+  step_ = step;
+}
+
+// ------------------------------------------------------------------------------------------------
+struct RandomKCompressor::Impl {
+  Impl(Device dev, void* s) : v(dev, s), idx(dev, s), ws(dev), stream(s) {}
+  Buffer v, idx;
+  k::SelectWorkspace ws;
+  void* stream;
+  int device_index = 0;
+};
+
+RandomKCompressor::RandomKCompressor(const RandomKConfig& cfg, int64_t numel, DType grad_dtype,
+                                     Device device, int device_index, void* stream)
+    : cfg_(cfg), numel_(numel), grad_dtype_(grad_dtype), device_(device) {
+  cfg_.validate();
+  GC_CHECK_ARG(numel >= 0 && numel < (int64_t{1} << 32), "numel must be in [0, 2^32), got ", numel);
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");
+  if (device == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda("RandomKCompressor on CUDA");
+  impl_ = std::make_unique<Impl>(device, stream);
+  impl_->device_index = device_index;
+  float* v = impl_->v.get<float>(static_cast<size_t>(numel));
+  device_zero(device, v, numel * sizeof(float), stream);
+  stats_.numel = numel;
+}
+
+RandomKCompressor::~RandomKCompressor() = default;
+
+const float* RandomKCompressor::residual() const {
+  return static_cast<const float*>(impl_->v.data());
+}
+
+int64_t RandomKCompressor::indices_at(int64_t step, uint32_t* out) const {
+  const int64_t kk = topk_count(cfg_.ratio, numel_);
+  const RngKey key{cfg_.seed, static_cast<uint64_t>(step), cfg_.tensor_id};
+  if (device_ == Device::kCUDA)
+    k::cuda::randomk_indices(numel_, kk, key, out, impl_->stream);
+  else
+    k::cpu::randomk_indices(numel_, kk, key, out);
+  return kk;
+}
+
+void RandomKCompressor::encode(const TensorView& g, Payload& out) {
+  Impl& s = *impl_;
+  check_grad(g, numel_, device_, s.device_index, cfg_.tensor_id, "randomk");
+  if (cfg_.check_finite) check_finite(g, cfg_.tensor_id, "randomk", s.ws);
+  const bool cuda = device_ == Device::kCUDA;
+  const int64_t n = numel_;
+  float* v = static_cast<float*>(s.v.data());
+  if (!cfg_.error_feedback) device_zero(device_, v, n * sizeof(float), s.stream);
+  if (n > 0) {
+    if (cuda)
+      k::cuda::dgc_accumulate(g.data, g.dtype, n, 1.0f, 0.0f, false, nullptr, v, s.stream);
+    else
+      k::cpu::dgc_accumulate(g.data, g.dtype, n, 1.0f, 0.0f, false, nullptr, v);
+  }
+  const int64_t kk = topk_count(cfg_.ratio, n);
+  uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
+  indices_at(step_, idx);
+
+  prepare_payload(out, device_, s.stream);
+  PayloadHeader& h = out.header;
+  h = PayloadHeader{};
+  h.kind = static_cast<uint8_t>(PayloadKind::kRandomK);
+  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
+  h.index_coding = static_cast<uint8_t>(IndexCoding::kNone);
+  h.tensor_id = cfg_.tensor_id;
+  h.numel = static_cast<uint64_t>(n);
+  h.count = static_cast<uint64_t>(kk);
+  h.aux = static_cast<uint64_t>(step_);
+  h.section_bytes[1] = static_cast<uint64_t>(kk) * dtype_size(cfg_.value_dtype);
+  out.bytes.resize(h.total_bytes(), false);
+  void* values = static_cast<uint8_t*>(out.bytes.data()) + h.section_offset(1);
+  if (cuda)
+    k::cuda::gather_and_clear(v, nullptr, idx, kk, values, cfg_.value_dtype, s.stream);
+  else
+    k::cpu::gather_and_clear(v, nullptr, idx, kk, values, cfg_.value_dtype);
+  write_header(out, device_, s.stream);
+  stats_.step = step_;
+  stats_.numel = n;
+  stats_.count = kk;
+  stats_.dense_bytes = static_cast<uint64_t>(n) * dtype_size(g.dtype);
+  stats_.payload_bytes = h.total_bytes();
+  ++step_;
+}
+
+void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,
+                                   float scale) {
+  Impl& s = *impl_;
+  check_dense(dense, numel_, device_, "randomk");
+  const PayloadHeader h = read_header(payload, nbytes, device_, s.stream);
+  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kRandomK), "expected a random-k payload, got ",
+                   payload_kind_name(PayloadKind(h.kind)));
+  GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
+                   " elements, the output has ", numel_);
+  const int64_t kk = topk_count(cfg_.ratio, numel_);
+  GC_CHECK_PAYLOAD(h.count == static_cast<uint64_t>(kk), "payload has ", h.count,
+                   " values, this configuration sends ", kk);
+  GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload is for tensor ", h.tensor_id,
+                   ", this compressor is tensor ", cfg_.tensor_id);
+  GC_CHECK_PAYLOAD(h.index_coding == uint8_t(IndexCoding::kNone) && h.section_bytes[0] == 0 &&
+                       h.section_bytes[2] == 0,
+                   "random-k payloads carry values only");
+  GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
+                   "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
+                   dtype_size(DType(h.value_dtype)));
+  if (kk == 0) return;
+  uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
+  indices_at(static_cast<int64_t>(h.aux), idx);
+  const void* values = static_cast<const uint8_t*>(payload) + h.section_offset(1);
+  if (device_ == Device::kCUDA)
+    k::cuda::scatter_add(idx, values, DType(h.value_dtype), kk, scale, dense.as<float>(), s.stream);
+  else
+    k::cpu::scatter_add(idx, values, DType(h.value_dtype), kk, scale, dense.as<float>());
+}
+
+std::vector<uint8_t> RandomKCompressor::state_dict() const {
+  detail::StateWriter w("randomk");
+  w.put<int64_t>(numel_);
+  w.put<uint32_t>(cfg_.tensor_id);
+  w.put<int64_t>(step_);
+  w.put_array(impl_->v.data(), device_, numel_ * sizeof(float), impl_->stream);
+  return w.take();
+}
+
+void RandomKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
+  detail::StateReader r(data, nbytes, "randomk");
+  r.expect<int64_t>("numel", numel_);
+  r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
+  const auto step = r.get<int64_t>("step");
+  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const uint8_t* v = r.array("residual", numel_ * sizeof(float));
+  r.finish();
+  device_copy(impl_->v.data(), device_, v, Device::kCPU, numel_ * sizeof(float), impl_->stream);
+  step_ = step;
+}
+
+}  // namespace gradcomp

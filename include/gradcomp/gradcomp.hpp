@@ -1,0 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0
+// Umbrella header: everything a C++ user of gradcomp includes.
+#pragma once
+
+#include "gradcomp/compressor.hpp"
+#include "gradcomp/error.hpp"
+#include "gradcomp/rng.hpp"
+#include "gradcomp/runtime.hpp"
+#include "gradcomp/tensor.hpp"
+#include "gradcomp/topk.hpp"
+#include "gradcomp/wire.hpp"
+#include "gradcomp/workspace.hpp"

@@ -1,0 +1,161 @@
+// SPDX-License-Identifier: Apache-2.0
+// The top-k family: exact and sampled-threshold selection, DGC (residual accumulation, momentum
+// correction and factor masking, local clipping, sparsity warm-up) and random-k.
+//
+// Example (compress a gradient on one rank, decode it on another):
+//   gradcomp::TopKConfig cfg;
+//   cfg.ratio = 0.001;                 // send 0.1% of the elements
+//   cfg.momentum = 0.9;                // DGC momentum correction (use plain SGD as optimizer)
+//   gradcomp::TopKCompressor comp(cfg, grad.size());
+//   gradcomp::Payload payload;
+//   comp.encode(gradcomp::TensorView::cpu(grad.data(), grad.size()), payload);
+//   // ... send payload.data(), payload.size() ...
+//   comp.decode_add(bytes, nbytes, gradcomp::TensorView::cpu(avg.data(), avg.size()), 1.0f / P);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "gradcomp/compressor.hpp"
+#include "gradcomp/rng.hpp"
+
+namespace gradcomp {
+
+enum class SelectMethod : uint8_t {
+  /// Exactly k elements: all with |x| above the k-th largest magnitude T, then the lowest-index
+  /// elements with |x| == T (ties are broken by index). Radix select on the float bits.
+  kExact = 0,
+  /// DGC's sampled threshold: a strided sample (random offset from the shared RNG) estimates the
+  /// threshold, one compaction pass keeps |x| >= threshold. Returns between
+  /// ceil(min_fraction * k) and k elements: too many candidates are cut to exactly k by exact
+  /// selection among them; too few lower the threshold and retry (max_retries), after which exact
+  /// selection runs on the whole tensor.
+  kSampled = 1,
+};
+
+struct SelectOptions {
+  SelectMethod method = SelectMethod::kSampled;
+  double sample_rate = 0.01;  ///< fraction of elements sampled, in (0, 1]
+  double oversample = 1.25;   ///< candidates aimed for per wanted element, >= 1
+  double min_fraction = 0.8;  ///< accept [min_fraction k, k] elements, in (0, 1]
+  int max_retries = 2;        ///< threshold lowerings before falling back to exact selection
+  void validate() const;
+};
+
+/// Selects the top-k of |x| (fp32, CPU or CUDA) into `out` (capacity k, same device), ascending.
+/// Returns the number selected (k for exact; see SelectMethod for sampled). Throws
+/// InvalidArgument for k < 0, k > numel, or a non-fp32 x.
+///
+/// Example:  std::vector<uint32_t> idx(k);
+///           int64_t c = gradcomp::topk_indices(TensorView::cpu(x.data(), n), k, {}, {}, idx.data());
+int64_t topk_indices(const TensorView& x, int64_t k, const SelectOptions& opt, const RngKey& key,
+                     uint32_t* out);
+
+struct TopKConfig {
+  double ratio = 0.001;  ///< density (fraction of elements sent) after warm-up, in (0, 1]
+  SelectOptions select;
+  double momentum = 0.0;         ///< DGC momentum correction factor m in [0, 1); 0 = off
+  bool nesterov = false;         ///< Nesterov form of the correction
+  bool momentum_masking = true;  ///< clear the momentum where an element was sent
+  double clip_norm = 0.0;        ///< local gradient clipping by L2 norm before accumulation; 0 = off
+  /// Sparsity warm-up: density warmup_ratios[s] during steps [s * warmup_steps, (s+1) *
+  /// warmup_steps). Empty = no warm-up. dgc_warmup() gives DGC's exponential schedule.
+  std::vector<double> warmup_ratios;
+  int64_t warmup_steps = 0;
+  DType value_dtype = DType::kFloat32;  ///< dtype of the sent values
+  bool error_feedback = true;           ///< keep what is not sent (residual); off for ablations
+  /// Reject a gradient with NaN/Inf, naming the first bad index, before any state changes.
+  /// Turning it off saves one read of the gradient; NaN then poisons the residual.
+  bool check_finite = true;
+  uint64_t seed = 0;       ///< RNG seed (sampling offsets, random-k), identical on every rank
+  uint32_t tensor_id = 0;  ///< distinguishes tensors in the RNG and the payload header
+
+  /// DGC's warm-up densities 25%, 6.25%, 1.5625%, 0.4%, 0.1% (sparsity 75% ... 99.9%).
+  static std::vector<double> dgc_warmup() { return {0.25, 0.0625, 0.015625, 0.004, 0.001}; }
+  void validate() const;
+  /// Density used at a step (warm-up aware).
+  double ratio_at(int64_t step) const;
+};
+
+/// Number of elements sent for a density: ceil(ratio * n), at least 1 when n > 0.
+int64_t topk_count(double ratio, int64_t n);
+
+/// Top-k / DGC compressor for one tensor. Not thread-safe; one object per tensor (or bucket).
+class TopKCompressor : public Compressor {
+ public:
+  TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_dtype = DType::kFloat32,
+                 Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+  ~TopKCompressor() override;
+  std::string name() const override { return "topk"; }
+  void encode(const TensorView& grad, Payload& out) override;
+  void decode_add(const void* payload, size_t nbytes, const TensorView& dense,
+                  float scale = 1.0f) override;
+  std::vector<uint8_t> state_dict() const override;
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
+  int64_t step() const override { return step_; }
+  int64_t numel() const override { return numel_; }
+  Device device() const override { return device_; }
+  const CompressionStats& last_stats() const override { return stats_; }
+  const TopKConfig& config() const { return cfg_; }
+  /// The accumulated residual v (what was not sent yet), on the compressor's device.
+  const float* residual() const;
+  /// The corrected momentum u (null when momentum == 0), on the compressor's device.
+  const float* momentum_buffer() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  TopKConfig cfg_;
+  int64_t numel_;
+  DType grad_dtype_;
+  Device device_;
+  int64_t step_ = 0;
+  CompressionStats stats_;
+};
+
+struct RandomKConfig {
+  double ratio = 0.01;  ///< density, in (0, 1]
+  DType value_dtype = DType::kFloat32;
+  bool error_feedback = true;
+  bool check_finite = true;
+  uint64_t seed = 0;
+  uint32_t tensor_id = 0;
+  void validate() const;
+};
+
+/// Random-k with error feedback: the k indices come from the shared counter-based RNG keyed by
+/// (seed, step, tensor id) - one uniform draw in each of k equal strata of [0, n) - so every rank
+/// picks the same indices and only values are sent. The values of all ranks can be summed
+/// directly (allreduce) before one decode.
+class RandomKCompressor : public Compressor {
+ public:
+  RandomKCompressor(const RandomKConfig& cfg, int64_t numel, DType grad_dtype = DType::kFloat32,
+                    Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+  ~RandomKCompressor() override;
+  std::string name() const override { return "randomk"; }
+  void encode(const TensorView& grad, Payload& out) override;
+  void decode_add(const void* payload, size_t nbytes, const TensorView& dense,
+                  float scale = 1.0f) override;
+  std::vector<uint8_t> state_dict() const override;
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
+  int64_t step() const override { return step_; }
+  int64_t numel() const override { return numel_; }
+  Device device() const override { return device_; }
+  const CompressionStats& last_stats() const override { return stats_; }
+  /// Indices used at a step (ascending), into `out` (capacity k) on the compressor's device.
+  int64_t indices_at(int64_t step, uint32_t* out) const;
+  const float* residual() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  RandomKConfig cfg_;
+  int64_t numel_;
+  DType grad_dtype_;
+  Device device_;
+  int64_t step_ = 0;
+  CompressionStats stats_;
+};
+
+}  // namespace gradcomp

@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: Apache-2.0
+// Backend entry points of the top-k family. compressors/ call these through the device of the
+// data; kernels/cpu implements `cpu::`, kernels/cuda (or kernels/nocuda) implements `cuda::`.
+// Every CUDA entry point has a CPU twin with the same contract; the CUDA tests compare them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gradcomp/rng.hpp"
+#include "gradcomp/tensor.hpp"
+#include "gradcomp/topk.hpp"
+#include "gradcomp/workspace.hpp"
+
+namespace gradcomp::kernels {
+
+/// Scratch memory reused by the selection across calls (grow-only; no steady-state allocation).
+struct SelectWorkspace {
+  explicit SelectWorkspace(Device dev = Device::kCPU) : a(dev), b(dev), c(dev), d(dev) {}
+  std::vector<std::vector<uint32_t>> local_sel, local_cand;  // CPU: per-thread lists
+  std::vector<uint32_t> host_bits;                           // CPU: candidate keys
+  Buffer a, b, c, d;                                         // backend-specific scratch
+  void* pinned = nullptr;                                    // CUDA: pinned count slot
+  ~SelectWorkspace();
+};
+
+namespace cpu {
+/// Indices (ascending) of the selected elements of x by |x|; returns how many (<= k). See
+/// gradcomp::SelectOptions for the contract of each method.
+int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
+               uint32_t* out, SelectWorkspace& ws);
+/// Index of the first non-finite element, or -1.
+int64_t first_nonfinite(const void* g, DType t, int64_t n);
+/// Sum of squares in double.
+double sum_squares(const void* g, DType t, int64_t n);
+/// u, v <- DGC update with g * coef (u may be null when momentum == 0).
+void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
+                    float* u, float* v);
+/// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0.
+void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt);
+/// Stratified random-k indices (ascending).
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out);
+/// dense[idx[j]] += scale * values[j].
+void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
+                 float* dense);
+}  // namespace cpu
+
+namespace cuda {
+int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
+               uint32_t* out, SelectWorkspace& ws, void* stream);
+int64_t first_nonfinite(const void* g, DType t, int64_t n, SelectWorkspace& ws, void* stream);
+double sum_squares(const void* g, DType t, int64_t n, SelectWorkspace& ws, void* stream);
+void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
+                    float* u, float* v, void* stream);
+void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
+                      void* stream);
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream);
+void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
+                 float* dense, void* stream);
+/// Builds a bitmap index section (ceil(n/8) bytes, zeroed first) from ascending indices.
+void indices_to_bitmap(const uint32_t* idx, int64_t k, int64_t n, uint8_t* bitmap, void* stream);
+/// Decodes a bitmap section into ascending indices; returns the count found (synchronises once).
+int64_t bitmap_to_indices(const uint8_t* bitmap, int64_t n, uint32_t* idx, int64_t cap,
+                          SelectWorkspace& ws, void* stream);
+/// Checks raw indices: strictly ascending and < n. Returns the first bad position or -1.
+int64_t check_indices(const uint32_t* idx, int64_t k, int64_t n, SelectWorkspace& ws, void* stream);
+}  // namespace cuda
+
+}  // namespace gradcomp::kernels

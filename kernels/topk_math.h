@@ -1,0 +1,43 @@
+// SPDX-License-Identifier: Apache-2.0
+// The element-wise math of the top-k family, written once for the CPU loops and the CUDA kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "gradcomp/macros.hpp"
+#include "gradcomp/numeric.hpp"
+#include "gradcomp/rng.hpp"
+
+namespace gradcomp::kernels {
+
+/// DGC momentum correction (Lin et al. 2018, Alg. 1/2) for one element, on the clipped gradient g.
+/// Plain:     u <- m u + g;        v <- v + u
+/// Nesterov:  u <- m (u + g);      v <- v + u + g
+/// With m = 0 both reduce to residual accumulation v <- v + g (u is then not stored).
+GC_HD void dgc_update(float g, float m, bool nesterov, float& u, float& v) {
+  if (nesterov) {
+    u = m * (u + g);
+    v = v + u + g;
+  } else {
+    u = m * u + g;
+    v = v + u;
+  }
+}
+
+/// Local gradient clipping coefficient: min(1, max_norm / ||g||); 1 when clipping is off (<= 0).
+GC_HD float clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0 || norm <= max_norm) return 1.0f;
+  return static_cast<float>(max_norm / norm);
+}
+
+/// The threshold test of the selection: keep x when |x| >= threshold (on ordered bits).
+GC_HD bool passes_threshold(float x, uint32_t threshold_bits) { return abs_bits(x) >= threshold_bits; }
+
+/// Random-k index j of k in [0, n): stratified, one uniform draw in each of k equal strata
+/// [floor(j n / k), floor((j + 1) n / k)). Distinct, ascending, identical on every rank and device.
+GC_HD uint32_t randomk_index(uint64_t j, uint64_t k, uint64_t n, const RngKey& key) {
+  const uint64_t lo = j * n / k, hi = (j + 1) * n / k;
+  return static_cast<uint32_t>(lo + key.below(j, hi - lo));
+}
+
+}  // namespace gradcomp::kernels
