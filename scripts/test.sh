@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The test command: installs what is missing, configures, builds (CUDA when nvcc is found, for one
+# architecture to keep the build short), and runs every test (ctest; pytest once the Python
+# package exists). Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF),
+# CUDA_ARCHS (default 90), JOBS (default 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+build=${BUILD_DIR:-build-test}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
+cmake --build "$build" -j "${JOBS:-2}"
+ctest --test-dir "$build" --output-on-failure --timeout 900
