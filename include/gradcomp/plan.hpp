@@ -1,0 +1,75 @@
+// SPDX-License-Identifier: Apache-2.0
+// A compressed allreduce is a plan: local op -> collective -> local op -> collective -> ...
+// A plan is written once, as a step machine; every driver (MPI, NCCL, torch.distributed, and the
+// in-process simulator used by tests) executes it the same way:
+//
+//   plan.begin(...);                          // plan-specific input (the gradient bucket)
+//   while (auto c = plan.next()) driver.run(*c);  // next() runs the local op, asks for a collective
+//   // after next() returned nullopt the plan's output (the averaged gradient) is complete
+//
+// next() consumes the result of the previous collective (already in the buffers it named), does
+// the local work of the phase, and returns the next collective, or std::nullopt when done.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gradcomp/tensor.hpp"
+
+namespace gradcomp {
+
+enum class CollectiveKind : uint8_t {
+  kAllreduceSum = 0,  ///< recv[i] = sum over ranks (in rank order) of send[i]; count elements
+  kAllgather = 1,     ///< recv = concat over ranks of send (count elements each)
+  kAllToAll = 2,      ///< send holds P blocks of count; recv block r = block `rank` of rank r
+  kBroadcast = 3,     ///< recv on every rank = send of rank `root` (count elements)
+};
+
+enum class ElemType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kU32 = 4, kI64 = 5 };
+
+inline size_t elem_size(ElemType t) {
+  switch (t) {
+    case ElemType::kF32: case ElemType::kU32: return 4;
+    case ElemType::kF16: case ElemType::kBF16: return 2;
+    case ElemType::kU8: return 1;
+    case ElemType::kI64: return 8;
+  }
+  return 0;
+}
+const char* collective_name(CollectiveKind k);
+
+/// One collective a plan asks for. Buffers belong to the plan and stay valid until the next call
+/// of next(). send and recv may be the same pointer for an in-place allreduce.
+struct Collective {
+  CollectiveKind kind = CollectiveKind::kAllreduceSum;
+  ElemType type = ElemType::kF32;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;  ///< elements per rank (allreduce/broadcast: the whole buffer)
+  int root = 0;      ///< broadcast only
+  Device device = Device::kCPU;
+  void* stream = nullptr;
+  std::string tag;   ///< what it carries ("topk sizes", "powersgd P", ...) for logs and statistics
+  size_t send_bytes() const { return count * elem_size(type) * (kind == CollectiveKind::kAllToAll ? world : 1); }
+  int world = 1;     ///< filled by the plan: number of ranks it was built for
+};
+
+/// Every plan must: ask only for collectives of the vocabulary above; name buffers that stay
+/// valid until its next next(); make every rank ask for the same sequence of (kind, type, count)
+/// (a driver checks and reports a mismatch); and leave the same bits on every rank at the end.
+class Plan {
+ public:
+  virtual ~Plan() = default;
+  virtual std::optional<Collective> next() = 0;
+  virtual std::string name() const = 0;
+};
+
+/// Executes one plan per simulated rank in this process, summing in rank order. For tests and
+/// single-process experiments. Throws InvalidArgument if the ranks disagree on a collective.
+/// Returns the collectives executed (as seen by rank 0).
+std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks);
+
+}  // namespace gradcomp
