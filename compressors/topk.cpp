@@ -123,6 +123,14 @@ PayloadHeader read_header(const void* payload, size_t nbytes, Device dev, void* 
 }
 
 void write_header(Payload& out, Device dev, void* stream) {
+  // the alignment padding after each section is zeroed, so equal payloads are equal bytes
+  const PayloadHeader& h = out.header;
+  auto* base = static_cast<uint8_t*>(out.bytes.data());
+  for (int i = 0; i < 3; ++i) {
+    const size_t end = h.section_offset(i) + h.section_bytes[i];
+    const size_t pad = PayloadHeader::align(h.section_bytes[i]) - h.section_bytes[i];
+    if (pad) device_zero(dev, base + end, pad, stream);
+  }
   if (dev == Device::kCPU) {
     std::memcpy(out.bytes.data(), &out.header, sizeof(PayloadHeader));
   } else {
