@@ -28,6 +28,7 @@ namespace {
 
 constexpr int kDigitBits[3] = {11, 11, 9};  // 31 magnitude bits: [30:20], [19:9], [8:0]
 constexpr int kShiftAfter[3] = {20, 9, 0};  // bits below the digit after each level
+constexpr int64_t kSampleBlock = 16;       // contiguous elements per sample position
 
 /// Chunk [begin, end) of thread t of T over n elements.
 inline void chunk(int64_t n, int t, int T, int64_t* b, int64_t* e) {
@@ -38,6 +39,33 @@ inline void chunk(int64_t n, int t, int T, int64_t* b, int64_t* e) {
 inline int threads_for(int64_t n) {
   const int64_t per = 1 << 16;  // below ~64K elements per thread, threads cost more than they save
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), n / per)));
+}
+
+std::vector<uint32_t>& tls_scratch() {
+  static thread_local std::vector<uint32_t> v;  // grow-only, reused across calls
+  return v;
+}
+
+/// The r-th largest (1-based) of m keys (magnitude bits). One 2048-bin histogram pass on the top
+/// 11 bits, then std::nth_element only among the members of the bucket that holds rank r: a few
+/// times faster than nth_element over all keys when r << m. Reorders nothing in `keys`.
+uint32_t kth_largest(const uint32_t* keys, int64_t m, int64_t r, std::vector<uint32_t>& scratch) {
+  uint32_t hist[2048] = {};
+  for (int64_t i = 0; i < m; ++i) ++hist[keys[i] >> 20];
+  int64_t acc = 0;
+  uint32_t d = 2048;
+  while (d > 0) {
+    --d;
+    if (acc + hist[d] >= r) break;
+    acc += hist[d];
+  }
+  scratch.clear();
+  for (int64_t i = 0; i < m; ++i)
+    if ((keys[i] >> 20) == d) scratch.push_back(keys[i]);
+  const int64_t rr = r - acc;  // rank inside the bucket, 1-based
+  std::nth_element(scratch.begin(), scratch.begin() + (rr - 1), scratch.end(),
+                   std::greater<uint32_t>());
+  return scratch[rr - 1];
 }
 
 /// Among the candidate indices `cand` (ascending), chooses exactly `need` by |x| (ties by lowest
@@ -51,8 +79,8 @@ int64_t exact_among(const float* x, const uint32_t* cand, int64_t m, int64_t nee
   }
   keys.resize(static_cast<size_t>(m));
   for (int64_t i = 0; i < m; ++i) keys[i] = abs_bits(x[cand[i]]);
-  std::nth_element(keys.begin(), keys.begin() + (need - 1), keys.end(), std::greater<uint32_t>());
-  const uint32_t thr = keys[need - 1];
+  std::vector<uint32_t>& scratch = tls_scratch();
+  const uint32_t thr = kth_largest(keys.data(), m, need, scratch);
   int64_t above = 0;
   for (int64_t i = 0; i < m; ++i) above += abs_bits(x[cand[i]]) > thr;
   int64_t ties = need - above, c = 0;
@@ -173,12 +201,22 @@ int64_t compact_ge(const float* x, int64_t n, uint32_t thr, int64_t cap, int T,
     sel.clear();
     int64_t b, e, cnt = 0;
     chunk(n, t, T, &b, &e);
-    for (int64_t i = b; i < e; ++i) {
+    auto visit = [&](int64_t i) {
       if (abs_bits(x[i]) >= thr) {
         if (cnt < cap) sel.push_back(static_cast<uint32_t>(i));
         ++cnt;
       }
+    };
+    // Blocks of 16: a branch-free (vectorised) test first, the scalar path only for the rare
+    // blocks that hold a candidate. This keeps the pass at memory speed.
+    int64_t i = b;
+    for (; i + 16 <= e; i += 16) {
+      uint32_t any = 0;
+      for (int j = 0; j < 16; ++j) any |= static_cast<uint32_t>(abs_bits(x[i + j]) >= thr);
+      if (any)
+        for (int j = 0; j < 16; ++j) visit(i + j);
     }
+    for (; i < e; ++i) visit(i);
     total = cnt;
   }
   return total;
@@ -189,11 +227,18 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
   const int64_t s = std::min<int64_t>(n, static_cast<int64_t>(std::ceil(opt.sample_rate * n)));
   // Too small a tensor (or sample) for a threshold estimate to pay off: be exact.
   if (n < 4096 || s < 64 || 2 * s > n) return exact_select(x, n, k, out, ws);
-  const int64_t stride = n / s;
-  const int64_t offset = static_cast<int64_t>(key.below(0, static_cast<uint64_t>(stride)));
+  // The sample is kSampleBlock-element runs (one cache line each) at a constant stride from a
+  // random offset: the same number of samples for 1/16 of the cache lines of single elements.
+  const int64_t blocks = (s + kSampleBlock - 1) / kSampleBlock;
+  const int64_t stride = n / blocks;  // >= 2 * kSampleBlock since 2 s <= n
+  const int64_t offset =
+      static_cast<int64_t>(key.below(0, static_cast<uint64_t>(stride - kSampleBlock + 1)));
   auto& sample = ws.host_bits;
-  sample.resize(static_cast<size_t>(s));
-  for (int64_t j = 0; j < s; ++j) sample[j] = abs_bits(x[offset + j * stride]);
+  sample.resize(static_cast<size_t>(blocks * kSampleBlock));
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t q = 0; q < kSampleBlock; ++q)
+      sample[j * kSampleBlock + q] = abs_bits(x[offset + j * stride + q]);
+  const int64_t s_used = blocks * kSampleBlock;
   // the rank in the sample that should give oversample * k candidates in the tensor
   double want = opt.oversample * static_cast<double>(k);
   const int T = threads_for(n);
@@ -201,11 +246,10 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
   const int64_t min_ok = static_cast<int64_t>(std::ceil(opt.min_fraction * static_cast<double>(k)));
   const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(opt.oversample * 2 * k)) + 64;
   for (int attempt = 0; attempt <= opt.max_retries; ++attempt) {
-    int64_t r = static_cast<int64_t>(std::ceil(want * static_cast<double>(s) / static_cast<double>(n)));
-    if (r > s) break;  // the sample cannot place a threshold that low: be exact
+    int64_t r = static_cast<int64_t>(std::ceil(want * static_cast<double>(s_used) / static_cast<double>(n)));
+    if (r > s_used) break;  // the sample cannot place a threshold that low: be exact
     r = std::max<int64_t>(r, 1);
-    std::nth_element(sample.begin(), sample.begin() + (r - 1), sample.end(), std::greater<uint32_t>());
-    const uint32_t thr = sample[r - 1];
+    const uint32_t thr = kth_largest(sample.data(), s_used, r, tls_scratch());
     const int64_t count = compact_ge(x, n, thr, cap, T, ws);
     if (count > cap) break;  // heavy ties (e.g. constant input): exact selection handles them
     uint32_t* cand = ws.b.get<uint32_t>(static_cast<size_t>(count) + 1);

@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared pieces of the microbenchmarks: data, the memory-copy bandwidth that frac_of_copy is
+// measured against (same binary, same run), and counter helpers.
+#pragma once
+
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+namespace gradcomp::bench {
+
+/// Normal(0, 1) data of size n, made once per size and reused by all benchmarks of a binary.
+inline const std::vector<float>& normal_data(int64_t n) {
+  static std::map<int64_t, std::vector<float>> cache;
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  std::vector<float> v(static_cast<size_t>(n));
+  std::mt19937_64 rng(n);
+  std::normal_distribution<float> d;
+  for (auto& x : v) x = d(rng);
+  return cache.emplace(n, std::move(v)).first->second;
+}
+
+/// Bytes per second of a plain memory copy (counting read + write) of n floats, split over the
+/// same OpenMP threads the kernels use: best of 5 runs.
+inline double copy_bandwidth(int64_t n) {
+  static std::map<int64_t, double> cache;
+  if (auto it = cache.find(n); it != cache.end()) return it->second;
+  std::vector<float> a(static_cast<size_t>(n), 1.0f), b(static_cast<size_t>(n), 0.0f);
+  double best = 1e30;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t lo = n * t / T, hi = n * (t + 1) / T;
+      std::memcpy(b.data() + lo, a.data() + lo, (hi - lo) * sizeof(float));
+    }
+    benchmark::DoNotOptimize(b.data());
+    benchmark::ClobberMemory();
+    const auto t1 = std::chrono::steady_clock::now();
+    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+  }
+  return cache[n] = 2.0 * n * sizeof(float) / best;
+}
+
+/// Wall-clock seconds of the timed loop, for counters that need the elapsed time itself.
+class LoopTimer {
+ public:
+  LoopTimer() : t0_(std::chrono::steady_clock::now()) {}
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point t0_;
+};
+
+/// Sets bytes_per_second and frac_of_copy (achieved bandwidth / memory-copy bandwidth) for
+/// `bytes` that one iteration must move, given the loop's elapsed seconds.
+inline void set_bandwidth(benchmark::State& st, double bytes, int64_t n, double seconds) {
+  const double it = static_cast<double>(st.iterations());
+  st.counters["bytes_per_second"] = benchmark::Counter(bytes * it, benchmark::Counter::kIsRate);
+  st.counters["frac_of_copy"] = bytes * it / seconds / copy_bandwidth(n);
+}
+
+}  // namespace gradcomp::bench

@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: Apache-2.0
+// Top-k family microbenchmarks: exact and sampled selection, DGC encode, decode, against
+// std::nth_element and std::partial_sort on |g| (baselines in the same binary).
+//   n in {1M, 25M (ResNet-50), 110M (BERT-base)}, density in {1%, 0.1%} (args: n, density * 1e4)
+#include <cmath>
+
+#include "bench_common.hpp"
+#include "gradcomp/gradcomp.hpp"
+
+using namespace gradcomp;
+using gradcomp::bench::normal_data;
+using gradcomp::bench::set_bandwidth;
+
+namespace {
+
+int64_t arg_n(const benchmark::State& st) {
+  gradcomp::bench::copy_bandwidth(st.range(0));  // measured once per size, outside timed loops
+  return st.range(0);
+}
+double arg_density(const benchmark::State& st) { return st.range(1) * 1e-4; }
+
+void select_bench(benchmark::State& st, SelectMethod m) {
+  const int64_t n = arg_n(st);
+  const int64_t k = topk_count(arg_density(st), n);
+  std::vector<float> x = normal_data(n);
+  std::vector<uint32_t> out(k);
+  SelectOptions opt;
+  opt.method = m;
+  uint64_t step = 0;
+  int64_t got = 0;
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) {
+    got = topk_indices(TensorView::cpu(x.data(), n), k, opt, RngKey{1, step++, 0}, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_bandwidth(st, 4.0 * n, n, timer.seconds());  // one read of x
+  st.counters["selected_over_k"] = static_cast<double>(got) / k;
+}
+
+void BM_topk_exact_select(benchmark::State& st) { select_bench(st, SelectMethod::kExact); }
+void BM_topk_sampled_select(benchmark::State& st) { select_bench(st, SelectMethod::kSampled); }
+
+/// Baseline: |g| into a work buffer, then std::nth_element for the k-th largest magnitude.
+void BM_topk_baseline_nth_element(benchmark::State& st) {
+  const int64_t n = arg_n(st);
+  const int64_t k = topk_count(arg_density(st), n);
+  const std::vector<float>& x = normal_data(n);
+  std::vector<float> work(n);
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) {
+    for (int64_t i = 0; i < n; ++i) work[i] = std::fabs(x[i]);
+    std::nth_element(work.begin(), work.begin() + (k - 1), work.end(), std::greater<float>());
+    benchmark::DoNotOptimize(work[k - 1]);
+  }
+  set_bandwidth(st, 4.0 * n, n, timer.seconds());
+}
+
+/// Baseline: |g| into a work buffer, then std::partial_sort of the k largest.
+void BM_topk_baseline_partial_sort(benchmark::State& st) {
+  const int64_t n = arg_n(st);
+  const int64_t k = topk_count(arg_density(st), n);
+  const std::vector<float>& x = normal_data(n);
+  std::vector<float> work(n);
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) {
+    for (int64_t i = 0; i < n; ++i) work[i] = std::fabs(x[i]);
+    std::partial_sort(work.begin(), work.begin() + k, work.end(), std::greater<float>());
+    benchmark::DoNotOptimize(work[k - 1]);
+  }
+  set_bandwidth(st, 4.0 * n, n, timer.seconds());
+}
+
+/// DGC encode (residual accumulation + sampled selection + gather + payload), no momentum.
+void BM_topk_encode(benchmark::State& st) {
+  const int64_t n = arg_n(st);
+  TopKConfig cfg;
+  cfg.ratio = arg_density(st);
+  TopKCompressor comp(cfg, n);
+  const std::vector<float>& g = normal_data(n);
+  Payload p;
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) comp.encode(TensorView::cpu(const_cast<float*>(g.data()), n), p);
+  // finiteness check (read g), accumulate (read g, read+write v), select (read v)
+  set_bandwidth(st, 4.0 * n * 5, n, timer.seconds());
+  st.counters["compression_ratio"] = comp.last_stats().compression_ratio();
+}
+
+void BM_topk_decode(benchmark::State& st) {
+  const int64_t n = arg_n(st);
+  TopKConfig cfg;
+  cfg.ratio = arg_density(st);
+  TopKCompressor comp(cfg, n);
+  const std::vector<float>& g = normal_data(n);
+  Payload p;
+  comp.encode(TensorView::cpu(const_cast<float*>(g.data()), n), p);
+  std::vector<float> dense(n, 0.0f);
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) {
+    comp.decode_add(p.data(), p.size(), TensorView::cpu(dense.data(), n));
+    benchmark::DoNotOptimize(dense.data());
+  }
+  const double k = static_cast<double>(comp.last_stats().count);
+  st.counters["bytes_per_second"] =
+      benchmark::Counter(static_cast<double>(p.size()) * st.iterations(), benchmark::Counter::kIsRate);
+  st.counters["compression_ratio"] = comp.last_stats().compression_ratio();
+  st.counters["elements"] = k;
+}
+
+void sizes(benchmark::internal::Benchmark* b) {
+  for (int64_t n : {int64_t{1} << 20, int64_t{25'000'000}, int64_t{110'000'000}})
+    for (int64_t d : {100, 10}) b->Args({n, d});  // density 1%, 0.1%
+  b->ArgNames({"n", "density_e4"})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+void quick(benchmark::internal::Benchmark* b) {
+  sizes(b);
+  b->MinTime(0.3);
+}
+
+}  // namespace
+
+BENCHMARK(BM_topk_baseline_nth_element)->Apply(quick);
+BENCHMARK(BM_topk_baseline_partial_sort)->Apply(sizes)->Iterations(1);
+BENCHMARK(BM_topk_exact_select)->Apply(quick);
+BENCHMARK(BM_topk_sampled_select)->Apply(quick);
+BENCHMARK(BM_topk_encode)->Apply(quick);
+BENCHMARK(BM_topk_decode)->Apply(quick);
+
+BENCHMARK_MAIN();
