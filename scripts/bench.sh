@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The main job: builds gradcomp (Release; CUDA when nvcc is found) and runs the microbenchmarks,
+# printing a table of time, bandwidth (bytes_per_second, frac_of_copy) and compression_ratio.
+# Usage: scripts/bench.sh [benchmark regex]    e.g. scripts/bench.sh 'topk.*n:25000000/'
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+build=${BUILD_DIR:-build-bench}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_BUILD_TESTS=OFF \
+  -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" >/dev/null
+cmake --build "$build" -j "${JOBS:-2}"
+filter=${1:-.}
+for b in "$build"/bench/bench_*; do
+  [ -x "$b" ] || continue
+  echo "== $(basename "$b")"
+  "$b" --benchmark_filter="$filter" --benchmark_counters_tabular=true 2>&1 \
+    | grep -v -e '^\*\*\*WARNING\*\*\* Library was built as DEBUG' || true
+done
