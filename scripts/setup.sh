@@ -19,3 +19,13 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 echo "setup: system packages ready"
+
+# Python: a venv on Debian's python3 that sees Debian's torch 1.13 and numpy 1.x
+# (--system-site-packages); build tools and pytest from PyPI.
+if [ "${GRADCOMP_SKIP_PYTHON:-0}" != "1" ]; then
+  venv=${GRADCOMP_VENV:-.venv}
+  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/python" -c "import nanobind, scikit_build_core, pytest" 2>/dev/null ||
+    "$venv/bin/pip" install -q --disable-pip-version-check "nanobind>=2.0" "scikit-build-core>=0.10" pytest
+  echo "setup: python venv ready ($venv)"
+fi

@@ -13,3 +13,9 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
 cmake --build "$build" -j "${JOBS:-2}"
 ctest --test-dir "$build" --output-on-failure --timeout 900
+
+# Python: pip install . into the venv (CPU-only extension here: the CUDA sources were compiled by
+# the build above already), then pytest.
+venv=${GRADCOMP_VENV:-.venv}
+GRADCOMP_CUDA=OFF "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation .
+(cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider .)

@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "common.hpp"
+
+namespace gradcomp::py {
+namespace {
+
+using ByteArray = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
+
+SelectMethod parse_method(const std::string& s) {
+  if (s == "exact") return SelectMethod::kExact;
+  if (s == "sampled") return SelectMethod::kSampled;
+  throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
+}
+
+void bind_topk(nb::module_& m) {
+  nb::class_<TopKCompressor>(m, "TopKCompressor",
+                             "Top-k / Deep Gradient Compression state for one tensor.\n\n"
+                             "Example:\n"
+                             "    c = gradcomp.TopKCompressor(grad.numel(), ratio=0.001, momentum=0.9)\n"
+                             "    p = c.encode(grad); c.decode_add(p.array(), out, 1.0)")
+      .def(
+          "__init__",
+          [](TopKCompressor* self, int64_t numel, double ratio, const std::string& method,
+             double momentum, bool nesterov, bool momentum_masking, double clip_norm,
+             std::vector<double> warmup_ratios, int64_t warmup_steps,
+             const std::string& value_dtype, bool error_feedback, bool check_finite,
+             uint64_t seed, uint32_t tensor_id, double sample_rate, const std::string& grad_dtype,
+             const std::string& device, int device_index, uintptr_t stream) {
+            TopKConfig c;
+            c.ratio = ratio;
+            c.select.method = parse_method(method);
+            c.select.sample_rate = sample_rate;
+            c.momentum = momentum;
+            c.nesterov = nesterov;
+            c.momentum_masking = momentum_masking;
+            c.clip_norm = clip_norm;
+            c.warmup_ratios = std::move(warmup_ratios);
+            c.warmup_steps = warmup_steps;
+            c.value_dtype = parse_dtype(value_dtype);
+            c.error_feedback = error_feedback;
+            c.check_finite = check_finite;
+            c.seed = seed;
+            c.tensor_id = tensor_id;
+            new (self) TopKCompressor(c, numel, parse_dtype(grad_dtype), parse_device(device),
+                                      device_index, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.001, nb::arg("method") = "sampled",
+          nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
+          nb::arg("momentum_masking") = true, nb::arg("clip_norm") = 0.0,
+          nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
+          nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
+          nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
+          nb::arg("sample_rate") = 0.01, nb::arg("grad_dtype") = "float32",
+          nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0)
+      .def(
+          "encode",
+          [](TopKCompressor& c, const AnyArray& g, Payload* out, uintptr_t stream) {
+            const TensorView v = to_view(g, stream, "gradient");
+            nb::gil_scoped_release nogil;
+            c.encode(v, *out);
+          },
+          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
+          "Compresses grad into out (updates residual and momentum, advances the step).")
+      .def(
+          "decode_add",
+          [](TopKCompressor& c, const ByteArray& payload, const AnyArray& dense, float scale,
+             uintptr_t stream) {
+            const TensorView d = to_view(dense, stream, "output");
+            nb::gil_scoped_release nogil;
+            c.decode_add(payload.data(), payload.shape(0), d, scale);
+          },
+          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0,
+          "dense += scale * decode(payload); the payload is validated first.")
+      .def("state_dict",
+           [](const TopKCompressor& c) {
+             auto b = c.state_dict();
+             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def("load_state_dict",
+           [](TopKCompressor& c, nb::bytes b) {
+             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+           })
+      .def_prop_ro("step", &TopKCompressor::step)
+      .def_prop_ro("numel", &TopKCompressor::numel)
+      .def_prop_ro("last_stats", [](const TopKCompressor& c) { return stats_dict(c.last_stats()); });
+
+  nb::class_<RandomKCompressor>(m, "RandomKCompressor",
+                                "Random-k with error feedback; indices from the shared RNG.")
+      .def(
+          "__init__",
+          [](RandomKCompressor* self, int64_t numel, double ratio, const std::string& value_dtype,
+             bool error_feedback, bool check_finite, uint64_t seed, uint32_t tensor_id,
+             const std::string& grad_dtype, const std::string& device, int device_index,
+             uintptr_t stream) {
+            RandomKConfig c;
+            c.ratio = ratio;
+            c.value_dtype = parse_dtype(value_dtype);
+            c.error_feedback = error_feedback;
+            c.check_finite = check_finite;
+            c.seed = seed;
+            c.tensor_id = tensor_id;
+            new (self) RandomKCompressor(c, numel, parse_dtype(grad_dtype), parse_device(device),
+                                         device_index, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.01,
+          nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
+          nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
+          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
+          nb::arg("device_index") = 0, nb::arg("stream") = 0)
+      .def(
+          "encode",
+          [](RandomKCompressor& c, const AnyArray& g, Payload* out, uintptr_t stream) {
+            const TensorView v = to_view(g, stream, "gradient");
+            nb::gil_scoped_release nogil;
+            c.encode(v, *out);
+          },
+          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0)
+      .def(
+          "decode_add",
+          [](RandomKCompressor& c, const ByteArray& payload, const AnyArray& dense, float scale,
+             uintptr_t stream) {
+            const TensorView d = to_view(dense, stream, "output");
+            nb::gil_scoped_release nogil;
+            c.decode_add(payload.data(), payload.shape(0), d, scale);
+          },
+          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0)
+      .def("state_dict",
+           [](const RandomKCompressor& c) {
+             auto b = c.state_dict();
+             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def("load_state_dict",
+           [](RandomKCompressor& c, nb::bytes b) {
+             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+           })
+      .def_prop_ro("step", &RandomKCompressor::step)
+      .def_prop_ro("last_stats",
+                   [](const RandomKCompressor& c) { return stats_dict(c.last_stats()); });
+
+  m.def(
+      "topk_indices",
+      [](const AnyArray& x, int64_t k, const std::string& method, uint64_t seed, uint64_t step,
+         uint32_t tensor_id) {
+        const TensorView v = to_view(x, 0, "x");
+        GC_CHECK_ARG(v.device == Device::kCPU, "topk_indices from Python takes CPU arrays");
+        GC_CHECK_ARG(k >= 0 && k <= v.numel, "k must be in [0, n] = [0, ", v.numel, "], got ", k);
+        auto* out = new std::vector<uint32_t>(static_cast<size_t>(k));
+        SelectOptions opt;
+        opt.method = parse_method(method);
+        int64_t c;
+        try {
+          nb::gil_scoped_release nogil;
+          c = topk_indices(v, k, opt, RngKey{seed, step, tensor_id}, out->data());
+        } catch (...) {
+          delete out;
+          throw;
+        }
+        out->resize(static_cast<size_t>(c));
+        nb::capsule owner(out, [](void* p) noexcept { delete static_cast<std::vector<uint32_t>*>(p); });
+        size_t shape[1] = {out->size()};
+        return nb::ndarray<nb::numpy, uint32_t>(out->data(), 1, shape, owner);
+      },
+      nb::arg("x"), nb::arg("k"), nb::arg("method") = "exact", nb::arg("seed") = 0,
+      nb::arg("step") = 0, nb::arg("tensor_id") = 0,
+      "Indices (ascending) of the k largest |x| of a float32 CPU array.");
+}
+
+Register reg(10, bind_topk);
+
+}  // namespace
+}  // namespace gradcomp::py

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared pieces of the bindings: array -> TensorView without copies (DLPack via nanobind's
+// ndarray: torch CPU/CUDA tensors, NumPy arrays), dtype names, and the registry of binders.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "gradcomp/gradcomp.hpp"
+
+namespace gradcomp::py {
+namespace nb = nanobind;
+
+using AnyArray = nb::ndarray<nb::c_contig>;
+
+/// Views a contiguous array as a TensorView. `stream` is a cudaStream_t as an integer (torch:
+/// torch.cuda.current_stream().cuda_stream); 0 = the legacy default stream.
+inline TensorView to_view(const AnyArray& a, uintptr_t stream = 0, const char* what = "tensor") {
+  DType t;
+  const auto dt = a.dtype();
+  if (dt == nb::dtype<float>())
+    t = DType::kFloat32;
+  else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 16)
+    t = DType::kFloat16;
+  else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16)
+    t = DType::kBFloat16;
+  else
+    throw InvalidArgument(detail::cat(what, ": unsupported dtype (code ", int(dt.code), ", ",
+                                      int(dt.bits), " bits); expected float32, float16 or bfloat16"));
+  Device dev;
+  if (a.device_type() == nb::device::cpu::value)
+    dev = Device::kCPU;
+  else if (a.device_type() == nb::device::cuda::value)
+    dev = Device::kCUDA;
+  else
+    throw InvalidArgument(detail::cat(what, ": unsupported device type ", a.device_type(),
+                                      " (expected cpu or cuda)"));
+  if (dev == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda(detail::cat(what, " on CUDA").c_str());
+  std::vector<int64_t> shape(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) shape[i] = static_cast<int64_t>(a.shape(i));
+  GC_CHECK_ARG(a.ndim() <= TensorView::kMaxDims, what, ": at most ", TensorView::kMaxDims,
+               " dimensions, got ", a.ndim());
+  return TensorView(a.data(), shape.data(), static_cast<int>(shape.size()), t, dev,
+                    a.device_id(), reinterpret_cast<void*>(stream));
+}
+
+inline DType parse_dtype(const std::string& s) {
+  if (s == "float32" || s == "fp32" || s == "float") return DType::kFloat32;
+  if (s == "float16" || s == "fp16" || s == "half") return DType::kFloat16;
+  if (s == "bfloat16" || s == "bf16") return DType::kBFloat16;
+  throw InvalidArgument("unknown dtype '" + s + "' (expected float32, float16 or bfloat16)");
+}
+
+inline Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::kCPU;
+  if (s == "cuda") return Device::kCUDA;
+  throw InvalidArgument("unknown device '" + s + "' (expected cpu or cuda)");
+}
+
+inline nb::dict stats_dict(const CompressionStats& s) {
+  nb::dict d;
+  d["step"] = s.step;
+  d["numel"] = s.numel;
+  d["count"] = s.count;
+  d["dense_bytes"] = s.dense_bytes;
+  d["payload_bytes"] = s.payload_bytes;
+  d["compression_ratio"] = s.compression_ratio();
+  return d;
+}
+
+/// Each bind_*.cpp registers its binder; module.cpp runs them all (no central list to edit).
+using Binder = std::function<void(nb::module_&)>;
+inline std::vector<std::pair<int, Binder>>& binders() {
+  static std::vector<std::pair<int, Binder>> b;
+  return b;
+}
+struct Register {
+  Register(int order, Binder f) { binders().emplace_back(order, std::move(f)); }
+};
+
+}  // namespace gradcomp::py
