@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+// Plans and their collectives, for the Python driver (gradcomp.torch) that runs them over
+// torch.distributed. Buffers are exposed as zero-copy views (NumPy on CPU, torch on CUDA).
+#include "common.hpp"
+
+#include <nanobind/stl/optional.h>
+
+namespace gradcomp::py {
+namespace {
+
+/// A view of `count * mult` elements of a plan buffer, typed for torch: bf16 as uint16 (NumPy has
+/// no bf16; the driver reinterprets), uint32 as int32 (sums are bitwise the same mod 2^32).
+nb::object buffer_view(const Collective& c, const void* p, size_t elems) {
+  size_t shape[1] = {elems};
+  void* data = const_cast<void*>(p);
+  const bool cuda = c.device == Device::kCUDA;
+  auto make = [&](auto tag) -> nb::object {
+    using T = decltype(tag);
+    if (cuda)
+      return nb::cast(nb::ndarray<nb::pytorch, T>(data, 1, shape, nb::handle(), nullptr,
+                                                 nb::dtype<T>(), nb::device::cuda::value,
+                                                 cuda::current_device()),
+                      nb::rv_policy::reference);
+    return nb::cast(nb::ndarray<nb::numpy, T>(data, 1, shape, nb::handle()),
+                    nb::rv_policy::reference);
+  };
+  switch (c.type) {
+    case ElemType::kF32: return make(float{});
+    case ElemType::kF16: return cuda ? make(uint16_t{}) : make(uint16_t{});
+    case ElemType::kBF16: return make(uint16_t{});
+    case ElemType::kU8: return make(uint8_t{});
+    case ElemType::kU32: return make(int32_t{});
+    case ElemType::kI64: return make(int64_t{});
+  }
+  return nb::none();
+}
+
+size_t send_elems(const Collective& c) {
+  return c.kind == CollectiveKind::kAllToAll ? c.count * static_cast<size_t>(c.world) : c.count;
+}
+size_t recv_elems(const Collective& c) {
+  return (c.kind == CollectiveKind::kAllgather || c.kind == CollectiveKind::kAllToAll)
+             ? c.count * static_cast<size_t>(c.world)
+             : c.count;
+}
+
+const char* elem_name(ElemType t) {
+  switch (t) {
+    case ElemType::kF32: return "float32";
+    case ElemType::kF16: return "float16";
+    case ElemType::kBF16: return "bfloat16";
+    case ElemType::kU8: return "uint8";
+    case ElemType::kU32: return "uint32";
+    case ElemType::kI64: return "int64";
+  }
+  return "unknown";
+}
+
+void bind_plan(nb::module_& m) {
+  nb::class_<Collective>(m, "Collective", "One collective a plan asks its driver to run.")
+      .def_prop_ro("kind", [](const Collective& c) { return std::string(collective_name(c.kind)); })
+      .def_prop_ro("type", [](const Collective& c) { return std::string(elem_name(c.type)); })
+      .def_ro("count", &Collective::count)
+      .def_ro("root", &Collective::root)
+      .def_ro("world", &Collective::world)
+      .def_ro("tag", &Collective::tag)
+      .def_prop_ro("in_place", [](const Collective& c) { return c.send == c.recv; })
+      .def_prop_ro("send_bytes", &Collective::send_bytes)
+      .def("send", [](const Collective& c) { return buffer_view(c, c.send, send_elems(c)); },
+           "Zero-copy view of the send buffer (NumPy on CPU, torch on CUDA).")
+      .def("recv", [](const Collective& c) { return buffer_view(c, c.recv, recv_elems(c)); },
+           "Zero-copy view of the receive buffer.");
+
+  nb::class_<Plan>(m, "Plan", "A compressed allreduce as a step machine (see gradcomp/plan.hpp).")
+      .def(
+          "next",
+          [](Plan& p) -> std::optional<Collective> {
+            nb::gil_scoped_release nogil;
+            return p.next();
+          },
+          "Runs the next local phase; returns the next Collective, or None when done.")
+      .def_prop_ro("name", &Plan::name);
+}
+
+Register reg(5, bind_plan);
+
+}  // namespace
+}  // namespace gradcomp::py
