@@ -58,8 +58,7 @@ double expected_max_normal(int64_t n, double mu, double sigma) {
   return sigma * ((1.0 - kEulerGamma) * a + kEulerGamma * b) + mu;
 }
 
-double expected_completed_microbatches(double tau, int64_t micro_batches, double mu,
-                                       double sigma) {
+double expected_completed_microbatches(double tau, int64_t micro_batches, double mu, double sigma) {
   GC_CHECK_ARG(finite(tau) && tau > 0.0,
                "expected_completed_microbatches: the threshold tau must be finite and > 0, got ",
                tau);
@@ -95,8 +94,7 @@ double effective_speedup(double m_tilde, int64_t micro_batches, double tau, doub
   GC_CHECK_ARG(finite(serial_time) && serial_time >= 0.0,
                "effective_speedup: the serial time Tc must be finite and >= 0, got ", serial_time);
   GC_CHECK_ARG(step_time + serial_time > 0.0, "effective_speedup: T + Tc must be > 0");
-  return m_tilde * (step_time + serial_time) /
-         (md * (std::min(tau, step_time) + serial_time));
+  return m_tilde * (step_time + serial_time) / (md * (std::min(tau, step_time) + serial_time));
 }
 
 double compensation_factor(double m_tilde, int64_t micro_batches) {
@@ -126,9 +124,8 @@ AnalyticPoint point_at(const AnalyticModel& m, double tau, double et) {
   const double md = static_cast<double>(m.micro_batches);
   p.tau = tau;
   p.step_time = et;
-  p.completed = std::isinf(tau) ? md
-                                : expected_completed_microbatches(tau, m.micro_batches, m.mu,
-                                                                  m.sigma);
+  p.completed =
+      std::isinf(tau) ? md : expected_completed_microbatches(tau, m.micro_batches, m.mu, m.sigma);
   p.completion_rate = p.completed / md;
   p.drop_rate = 1.0 - p.completion_rate;
   p.step_time_with_tau = std::min(tau, et);

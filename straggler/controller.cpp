@@ -37,8 +37,9 @@ ThresholdController::ThresholdController(const ThresholdConfig& cfg, ClockFn clo
 }
 
 void ThresholdController::begin_step() {
-  GC_CHECK_ARG(!in_step_, "ThresholdController::begin_step: a step is already open; call "
-                          "end_step() first");
+  GC_CHECK_ARG(!in_step_,
+               "ThresholdController::begin_step: a step is already open; call "
+               "end_step() first");
   start_ = clock_();
   last_done_ = start_;
   completed_ = 0;
@@ -68,9 +69,8 @@ bool ThresholdController::proceed_elapsed(DropPoint p, double elapsed_s) {
 void ThresholdController::micro_batch_done() {
   GC_CHECK_ARG(in_step_,
                "ThresholdController::micro_batch_done: no open step; call begin_step() first");
-  GC_CHECK_ARG(completed_ < cfg_.micro_batches,
-               "ThresholdController::micro_batch_done: already ", completed_,
-               " micro-batches done in this step, M = ", cfg_.micro_batches);
+  GC_CHECK_ARG(completed_ < cfg_.micro_batches, "ThresholdController::micro_batch_done: already ",
+               completed_, " micro-batches done in this step, M = ", cfg_.micro_batches);
   if (cfg_.history_steps > 0) {
     const double now = clock_();
     step_latency_.push_back(now - last_done_);

@@ -10,8 +10,10 @@
 namespace gradcomp::straggler {
 
 int64_t qsr_period(double lr, double alpha, int64_t h_base) {
-  GC_CHECK_ARG(std::isfinite(lr) && lr > 0.0, "qsr_period: the learning rate must be finite and "
-                                              "> 0, got ", lr);
+  GC_CHECK_ARG(std::isfinite(lr) && lr > 0.0,
+               "qsr_period: the learning rate must be finite and "
+               "> 0, got ",
+               lr);
   GC_CHECK_ARG(std::isfinite(alpha) && alpha >= 0.0,
                "qsr_period: alpha must be finite and >= 0, got ", alpha);
   GC_CHECK_ARG(h_base >= 1, "qsr_period: h_base must be >= 1, got ", h_base);
@@ -36,8 +38,9 @@ QsrScheduler::QsrScheduler(const QsrConfig& cfg, double initial_lr) : cfg_(cfg) 
 }
 
 int64_t QsrScheduler::on_average(int64_t step, double lr) {
-  GC_CHECK_ARG(step >= 0 && step < cfg_.total_steps, "QsrScheduler::on_average: step must be in "
-                                                     "[0, total_steps = ",
+  GC_CHECK_ARG(step >= 0 && step < cfg_.total_steps,
+               "QsrScheduler::on_average: step must be in "
+               "[0, total_steps = ",
                cfg_.total_steps, "), got ", step);
   // The period from lr (validates lr) even in warm-up, so a bad lr is always reported.
   const int64_t h_lr = qsr_period(lr, cfg_.alpha, cfg_.h_base);
@@ -48,8 +51,9 @@ int64_t QsrScheduler::on_average(int64_t step, double lr) {
 }
 
 bool QsrScheduler::after_step(int64_t step, double next_lr) {
-  GC_CHECK_ARG(step >= 1 && step <= cfg_.total_steps, "QsrScheduler::after_step: step must be in "
-                                                      "[1, total_steps = ",
+  GC_CHECK_ARG(step >= 1 && step <= cfg_.total_steps,
+               "QsrScheduler::after_step: step must be in "
+               "[1, total_steps = ",
                cfg_.total_steps, "], got ", step);
   GC_CHECK_ARG(step <= next_sync_, "QsrScheduler::after_step: step ", step,
                " is past the scheduled averaging at step ", next_sync_,

@@ -47,7 +47,8 @@ LatencyStats latency_moments(const DelayModel& model) {
   double mean = model.mean, var = model.stddev * model.stddev;
   if (model.kind == DelayKind::kBoundedLogNormal) {
     // X = min(exp(Y), c), Y ~ N(mu, s^2):
-    //   E[X^k] = exp(k mu + k^2 s^2 / 2) Phi((ln c - mu - k s^2) / s) + c^k (1 - Phi((ln c - mu)/s))
+    //   E[X^k] = exp(k mu + k^2 s^2 / 2) Phi((ln c - mu - k s^2) / s) + c^k (1 - Phi((ln c -
+    //   mu)/s))
     const double mu = model.log_mu, s = model.log_sigma, c = model.cap;
     double e1, e2;
     if (c <= 0.0) {
@@ -59,8 +60,8 @@ LatencyStats latency_moments(const DelayModel& model) {
       const double lc = std::log(c);
       const double tail = 1.0 - normal_cdf((lc - mu) / s);
       e1 = std::exp(mu + 0.5 * s * s) * normal_cdf((lc - mu - s * s) / s) + c * tail;
-      e2 = std::exp(2.0 * mu + 2.0 * s * s) * normal_cdf((lc - mu - 2.0 * s * s) / s) +
-           c * c * tail;
+      e2 =
+          std::exp(2.0 * mu + 2.0 * s * s) * normal_cdf((lc - mu - 2.0 * s * s) / s) + c * c * tail;
     }
     mean += e1;
     var += std::max(0.0, e2 - e1 * e1);
@@ -111,10 +112,9 @@ std::vector<TauCurvePoint> tau_curve(const LatencyTrace& trace, double tau_lo, d
   out.reserve(static_cast<size_t>(points));
   double sim_t = -1.0;
   for (int64_t i = 0; i < points; ++i) {
-    const double tau =
-        points == 1 ? tau_lo
-                    : tau_lo + (tau_hi - tau_lo) * static_cast<double>(i) /
-                                   static_cast<double>(points - 1);
+    const double tau = points == 1 ? tau_lo
+                                   : tau_lo + (tau_hi - tau_lo) * static_cast<double>(i) /
+                                                  static_cast<double>(points - 1);
     TauCurvePoint p;
     p.simulated = evaluate_tau(trace, tau, opt);
     if (sim_t < 0.0) sim_t = p.simulated.step_time;

@@ -18,8 +18,8 @@ void LatencyTrace::validate() const {
   const double expect = static_cast<double>(workers) * static_cast<double>(steps) *
                         static_cast<double>(micro_batches);
   GC_CHECK_ARG(static_cast<double>(latency.size()) == expect,
-               "LatencyTrace: latency must hold workers * steps * micro_batches = ", workers,
-               " * ", steps, " * ", micro_batches, " values, got ", latency.size());
+               "LatencyTrace: latency must hold workers * steps * micro_batches = ", workers, " * ",
+               steps, " * ", micro_batches, " values, got ", latency.size());
   for (size_t i = 0; i < latency.size(); ++i) {
     const double v = latency[i];
     if (!(std::isfinite(v) && v >= 0.0)) {

@@ -87,13 +87,13 @@ struct AnalyticModel {
 /// The analytic prediction at one tau (Eq. 4, 5, 6).
 struct AnalyticPoint {
   double tau = 0.0;
-  double step_time = 0.0;            ///< E[T] by Eq. 4 (or the given one), no threshold
-  double completed = 0.0;            ///< E[M~] by Eq. 5
-  double completion_rate = 0.0;      ///< E[M~] / M
-  double drop_rate = 0.0;            ///< 1 - E[M~] / M
-  double step_time_with_tau = 0.0;   ///< min(tau, E[T])
-  double speedup = 0.0;              ///< S_eff, Eq. 6
-  double step_speedup = 0.0;         ///< (E[T] + Tc) / (min(tau, E[T]) + Tc)
+  double step_time = 0.0;           ///< E[T] by Eq. 4 (or the given one), no threshold
+  double completed = 0.0;           ///< E[M~] by Eq. 5
+  double completion_rate = 0.0;     ///< E[M~] / M
+  double drop_rate = 0.0;           ///< 1 - E[M~] / M
+  double step_time_with_tau = 0.0;  ///< min(tau, E[T])
+  double speedup = 0.0;             ///< S_eff, Eq. 6
+  double step_speedup = 0.0;        ///< (E[T] + Tc) / (min(tau, E[T]) + Tc)
 };
 
 /// Evaluates Eq. 4-6 at tau. If step_time > 0 it is used for E[T] instead of Eq. 4 (the paper's
@@ -325,11 +325,11 @@ enum class DelayKind : uint8_t {
 
 struct DelayModel {
   DelayKind kind = DelayKind::kNormal;
-  double mean = 1.0;     ///< base micro-batch latency mean, >= 0
-  double stddev = 0.0;   ///< base latency standard deviation, >= 0
-  double log_mu = 0.0;   ///< log-normal noise: mean of the underlying normal
+  double mean = 1.0;       ///< base micro-batch latency mean, >= 0
+  double stddev = 0.0;     ///< base latency standard deviation, >= 0
+  double log_mu = 0.0;     ///< log-normal noise: mean of the underlying normal
   double log_sigma = 1.0;  ///< log-normal noise: stddev of the underlying normal, >= 0
-  double cap = 1.0;      ///< upper bound of the additive noise, >= 0
+  double cap = 1.0;        ///< upper bound of the additive noise, >= 0
   void validate() const;
 };
 
@@ -362,13 +362,13 @@ std::vector<TauCurvePoint> tau_curve(const LatencyTrace& trace, double tau_lo, d
 /// normalised by a single worker's no-variance throughput M / (M mean + Tc).
 struct ScalePoint {
   int64_t workers = 0;
-  double linear = 0.0;              ///< N: perfect scaling
-  double baseline = 0.0;            ///< simulated synchronous training
-  double dropcompute = 0.0;         ///< simulated, at the tau* found on the trace
-  double baseline_analytic = 0.0;   ///< Eq. 4 for E[T]
+  double linear = 0.0;                ///< N: perfect scaling
+  double baseline = 0.0;              ///< simulated synchronous training
+  double dropcompute = 0.0;           ///< simulated, at the tau* found on the trace
+  double baseline_analytic = 0.0;     ///< Eq. 4 for E[T]
   double dropcompute_analytic = 0.0;  ///< Eq. 4-6 at the analytic optimum tau
-  TauEval simulated;                ///< the tau* point of the trace
-  AnalyticPoint analytic;           ///< the analytic optimum
+  TauEval simulated;                  ///< the tau* point of the trace
+  AnalyticPoint analytic;             ///< the analytic optimum
 };
 
 /// Simulates each worker count in `workers` for `steps` steps (seed + index as the seed) and
@@ -386,10 +386,10 @@ std::vector<ScalePoint> scale_curve(const DelayModel& model, const std::vector<i
 int64_t qsr_period(double lr, double alpha, int64_t h_base);
 
 struct QsrConfig {
-  double alpha = 0.0;         ///< growth coefficient, >= 0 (0 = constant period h_base)
-  int64_t h_base = 1;         ///< base period, >= 1
-  int64_t total_steps = 0;    ///< training length in steps, >= 1: the period is capped at the end
-  int64_t warmup_steps = 0;   ///< learning-rate warm-up: H = h_base while step < warmup_steps
+  double alpha = 0.0;        ///< growth coefficient, >= 0 (0 = constant period h_base)
+  int64_t h_base = 1;        ///< base period, >= 1
+  int64_t total_steps = 0;   ///< training length in steps, >= 1: the period is capped at the end
+  int64_t warmup_steps = 0;  ///< learning-rate warm-up: H = h_base while step < warmup_steps
   void validate() const;
 };
 

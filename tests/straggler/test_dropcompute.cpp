@@ -67,7 +67,8 @@ TauEval reference_eval(const LatencyTrace& t, double tau, double tc, StopModel m
   e.completed = done / static_cast<double>(N * S);
   e.step_time = sum_t / static_cast<double>(S);
   e.step_time_with_tau = sum_tau / static_cast<double>(S);
-  e.speedup = e.completed * (e.step_time + tc) / (static_cast<double>(M) * (e.step_time_with_tau + tc));
+  e.speedup =
+      e.completed * (e.step_time + tc) / (static_cast<double>(M) * (e.step_time_with_tau + tc));
   return e;
 }
 
@@ -138,7 +139,8 @@ TEST(Analytics, ExpectedCompletedMicrobatches) {
   // Independent sum of the Eq. 5 terms.
   const double tau = 11.3, mu = 1.0, sg = 0.3;
   double ref = 0.0;
-  for (int m = 1; m <= 12; ++m) ref += 0.5 * std::erfc(-(tau - m * mu) / (std::sqrt(m) * sg) / std::sqrt(2.0));
+  for (int m = 1; m <= 12; ++m)
+    ref += 0.5 * std::erfc(-(tau - m * mu) / (std::sqrt(m) * sg) / std::sqrt(2.0));
   EXPECT_NEAR(expected_completed_microbatches(tau, 12, mu, sg), ref, 1e-12);
   // monotone in tau, bounded by M
   double prev = -1.0;
@@ -173,8 +175,8 @@ TEST(Analytics, SpeedupAndCompensation) {
 }
 
 TEST(Analytics, AnalyticPointAndOptimum) {
-  const AnalyticModel am{.workers = 256, .micro_batches = 12, .mu = 1.0, .sigma = 0.3,
-                         .serial_time = 0.5};
+  const AnalyticModel am{
+      .workers = 256, .micro_batches = 12, .mu = 1.0, .sigma = 0.3, .serial_time = 0.5};
   const double et = expected_max_normal(256, 12.0, std::sqrt(12.0) * 0.3);
   const AnalyticPoint p = analytic_point(am, 11.0);
   EXPECT_DOUBLE_EQ(p.step_time, et);
@@ -184,14 +186,13 @@ TEST(Analytics, AnalyticPointAndOptimum) {
   // The optimum beats an independent fine scan (up to the scan's resolution).
   const AnalyticPoint best = analytic_optimal_tau(am);
   double scan = 1.0;
-  for (double t = 0.01; t <= et; t += 0.001)
-    scan = std::max(scan, analytic_point(am, t).speedup);
+  for (double t = 0.01; t <= et; t += 0.001) scan = std::max(scan, analytic_point(am, t).speedup);
   EXPECT_GE(best.speedup, scan - 1e-9);
   EXPECT_GT(best.speedup, 1.05);
   EXPECT_LT(best.tau, et);
   // No variance: never drop.
-  const AnalyticPoint flat = analytic_optimal_tau({.workers = 256, .micro_batches = 12, .mu = 1.0,
-                                                   .sigma = 0.0, .serial_time = 0.5});
+  const AnalyticPoint flat = analytic_optimal_tau(
+      {.workers = 256, .micro_batches = 12, .mu = 1.0, .sigma = 0.0, .serial_time = 0.5});
   EXPECT_TRUE(std::isinf(flat.tau));
   EXPECT_EQ(flat.speedup, 1.0);
   EXPECT_EQ(flat.drop_rate, 0.0);
@@ -266,7 +267,8 @@ TEST(TauSearch, KnownAnswerWithHeavyStragglers) {
   EXPECT_NEAR(compensation_factor(r.completed, M), 1.0 / 9.0, 1e-15);
   // A check before each micro-batch: at tau = 10 the slow workers start a third micro-batch
   // (they are at 10 <= tau) and finish it at 15, the fast ones are done at 10.
-  const TauEval b = find_optimal_tau(t, {.serial_time = 2.0, .model = StopModel::kMicroBatchBoundary});
+  const TauEval b =
+      find_optimal_tau(t, {.serial_time = 2.0, .model = StopModel::kMicroBatchBoundary});
   const TauEval b_ref = reference_eval(t, b.tau, 2.0, StopModel::kMicroBatchBoundary);
   EXPECT_DOUBLE_EQ(b.speedup, b_ref.speedup);
   EXPECT_GT(b.speedup, 3.0);
@@ -312,7 +314,7 @@ TEST(TauSearch, DeterministicAndIdenticalOnEveryRank) {
 TEST(TauSearch, BadInput) {
   LatencyTrace good = random_trace(2, 2, 3, 1, false);
   EXPECT_NO_THROW(good.validate());
-  EXPECT_THROW(find_optimal_tau(LatencyTrace{}), InvalidArgument);  // empty samples
+  EXPECT_THROW(find_optimal_tau(LatencyTrace{}), InvalidArgument);             // empty samples
   EXPECT_THROW(find_optimal_tau(LatencyTrace{2, 2, 0, {}}), InvalidArgument);  // M < 1
   LatencyTrace short_trace = good;
   short_trace.latency.pop_back();
@@ -349,9 +351,9 @@ TEST(Controller, DropPointBeforeForward) {
   int started = 0;
   while (c.proceed(DropPoint::kBeforeForward)) {
     ++started;
-    clk.advance(0.4);  // forward
+    clk.advance(0.4);                                            // forward
     EXPECT_TRUE(c.proceed(DropPoint::kBetweenForwardBackward));  // not the configured point
-    clk.advance(0.6);  // backward
+    clk.advance(0.6);                                            // backward
     c.micro_batch_done();
     EXPECT_TRUE(c.proceed(DropPoint::kAfterBackward));
   }
@@ -365,9 +367,9 @@ TEST(Controller, DropPointBeforeForward) {
 
 TEST(Controller, DropPointBetweenForwardAndBackward) {
   ManualClock clk;
-  ThresholdController c({.tau = 4.0, .micro_batches = 10,
-                         .drop_point = DropPoint::kBetweenForwardBackward},
-                        clk.fn());
+  ThresholdController c(
+      {.tau = 4.0, .micro_batches = 10, .drop_point = DropPoint::kBetweenForwardBackward},
+      clk.fn());
   c.begin_step();
   int forwards = 0;
   for (int m = 0; m < 10 && c.proceed(DropPoint::kBeforeForward); ++m) {
@@ -501,9 +503,9 @@ TEST(Controller, BadInputLeavesStateUnchanged) {
   EXPECT_THROW(ThresholdController({.tau = 1.0, .micro_batches = 0}), InvalidArgument);
   EXPECT_THROW(ThresholdController({.tau = 1.0, .micro_batches = 2, .history_steps = -1}),
                InvalidArgument);
-  EXPECT_THROW(
-      ThresholdController({.tau = 1.0, .micro_batches = 2, .drop_point = static_cast<DropPoint>(7)}),
-      InvalidArgument);
+  EXPECT_THROW(ThresholdController(
+                   {.tau = 1.0, .micro_batches = 2, .drop_point = static_cast<DropPoint>(7)}),
+               InvalidArgument);
   ManualClock clk;
   ThresholdController c({.tau = 2.0, .micro_batches = 2}, clk.fn());
   EXPECT_THROW(c.proceed(DropPoint::kBeforeForward), InvalidArgument);  // no step open
@@ -581,7 +583,8 @@ TEST(Normalization, EdgesAndBadInput) {
   EXPECT_EQ(gradient_scale(Normalization::kActual, 4, 12, 0), 0.0);
   EXPECT_EQ(gradient_scale(Normalization::kActual, 1, 1, 1), 1.0);
   EXPECT_EQ(gradient_scale(Normalization::kNominal, 4, 12, 0), 1.0 / 48.0);
-  EXPECT_EQ(gradient_scale(Normalization::kNominal, 4, 12, 48), gradient_scale(Normalization::kActual, 4, 12, 48));
+  EXPECT_EQ(gradient_scale(Normalization::kNominal, 4, 12, 48),
+            gradient_scale(Normalization::kActual, 4, 12, 48));
   EXPECT_THROW(gradient_scale(Normalization::kActual, 0, 12, 0), InvalidArgument);
   EXPECT_THROW(gradient_scale(Normalization::kActual, 4, 0, 0), InvalidArgument);
   EXPECT_THROW(gradient_scale(Normalization::kActual, 4, 12, 49), InvalidArgument);

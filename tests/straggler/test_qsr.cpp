@@ -34,12 +34,9 @@ TEST(Qsr, BadInput) {
   EXPECT_THROW(qsr_period(std::nan(""), 0.0175, 4), InvalidArgument);
   EXPECT_THROW(qsr_period(0.1, -1.0, 4), InvalidArgument);
   EXPECT_THROW(qsr_period(0.1, 0.0175, 0), InvalidArgument);
-  EXPECT_THROW(QsrScheduler({.alpha = 0.1, .h_base = 0, .total_steps = 10}, 0.1),
-               InvalidArgument);
-  EXPECT_THROW(QsrScheduler({.alpha = 0.1, .h_base = 2, .total_steps = 0}, 0.1),
-               InvalidArgument);
-  EXPECT_THROW(QsrScheduler({.alpha = 0.1, .h_base = 2, .total_steps = 10}, 0.0),
-               InvalidArgument);
+  EXPECT_THROW(QsrScheduler({.alpha = 0.1, .h_base = 0, .total_steps = 10}, 0.1), InvalidArgument);
+  EXPECT_THROW(QsrScheduler({.alpha = 0.1, .h_base = 2, .total_steps = 0}, 0.1), InvalidArgument);
+  EXPECT_THROW(QsrScheduler({.alpha = 0.1, .h_base = 2, .total_steps = 10}, 0.0), InvalidArgument);
   QsrScheduler q({.alpha = 0.0175, .h_base = 4, .total_steps = 100}, 0.008);
   EXPECT_EQ(q.next_sync(), 4);
   EXPECT_THROW(q.on_average(3, -1.0), InvalidArgument);
@@ -72,9 +69,10 @@ TEST(Qsr, AveragesExactlyAtTheScheduledStepsOverACosineSchedule) {
     int64_t t = 0;
     while (t < total) {
       const double lr = lr_at(t, warmup, total, peak);
-      int64_t h = t < warmup ? h_base
-                             : std::max<int64_t>(h_base, static_cast<int64_t>(
-                                                             std::floor((alpha / lr) * (alpha / lr))));
+      int64_t h = t < warmup
+                      ? h_base
+                      : std::max<int64_t>(
+                            h_base, static_cast<int64_t>(std::floor((alpha / lr) * (alpha / lr))));
       h = std::min(h, total - t);
       t += h;
       expect.push_back(t);
@@ -101,7 +99,7 @@ TEST(Qsr, AveragesExactlyAtTheScheduledStepsOverACosineSchedule) {
 
 TEST(Qsr, CapAndWarmupBoundary) {
   QsrScheduler q({.alpha = 0.0175, .h_base = 4, .total_steps = 50, .warmup_steps = 10}, 0.001);
-  EXPECT_EQ(q.next_sync(), 4);  // warm-up: h_base even though lr is small
+  EXPECT_EQ(q.next_sync(), 4);             // warm-up: h_base even though lr is small
   EXPECT_EQ(q.on_average(9, 0.001), 13);   // still warm-up at step 9
   EXPECT_EQ(q.on_average(10, 0.001), 50);  // 306 capped by the 40 remaining steps
   EXPECT_EQ(q.period(), 306);

@@ -58,17 +58,24 @@ TEST(Simulator, SampleMomentsMatchTheModel) {
     EXPECT_NEAR(got.stddev, want.stddev, 0.03 * want.stddev);
   }
   // the noise is bounded by the cap
-  const LatencyTrace t = simulate_latencies(
-      {.kind = DelayKind::kBoundedLogNormal, .mean = 1.0, .stddev = 0.0, .log_mu = 0.0,
-       .log_sigma = 2.0, .cap = 0.5},
-      16, 4, 12, 2);
+  const LatencyTrace t = simulate_latencies({.kind = DelayKind::kBoundedLogNormal,
+                                             .mean = 1.0,
+                                             .stddev = 0.0,
+                                             .log_mu = 0.0,
+                                             .log_sigma = 2.0,
+                                             .cap = 0.5},
+                                            16, 4, 12, 2);
   for (double v : t.latency) {
     EXPECT_GT(v, 1.0);
     EXPECT_LE(v, 1.5);
   }
   // log_sigma = 0: a constant delay exp(log_mu)
-  EXPECT_NEAR(latency_moments({.kind = DelayKind::kBoundedLogNormal, .mean = 1.0, .stddev = 0.0,
-                               .log_mu = std::log(0.25), .log_sigma = 0.0, .cap = 1.0})
+  EXPECT_NEAR(latency_moments({.kind = DelayKind::kBoundedLogNormal,
+                               .mean = 1.0,
+                               .stddev = 0.0,
+                               .log_mu = std::log(0.25),
+                               .log_sigma = 0.0,
+                               .cap = 1.0})
                   .mean,
               1.25, 1e-15);
 }
@@ -167,9 +174,9 @@ TEST(Simulator, BadInput) {
   EXPECT_THROW(simulate_latencies(kNormal, 1, 1, 0, 0), InvalidArgument);
   EXPECT_THROW(simulate_latencies({.mean = -1.0}, 1, 1, 1, 0), InvalidArgument);
   EXPECT_THROW(simulate_latencies({.stddev = std::nan("")}, 1, 1, 1, 0), InvalidArgument);
-  EXPECT_THROW(simulate_latencies({.kind = DelayKind::kBoundedLogNormal, .log_sigma = -1.0}, 1, 1,
-                                  1, 0),
-               InvalidArgument);
+  EXPECT_THROW(
+      simulate_latencies({.kind = DelayKind::kBoundedLogNormal, .log_sigma = -1.0}, 1, 1, 1, 0),
+      InvalidArgument);
   EXPECT_THROW(simulate_latencies({.kind = static_cast<DelayKind>(5)}, 1, 1, 1, 0),
                InvalidArgument);
   EXPECT_THROW(scale_curve(kNormal, {}, 1, 1, 0), InvalidArgument);
