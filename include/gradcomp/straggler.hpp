@@ -14,16 +14,16 @@
 //  - DelayModel + simulate_latencies + speedup curves: the paper's delay environment (Fig. 1, 3);
 //  - qsr_period + QsrScheduler: when Local SGD averages next.
 //
-// Example (automatic tau on every rank; `gathered` is the all-gathered per-worker latencies):
+// Example (warm-up without drops, then the automatic tau, identical on every rank):
 //   using namespace gradcomp::straggler;
-//   LatencyTrace trace{n_workers, warmup_steps, micro_batches, gathered};
-//   TauResult r = find_optimal_tau(trace, {.serial_time = t_allreduce});
-//   ThresholdController ctl({.tau = r.tau, .micro_batches = M});
+//   ThresholdController ctl({.micro_batches = M, .history_steps = 5});  // tau = +Inf: no drop
+//   ... 5 steps ...;  all-gather ctl.history() (5 * M doubles per rank) into `gathered`
+//   LatencyTrace trace{world_size, 5, M, gathered};
+//   ctl.set_tau(find_optimal_tau(trace, {.serial_time = t_allreduce}).tau);
+//   // each step:
 //   ctl.begin_step();
-//   for (int m = 0; m < M && ctl.proceed(DropPoint::kBeforeForward); ++m) {
-//     forward(); ctl.proceed(DropPoint::kBetweenForwardBackward) ? backward() : (void)0; ...
-//     ctl.micro_batch_done();
-//   }
+//   while (ctl.proceed(DropPoint::kBeforeForward)) { forward_backward(); ctl.micro_batch_done(); }
+//   int64_t done = ctl.end_step().completed;   // sum over ranks -> gradient_scale(kActual, ...)
 #pragma once
 
 #include <cstdint>
