@@ -7,6 +7,7 @@
 #include "gradcomp/plan.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/runtime.hpp"
+#include "gradcomp/straggler.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/topk.hpp"
 #include "gradcomp/wire.hpp"
