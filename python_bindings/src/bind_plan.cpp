@@ -8,8 +8,8 @@
 namespace gradcomp::py {
 namespace {
 
-/// A view of `count * mult` elements of a plan buffer, typed for torch: bf16 as uint16 (NumPy has
-/// no bf16; the driver reinterprets), uint32 as int32 (sums are bitwise the same mod 2^32).
+/// A view of a plan buffer typed for torch 1.13+ (which has no uint16/uint32): fp16 and bf16 as
+/// int16 (the driver reinterprets with .view), uint32 as int32 (sums are bitwise the same mod 2^32).
 nb::object buffer_view(const Collective& c, const void* p, size_t elems) {
   size_t shape[1] = {elems};
   void* data = const_cast<void*>(p);
@@ -26,8 +26,8 @@ nb::object buffer_view(const Collective& c, const void* p, size_t elems) {
   };
   switch (c.type) {
     case ElemType::kF32: return make(float{});
-    case ElemType::kF16: return cuda ? make(uint16_t{}) : make(uint16_t{});
-    case ElemType::kBF16: return make(uint16_t{});
+    case ElemType::kF16: return make(int16_t{});
+    case ElemType::kBF16: return make(int16_t{});
     case ElemType::kU8: return make(uint8_t{});
     case ElemType::kU32: return make(int32_t{});
     case ElemType::kI64: return make(int64_t{});

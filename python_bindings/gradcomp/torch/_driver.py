@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python driver: runs a gradcomp plan (gradcomp/plan.hpp) over torch.distributed.
+
+A plan is a step machine: ``plan.next()`` runs the next local phase (compress, decode, ...) in
+C++ with the GIL released and returns the next collective, or None when the averaged gradient is
+complete. The collectives run asynchronously; the chain is built with ``Future.then`` so the
+backward pass is never blocked (the same pattern as PyTorch's own PowerSGD hook).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_TORCH_TYPES = {
+    "float32": None,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": None,
+    "uint32": None,
+    "int64": None,
+}
+
+
+def _tensor(view, type_name: str) -> torch.Tensor:
+    t = torch.from_numpy(view) if isinstance(view, np.ndarray) else view
+    reinterpret = _TORCH_TYPES[type_name]
+    return t.view(reinterpret) if reinterpret is not None else t
+
+
+class PlanStats:
+    """Per-step accounting of one plan run: bytes handed to collectives and local compute time."""
+
+    __slots__ = ("collectives", "bytes_sent", "local_seconds", "tags")
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.bytes_sent = 0
+        self.local_seconds = 0.0
+        self.tags: list = []
+
+
+def launch(c, group) -> torch.futures.Future:
+    """Starts one collective asynchronously; returns its future."""
+    send = _tensor(c.send(), c.type)
+    recv = _tensor(c.recv(), c.type)
+    kind = c.kind
+    if kind == "allreduce":
+        if not c.in_place:
+            recv.copy_(send)
+        work = dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    elif kind == "allgather":
+        outs = list(recv.chunk(c.world))
+        work = dist.all_gather(outs, send, group=group, async_op=True)
+    elif kind == "all-to-all":
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    elif kind == "broadcast":
+        if dist.get_rank(group) == c.root:
+            recv.copy_(send)
+        src = c.root if group is None else dist.distributed_c10d._get_global_rank(group, c.root)
+        work = dist.broadcast(recv, src=src, group=group, async_op=True)
+    else:  # pragma: no cover - the C++ vocabulary is closed
+        raise RuntimeError(f"unknown collective {kind!r}")
+    return work.get_future()
+
+
+def _step(plan, stats: PlanStats):
+    t0 = time.perf_counter()
+    c = plan.next()
+    stats.local_seconds += time.perf_counter() - t0
+    if c is not None:
+        stats.collectives += 1
+        stats.bytes_sent += c.send_bytes
+        stats.tags.append(c.tag)
+    return c
+
+
+def run_async(plan, group, result: Callable[[], torch.Tensor],
+              stats: Optional[PlanStats] = None,
+              done: Optional[Callable[[PlanStats], None]] = None) -> torch.futures.Future:
+    """Runs ``plan`` (already begun) over ``group``; the future's value is ``result()``.
+
+    The first local phase runs now (it reads the gradient); later phases run in the completion
+    callbacks of the collectives.
+    """
+    stats = stats if stats is not None else PlanStats()
+
+    def finish():
+        if done is not None:
+            done(stats)
+        return result()
+
+    c = _step(plan, stats)
+    if c is None:
+        fut = torch.futures.Future()
+        fut.set_result(finish())
+        return fut
+
+    def cont(fut):
+        fut.wait()  # propagates a failed collective
+        while True:
+            nxt = _step(plan, stats)
+            if nxt is None:
+                return finish()
+            launch(nxt, group).wait()
+
+    return launch(c, group).then(cont)
+
+
+def run_sync(plan, group) -> PlanStats:
+    """Runs a begun plan to completion, blocking (for tools and tests)."""
+    stats = PlanStats()
+    while True:
+        c = _step(plan, stats)
+        if c is None:
+            return stats
+        launch(c, group).wait()
