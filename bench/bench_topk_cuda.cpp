@@ -65,7 +65,8 @@ void select_bench(benchmark::State& st, SelectMethod m) {
   const int64_t k = topk_count(arg_density(st), n);
   const float* x = device_normal(n);
   gpu_copy_bandwidth(n);
-  auto* out = static_cast<uint32_t*>(gradcomp::cuda::malloc_async(4 * static_cast<size_t>(k), nullptr));
+  auto* out =
+      static_cast<uint32_t*>(gradcomp::cuda::malloc_async(4 * static_cast<size_t>(k), nullptr));
   kernels::SelectWorkspace ws(Device::kCUDA);
   SelectOptions opt;
   opt.method = m;
@@ -118,7 +119,8 @@ void BM_topk_cuda_decode(benchmark::State& st) {
   TopKCompressor comp(cfg, n, DType::kFloat32, Device::kCUDA, 0, nullptr);
   Payload p(Device::kCUDA);
   comp.encode(TensorView(const_cast<float*>(g), {n}, DType::kFloat32, Device::kCUDA), p);
-  auto* dense = static_cast<float*>(gradcomp::cuda::malloc_async(4 * static_cast<size_t>(n), nullptr));
+  auto* dense =
+      static_cast<float*>(gradcomp::cuda::malloc_async(4 * static_cast<size_t>(n), nullptr));
   gradcomp::cuda::memset_async(dense, 0, 4 * static_cast<size_t>(n), nullptr);
   const TensorView dv(dense, {n}, DType::kFloat32, Device::kCUDA);
   comp.decode_add(p.data(), p.size(), dv);  // warm-up
@@ -127,9 +129,9 @@ void BM_topk_cuda_decode(benchmark::State& st) {
     comp.decode_add(p.data(), p.size(), dv);
     gradcomp::cuda::stream_synchronize(nullptr);
   }
-  st.counters["bytes_per_second"] = benchmark::Counter(
-      static_cast<double>(p.size()) * static_cast<double>(st.iterations()),
-      benchmark::Counter::kIsRate);
+  st.counters["bytes_per_second"] =
+      benchmark::Counter(static_cast<double>(p.size()) * static_cast<double>(st.iterations()),
+                         benchmark::Counter::kIsRate);
   st.counters["compression_ratio"] = comp.last_stats().compression_ratio();
   gradcomp::cuda::free_async(dense, nullptr);
 }

@@ -22,11 +22,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
+#include <type_traits>
 
 #include "core/cuda/check.cuh"
 #include "gradcomp/numeric.hpp"
@@ -38,12 +38,12 @@ namespace {
 
 using cuda_detail::as_stream;
 
-constexpr int kThreads = 256;               // threads per block of every kernel here
-constexpr int kItems = 16;                  // elements per thread in the ordered passes
-constexpr int kChunk = kThreads * kItems;   // elements per block in the ordered passes
-constexpr int kBins = 2048;                 // 11-bit digits
+constexpr int kThreads = 256;                 // threads per block of every kernel here
+constexpr int kItems = 16;                    // elements per thread in the ordered passes
+constexpr int kChunk = kThreads * kItems;     // elements per block in the ordered passes
+constexpr int kBins = 2048;                   // 11-bit digits
 constexpr int kScanItems = kBins / kThreads;  // digits per thread in the digit search
-constexpr int kBmItems = 16;                // bitmap bytes per thread
+constexpr int kBmItems = 16;                  // bitmap bytes per thread
 constexpr int kBmChunk = kThreads * kBmItems;
 
 static_assert(kScanItems * kThreads == kBins, "digit search covers all bins");
@@ -102,9 +102,15 @@ constexpr int64_t kMaxGrid = 1 << 16;  // for element-wise grid-stride kernels
 template <class F>
 void by_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::kFloat32: f(F32Load{}); return;
-    case DType::kFloat16: f(F16Load{}); return;
-    case DType::kBFloat16: f(BF16Load{}); return;
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
   }
   GC_CHECK_ARG(false, "unsupported dtype code ", int(t));
 }
@@ -206,7 +212,8 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t cnt[kScanItems], incl[kScanItems];
   // rank r = t * kScanItems + j counts from the top digit: digit kBins - 1 - r
   for (int j = 0; j < kScanItems; ++j) cnt[j] = hist[kBins - 1 - (threadIdx.x * kScanItems + j)];
-  Scan(tmp).InclusiveSum(cnt, incl);  // contains barriers: every read of st is done before
+  Scan(tmp).InclusiveSum(cnt, incl);
+  __syncthreads();  // every thread has read st->need before the one writer below changes it
   for (int j = 0; j < kScanItems; ++j) {
     const uint32_t excl = incl[j] - cnt[j];
     if (excl < need && need <= incl[j]) {  // exactly one digit satisfies this
@@ -421,14 +428,14 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
   const uint64_t* total = at<uint64_t>(base, cl.incl) + (cl.blocks - 1);
 
   sample_kernel<<<grid_for(s_used, kThreads, kMaxGrid), kThreads, 0, s>>>(x, s_used, offset, stride,
-                                                                         sample);
+                                                                          sample);
   GC_CUDA_CHECK_LAUNCH();
   GC_CUDA_CHECK(cub::DeviceRadixSort::SortKeysDescending(at<char>(base, o_sort_tmp), sort_bytes,
                                                          sample, sorted, s_used, 0, 31, s));
   uint64_t* host = pinned_slot(ws);
   for (int attempt = 0; attempt <= opt.max_retries; ++attempt) {
-    int64_t r =
-        static_cast<int64_t>(std::ceil(want * static_cast<double>(s_used) / static_cast<double>(n)));
+    int64_t r = static_cast<int64_t>(
+        std::ceil(want * static_cast<double>(s_used) / static_cast<double>(n)));
     if (r > s_used) break;  // the sample cannot place a threshold that low: be exact
     r = std::max<int64_t>(r, 1);
     // threshold = the r-th largest sampled magnitude, read on the device
@@ -440,8 +447,8 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
     if (count > cap) break;  // heavy ties (e.g. constant input): exact selection handles them
     if (count >= k) {
       if (count == k) {
-        GC_CUDA_CHECK(cudaMemcpyAsync(out, cand, static_cast<size_t>(k) * 4,
-                                      cudaMemcpyDeviceToDevice, s));
+        GC_CUDA_CHECK(
+            cudaMemcpyAsync(out, cand, static_cast<size_t>(k) * 4, cudaMemcpyDeviceToDevice, s));
       } else {
         radix_select(Src{x, cand, static_cast<uint32_t>(count)}, k, out, ws, s);
       }
@@ -490,8 +497,8 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
 }
 
-__global__ void __launch_bounds__(kThreads) sum_final_kernel(const double* partial, int nb,
-                                                             double* out) {
+__global__ void __launch_bounds__(kThreads)
+    sum_final_kernel(const double* partial, int nb, double* out) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   double acc = 0.0;
@@ -596,9 +603,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <class Load>
-__global__ void __launch_bounds__(kThreads) scatter_add_kernel(const uint32_t* idx,
-                                                               const void* values, int64_t k,
-                                                               float scale, float* dense) {
+__global__ void __launch_bounds__(kThreads)
+    scatter_add_kernel(const uint32_t* idx, const void* values, int64_t k, float scale,
+                       float* dense) {
   // indices are distinct (validated by the decoder), so no two threads write the same element
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<int64_t>(gridDim.x) * kThreads)
@@ -647,7 +654,8 @@ __global__ void __launch_bounds__(kThreads)
     bitmap_count_kernel(const uint8_t* bm, int64_t nb, int64_t n, uint64_t* blk, uint32_t* bad) {
   using Reduce = cub::BlockReduce<uint64_t, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kBmChunk + int64_t{threadIdx.x} * kBmItems;
+  const int64_t start =
+      static_cast<int64_t>(blockIdx.x) * kBmChunk + int64_t{threadIdx.x} * kBmItems;
   uint64_t c = 0;
   for (int t = 0; t < kBmItems; ++t) c += __popc(bitmap_byte(bm, start + t, nb, n));
   const int64_t last = nb - 1;
@@ -662,7 +670,8 @@ __global__ void __launch_bounds__(kThreads)
                         uint64_t cap, uint32_t* idx) {
   using Scan = cub::BlockScan<uint64_t, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kBmChunk + int64_t{threadIdx.x} * kBmItems;
+  const int64_t start =
+      static_cast<int64_t>(blockIdx.x) * kBmChunk + int64_t{threadIdx.x} * kBmItems;
   uint64_t c = 0;
   for (int t = 0; t < kBmItems; ++t) c += __popc(bitmap_byte(bm, start + t, nb, n));
   uint64_t off;
@@ -682,9 +691,15 @@ __global__ void __launch_bounds__(kThreads)
 template <class F>
 void by_value_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::kFloat32: f(std::integral_constant<DType, DType::kFloat32>{}); return;
-    case DType::kFloat16: f(std::integral_constant<DType, DType::kFloat16>{}); return;
-    case DType::kBFloat16: f(std::integral_constant<DType, DType::kBFloat16>{}); return;
+    case DType::kFloat32:
+      f(std::integral_constant<DType, DType::kFloat32>{});
+      return;
+    case DType::kFloat16:
+      f(std::integral_constant<DType, DType::kFloat16>{});
+      return;
+    case DType::kBFloat16:
+      f(std::integral_constant<DType, DType::kBFloat16>{});
+      return;
   }
   GC_CHECK_ARG(false, "unsupported value dtype code ", int(t));
 }
@@ -700,7 +715,8 @@ int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, c
                uint32_t* out, SelectWorkspace& ws, void* stream) {
   const cudaStream_t s = as_stream(stream);
   if (k <= 0 || n == 0) return 0;
-  GC_CHECK_ARG(n < (int64_t{1} << 32), "top-k selection: ", n, " elements do not fit uint32 indices");
+  GC_CHECK_ARG(n < (int64_t{1} << 32), "top-k selection: ", n,
+               " elements do not fit uint32 indices");
   if (k >= n) {
     iota_kernel<<<grid_for(n, kThreads, kMaxGrid), kThreads, 0, s>>>(out, n);
     GC_CUDA_CHECK_LAUNCH();
@@ -721,9 +737,7 @@ int64_t first_nonfinite(const void* g, DType t, int64_t n, SelectWorkspace& ws, 
   auto* best = ws.c.get<unsigned long long>(1);
   GC_CUDA_CHECK(cudaMemsetAsync(best, 0xff, sizeof(unsigned long long), s));
   const int grid = grid_for(n, int64_t{kThreads} * 4, kMaxGrid);
-  by_dtype(t, [&](auto L) {
-    nonfinite_kernel<decltype(L)><<<grid, kThreads, 0, s>>>(g, n, best);
-  });
+  by_dtype(t, [&](auto L) { nonfinite_kernel<decltype(L)><<<grid, kThreads, 0, s>>>(g, n, best); });
   GC_CUDA_CHECK_LAUNCH();
   uint64_t* host = pinned_slot(ws);
   GC_CUDA_CHECK(cudaMemcpyAsync(host, best, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
@@ -738,9 +752,8 @@ double sum_squares(const void* g, DType t, int64_t n, SelectWorkspace& ws, void*
   // the grid depends only on n, so the summation order (and result) is the same on every GPU
   const int grid = grid_for(n, int64_t{kThreads} * 4, 1024);
   double* partial = ws.c.get<double>(static_cast<size_t>(grid) + 1);
-  by_dtype(t, [&](auto L) {
-    sum_squares_kernel<decltype(L)><<<grid, kThreads, 0, s>>>(g, n, partial);
-  });
+  by_dtype(
+      t, [&](auto L) { sum_squares_kernel<decltype(L)><<<grid, kThreads, 0, s>>>(g, n, partial); });
   GC_CUDA_CHECK_LAUNCH();
   sum_final_kernel<<<1, kThreads, 0, s>>>(partial, grid, partial + grid);
   GC_CUDA_CHECK_LAUNCH();
@@ -761,14 +774,18 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
     using Load = decltype(L);
     if (u == nullptr) {
       if (vec)
-        dgc_kernel<Load, false, true><<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+        dgc_kernel<Load, false, true>
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
       else
-        dgc_kernel<Load, false, false><<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+        dgc_kernel<Load, false, false>
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
     } else {
       if (vec)
-        dgc_kernel<Load, true, true><<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+        dgc_kernel<Load, true, true>
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
       else
-        dgc_kernel<Load, true, false><<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+        dgc_kernel<Load, true, false>
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
     }
   });
   GC_CUDA_CHECK_LAUNCH();
@@ -838,14 +855,14 @@ int64_t bitmap_to_indices(const uint8_t* bitmap, int64_t n, uint32_t* idx, int64
   const int g = static_cast<int>(blocks);
   bitmap_count_kernel<<<g, kThreads, 0, s>>>(bitmap, nb, n, blk, bad);
   GC_CUDA_CHECK_LAUNCH();
-  GC_CUDA_CHECK(cub::DeviceScan::InclusiveSum(at<char>(base, o_tmp), temp_bytes, blk, incl,
-                                              blocks, s));
+  GC_CUDA_CHECK(
+      cub::DeviceScan::InclusiveSum(at<char>(base, o_tmp), temp_bytes, blk, incl, blocks, s));
   bitmap_write_kernel<<<g, kThreads, 0, s>>>(bitmap, nb, n, incl,
                                              static_cast<uint64_t>(std::max<int64_t>(cap, 0)), idx);
   GC_CUDA_CHECK_LAUNCH();
   uint64_t* host = pinned_slot(ws);
-  GC_CUDA_CHECK(cudaMemcpyAsync(host, incl + (blocks - 1), sizeof(uint64_t),
-                                cudaMemcpyDeviceToHost, s));
+  GC_CUDA_CHECK(
+      cudaMemcpyAsync(host, incl + (blocks - 1), sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
   GC_CUDA_CHECK(cudaMemcpyAsync(host + 1, bad, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
   GC_CUDA_CHECK(cudaStreamSynchronize(s));
   if (host[1] != 0) return -1;

@@ -85,9 +85,12 @@ std::vector<uint8_t> to_bytes(const std::vector<float>& x, DType t) {
 /// (forces all three radix levels).
 std::vector<float> make_data(int d, int64_t n, uint64_t seed) {
   switch (d) {
-    case 0: return normal(n, seed);
-    case 1: return heavy_tailed(n, seed);
-    case 2: return std::vector<float>(static_cast<size_t>(n), 0.5f);
+    case 0:
+      return normal(n, seed);
+    case 1:
+      return heavy_tailed(n, seed);
+    case 2:
+      return std::vector<float>(static_cast<size_t>(n), 0.5f);
     default: {
       std::vector<float> x(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {
@@ -149,8 +152,8 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
       if (bad++ == 0) first = i;
     }
   }
-  EXPECT_EQ(bad, 0u) << what << ": first mismatch at " << first << ": gpu " << got[first]
-                     << " cpu " << want[first];
+  EXPECT_EQ(bad, 0u) << what << ": first mismatch at " << first << ": gpu " << got[first] << " cpu "
+                     << want[first];
 }
 
 const int64_t kSizes[] = {0, 1, 7, 1023, 4097, (1 << 20) + 3};
@@ -165,9 +168,15 @@ std::vector<uint8_t> make_sparse(uint64_t n, const std::vector<uint32_t>& idx,
   h.numel = n;
   h.count = idx.size();
   switch (coding) {
-    case IndexCoding::kRaw32: h.section_bytes[0] = 4 * idx.size(); break;
-    case IndexCoding::kBitmap: h.section_bytes[0] = (n + 7) / 8; break;
-    default: h.section_bytes[0] = delta_varint_bytes(idx.data(), idx.size()); break;
+    case IndexCoding::kRaw32:
+      h.section_bytes[0] = 4 * idx.size();
+      break;
+    case IndexCoding::kBitmap:
+      h.section_bytes[0] = (n + 7) / 8;
+      break;
+    default:
+      h.section_bytes[0] = delta_varint_bytes(idx.data(), idx.size());
+      break;
   }
   h.section_bytes[1] = 4 * vals.size();
   std::vector<uint8_t> b(h.total_bytes(), 0);
@@ -335,16 +344,14 @@ TEST_P(TopKCudaDgc, TwentyStepsMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, TopKCudaDgc,
-    ::testing::Values(DgcCase{SelectMethod::kExact, DType::kFloat32, DType::kFloat32, false, 1},
-                      DgcCase{SelectMethod::kExact, DType::kFloat32, DType::kFloat32, false, 7},
-                      DgcCase{SelectMethod::kExact, DType::kFloat32, DType::kFloat32, false, 100003},
-                      DgcCase{SelectMethod::kSampled, DType::kFloat32, DType::kFloat32, false,
-                              100003},
-                      DgcCase{SelectMethod::kExact, DType::kFloat16, DType::kFloat16, true, 4097},
-                      DgcCase{SelectMethod::kSampled, DType::kBFloat16, DType::kBFloat16, false,
-                              (1 << 20) + 3},
-                      DgcCase{SelectMethod::kSampled, DType::kFloat16, DType::kFloat32, true,
-                              1023}));
+    ::testing::Values(
+        DgcCase{SelectMethod::kExact, DType::kFloat32, DType::kFloat32, false, 1},
+        DgcCase{SelectMethod::kExact, DType::kFloat32, DType::kFloat32, false, 7},
+        DgcCase{SelectMethod::kExact, DType::kFloat32, DType::kFloat32, false, 100003},
+        DgcCase{SelectMethod::kSampled, DType::kFloat32, DType::kFloat32, false, 100003},
+        DgcCase{SelectMethod::kExact, DType::kFloat16, DType::kFloat16, true, 4097},
+        DgcCase{SelectMethod::kSampled, DType::kBFloat16, DType::kBFloat16, false, (1 << 20) + 3},
+        DgcCase{SelectMethod::kSampled, DType::kFloat16, DType::kFloat32, true, 1023}));
 
 TEST(RandomKCuda, TwentyStepsMatchCpu) {
   GC_REQUIRE_GPU();
@@ -587,12 +594,13 @@ TEST(TopKCudaKernels, GatherClearScatterAddRandomK) {
 TEST(TopKCudaKernels, BitmapCodecsAndIndexCheck) {
   GC_REQUIRE_GPU();
   kernels::SelectWorkspace ws(Device::kCUDA);
-  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{100003},
-                    int64_t{(1 << 20) + 3}}) {
+  for (int64_t n :
+       {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{100003}, int64_t{(1 << 20) + 3}}) {
     for (int density : {1, 3, 100}) {  // percent
       std::vector<uint32_t> idx;
       for (int64_t i = 0; i < n; ++i)
-        if (static_cast<uint64_t>(i) * 2654435761u % 100 < static_cast<uint64_t>(density) || i == n - 1)
+        if (static_cast<uint64_t>(i) * 2654435761u % 100 < static_cast<uint64_t>(density) ||
+            i == n - 1)
           idx.push_back(static_cast<uint32_t>(i));
       const int64_t k = static_cast<int64_t>(idx.size());
       const size_t nb = static_cast<size_t>((n + 7) / 8);
@@ -612,8 +620,8 @@ TEST(TopKCudaKernels, BitmapCodecsAndIndexCheck) {
         Dev small(4 * 2 + 4);
         const std::vector<uint32_t> sentinel = {0xdeadbeefu, 0xdeadbeefu, 0xdeadbeefu};
         device_copy(small.as(), Device::kCUDA, sentinel.data(), Device::kCPU, 12, nullptr);
-        EXPECT_EQ(kernels::cuda::bitmap_to_indices(bm.as<uint8_t>(), n, small.as<uint32_t>(), 2,
-                                                   ws, nullptr),
+        EXPECT_EQ(kernels::cuda::bitmap_to_indices(bm.as<uint8_t>(), n, small.as<uint32_t>(), 2, ws,
+                                                   nullptr),
                   k);
         const auto got = download<uint32_t>(small.as(), 3);
         EXPECT_EQ(got[0], idx[0]);
@@ -629,9 +637,9 @@ TEST(TopKCudaKernels, BitmapCodecsAndIndexCheck) {
     std::vector<uint8_t> b = {0x01, 0x20};  // indices 0 and 13 (13 >= n)
     const Dev db = upload(b);
     Dev out(16);
-    EXPECT_EQ(kernels::cuda::bitmap_to_indices(db.as<uint8_t>(), n, out.as<uint32_t>(), 2, ws,
-                                               nullptr),
-              -1);
+    EXPECT_EQ(
+        kernels::cuda::bitmap_to_indices(db.as<uint8_t>(), n, out.as<uint32_t>(), 2, ws, nullptr),
+        -1);
   }
   // index checks: first bad position
   const int64_t n = 1000;
