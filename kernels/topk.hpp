@@ -59,7 +59,8 @@ void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, f
                  float* dense, void* stream);
 /// Builds a bitmap index section (ceil(n/8) bytes, zeroed first) from ascending indices.
 void indices_to_bitmap(const uint32_t* idx, int64_t k, int64_t n, uint8_t* bitmap, void* stream);
-/// Decodes a bitmap section into ascending indices; returns the count found (synchronises once).
+/// Decodes a bitmap section into ascending indices (at most `cap` written); returns the count
+/// found, or -1 when a bit at a position >= n is set (synchronises once).
 int64_t bitmap_to_indices(const uint8_t* bitmap, int64_t n, uint32_t* idx, int64_t cap,
                           SelectWorkspace& ws, void* stream);
 /// Checks raw indices: strictly ascending and < n. Returns the first bad position or -1.
