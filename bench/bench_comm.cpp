@@ -97,15 +97,19 @@ void run_case(benchmark::State& state, const Case& c) {
   const int P = comm.size();
   auto plan = c.make(x.numel, P, x.cost);
   gc::PlanRunner runner(comm);
-  auto step = [&] {
+  auto reset = [&] {  // a fresh gradient each step (not timed)
     std::memcpy(x.work.data(), x.grad.data(), x.grad.size() * sizeof(float));
+  };
+  auto step = [&] {
     plan->begin(gc::TensorView::cpu(x.work.data(), x.numel));
     runner.run(*plan, 0);
   };
+  reset();
   step();  // warm-up: handshake, workspaces, connections
   comm.reset_stats();
   double total = 0.0;
   for (auto _ : state) {
+    reset();
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     step();

@@ -145,8 +145,18 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
                         PayloadHeader::align(kmax * dtype_size(cfg.value_dtype));
   payload_.bytes.reserve(most);
   gathered_.reserve(most * static_cast<uint64_t>(world));
-  acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
+  if (grad_dtype != DType::kFloat32) acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
   sizes_.reserve((2 * static_cast<size_t>(world) + 2) * sizeof(int64_t));
+}
+
+float* TopKAllreducePlan::target() {
+  if (dtype_ == DType::kFloat32) return static_cast<float*>(grad_.data);
+  return acc_.get<float>(static_cast<size_t>(numel_));
+}
+
+void TopKAllreducePlan::finish() {
+  if (dtype_ != DType::kFloat32)
+    k::convert(device_, acc_.data(), DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
 }
 
 size_t TopKAllreducePlan::workspace_bytes() const {
@@ -203,11 +213,14 @@ std::optional<Collective> TopKAllreducePlan::next() {
       route_ = choose(longest);
       stats_.last_route = route_;
       stats_.steps += 1;
-      float* acc = acc_.get<float>(n);
+      // fp32 gradients are decoded straight into the gradient (its values were consumed by
+      // encode); fp16/bf16 ones through an fp32 accumulator
+      float* acc = target();
+      const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
       if (route_ == TopKRoute::kDense) {
         stats_.dense_steps += 1;
         device_zero(device_, acc, n * sizeof(float), stream_);
-        comp_.decode_add(payload_.data(), payload_.size(), TensorView(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_), 1.0f);
+        comp_.decode_add(payload_.data(), payload_.size(), dense, 1.0f / float(world_));
         phase_ = 2;
         return make(CollectiveKind::kAllreduceSum, ElemType::kF32, acc, acc, n, "topk dense sum");
       }
@@ -223,22 +236,20 @@ std::optional<Collective> TopKAllreducePlan::next() {
       return make(CollectiveKind::kAllgather, ElemType::kU8, payload_.bytes.data(), all, stride_,
                   "topk payloads");
     }
-    case 2: {  // dense route: average
-      k::convert(device_, acc_.data(), DType::kFloat32, grad_.data, dtype_, numel_, float(world_),
-                 stream_);
+    case 2: {  // dense route: the sum of the scaled decodes is the average
+      finish();
       phase_ = 4;
       return std::nullopt;
     }
-    case 3: {  // sparse route: decode all in rank order, then average
-      float* acc = static_cast<float*>(acc_.data());
+    case 3: {  // sparse route: decode all (scaled by 1/P) in rank order
+      float* acc = target();
       const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
       device_zero(device_, acc, n * sizeof(float), stream_);
       const auto* all = static_cast<const uint8_t*>(gathered_.data());
       for (size_t r = 0; r < P; ++r)
         comp_.decode_add(all + r * stride_, static_cast<size_t>(host_sizes_[2 * r + 1]), dense,
-                         1.0f);
-      k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, float(world_),
-                 stream_);
+                         1.0f / float(world_));
+      finish();
       phase_ = 4;
       return std::nullopt;
     }
@@ -272,15 +283,16 @@ std::optional<Collective> RandomKAllreducePlan::next() {
       return make(CollectiveKind::kAllreduceSum, elem_type(DType(h.value_dtype)), values, values,
                   static_cast<size_t>(h.count), "randomk values");
     }
-    case 1: {
+    case 1: {  // one decode of the summed values, scaled by 1/P (into the gradient when fp32)
       const auto n = static_cast<size_t>(numel_);
-      float* acc = acc_.get<float>(n);
+      const bool direct = dtype_ == DType::kFloat32;
+      float* acc = direct ? static_cast<float*>(grad_.data) : acc_.get<float>(n);
       device_zero(device_, acc, n * sizeof(float), stream_);
       comp_.decode_add(payload_.data(), payload_.size(),
                        TensorView(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_),
-                       1.0f);
-      k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, float(world_),
-                 stream_);
+                       1.0f / float(world_));
+      if (!direct)
+        k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
       phase_ = 2;
       return std::nullopt;
     }

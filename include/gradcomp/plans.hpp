@@ -122,7 +122,9 @@ struct TopKPlanStats {
 ///           rank), then every rank decodes all payloads in rank order;
 ///   dense:  own payload decoded into an fp32 vector, rank-ordered allreduce (~ 2 n (P-1)/P
 ///           values per rank);
-/// finally grad = sum / P. Both routes give the same bits (0 + v and v + 0 are exact).
+/// every payload is decoded with scale 1/P, so the average is the rank-ordered sum of the scaled
+/// decodes. Both routes give the same bits (0 + v and v + 0 are exact). fp32 gradients are
+/// decoded straight into the gradient (no extra pass).
 ///
 /// Example:
 ///   gradcomp::TopKConfig cfg;  cfg.ratio = 0.001;
@@ -141,6 +143,8 @@ class TopKAllreducePlan : public GradientPlan {
   TopKRoute choose(uint64_t max_payload_bytes) const;
 
  private:
+  float* target();  ///< where the fp32 average is accumulated (the gradient itself when fp32)
+  void finish();    ///< casts the accumulator into an fp16/bf16 gradient
   TopKCompressor comp_;
   TopKPlanOptions opt_;
   TopKPlanStats stats_;
@@ -152,7 +156,7 @@ class TopKAllreducePlan : public GradientPlan {
 };
 
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
-/// are summed (rank-ordered allreduce in the value dtype) and decoded once; grad = sum / P.
+/// are summed (rank-ordered allreduce in the value dtype) and decoded once with scale 1/P.
 ///
 /// Example:  gradcomp::RandomKAllreducePlan plan({.ratio = 0.01}, n, comm.size());
 class RandomKAllreducePlan : public GradientPlan {

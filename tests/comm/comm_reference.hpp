@@ -49,13 +49,20 @@ inline std::vector<float> ref_cast(const std::vector<std::vector<float>>& in, DT
   return out;
 }
 
-/// Sum in rank order of the per-rank dense decodes, divided by P.
-inline std::vector<float> average_decodes(const std::vector<std::vector<float>>& dec) {
-  return ref_dense(dec);
+/// Sum in rank order of the per-rank dense decodes (each already scaled by 1/P).
+inline std::vector<float> sum_decodes(const std::vector<std::vector<float>>& dec) {
+  const size_t P = dec.size(), n = dec[0].size();
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    float acc = dec[0][i];
+    for (size_t r = 1; r < P; ++r) acc += dec[r][i];
+    out[i] = acc;
+  }
+  return out;
 }
 
 /// Top-k reference for one step: P compressors (persisting across steps), decode each payload
-/// into its own zero vector, rank-ordered sum / P.
+/// into its own zero vector with scale 1/P, rank-ordered sum.
 struct TopKReference {
   TopKReference(const TopKConfig& cfg, int64_t n, int P) {
     for (int r = 0; r < P; ++r) comps.push_back(std::make_unique<TopKCompressor>(cfg, n));
@@ -68,17 +75,18 @@ struct TopKReference {
       comps[r]->encode(TensorView::cpu(g.data(), static_cast<int64_t>(g.size())), p);
       sizes.push_back(p.size());
       std::vector<float> d(g.size(), 0.0f);
-      comps[r]->decode_add(p.data(), p.size(), TensorView::cpu(d.data(), static_cast<int64_t>(d.size())), 1.0f);
+      comps[r]->decode_add(p.data(), p.size(), TensorView::cpu(d.data(), static_cast<int64_t>(d.size())),
+                           1.0f / static_cast<float>(comps.size()));
       dec.push_back(std::move(d));
     }
     if (in[0].empty()) return {};
-    return average_decodes(dec);
+    return sum_decodes(dec);
   }
   std::vector<std::unique_ptr<TopKCompressor>> comps;
   std::vector<size_t> sizes;
 };
 
-/// Random-k reference: values summed in rank order in fp32, scattered once, divided by P.
+/// Random-k reference: values summed in rank order in fp32, scattered once scaled by 1/P.
 struct RandomKReference {
   RandomKReference(const RandomKConfig& cfg, int64_t n, int P) : n_(n) {
     for (int r = 0; r < P; ++r) comps.push_back(std::make_unique<RandomKCompressor>(cfg, n));
@@ -103,7 +111,8 @@ struct RandomKReference {
       }
     }
     std::vector<float> out(static_cast<size_t>(n_), 0.0f);
-    for (size_t j = 0; j < sum.size(); ++j) out[idx[j]] = (0.0f + sum[j]) / static_cast<float>(P);
+    const float scale = 1.0f / static_cast<float>(P);
+    for (size_t j = 0; j < sum.size(); ++j) out[idx[j]] = 0.0f + scale * sum[j];
     return out;
   }
   int64_t n_;
