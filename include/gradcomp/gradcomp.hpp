@@ -2,9 +2,11 @@
 // Umbrella header: everything a C++ user of gradcomp includes.
 #pragma once
 
+#include "gradcomp/comm.hpp"
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/plan.hpp"
+#include "gradcomp/plans.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/straggler.hpp"

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Runs the 4-rank comm benchmark (bench_comm) with every rank in its own network namespace, the
+# namespaces joined by veth links to a bridge (in a namespace of its own) and every link limited
+# to RATE (default 1gbit) in both directions with tc tbf. OpenMPI runs over TCP on those links
+# only (btl tcp,self; btl/oob_tcp_if_include 10.77.0.0/24); mpirun starts the remote daemons
+# through an rsh agent that enters the namespace of the "host" (ip netns exec). Only addresses
+# 10.77.0.1-4, inside namespaces this script creates, are used; everything is removed on exit.
+#
+# Usage (root):  bench/netem/run.sh [build_dir]      env: RATE, NP (<= 8), GC_BENCH_NUMEL,
+#                                                    GC_BENCH_ITERS, DELAY (netem, e.g. 100us)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${1:-build}
+BENCH=$(readlink -f "$BUILD/bench/bench_comm")
+RATE=${RATE:-1gbit}
+NP=${NP:-4}
+DELAY=${DELAY:-}
+[ -x "$BENCH" ] || { echo "no $BENCH: build the benchmarks first" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "needs root (network namespaces, tc)" >&2; exit 1; }
+
+PFX="gcn$$"            # namespace prefix, unique per run
+SW="${PFX}sw"
+TMP=$(mktemp -d)
+cleanup() {
+  set +e
+  for ((i = 0; i < NP; i++)); do ip netns del "${PFX}$i" 2>/dev/null; done
+  ip netns del "$SW" 2>/dev/null
+  rm -rf "$TMP"
+}
+trap cleanup EXIT INT TERM
+
+ip netns add "$SW"
+ip -n "$SW" link set lo up
+ip -n "$SW" link add gcbr type bridge
+ip -n "$SW" link set gcbr up
+shape() {  # shape NS DEV: egress limited to RATE (+ optional delay)
+  if [ -n "$DELAY" ]; then
+    ip netns exec "$1" tc qdisc add dev "$2" root netem delay "$DELAY" rate "$RATE" limit 10000
+  else
+    ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$RATE" burst 256kb latency 50ms
+  fi
+}
+: > "$TMP/hosts"
+for ((i = 0; i < NP; i++)); do
+  ns="${PFX}$i"
+  ip netns add "$ns"
+  ip -n "$SW" link add "gcp$i" type veth peer name "gce$i" netns "$ns"
+  ip -n "$SW" link set "gcp$i" master gcbr up
+  ip -n "$ns" link set lo up
+  ip -n "$ns" addr add "10.77.0.$((i + 1))/24" dev "gce$i"
+  ip -n "$ns" link set "gce$i" up
+  shape "$ns" "gce$i"   # rank -> bridge
+  shape "$SW" "gcp$i"   # bridge -> rank
+  echo "10.77.0.$((i + 1)) slots=1" >> "$TMP/hosts"
+done
+
+# rsh agent: "agent HOST cmd..." runs cmd in the namespace that owns HOST (with its own hostname)
+cat > "$TMP/agent" <<AGENT
+#!/usr/bin/env bash
+host=\$1; shift
+while [[ \$1 == -* ]]; do shift; done
+i=\$(( \${host##*.} - 1 ))
+exec ip netns exec ${PFX}\$i unshare --uts /bin/sh -c "hostname gcnode\$i; \$*"
+AGENT
+chmod +x "$TMP/agent"
+
+echo "== $NP ranks in namespaces ${PFX}0..$((NP - 1)), links $RATE${DELAY:+, delay $DELAY}"
+ip netns exec "${PFX}0" unshare --uts /bin/sh -c "hostname gcnode0; \
+  OMP_NUM_THREADS=\${OMP_NUM_THREADS:-1} mpirun --allow-run-as-root --oversubscribe -np $NP \
+  --hostfile $TMP/hosts --mca plm_rsh_agent $TMP/agent --mca plm_rsh_no_tree_spawn 1 \
+  --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 \
+  -x OMP_NUM_THREADS -x GC_BENCH_NUMEL -x GC_BENCH_ITERS \
+  $BENCH --benchmark_counters_tabular=true"

@@ -1,0 +1,32 @@
+// SPDX-License-Identifier: Apache-2.0
+// Build without MPI: MpiCommunicator exists and its constructors throw a clear error.
+#include "gradcomp/comm.hpp"
+#include "gradcomp/error.hpp"
+
+namespace gradcomp {
+
+namespace {
+[[noreturn]] void no_mpi() {
+  throw BackendError("gradcomp was built without MPI (install libopenmpi-dev and reconfigure)");
+}
+}  // namespace
+
+struct MpiCommunicator::Impl {};
+bool built_with_mpi() { return false; }
+bool mpi_init(int*, char***) { return false; }
+void mpi_finalize() {}
+MpiCommunicator::MpiCommunicator(const MpiOptions&) { no_mpi(); }
+MpiCommunicator::MpiCommunicator(const void*, const MpiOptions&) { no_mpi(); }
+MpiCommunicator::~MpiCommunicator() = default;
+int MpiCommunicator::rank() const { no_mpi(); }
+int MpiCommunicator::size() const { no_mpi(); }
+double MpiCommunicator::timeout_seconds() const { no_mpi(); }
+void MpiCommunicator::set_timeout(double) { no_mpi(); }
+void MpiCommunicator::allreduce(const void*, void*, size_t, ElemType, ReduceOp) { no_mpi(); }
+void MpiCommunicator::allgather(const void*, void*, size_t, ElemType) { no_mpi(); }
+void MpiCommunicator::alltoall(const void*, void*, size_t, ElemType) { no_mpi(); }
+void MpiCommunicator::reduce_scatter(const void*, void*, size_t, ElemType, ReduceOp) { no_mpi(); }
+void MpiCommunicator::broadcast(const void*, void*, size_t, ElemType, int) { no_mpi(); }
+void MpiCommunicator::barrier() { no_mpi(); }
+
+}  // namespace gradcomp

@@ -1,0 +1,265 @@
+// SPDX-License-Identifier: Apache-2.0
+// Communicators: the engines that execute the collectives of a Plan (plan.hpp). One interface,
+// implementations over MPI (CPU buffers) and NCCL (CUDA buffers), and the driver loop run_plan().
+//
+// Example (4 ranks under mpirun, plain averaged allreduce of a CPU gradient):
+//   gradcomp::MpiCommunicator comm;                       // MPI_COMM_WORLD, MPI initialised
+//   gradcomp::DenseAllreducePlan plan(grad.size(), gradcomp::DType::kFloat32, comm.size());
+//   plan.begin(gradcomp::TensorView::cpu(grad.data(), grad.size()));
+//   gradcomp::run_plan(plan, comm);                       // grad now holds the average
+//
+// Determinism: every allreduce / reduce-scatter of this layer sums in rank order (rank 0 first),
+// element by element, whatever the engine. The engines' own reductions (MPI_Allreduce, ncclAllReduce)
+// do not promise an order, so the sum is done as all-to-all of chunks + a rank-ordered local sum +
+// allgather (the reduce-scatter/allgather algorithm: 2 n (P-1)/P elements sent per rank, like a
+// ring). Every rank therefore ends with the same bits, equal to run_plans_in_process().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gradcomp/plan.hpp"
+#include "gradcomp/tensor.hpp"
+#include "gradcomp/workspace.hpp"
+
+namespace gradcomp {
+
+enum class ReduceOp : uint8_t { kSum = 0, kMean = 1 };
+
+/// What a communicator did since construction (or reset_stats()).
+struct CommStats {
+  uint64_t calls = 0;       ///< collectives executed
+  uint64_t bytes_sent = 0;  ///< bytes this rank put on the wire (by the algorithm used)
+  double seconds = 0.0;     ///< wall time spent inside collectives (host view)
+};
+
+/// Every communicator must:
+///  - execute each collective with the semantics documented on the method, the same on every
+///    rank, with sums in rank order (bitwise identical results on all ranks);
+///  - accept buffers on device() only and say so (InvalidArgument) otherwise;
+///  - turn a failed or vanished peer into gradcomp::BackendError within timeout_seconds() instead
+///    of hanging; after such an error the communicator is broken and every call throws.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Where the buffers of its collectives live.
+  virtual Device device() const = 0;
+  /// The CUDA stream collectives are ordered on (nullptr for CPU communicators).
+  virtual void* stream() const { return nullptr; }
+  /// "mpi", "nccl", ...
+  virtual std::string backend() const = 0;
+  virtual double timeout_seconds() const = 0;
+
+  /// recv[i] = sum (or mean) over ranks, in rank order, of send[i]; count elements. In place
+  /// when send == recv. Mean divides the sum by size() (fp32/fp16/bf16 only).
+  virtual void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) = 0;
+  /// recv = concat over ranks of send (count elements each).
+  virtual void allgather(const void* send, void* recv, size_t count, ElemType t) = 0;
+  /// send holds size() blocks of count elements; block r goes to rank r; recv block r comes
+  /// from rank r.
+  virtual void alltoall(const void* send, void* recv, size_t count, ElemType t) = 0;
+  /// send holds size() blocks of count elements; recv (count elements) = rank-ordered sum (or
+  /// mean) over ranks of block rank().
+  virtual void reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
+                              ReduceOp op) = 0;
+  /// recv on every rank = send of `root` (send is read on root only; may equal recv).
+  virtual void broadcast(const void* send, void* recv, size_t count, ElemType t, int root) = 0;
+  virtual void barrier() = 0;
+
+  /// Allgather of byte strings of different lengths: one length exchange, then an allgather
+  /// padded to the longest. On return `sizes[r]` is rank r's length and its bytes start at
+  /// recv.data() + r * stride (returned). recv is grown as needed (on device()).
+  ///
+  /// Example:  std::vector<uint64_t> sizes;  Buffer all(comm.device());
+  ///           size_t stride = comm.allgather_varying(p.data(), p.size(), all, sizes);
+  size_t allgather_varying(const void* send, size_t nbytes, Buffer& recv,
+                           std::vector<uint64_t>& sizes);
+
+  /// Executes one collective of a plan (the vocabulary of plan.hpp).
+  void execute(const Collective& c);
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = CommStats{}; }
+
+ protected:
+  CommStats stats_;
+  Buffer varying_send_{Device::kCPU}, varying_sizes_{Device::kCPU};
+};
+
+/// Measured speed of a communicator, used by plans that choose between routes (top-k).
+/// t(bytes) = latency_s + bytes / bandwidth_Bps for one collective step.
+struct CostModel {
+  double latency_s = 20e-6;
+  double bandwidth_Bps = 5e9;  ///< bytes per second one rank sends
+  /// Seconds to move `bytes` per rank in `rounds` latency-bound rounds.
+  double seconds(double bytes, double rounds = 1.0) const {
+    return rounds * latency_s + bytes / bandwidth_Bps;
+  }
+};
+
+/// Times a small and a large allgather on `comm` (collective: every rank must call it) and fits
+/// latency and bandwidth. The values are rank 0's, broadcast, so that every rank makes the same
+/// choices from them.
+///
+/// Example:  gradcomp::CostModel cm = gradcomp::measure_cost_model(comm);
+CostModel measure_cost_model(Communicator& comm, size_t large_bytes = size_t{4} << 20);
+
+/// How run_plan checks that all ranks run the same plan on the same sizes.
+enum class Handshake : uint8_t {
+  kNone = 0,   ///< trust the caller
+  kFirst = 1,  ///< one tiny allgather before the plan's first collective (bucket size, kind,
+               ///< element type, count): a mismatch throws on every rank with both sizes
+  kEvery = 2,  ///< the same before every collective of the plan
+};
+
+/// Plans that know the size of their bucket (every plan of plans.hpp) expose it for the handshake.
+class BucketPlan : public Plan {
+ public:
+  /// Elements of the gradient bucket.
+  virtual int64_t numel() const = 0;
+};
+
+/// Drives a plan to completion on a communicator: while (auto c = plan.next()) comm.execute(*c).
+/// With a handshake, a disagreement between ranks (bucket sizes, collective kind, element type,
+/// count, one rank finished early) throws InvalidArgument on every rank, naming rank 0's value
+/// and the other rank's, before any mismatched collective is issued. Returns the collectives
+/// executed.
+///
+/// Example:  plan.begin(grad);  gradcomp::run_plan(plan, comm);
+std::vector<Collective> run_plan(Plan& plan, Communicator& comm,
+                                 Handshake handshake = Handshake::kFirst);
+
+/// Runs plans over one communicator, checking each bucket's sizes once: the first time a bucket
+/// id is seen it runs with Handshake::kEvery, afterwards with none (the per-step cost is then
+/// only the plan's own collectives).
+///
+/// Example:  gradcomp::PlanRunner runner(comm);
+///           for (step...) { plan.begin(grad); runner.run(plan, /*bucket=*/0); }
+class PlanRunner {
+ public:
+  explicit PlanRunner(Communicator& comm) : comm_(comm) {}
+  void run(Plan& plan, uint64_t bucket_id);
+  Communicator& comm() { return comm_; }
+
+ private:
+  Communicator& comm_;
+  std::vector<uint64_t> verified_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// MPI
+
+struct MpiOptions {
+  /// A collective that has not completed after this many seconds throws BackendError (a peer
+  /// exited or hangs). Polling granularity is ~50 us at first, backing off to 1 ms.
+  double timeout_s = 300.0;
+};
+
+/// Communicator over MPI (OpenMPI from Debian; CPU buffers, CUDA-aware MPI is not assumed).
+///
+/// Errors: the communicator is a duplicate of the one given, with MPI_ERRORS_RETURN, so an MPI
+/// failure becomes BackendError instead of aborting the job. Every collective is issued as a
+/// nonblocking MPI call and polled with MPI_Test until `timeout_s`; a peer that never arrives
+/// (exited, hung, killed) produces BackendError after the timeout. MPI cannot cancel a pending
+/// collective, so afterwards this communicator is broken (every call throws) and the process
+/// should leave: MPI_Finalize may block on the dead peer, so call MPI_Abort or _exit.
+/// With OpenMPI, a peer that exits without MPI_Finalize makes mpirun kill the job unless it runs
+/// with `--mca orte_allowed_exit_without_sync 1`; a peer that finalizes early is always survived.
+///
+/// Example:
+///   gradcomp::mpi_init();  // or MPI_Init yourself
+///   gradcomp::MpiCommunicator comm({.timeout_s = 30});
+class MpiCommunicator : public Communicator {
+ public:
+  /// Over MPI_COMM_WORLD (MPI must be initialised).
+  explicit MpiCommunicator(const MpiOptions& opt = {});
+  /// Over an existing communicator: `mpi_comm` points at an MPI_Comm (it is duplicated).
+  MpiCommunicator(const void* mpi_comm, const MpiOptions& opt);
+  ~MpiCommunicator() override;
+
+  int rank() const override;
+  int size() const override;
+  Device device() const override { return Device::kCPU; }
+  std::string backend() const override { return "mpi"; }
+  double timeout_seconds() const override;
+  void set_timeout(double seconds);
+
+  void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) override;
+  void allgather(const void* send, void* recv, size_t count, ElemType t) override;
+  void alltoall(const void* send, void* recv, size_t count, ElemType t) override;
+  void reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
+                      ReduceOp op) override;
+  void broadcast(const void* send, void* recv, size_t count, ElemType t, int root) override;
+  void barrier() override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Initialises MPI (thread level FUNNELED) if nobody did; true when MPI is available in this build.
+bool mpi_init(int* argc = nullptr, char*** argv = nullptr);
+/// Finalises MPI if initialised and not yet finalised.
+void mpi_finalize();
+/// True when this library was built with MPI.
+bool built_with_mpi();
+
+// ---------------------------------------------------------------------------------------------
+// NCCL
+
+struct NcclOptions {
+  /// Init and collectives that do not complete in this time are aborted (ncclCommAbort) and
+  /// throw BackendError.
+  double timeout_s = 300.0;
+  /// After each collective, wait (polling the stream and ncclCommGetAsyncError with the deadline)
+  /// so that a dead peer is detected; false = stream-ordered only (call synchronize()).
+  bool synchronous = true;
+  /// Rank-ordered sums (alltoall + ordered local sum + allgather): bitwise the MPI result. false =
+  /// ncclAllReduce / ncclReduceScatter (faster; the same bits on every rank, NCCL's order).
+  bool ordered_sum = true;
+};
+
+/// Communicator over NCCL (CUDA buffers on the current device, collectives on `stream`).
+/// Built only with CUDA; in a CPU-only build every constructor throws NotBuiltWithCuda.
+///
+/// Example (one GPU per rank, bootstrapped over MPI):
+///   gradcomp::MpiCommunicator mpi;
+///   cudaSetDevice(mpi.rank() % ngpus);
+///   gradcomp::NcclCommunicator nccl(mpi, stream, {});
+class NcclCommunicator : public Communicator {
+ public:
+  /// Creates a communicator of bootstrap.size() ranks: rank 0's ncclUniqueId is broadcast over
+  /// `bootstrap`, then ncclCommInitRankConfig runs non-blocking, polled until the timeout.
+  NcclCommunicator(Communicator& bootstrap, void* stream, const NcclOptions& opt = {});
+  /// Wraps an existing ncclComm_t (`nccl_comm`, not owned: not destroyed or aborted on exit).
+  NcclCommunicator(void* nccl_comm, void* stream, const NcclOptions& opt = {});
+  ~NcclCommunicator() override;
+
+  int rank() const override;
+  int size() const override;
+  Device device() const override { return Device::kCUDA; }
+  void* stream() const override;
+  std::string backend() const override { return "nccl"; }
+  double timeout_seconds() const override;
+
+  void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) override;
+  void allgather(const void* send, void* recv, size_t count, ElemType t) override;
+  void alltoall(const void* send, void* recv, size_t count, ElemType t) override;
+  void reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
+                      ReduceOp op) override;
+  void broadcast(const void* send, void* recv, size_t count, ElemType t, int root) override;
+  void barrier() override;
+  /// Waits for the stream's pending collectives (with the timeout and abort).
+  void synchronize();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gradcomp

@@ -1,0 +1,178 @@
+// SPDX-License-Identifier: Apache-2.0
+// Compressed allreduce plans: plain, fp16/bf16 cast, top-k (sparse allgather or densify, chosen
+// per bucket by a cost model) and random-k. Each is a step machine (plan.hpp) that any driver
+// executes: run_plan() over an MPI or NCCL communicator, run_plans_in_process() in tests, the
+// Python driver over torch.distributed.
+//
+// Usage, every step of every bucket:
+//   plan.begin(grad);                  // grad: this rank's gradient bucket (averaged in place)
+//   gradcomp::run_plan(plan, comm);    // or PlanRunner::run, or any other driver
+//
+// Every plan ends with the same bits on every rank: all sums are taken in rank order (rank 0
+// first) and the averaging is one division by the number of ranks, in fp32.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gradcomp/comm.hpp"
+#include "gradcomp/compressor.hpp"
+#include "gradcomp/plan.hpp"
+#include "gradcomp/topk.hpp"
+#include "gradcomp/workspace.hpp"
+
+namespace gradcomp {
+
+/// Element type of a gradient dtype on the wire.
+ElemType elem_type(DType t);
+
+/// Shared part of the plans of this header: bucket size, dtype, device, rank count, the bound
+/// gradient and the phase counter.
+class GradientPlan : public BucketPlan {
+ public:
+  GradientPlan(int64_t numel, DType dtype, int world, Device device, int device_index,
+               void* stream);
+  /// Binds this step's gradient (numel, dtype and device fixed at construction; checked) and
+  /// restarts the step machine. The average is written back into `grad` when next() returns
+  /// nullopt.
+  void begin(const TensorView& grad);
+  int64_t numel() const override { return numel_; }
+  int world() const { return world_; }
+  /// Bytes of workspace this plan holds (grow-only; stable after the first steps).
+  virtual size_t workspace_bytes() const = 0;
+
+ protected:
+  /// A collective on this plan's device and stream.
+  Collective make(CollectiveKind kind, ElemType type, const void* send, void* recv, size_t count,
+                  const char* tag) const;
+  /// Checks that begin() was called; next() after completion returns nullopt.
+  void require_begun() const;
+  virtual void on_begin() {}
+
+  int64_t numel_;
+  DType dtype_;
+  int world_;
+  Device device_;
+  int device_index_;
+  void* stream_;
+  TensorView grad_;
+  int phase_ = -1;  ///< -1: no step bound; 0: begun; higher: plan-specific
+};
+
+/// Plain allreduce: sum in the gradient's dtype (in place), then divide by the rank count.
+///
+/// Example:  gradcomp::DenseAllreducePlan plan(n, gradcomp::DType::kFloat32, comm.size());
+class DenseAllreducePlan : public GradientPlan {
+ public:
+  DenseAllreducePlan(int64_t numel, DType dtype, int world, Device device = Device::kCPU,
+                     int device_index = 0, void* stream = nullptr);
+  std::optional<Collective> next() override;
+  std::string name() const override { return "dense"; }
+  size_t workspace_bytes() const override { return 0; }
+};
+
+/// Cast allreduce: wire = cast_to_wire(grad / P) (divided first, so fp16 does not overflow),
+/// rank-ordered sum in the wire type (rounding after every addition), grad = wire.
+///
+/// Example:  gradcomp::CastAllreducePlan plan(n, DType::kFloat32, DType::kFloat16, P);
+class CastAllreducePlan : public GradientPlan {
+ public:
+  CastAllreducePlan(int64_t numel, DType grad_dtype, DType wire_dtype, int world,
+                    Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+  std::optional<Collective> next() override;
+  std::string name() const override;
+  size_t workspace_bytes() const override { return wire_.capacity(); }
+
+ private:
+  DType wire_dtype_;
+  Buffer wire_;
+};
+
+/// Which exchange a top-k step used.
+enum class TopKRoute : uint8_t {
+  kAuto = 0,    ///< (option) let the cost model choose per step
+  kSparse = 1,  ///< allgather of the padded payloads, every rank decodes all in rank order
+  kDense = 2,   ///< decode own payload into a dense fp32 vector, rank-ordered allreduce
+};
+
+struct TopKPlanOptions {
+  TopKRoute route = TopKRoute::kAuto;
+  /// Measured speed of the communicator (measure_cost_model); identical on every rank.
+  CostModel cost;
+};
+
+/// What a top-k plan did (per plan object, i.e. per bucket).
+struct TopKPlanStats {
+  int64_t steps = 0;
+  int64_t sparse_steps = 0;
+  int64_t dense_steps = 0;
+  TopKRoute last_route = TopKRoute::kAuto;
+  uint64_t last_max_payload = 0;  ///< largest payload of the last step (bytes)
+  uint64_t last_total_payload = 0;  ///< sum over ranks of the last step's payloads
+  double last_sparse_cost_s = 0, last_dense_cost_s = 0;  ///< the model's estimates
+};
+
+/// Top-k / DGC allreduce. Phases: encode; allgather (numel, payload bytes) of every rank (the
+/// bucket sizes are checked here: a mismatch throws on every rank with both sizes); the cost
+/// model picks the route from the gathered sizes (the same decision on every rank):
+///   sparse: allgather of the payloads padded to the longest (~ k (P-1) index/value pairs per
+///           rank), then every rank decodes all payloads in rank order;
+///   dense:  own payload decoded into an fp32 vector, rank-ordered allreduce (~ 2 n (P-1)/P
+///           values per rank);
+/// every payload is decoded with scale 1/P, so the average is the rank-ordered sum of the scaled
+/// decodes. Both routes give the same bits (0 + v and v + 0 are exact). fp32 gradients are
+/// decoded straight into the gradient (no extra pass).
+///
+/// Example:
+///   gradcomp::TopKConfig cfg;  cfg.ratio = 0.001;
+///   gradcomp::TopKAllreducePlan plan(cfg, n, comm.size(), {.cost = measure_cost_model(comm)});
+class TopKAllreducePlan : public GradientPlan {
+ public:
+  TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int world,
+                    const TopKPlanOptions& opt = {}, DType grad_dtype = DType::kFloat32,
+                    Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+  std::optional<Collective> next() override;
+  std::string name() const override { return "topk"; }
+  size_t workspace_bytes() const override;
+  TopKCompressor& compressor() { return comp_; }
+  const TopKPlanStats& stats() const { return stats_; }
+  /// The route the cost model picks for these sizes (exposed for tests and the benchmark).
+  TopKRoute choose(uint64_t max_payload_bytes) const;
+
+ private:
+  float* target();  ///< where the fp32 average is accumulated (the gradient itself when fp32)
+  void finish();    ///< casts the accumulator into an fp16/bf16 gradient
+  TopKCompressor comp_;
+  TopKPlanOptions opt_;
+  TopKPlanStats stats_;
+  Payload payload_;
+  Buffer sizes_, gathered_, acc_;
+  std::vector<int64_t> host_sizes_;
+  size_t stride_ = 0;
+  TopKRoute route_ = TopKRoute::kSparse;
+};
+
+/// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
+/// are summed (rank-ordered allreduce in the value dtype) and decoded once with scale 1/P.
+///
+/// Example:  gradcomp::RandomKAllreducePlan plan({.ratio = 0.01}, n, comm.size());
+class RandomKAllreducePlan : public GradientPlan {
+ public:
+  RandomKAllreducePlan(const RandomKConfig& cfg, int64_t numel, int world,
+                       DType grad_dtype = DType::kFloat32, Device device = Device::kCPU,
+                       int device_index = 0, void* stream = nullptr);
+  std::optional<Collective> next() override;
+  std::string name() const override { return "randomk"; }
+  size_t workspace_bytes() const override;
+  RandomKCompressor& compressor() { return comp_; }
+
+ private:
+  RandomKCompressor comp_;
+  Payload payload_;
+  Buffer acc_;
+};
+
+}  // namespace gradcomp

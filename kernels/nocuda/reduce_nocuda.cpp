@@ -1,0 +1,15 @@
+// SPDX-License-Identifier: Apache-2.0
+// CPU-only build: the CUDA entry points of the communication layer throw "built without CUDA".
+#include "gradcomp/runtime.hpp"
+#include "kernels/reduce.hpp"
+
+namespace gradcomp::kernels::cuda {
+
+void reduce_blocks(const void*, size_t, size_t, size_t, ElemType, void*, void*) {
+  throw_not_built_with_cuda("rank-ordered reduction of CUDA buffers");
+}
+void convert(const void*, DType, void*, DType, int64_t, float, void*) {
+  throw_not_built_with_cuda("cast of a CUDA tensor");
+}
+
+}  // namespace gradcomp::kernels::cuda

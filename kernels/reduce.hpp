@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// Backend entry points of the communication layer's local work: the rank-ordered reduction of P
+// blocks (what makes every driver's allreduce bitwise reproducible) and the casts of the cast
+// and averaging steps. kernels/cpu implements `cpu::`, kernels/cuda (or nocuda) `cuda::`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gradcomp/plan.hpp"
+#include "gradcomp/tensor.hpp"
+
+namespace gradcomp::kernels {
+
+namespace cpu {
+/// dst[i] = ((blocks[0][i] + blocks[1][i]) + ...) + blocks[P-1][i], each addition in type t
+/// (see reduce_math.h), where block r starts at blocks + r * stride elements. dst may alias
+/// block 0 (not the others).
+void reduce_blocks(const void* blocks, size_t nblocks, size_t count, size_t stride, ElemType t,
+                   void* dst);
+/// dst[i] = cast_dt(float(src[i]) / divisor) for fp32/fp16/bf16; src and dst may alias when the
+/// types have the same size.
+void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float divisor);
+}  // namespace cpu
+
+namespace cuda {
+void reduce_blocks(const void* blocks, size_t nblocks, size_t count, size_t stride, ElemType t,
+                   void* dst, void* stream);
+void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float divisor,
+             void* stream);
+}  // namespace cuda
+
+/// Backend by device.
+inline void reduce_blocks(Device d, const void* blocks, size_t nblocks, size_t count,
+                          size_t stride, ElemType t, void* dst, void* stream) {
+  if (d == Device::kCUDA)
+    cuda::reduce_blocks(blocks, nblocks, count, stride, t, dst, stream);
+  else
+    cpu::reduce_blocks(blocks, nblocks, count, stride, t, dst);
+}
+inline void convert(Device d, const void* src, DType st, void* dst, DType dt, int64_t n,
+                    float divisor, void* stream) {
+  if (d == Device::kCUDA)
+    cuda::convert(src, st, dst, dt, n, divisor, stream);
+  else
+    cpu::convert(src, st, dst, dt, n, divisor);
+}
+
+}  // namespace gradcomp::kernels

@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: Apache-2.0
+// Multi-rank tests (run by ctest under mpirun -np 1, 2, 3, 4). Bodies use the Communicator
+// interface: each plan's result equals the single-process reference (run_plans_in_process on
+// all ranks' inputs, and the independent scalar reference), bitwise and on every rank; the
+// primitives; uneven and empty payloads; buckets of 0 and 1 elements; no memory growth over 200
+// steps; mismatched bucket sizes reported with both sizes.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "comm_reference.hpp"
+#include "gradcomp/comm.hpp"
+#include "gradcomp/plans.hpp"
+#include "mpi_main.hpp"
+
+namespace gc = gradcomp;
+using gc::test::rank_input;
+
+namespace {
+
+gc::MpiCommunicator& world() {
+  static gc::MpiCommunicator comm(gc::MpiOptions{.timeout_s = 60});
+  return comm;
+}
+
+/// Every rank holds the same bytes as rank 0.
+bool consensus(gc::Communicator& comm, const void* data, size_t bytes) {
+  std::vector<uint8_t> r0(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + bytes);
+  comm.broadcast(r0.data(), r0.data(), bytes, gc::ElemType::kU8, 0);
+  int64_t same = bytes == 0 || std::memcmp(r0.data(), data, bytes) == 0, all = 0;
+  comm.allreduce(&same, &all, 1, gc::ElemType::kI64, gc::ReduceOp::kSum);
+  return all == comm.size();
+}
+
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return 0;
+}
+
+using Factory = std::function<std::unique_ptr<gc::GradientPlan>(int rank)>;
+
+/// Runs `steps` steps of this rank's plan over MPI and, in process, of P simulated ranks; checks
+/// bitwise equality with the simulation and with `ref` (may be empty), and consensus.
+template <class Ref>
+void check_against_reference(const Factory& make, int64_t n, int steps, Ref&& ref) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  auto mine = make(me);
+  std::vector<std::unique_ptr<gc::GradientPlan>> sims;
+  std::vector<gc::Plan*> raw;
+  for (int r = 0; r < P; ++r) {
+    sims.push_back(make(r));
+    raw.push_back(sims.back().get());
+  }
+  gc::PlanRunner runner(comm);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<float>> in;
+    for (int r = 0; r < P; ++r) in.push_back(rank_input(n, r, s));
+    auto g = in[me];
+    mine->begin(gc::TensorView::cpu(g.data(), n));
+    runner.run(*mine, 0);
+    auto sim = in;
+    for (int r = 0; r < P; ++r) sims[r]->begin(gc::TensorView::cpu(sim[r].data(), n));
+    gc::run_plans_in_process(raw);
+    ASSERT_TRUE(gc::test::same_bits(sim[me], g.data()))
+        << mine->name() << " n=" << n << " step " << s << ": MPI result differs from the "
+        << "in-process simulation at " << gc::test::first_diff(sim[me], g.data());
+    const std::vector<float> want = ref(in);
+    ASSERT_TRUE(gc::test::same_bits(want, g.data()))
+        << mine->name() << " n=" << n << " step " << s << ": differs from the reference at "
+        << gc::test::first_diff(want, g.data());
+    ASSERT_TRUE(consensus(comm, g.data(), g.size() * sizeof(float))) << mine->name() << " step " << s;
+  }
+}
+
+const int64_t kSizes[] = {0, 1, 5, 1000, 100003};
+
+}  // namespace
+
+TEST(MpiComm, PrimitivesMatchOrderedReference) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{1000}, int64_t{300007}}) {
+    std::vector<std::vector<float>> in;
+    for (int r = 0; r < P; ++r) in.push_back(gc::test::normal(n, 99 + r));
+    std::vector<float> out(static_cast<size_t>(n));
+    comm.allreduce(in[me].data(), out.data(), n, gc::ElemType::kF32, gc::ReduceOp::kSum);
+    std::vector<float> want(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      float a = in[0][i];
+      for (int r = 1; r < P; ++r) a += in[r][i];
+      want[i] = a;
+    }
+    EXPECT_TRUE(gc::test::same_bits(want, out.data())) << "allreduce n=" << n;
+    auto inplace = in[me];
+    comm.allreduce(inplace.data(), inplace.data(), n, gc::ElemType::kF32, gc::ReduceOp::kMean);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(inplace[i], want[i] / float(P)) << "mean i=" << i;
+    // reduce-scatter: block b of every rank summed into rank b
+    std::vector<float> blocks(static_cast<size_t>(n * P)), rs(static_cast<size_t>(n));
+    for (int b = 0; b < P; ++b)
+      for (int64_t i = 0; i < n; ++i) blocks[b * n + i] = in[me][i] * float(b + 1);
+    comm.reduce_scatter(blocks.data(), rs.data(), n, gc::ElemType::kF32, gc::ReduceOp::kSum);
+    for (int64_t i = 0; i < n; ++i) {
+      float a = in[0][i] * float(me + 1);
+      for (int r = 1; r < P; ++r) a += in[r][i] * float(me + 1);
+      ASSERT_EQ(rs[i], a) << "reduce_scatter i=" << i;
+    }
+    // alltoall: block b from rank r carries r * 1000 + b
+    std::vector<uint32_t> a2a(static_cast<size_t>(P) * 3), got(static_cast<size_t>(P) * 3);
+    for (int b = 0; b < P; ++b)
+      for (int j = 0; j < 3; ++j) a2a[b * 3 + j] = me * 1000 + b * 10 + j;
+    comm.alltoall(a2a.data(), got.data(), 3, gc::ElemType::kU32);
+    for (int r = 0; r < P; ++r)
+      for (int j = 0; j < 3; ++j) ASSERT_EQ(got[r * 3 + j], uint32_t(r * 1000 + me * 10 + j));
+  }
+  // broadcast from the last rank, allgather
+  int64_t v = 42 + me, all[8] = {};
+  comm.broadcast(&v, &v, 1, gc::ElemType::kI64, P - 1);
+  EXPECT_EQ(v, 42 + P - 1);
+  int64_t mine = me * 7;
+  comm.allgather(&mine, all, 1, gc::ElemType::kI64);
+  for (int r = 0; r < P; ++r) EXPECT_EQ(all[r], r * 7);
+  comm.barrier();
+  EXPECT_THROW(comm.broadcast(&v, &v, 1, gc::ElemType::kI64, P), gc::InvalidArgument);
+}
+
+TEST(MpiComm, AllgatherVaryingUnevenAndEmpty) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  std::vector<uint8_t> mine(static_cast<size_t>(me) * 37);  // rank 0 sends nothing
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] = uint8_t(me * 31 + i);
+  gc::Buffer all(gc::Device::kCPU);
+  std::vector<uint64_t> sizes;
+  const size_t stride = comm.allgather_varying(mine.data(), mine.size(), all, sizes);
+  EXPECT_EQ(stride % 8, 0u);
+  EXPECT_GE(stride, size_t(P - 1) * 37);
+  for (int r = 0; r < P; ++r) {
+    ASSERT_EQ(sizes[r], uint64_t(r) * 37);
+    const auto* p = static_cast<const uint8_t*>(all.data()) + r * stride;
+    for (size_t i = 0; i < sizes[r]; ++i) ASSERT_EQ(p[i], uint8_t(r * 31 + i)) << r << " " << i;
+  }
+}
+
+TEST(MpiPlans, DenseEqualsReference) {
+  const int P = world().size();
+  for (int64_t n : kSizes)
+    check_against_reference(
+        [&](int) { return std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P); }, n,
+        2, gc::test::ref_dense);
+}
+
+TEST(MpiPlans, CastEqualsReference) {
+  const int P = world().size();
+  for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+    for (int64_t n : kSizes)
+      check_against_reference(
+          [&](int) {
+            return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P);
+          },
+          n, 2, [&](const auto& in) { return gc::test::ref_cast(in, wire); });
+}
+
+TEST(MpiPlans, TopKEqualsReferenceOnBothRoutes) {
+  const int P = world().size();
+  for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense})
+    for (int64_t n : kSizes) {
+      gc::TopKConfig cfg;
+      cfg.ratio = 0.001;
+      cfg.momentum = 0.9;
+      gc::test::TopKReference ref(cfg, n, P);
+      gc::TopKPlanOptions opt;
+      opt.route = route;
+      check_against_reference(
+          [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); }, n, 3,
+          [&](const auto& in) { return ref.step(in); });
+      if (P > 1 && n >= 100000) {  // the ranks' payloads really had different lengths
+        size_t lo = SIZE_MAX, hi = 0;
+        for (size_t i = ref.sizes.size() - P; i < ref.sizes.size(); ++i) {
+          lo = std::min(lo, ref.sizes[i]);
+          hi = std::max(hi, ref.sizes[i]);
+        }
+        EXPECT_LT(lo, hi) << "n=" << n;
+      }
+    }
+}
+
+TEST(MpiPlans, TopKAutoRouteUsesMeasuredCostModel) {
+  gc::Communicator& comm = world();
+  const int P = comm.size();
+  const gc::CostModel cm = gc::measure_cost_model(comm, 1 << 20);
+  EXPECT_GT(cm.bandwidth_Bps, 0);
+  EXPECT_GE(cm.latency_s, 0);
+  const int64_t n = 20000;
+  for (double ratio : {0.001, 0.9}) {
+    gc::TopKConfig cfg;
+    cfg.ratio = ratio;
+    gc::test::TopKReference ref(cfg, n, P);
+    check_against_reference(
+        [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm}); },
+        n, 2, [&](const auto& in) { return ref.step(in); });
+  }
+  // a dense-enough bucket over a bandwidth-bound model goes dense
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.9;
+  gc::TopKAllreducePlan plan(cfg, n, P, {.cost = {.latency_s = 0, .bandwidth_Bps = 1e9}});
+  auto g = rank_input(n, comm.rank(), 0);
+  plan.begin(gc::TensorView::cpu(g.data(), n));
+  gc::run_plan(plan, comm);
+    // (P = 2: the ring sends n values either way, and the sparse route needs fewer rounds)
+  EXPECT_EQ(plan.stats().last_route, P > 2 ? gc::TopKRoute::kDense : gc::TopKRoute::kSparse);
+}
+
+TEST(MpiPlans, RandomKEqualsReference) {
+  const int P = world().size();
+  for (int64_t n : kSizes) {
+    gc::RandomKConfig cfg;
+    cfg.ratio = 0.02;
+    cfg.seed = 5;
+    gc::test::RandomKReference ref(cfg, n, P);
+    check_against_reference(
+        [&](int) { return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P); }, n, 3,
+        [&](const auto& in) { return ref.step(in); });
+  }
+}
+
+TEST(MpiPlans, TwoHundredStepsWithoutMemoryGrowth) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  const int64_t n = 4099;
+  gc::TopKConfig tcfg;
+  tcfg.ratio = 0.01;
+  tcfg.select.method = gc::SelectMethod::kExact;
+  gc::RandomKConfig rcfg;
+  std::vector<std::unique_ptr<gc::GradientPlan>> plans;
+  plans.push_back(std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P));
+  plans.push_back(std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P));
+  plans.push_back(std::make_unique<gc::TopKAllreducePlan>(tcfg, n, P));
+  plans.push_back(std::make_unique<gc::RandomKAllreducePlan>(rcfg, n, P));
+  gc::PlanRunner runner(comm);
+  std::vector<size_t> ws(plans.size());
+  long rss0 = 0;
+  for (int s = 0; s < 200; ++s) {
+    auto g = rank_input(n, me, s % 7);
+    for (size_t p = 0; p < plans.size(); ++p) {
+      plans[p]->begin(gc::TensorView::cpu(g.data(), n));
+      runner.run(*plans[p], p);
+    }
+    if (s == 20) {
+      for (size_t p = 0; p < plans.size(); ++p) ws[p] = plans[p]->workspace_bytes();
+      rss0 = rss_kib();
+    }
+  }
+  for (size_t p = 0; p < plans.size(); ++p)
+    EXPECT_EQ(plans[p]->workspace_bytes(), ws[p]) << plans[p]->name();
+  EXPECT_LT(rss_kib() - rss0, 1024) << "resident memory grew over 180 steps";
+}
+
+TEST(MpiPlans, MismatchedBucketSizesReportedWithBothSizes) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  if (P < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int64_t n = me == 1 ? 101 : 100;
+  std::vector<float> g(static_cast<size_t>(n), 1.0f);
+  gc::DenseAllreducePlan plan(n, gc::DType::kFloat32, P);
+  plan.begin(gc::TensorView::cpu(g.data(), n));
+  try {
+    gc::run_plan(plan, comm);
+    FAIL() << "mismatch not detected";
+  } catch (const gc::InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("100"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("101"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+  }
+  // the gradient was not touched, and the communicator still works
+  for (float x : g) ASSERT_EQ(x, 1.0f);
+  // top-k without the driver's handshake: the plan's own size exchange catches it
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.1;
+  gc::TopKAllreducePlan tplan(cfg, n, P);
+  tplan.begin(gc::TensorView::cpu(g.data(), n));
+  try {
+    gc::run_plan(tplan, comm, gc::Handshake::kNone);
+    FAIL() << "top-k mismatch not detected";
+  } catch (const gc::InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("100"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("101"), std::string::npos) << msg;
+  }
+  comm.barrier();
+}
+
+TEST(MpiPlans, PlanForOtherWorldSizeRejected) {
+  gc::Communicator& comm = world();
+  std::vector<float> g(4, 1.0f);
+  gc::DenseAllreducePlan plan(4, gc::DType::kFloat32, comm.size() + 1);
+  plan.begin(gc::TensorView::cpu(g.data(), 4));
+  EXPECT_THROW(gc::run_plan(plan, comm, gc::Handshake::kNone), gc::InvalidArgument);
+}
+
+GC_MPI_TEST_MAIN()

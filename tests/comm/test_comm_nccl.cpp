@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: Apache-2.0
+// NcclCommunicator (label cuda): bootstrapped over MPI, its collectives and the plans on CUDA
+// buffers must give the bits of the CPU/MPI path. Compiled always; skips without a GPU (and with
+// more ranks than GPUs: NCCL needs one GPU per rank). In a CPU-only build the constructor must
+// throw NotBuiltWithCuda.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "comm_reference.hpp"
+#include "gradcomp/comm.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/runtime.hpp"
+#include "mpi_main.hpp"
+
+namespace gc = gradcomp;
+
+namespace {
+
+gc::MpiCommunicator& mpi() {
+  static gc::MpiCommunicator comm(gc::MpiOptions{.timeout_s = 60});
+  return comm;
+}
+
+struct DeviceVec {
+  explicit DeviceVec(const std::vector<float>& h) : n(h.size()) {
+    p = gc::cuda::malloc_async(std::max<size_t>(n, 1) * sizeof(float), nullptr);
+    if (n) gc::cuda::memcpy_async(p, h.data(), n * sizeof(float), nullptr);
+  }
+  ~DeviceVec() { gc::cuda::free_async(p, nullptr); }
+  std::vector<float> host() const {
+    std::vector<float> h(n);
+    if (n) gc::cuda::memcpy_async(h.data(), p, n * sizeof(float), nullptr);
+    gc::cuda::stream_synchronize(nullptr);
+    return h;
+  }
+  size_t n;
+  void* p;
+};
+
+#define REQUIRE_GPU_PER_RANK()                                                             \
+  do {                                                                                     \
+    GC_REQUIRE_GPU();                                                                      \
+    if (mpi().size() > 1)                                                                  \
+      GTEST_SKIP() << "NCCL needs one GPU per rank; this test selects device 0 only, so "  \
+                      "it runs with -np 1 (got " << mpi().size() << " ranks)";            \
+  } while (0)
+
+}  // namespace
+
+TEST(Nccl, WithoutCudaTheConstructorThrows) {
+  if (gc::built_with_cuda()) GTEST_SKIP() << "built with CUDA";
+  EXPECT_THROW(gc::NcclCommunicator(mpi(), nullptr), gc::NotBuiltWithCuda);
+}
+
+TEST(Nccl, CollectivesMatchOrderedReference) {
+  REQUIRE_GPU_PER_RANK();
+  gc::NcclCommunicator nccl(mpi(), nullptr, {.timeout_s = 60});
+  const int P = nccl.size();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1001}, int64_t{300007}}) {
+    auto x = gc::test::normal(n, 7 + nccl.rank());
+    DeviceVec d(x);
+    nccl.allreduce(d.p, d.p, n, gc::ElemType::kF32, gc::ReduceOp::kMean);
+    std::vector<float> want(x.size());
+    mpi().allreduce(x.data(), want.data(), n, gc::ElemType::kF32, gc::ReduceOp::kMean);
+    EXPECT_TRUE(gc::test::same_bits(want, d.host().data())) << "n=" << n << " P=" << P;
+  }
+  nccl.barrier();
+}
+
+TEST(Nccl, PlansOnCudaMatchCpuPlans) {
+  REQUIRE_GPU_PER_RANK();
+  gc::NcclCommunicator nccl(mpi(), nullptr, {.timeout_s = 60});
+  const int P = nccl.size(), me = nccl.rank();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{4097}, int64_t{200003}}) {
+    auto x = gc::test::rank_input(n, me, 0);
+    // dense and fp16 cast
+    for (int which = 0; which < 2; ++which) {
+      std::unique_ptr<gc::GradientPlan> cpu, gpu;
+      if (which == 0) {
+        cpu = std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P);
+        gpu = std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P, gc::Device::kCUDA);
+      } else {
+        cpu = std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P);
+        gpu = std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P,
+                                                      gc::Device::kCUDA);
+      }
+      auto h = x;
+      cpu->begin(gc::TensorView::cpu(h.data(), n));
+      gc::run_plan(*cpu, mpi());
+      DeviceVec d(x);
+      gpu->begin(gc::TensorView(d.p, {n}, gc::DType::kFloat32, gc::Device::kCUDA));
+      gc::run_plan(*gpu, nccl);
+      EXPECT_TRUE(gc::test::same_bits(h, d.host().data())) << gpu->name() << " n=" << n;
+    }
+    // top-k (both routes) and random-k over 3 steps
+    gc::TopKConfig tcfg;
+    tcfg.ratio = 0.01;
+    tcfg.select.method = gc::SelectMethod::kExact;
+    gc::RandomKConfig rcfg;
+    for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense}) {
+      gc::TopKAllreducePlan cpu(tcfg, n, P, {.route = route});
+      gc::TopKAllreducePlan gpu(tcfg, n, P, {.route = route}, gc::DType::kFloat32, gc::Device::kCUDA);
+      gc::RandomKAllreducePlan rcpu(rcfg, n, P);
+      gc::RandomKAllreducePlan rgpu(rcfg, n, P, gc::DType::kFloat32, gc::Device::kCUDA);
+      for (int s = 0; s < 3; ++s) {
+        auto in = gc::test::rank_input(n, me, s);
+        auto h = in;
+        cpu.begin(gc::TensorView::cpu(h.data(), n));
+        gc::run_plan(cpu, mpi());
+        DeviceVec d(in);
+        gpu.begin(gc::TensorView(d.p, {n}, gc::DType::kFloat32, gc::Device::kCUDA));
+        gc::run_plan(gpu, nccl);
+        EXPECT_TRUE(gc::test::same_bits(h, d.host().data())) << "topk n=" << n << " step " << s;
+        auto rh = in;
+        rcpu.begin(gc::TensorView::cpu(rh.data(), n));
+        gc::run_plan(rcpu, mpi());
+        DeviceVec rd(in);
+        rgpu.begin(gc::TensorView(rd.p, {n}, gc::DType::kFloat32, gc::Device::kCUDA));
+        gc::run_plan(rgpu, nccl);
+        EXPECT_TRUE(gc::test::same_bits(rh, rd.host().data())) << "randomk n=" << n << " step " << s;
+      }
+    }
+  }
+}
+
+GC_MPI_TEST_MAIN()

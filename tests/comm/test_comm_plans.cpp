@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: Apache-2.0
+// The comm plans and kernels in one process: every plan run for P = 1..4 simulated ranks by
+// run_plans_in_process and compared bitwise with an independent scalar reference; the
+// rank-ordered reduction and cast kernels against scalar loops; the cost model's choice; bad
+// input rejected before any state changes.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "comm_reference.hpp"
+#include "gradcomp/plans.hpp"
+#include "kernels/reduce.hpp"
+
+namespace gc = gradcomp;
+using gc::test::rank_input;
+
+namespace {
+
+template <class MakePlan, class Reference>
+void check_plan(int P, int64_t n, int steps, MakePlan make, Reference&& ref) {
+  std::vector<std::unique_ptr<gc::GradientPlan>> plans;
+  for (int r = 0; r < P; ++r) plans.push_back(make(r));
+  std::vector<gc::Plan*> raw;
+  for (auto& p : plans) raw.push_back(p.get());
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<float>> in, work;
+    for (int r = 0; r < P; ++r) in.push_back(rank_input(n, r, s));
+    work = in;
+    for (int r = 0; r < P; ++r) plans[r]->begin(gc::TensorView::cpu(work[r].data(), n));
+    gc::run_plans_in_process(raw);
+    const std::vector<float> want = ref(in);
+    for (int r = 0; r < P; ++r) {
+      ASSERT_TRUE(gc::test::same_bits(want, work[r].data()))
+          << plans[0]->name() << " P=" << P << " n=" << n << " step " << s << " rank " << r
+          << " first differs at " << gc::test::first_diff(want, work[r].data());
+    }
+  }
+}
+
+const int64_t kSizes[] = {0, 1, 7, 1000, 65537};
+
+}  // namespace
+
+TEST(CommKernels, ReduceBlocksMatchesScalarLoop) {
+  for (int64_t n : kSizes) {
+    for (size_t P : {1, 2, 3, 4}) {
+      std::vector<float> blocks;
+      for (size_t r = 0; r < P; ++r) {
+        auto v = gc::test::normal(n, 5 + r);
+        blocks.insert(blocks.end(), v.begin(), v.end());
+      }
+      std::vector<float> out(static_cast<size_t>(n)), want(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        float a = blocks[i];
+        for (size_t r = 1; r < P; ++r) a += blocks[r * n + i];
+        want[i] = a;
+      }
+      gc::kernels::cpu::reduce_blocks(blocks.data(), P, n, n, gc::ElemType::kF32, out.data());
+      EXPECT_TRUE(gc::test::same_bits(want, out.data())) << "n=" << n << " P=" << P;
+      // fp16: rounding after every addition
+      std::vector<uint16_t> h(blocks.size()), ho(static_cast<size_t>(n));
+      for (size_t i = 0; i < h.size(); ++i) h[i] = gc::float_to_half(blocks[i]);
+      gc::kernels::cpu::reduce_blocks(h.data(), P, n, n, gc::ElemType::kF16, ho.data());
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t a = h[i];
+        for (size_t r = 1; r < P; ++r)
+          a = gc::float_to_half(gc::half_to_float(a) + gc::half_to_float(h[r * n + i]));
+        ASSERT_EQ(a, ho[i]) << "fp16 n=" << n << " P=" << P << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST(CommKernels, ConvertDividesThenRounds) {
+  for (int64_t n : kSizes) {
+    auto x = gc::test::normal(n, 3, 100.0f);
+    std::vector<uint16_t> b(static_cast<size_t>(n));
+    gc::kernels::cpu::convert(x.data(), gc::DType::kFloat32, b.data(), gc::DType::kBFloat16, n, 3.0f);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(b[i], gc::float_to_bf16(x[i] / 3.0f)) << i;
+    std::vector<float> y(static_cast<size_t>(n));
+    gc::kernels::cpu::convert(b.data(), gc::DType::kBFloat16, y.data(), gc::DType::kFloat32, n, 1.0f);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], gc::bf16_to_float(b[i]));
+  }
+}
+
+TEST(CommPlans, DenseMatchesReference) {
+  for (int P = 1; P <= 4; ++P)
+    for (int64_t n : kSizes)
+      check_plan(P, n, 2, [&](int) { return std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P); },
+                 gc::test::ref_dense);
+}
+
+TEST(CommPlans, CastMatchesReference) {
+  for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+    for (int P = 1; P <= 4; ++P)
+      for (int64_t n : kSizes)
+        check_plan(P, n, 2,
+                   [&](int) { return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P); },
+                   [&](const auto& in) { return gc::test::ref_cast(in, wire); });
+}
+
+TEST(CommPlans, TopKBothRoutesMatchReference) {
+  for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense, gc::TopKRoute::kAuto})
+    for (int P = 1; P <= 4; ++P)
+      for (int64_t n : kSizes) {
+        gc::TopKConfig cfg;
+        cfg.ratio = 0.01;
+        gc::test::TopKReference ref(cfg, n, P);
+        gc::TopKPlanOptions opt;
+        opt.route = route;
+        check_plan(P, n, 3,
+                   [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
+                   [&](const auto& in) {
+                     auto v = ref.step(in);
+                     if (n == 0) v.clear();
+                     return v;
+                   });
+      }
+}
+
+TEST(CommPlans, RandomKMatchesReference) {
+  for (int P = 1; P <= 4; ++P)
+    for (int64_t n : kSizes) {
+      gc::RandomKConfig cfg;
+      cfg.ratio = 0.05;
+      cfg.seed = 11;
+      gc::test::RandomKReference ref(cfg, n, P);
+      check_plan(P, n, 3,
+                 [&](int) { return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P); },
+                 [&](const auto& in) { return ref.step(in); });
+    }
+}
+
+TEST(CommPlans, CostModelChoosesDenseWhenDensityIsHigh) {
+  gc::TopKConfig cfg;
+  gc::TopKPlanOptions opt;
+  opt.cost.latency_s = 0;
+  opt.cost.bandwidth_Bps = 1e9;
+  const int64_t n = 1 << 20;
+  gc::TopKAllreducePlan plan(cfg, n, 4, opt);
+  // sparse sends max_payload * (P-1); dense 2 n 4 (P-1)/P: break-even at max_payload = 2 n
+  EXPECT_EQ(plan.choose(uint64_t(n)), gc::TopKRoute::kSparse);
+  EXPECT_EQ(plan.choose(uint64_t(3 * n)), gc::TopKRoute::kDense);
+  // latency favours the route with fewer rounds (sparse: P-1, dense: 2 (P-1))
+  opt.cost.latency_s = 1.0;
+  gc::TopKAllreducePlan slow(cfg, n, 4, opt);
+  EXPECT_EQ(slow.choose(uint64_t(3 * n)), gc::TopKRoute::kSparse);
+  gc::TopKAllreducePlan one(cfg, n, 1, opt);
+  EXPECT_EQ(one.choose(uint64_t(100 * n)), gc::TopKRoute::kSparse);
+}
+
+TEST(CommPlans, TopKStatisticsRecordRoute) {
+  const int P = 3;
+  const int64_t n = 5000;
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.9;  // dense enough that densify wins on a bandwidth-bound model
+  gc::TopKPlanOptions opt;
+  opt.cost.latency_s = 0;
+  std::vector<std::unique_ptr<gc::TopKAllreducePlan>> plans;
+  std::vector<gc::Plan*> raw;
+  std::vector<std::vector<float>> g;
+  for (int r = 0; r < P; ++r) {
+    plans.push_back(std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt));
+    raw.push_back(plans.back().get());
+    g.push_back(rank_input(n, r, 0));
+    plans.back()->begin(gc::TensorView::cpu(g.back().data(), n));
+  }
+  auto log = gc::run_plans_in_process(raw);
+  ASSERT_EQ(log.size(), 2u);
+  EXPECT_EQ(log[1].kind, gc::CollectiveKind::kAllreduceSum) << log[1].tag;
+  EXPECT_EQ(plans[0]->stats().last_route, gc::TopKRoute::kDense);
+  EXPECT_EQ(plans[0]->stats().dense_steps, 1);
+  EXPECT_GT(plans[0]->stats().last_sparse_cost_s, plans[0]->stats().last_dense_cost_s);
+}
+
+TEST(CommPlans, BadInputRejectedBeforeStateChanges) {
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.1;
+  gc::TopKAllreducePlan plan(cfg, 100, 2);
+  std::vector<float> g(101, 1.0f);
+  const auto before = plan.compressor().state_dict();
+  EXPECT_THROW(plan.begin(gc::TensorView::cpu(g.data(), 101)), gc::InvalidArgument);
+  EXPECT_THROW(plan.next(), gc::InvalidArgument);  // never begun
+  EXPECT_EQ(plan.compressor().state_dict(), before);
+  std::vector<uint16_t> h(100);
+  EXPECT_THROW(plan.begin(gc::TensorView(h.data(), {100}, gc::DType::kFloat16, gc::Device::kCPU)),
+               gc::InvalidArgument);
+  EXPECT_THROW(gc::CastAllreducePlan(10, gc::DType::kFloat32, gc::DType::kFloat32, 2),
+               gc::InvalidArgument);
+  EXPECT_THROW(gc::DenseAllreducePlan(-1, gc::DType::kFloat32, 2), gc::InvalidArgument);
+  EXPECT_THROW(gc::DenseAllreducePlan(5, gc::DType::kFloat32, 0), gc::InvalidArgument);
+}
+
+TEST(CommPlans, DenseHalfGradientsSumInHalf) {
+  const int P = 3;
+  const int64_t n = 333;
+  std::vector<std::vector<uint16_t>> g(P);
+  std::vector<std::unique_ptr<gc::DenseAllreducePlan>> plans;
+  std::vector<gc::Plan*> raw;
+  for (int r = 0; r < P; ++r) {
+    auto v = rank_input(n, r, 0);
+    for (float x : v) g[r].push_back(gc::float_to_half(x));
+    plans.push_back(std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat16, P));
+    raw.push_back(plans.back().get());
+  }
+  auto orig = g;
+  for (int r = 0; r < P; ++r)
+    plans[r]->begin(gc::TensorView(g[r].data(), {n}, gc::DType::kFloat16, gc::Device::kCPU));
+  gc::run_plans_in_process(raw);
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t a = orig[0][i];
+    for (int r = 1; r < P; ++r) a = gc::float_to_half(gc::half_to_float(a) + gc::half_to_float(orig[r][i]));
+    const uint16_t want = gc::float_to_half(gc::half_to_float(a) / float(P));
+    for (int r = 0; r < P; ++r) ASSERT_EQ(g[r][i], want) << "i=" << i << " rank " << r;
+  }
+}
