@@ -1,0 +1,175 @@
+// SPDX-License-Identifier: Apache-2.0
+// The compressed-allreduce plans of plans.hpp, for the Python driver (gradcomp.torch).
+#include "common.hpp"
+
+namespace gradcomp::py {
+namespace {
+
+nb::bytes to_bytes(const std::vector<uint8_t>& b) {
+  return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+TopKRoute parse_route(const std::string& s) {
+  if (s == "auto") return TopKRoute::kAuto;
+  if (s == "sparse") return TopKRoute::kSparse;
+  if (s == "dense") return TopKRoute::kDense;
+  throw InvalidArgument("unknown top-k route '" + s + "' (expected auto, sparse or dense)");
+}
+
+const char* route_name(TopKRoute r) {
+  switch (r) {
+    case TopKRoute::kAuto: return "auto";
+    case TopKRoute::kSparse: return "sparse";
+    case TopKRoute::kDense: return "dense";
+  }
+  return "?";
+}
+
+template <class P>
+void bind_begin(nb::class_<P, Plan>& c) {
+  c.def(
+      "begin",
+      [](P& p, const AnyArray& grad, uintptr_t stream) { p.begin(to_view(grad, stream, "gradient")); },
+      nb::arg("grad"), nb::arg("stream") = 0,
+      "Binds this step's gradient bucket; the average is written back into it when next() "
+      "returns None.");
+  c.def_prop_ro("numel", &P::numel);
+}
+
+void bind_plans(nb::module_& m) {
+  nb::class_<DenseAllreducePlan, Plan> dense(m, "DenseAllreducePlan",
+                                             "Plain allreduce (rank-ordered sum, then / world).");
+  dense.def(
+      "__init__",
+      [](DenseAllreducePlan* self, int64_t numel, const std::string& dtype, int world,
+         const std::string& device, int device_index, uintptr_t stream) {
+        new (self) DenseAllreducePlan(numel, parse_dtype(dtype), world, parse_device(device),
+                                      device_index, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::arg("dtype"), nb::arg("world"), nb::kw_only(),
+      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+  bind_begin(dense);
+
+  nb::class_<CastAllreducePlan, Plan> cast(m, "CastAllreducePlan",
+                                           "fp16/bf16 cast allreduce baseline.");
+  cast.def(
+      "__init__",
+      [](CastAllreducePlan* self, int64_t numel, const std::string& dtype, const std::string& wire,
+         int world, const std::string& device, int device_index, uintptr_t stream) {
+        new (self) CastAllreducePlan(numel, parse_dtype(dtype), parse_dtype(wire), world,
+                                     parse_device(device), device_index,
+                                     reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::arg("dtype"), nb::arg("wire_dtype"), nb::arg("world"), nb::kw_only(),
+      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+  bind_begin(cast);
+
+  nb::class_<TopKAllreducePlan, Plan> topk(
+      m, "TopKAllreducePlan",
+      "Top-k / DGC allreduce: sparse allgather or densify-then-allreduce, chosen per step by a "
+      "cost model (identical decision on every rank).");
+  topk.def(
+      "__init__",
+      [](TopKAllreducePlan* self, int64_t numel, int world, double ratio,
+         const std::string& method, double momentum, bool nesterov, bool momentum_masking,
+         double clip_norm, std::vector<double> warmup_ratios, int64_t warmup_steps,
+         const std::string& value_dtype, bool error_feedback, bool check_finite, uint64_t seed,
+         uint32_t tensor_id, const std::string& route, double latency_s, double bandwidth_Bps,
+         const std::string& grad_dtype, const std::string& device, int device_index,
+         uintptr_t stream) {
+        TopKConfig c;
+        c.ratio = ratio;
+        if (method == "exact")
+          c.select.method = SelectMethod::kExact;
+        else if (method == "sampled")
+          c.select.method = SelectMethod::kSampled;
+        else
+          throw InvalidArgument("unknown selection method '" + method +
+                                "' (expected exact or sampled)");
+        c.momentum = momentum;
+        c.nesterov = nesterov;
+        c.momentum_masking = momentum_masking;
+        c.clip_norm = clip_norm;
+        c.warmup_ratios = std::move(warmup_ratios);
+        c.warmup_steps = warmup_steps;
+        c.value_dtype = parse_dtype(value_dtype);
+        c.error_feedback = error_feedback;
+        c.check_finite = check_finite;
+        c.seed = seed;
+        c.tensor_id = tensor_id;
+        TopKPlanOptions o;
+        o.route = parse_route(route);
+        GC_CHECK_ARG(latency_s >= 0 && bandwidth_Bps > 0, "cost model needs latency_s >= 0 and "
+                     "bandwidth_Bps > 0, got ", latency_s, ", ", bandwidth_Bps);
+        o.cost.latency_s = latency_s;
+        o.cost.bandwidth_Bps = bandwidth_Bps;
+        new (self) TopKAllreducePlan(c, numel, world, o, parse_dtype(grad_dtype),
+                                     parse_device(device), device_index,
+                                     reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::arg("world"), nb::kw_only(), nb::arg("ratio") = 0.001,
+      nb::arg("method") = "sampled", nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
+      nb::arg("momentum_masking") = true, nb::arg("clip_norm") = 0.0,
+      nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
+      nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
+      nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
+      nb::arg("route") = "auto", nb::arg("latency_s") = 20e-6, nb::arg("bandwidth_Bps") = 5e9,
+      nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+      nb::arg("stream") = 0);
+  bind_begin(topk);
+  topk.def("state_dict", [](TopKAllreducePlan& p) { return to_bytes(p.compressor().state_dict()); })
+      .def("load_state_dict",
+           [](TopKAllreducePlan& p, nb::bytes b) {
+             p.compressor().load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+           })
+      .def_prop_ro("compressor_stats",
+                   [](TopKAllreducePlan& p) { return stats_dict(p.compressor().last_stats()); })
+      .def_prop_ro("route_stats", [](TopKAllreducePlan& p) {
+        const TopKPlanStats& s = p.stats();
+        nb::dict d;
+        d["steps"] = s.steps;
+        d["sparse_steps"] = s.sparse_steps;
+        d["dense_steps"] = s.dense_steps;
+        d["last_route"] = std::string(route_name(s.last_route));
+        d["last_max_payload"] = s.last_max_payload;
+        d["last_total_payload"] = s.last_total_payload;
+        d["last_sparse_cost_s"] = s.last_sparse_cost_s;
+        d["last_dense_cost_s"] = s.last_dense_cost_s;
+        return d;
+      });
+
+  nb::class_<RandomKAllreducePlan, Plan> rk(m, "RandomKAllreducePlan",
+                                            "Random-k allreduce: values only, shared indices.");
+  rk.def(
+      "__init__",
+      [](RandomKAllreducePlan* self, int64_t numel, int world, double ratio,
+         const std::string& value_dtype, bool error_feedback, bool check_finite, uint64_t seed,
+         uint32_t tensor_id, const std::string& grad_dtype, const std::string& device,
+         int device_index, uintptr_t stream) {
+        RandomKConfig c;
+        c.ratio = ratio;
+        c.value_dtype = parse_dtype(value_dtype);
+        c.error_feedback = error_feedback;
+        c.check_finite = check_finite;
+        c.seed = seed;
+        c.tensor_id = tensor_id;
+        new (self) RandomKAllreducePlan(c, numel, world, parse_dtype(grad_dtype),
+                                        parse_device(device), device_index,
+                                        reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::arg("world"), nb::kw_only(), nb::arg("ratio") = 0.01,
+      nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
+      nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
+      nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+      nb::arg("stream") = 0);
+  bind_begin(rk);
+  rk.def("state_dict", [](RandomKAllreducePlan& p) { return to_bytes(p.compressor().state_dict()); })
+      .def("load_state_dict", [](RandomKAllreducePlan& p, nb::bytes b) {
+        p.compressor().load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+      });
+}
+
+Register reg(20, bind_plans);
+
+}  // namespace
+}  // namespace gradcomp::py
