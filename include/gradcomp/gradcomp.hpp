@@ -5,6 +5,7 @@
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/plan.hpp"
+#include "gradcomp/powersgd.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/tensor.hpp"
