@@ -48,42 +48,46 @@ GC_HD float psgd_mgs_inv(float s, float orig, float eps) {
   return 1.0f / (norm + eps);
 }
 
-/// Step 1 of a fused MGS pass on one row held in v[0..R): finish column jp = j - 1.
+/// Step 1 of a fused MGS pass on one row held in v[0..R): finish column jp = j - 1. Branch-free
+/// (vectorizes over k): v[k] = v[k] * scale[k] - coef[k] * v[jp], with scale[jp] = inv and 1
+/// elsewhere, coef[k] = <a_jp, a_k> inv^2 for k > jp and 0 elsewhere (see
+/// psgd_mgs_coefficients): exactly old * inv for k = jp and v[k] for k < jp.
 template <int R>
-GC_HD void psgd_mgs_update_row(float (&v)[R], int r, int jp, float inv, const float* coef) {
+GC_HD void psgd_mgs_update_row(float (&v)[R], int jp, const float* scale, const float* coef) {
   float old = 0.0f;
-PSGD_UNROLL
+  PSGD_UNROLL
   for (int k = 0; k < R; ++k)
     if (k == jp) old = v[k];
-PSGD_UNROLL
-  for (int k = 0; k < R; ++k) {
-    if (k == jp) v[k] = old * inv;
-    else if (k > jp && k < r) v[k] -= coef[k] * old;
-  }
+  PSGD_UNROLL
+  for (int k = 0; k < R; ++k) v[k] = v[k] * scale[k] - coef[k] * old;
 }
 
-/// Step 2 of a fused MGS pass: acc[k] += a_j * a_k (k >= j); in pass 0 also acc[R + k] += a_k^2.
-template <int R>
-GC_HD void psgd_mgs_accumulate_row(const float (&v)[R], int r, int j, float (&acc)[2 * R]) {
+/// Step 2 of a fused MGS pass: acc[k] += a_j * a_k for every k (the caller reads k >= j); with
+/// First (pass 0) also acc[R + k] += a_k^2. Padding columns (k >= r) hold 0.
+template <int R, bool First>
+GC_HD void psgd_mgs_accumulate_row(const float (&v)[R], int j, float (&acc)[2 * R]) {
   float xj = 0.0f;
-PSGD_UNROLL
+  PSGD_UNROLL
   for (int k = 0; k < R; ++k)
     if (k == j) xj = v[k];
-PSGD_UNROLL
-  for (int k = 0; k < R; ++k) {
-    if (k >= j && k < r) acc[k] += xj * v[k];
-    if (j == 0 && k < r) acc[R + k] += v[k] * v[k];
+  PSGD_UNROLL
+  for (int k = 0; k < R; ++k) acc[k] += xj * v[k];
+  if (First) {
+    PSGD_UNROLL
+    for (int k = 0; k < R; ++k) acc[R + k] += v[k] * v[k];
   }
 }
 
-/// After pass j's sums s[k] (k >= j): inv for column j and coef[k] for k > j. orig[] holds the
-/// original squared norms (filled from pass 0's sums by the caller).
+/// After pass j's sums s[k] (k >= j): scale[] and coef[] of the update that finishes column j in
+/// the next pass. orig[] holds the original squared norms (from pass 0's sums).
 template <int R>
-GC_HD float psgd_mgs_coefficients(const float* s, const float* orig, int r, int j, float eps,
-                                  float* coef) {
+GC_HD void psgd_mgs_coefficients(const float* s, const float* orig, int r, int j, float eps,
+                                 float* scale, float* coef) {
   const float inv = psgd_mgs_inv(s[j], orig[j], eps);
-  for (int k = j + 1; k < r && k < R; ++k) coef[k] = s[k] * inv * inv;
-  return inv;
+  for (int k = 0; k < R; ++k) {
+    scale[k] = k == j ? inv : 1.0f;
+    coef[k] = k > j && k < r ? s[k] * inv * inv : 0.0f;
+  }
 }
 
 /// Stores x into element i of an fp32/fp16/bf16 array (round to nearest even).

@@ -34,48 +34,59 @@ void with_loader(DType t, F&& f) {
 }
 
 // One fused MGS pass over rows [b, e) of A: finish column j-1 (if j > 0), accumulate sums of j.
-template <int R>
-void mgs_pass_rows(float* A, int64_t b, int64_t e, int r, int j, float inv, const float* coef,
-                   float (&acc)[2 * R]) {
-  for (int k = 0; k < 2 * R; ++k) acc[k] = 0.0f;
+template <int R, bool Full, bool Update, bool First>
+void mgs_rows(float* A, int64_t b, int64_t e, int r, int j, const float* scale, const float* coef,
+              float (&acc)[2 * R]) {
   for (int64_t i = b; i < e; ++i) {
     float* row = A + i * r;
     float v[R];
-PSGD_UNROLL
-    for (int k = 0; k < R; ++k) v[k] = k < r ? row[k] : 0.0f;
-    if (j > 0) {
-      psgd_mgs_update_row<R>(v, r, j - 1, inv, coef);
-PSGD_UNROLL
+    PSGD_UNROLL
+    for (int k = 0; k < R; ++k) v[k] = (Full || k < r) ? row[k] : 0.0f;
+    if (Update) {
+      psgd_mgs_update_row<R>(v, j - 1, scale, coef);
+      PSGD_UNROLL
       for (int k = 0; k < R; ++k)
-        if (k < r) row[k] = v[k];
+        if (Full || k < r) row[k] = v[k];
     }
-    if (j < r) psgd_mgs_accumulate_row<R>(v, r, j, acc);
+    if (j < r) psgd_mgs_accumulate_row<R, First>(v, j, acc);
+  }
+}
+
+template <int R>
+void mgs_pass_rows(float* A, int64_t b, int64_t e, int r, int j, const float* scale,
+                   const float* coef, float (&acc)[2 * R]) {
+  for (int k = 0; k < 2 * R; ++k) acc[k] = 0.0f;
+  const bool full = r == R;
+  if (j == 0) {
+    if (full) mgs_rows<R, true, false, true>(A, b, e, r, j, scale, coef, acc);
+    else mgs_rows<R, false, false, true>(A, b, e, r, j, scale, coef, acc);
+  } else {
+    if (full) mgs_rows<R, true, true, false>(A, b, e, r, j, scale, coef, acc);
+    else mgs_rows<R, false, true, false>(A, b, e, r, j, scale, coef, acc);
   }
 }
 
 template <int R>
 void mgs_serial(float* A, int64_t n, int r, float eps) {
-  float orig[R] = {}, coef[R] = {}, acc[2 * R];
-  float inv = 0.0f;
+  float orig[R] = {}, scale[R] = {}, coef[R] = {}, acc[2 * R];
   for (int j = 0; j <= r; ++j) {
-    mgs_pass_rows<R>(A, 0, n, r, j, inv, coef, acc);
+    mgs_pass_rows<R>(A, 0, n, r, j, scale, coef, acc);
     if (j == 0)
       for (int k = 0; k < r; ++k) orig[k] = acc[R + k];
-    if (j < r) inv = psgd_mgs_coefficients<R>(acc, orig, r, j, eps, coef);
+    if (j < r) psgd_mgs_coefficients<R>(acc, orig, r, j, eps, scale, coef);
   }
 }
 
 template <int R>
 void mgs_parallel(float* A, int64_t n, int r, float eps, int T) {
   float partial[kMaxThreads][2 * R];
-  float orig[R] = {}, coef[R] = {};
-  float inv = 0.0f;
+  float orig[R] = {}, scale[R] = {}, coef[R] = {};
 #pragma omp parallel num_threads(T)
   {
     const int t = omp_get_thread_num();
     const int64_t b = n * t / T, e = n * (t + 1) / T;
     for (int j = 0; j <= r; ++j) {
-      mgs_pass_rows<R>(A, b, e, r, j, inv, coef, partial[t]);
+      mgs_pass_rows<R>(A, b, e, r, j, scale, coef, partial[t]);
 #pragma omp barrier
 #pragma omp single
       {
@@ -84,7 +95,7 @@ void mgs_parallel(float* A, int64_t n, int r, float eps, int T) {
           for (int k = 0; k < 2 * R; ++k) s[k] += partial[u][k];
         if (j == 0)
           for (int k = 0; k < r; ++k) orig[k] = s[R + k];
-        if (j < r) inv = psgd_mgs_coefficients<R>(s, orig, r, j, eps, coef);
+        if (j < r) psgd_mgs_coefficients<R>(s, orig, r, j, eps, scale, coef);
       }  // implicit barrier
     }
   }

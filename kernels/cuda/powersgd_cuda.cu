@@ -125,17 +125,15 @@ template <int R>
 __global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int r, float eps) {
   float* A = P + blockIdx.x * n * r;
   __shared__ float red[kThreads / 32][2 * R];
-  __shared__ float coef[R], orig[R];
-  __shared__ float inv_s;
+  __shared__ float scale[R], coef[R], orig[R];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid < R) {
+    scale[tid] = 1.0f;
     coef[tid] = 0.0f;
     orig[tid] = 0.0f;
   }
-  if (tid == 0) inv_s = 0.0f;
   __syncthreads();
   for (int j = 0; j <= r; ++j) {
-    const float inv = inv_s;
     float acc[2 * R];
 #pragma unroll
     for (int k = 0; k < 2 * R; ++k) acc[k] = 0.0f;
@@ -145,12 +143,13 @@ __global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int 
 #pragma unroll
       for (int k = 0; k < R; ++k) v[k] = k < r ? row[k] : 0.0f;
       if (j > 0) {
-        psgd_mgs_update_row<R>(v, r, j - 1, inv, coef);
+        psgd_mgs_update_row<R>(v, j - 1, scale, coef);
 #pragma unroll
         for (int k = 0; k < R; ++k)
           if (k >= j - 1 && k < r) row[k] = v[k];
       }
-      if (j < r) psgd_mgs_accumulate_row<R>(v, r, j, acc);
+      if (j == 0) psgd_mgs_accumulate_row<R, true>(v, j, acc);
+      else if (j < r) psgd_mgs_accumulate_row<R, false>(v, j, acc);
     }
     if (j == r) break;  // the last pass only finishes column r-1
 #pragma unroll
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int 
       }
       if (j == 0)
         for (int k = 0; k < r; ++k) orig[k] = s[R + k];
-      inv_s = psgd_mgs_coefficients<R>(s, orig, r, j, eps, coef);
+      psgd_mgs_coefficients<R>(s, orig, r, j, eps, scale, coef);
     }
     __syncthreads();
   }
