@@ -144,8 +144,8 @@ void run_step(benchmark::State& state, Orthogonalization how) {
   const double bytes = static_cast<double>(g.numel) * 4;
   state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
   state.counters["compression_ratio"] = st.last_stats().compression_ratio();
-  state.counters["frac_of_copy"] = benchmark::Counter(
-      bytes / copy_bandwidth(id), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_of_copy"] =
+      benchmark::Counter(bytes / copy_bandwidth(id), benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(std::string(model_name(id)) + " r=" + std::to_string(cfg.rank));
 }
 
@@ -213,6 +213,11 @@ BENCHMARK(BM_powersgd_step)->Apply(step_args);
 BENCHMARK(BM_powersgd_baseline_step)->Apply(step_args);
 BENCHMARK(BM_powersgd_orth)->Apply(step_args);
 BENCHMARK(BM_powersgd_baseline_orth)->Apply(step_args);
-BENCHMARK(BM_powersgd_copy)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->MinTime(0.1)->UseRealTime();
+BENCHMARK(BM_powersgd_copy)
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.1)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

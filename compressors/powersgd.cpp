@@ -26,8 +26,8 @@ constexpr int64_t kGpuScratchFloats = int64_t{1} << 24;
 }  // namespace
 
 void PowerSGDConfig::validate() const {
-  GC_CHECK_ARG(rank >= 1 && rank <= kMaxRank, "PowerSGD rank must be in [1, ", kMaxRank,
-               "], got ", rank);
+  GC_CHECK_ARG(rank >= 1 && rank <= kMaxRank, "PowerSGD rank must be in [1, ", kMaxRank, "], got ",
+               rank);
   GC_CHECK_ARG(start_iter >= 0, "start_iter must be >= 0, got ", start_iter);
   GC_CHECK_ARG(std::isfinite(min_compression_rate) && min_compression_rate >= 0.0,
                "min_compression_rate must be finite and >= 0, got ", min_compression_rate);
@@ -36,10 +36,10 @@ void PowerSGDConfig::validate() const {
                orthogonalization_epsilon);
   GC_CHECK_ARG(static_cast<uint8_t>(orthogonalization) <= 3, "unknown orthogonalization ",
                int(orthogonalization));
-  GC_CHECK_ARG(orthogonalization != Orthogonalization::kGramSchmidt ||
-                   rank <= kPowerSGDMaxGramSchmidtRank,
-               "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got rank ",
-               rank, " (use Orthogonalization::kHouseholder or kAuto)");
+  GC_CHECK_ARG(
+      orthogonalization != Orthogonalization::kGramSchmidt || rank <= kPowerSGDMaxGramSchmidtRank,
+      "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got rank ", rank,
+      " (use Orthogonalization::kHouseholder or kAuto)");
 }
 
 struct PowerSGDState::Impl {
@@ -69,9 +69,9 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
                int(grad_dtype));
   if (device == Device::kCUDA && !built_with_cuda())
     throw_not_built_with_cuda("PowerSGD state on a CUDA device");
-  GC_CHECK_ARG(device == Device::kCPU ||
-                   cfg_.orthogonalization != Orthogonalization::kGramSchmidtUnfused,
-               "Orthogonalization::kGramSchmidtUnfused is a CPU baseline; use kGramSchmidt on CUDA");
+  GC_CHECK_ARG(
+      device == Device::kCPU || cfg_.orthogonalization != Orthogonalization::kGramSchmidtUnfused,
+      "Orthogonalization::kGramSchmidtUnfused is a CPU baseline; use kGramSchmidt on CUDA");
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->stream = stream;
   impl_->shapes = shapes;
@@ -92,10 +92,9 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     impl_->total_numel += numel;
     impl_->max_numel = std::max(impl_->max_numel, numel);
     const int r = static_cast<int>(std::min<int64_t>({cfg_.rank, t.n, t.m}));
-    const bool compress =
-        s.size() >= 2 && r >= 1 &&
-        static_cast<double>(t.n + t.m) * r * cfg_.min_compression_rate <
-            static_cast<double>(t.n) * static_cast<double>(t.m);
+    const bool compress = s.size() >= 2 && r >= 1 &&
+                          static_cast<double>(t.n + t.m) * r * cfg_.min_compression_rate <
+                              static_cast<double>(t.n) * static_cast<double>(t.m);
     if (compress) {
       t.rank = r;
       auto key = std::make_tuple(t.n, t.m, r);
@@ -128,8 +127,7 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
   float* P = impl_->pbuf.get<float>(static_cast<size_t>(p_numel_ + u_numel_));
   float* Q = impl_->qbuf.get<float>(static_cast<size_t>(q_numel_));
   uint32_t* id = impl_->ids.get<uint32_t>(ids.size());
-  if (!ids.empty())
-    device_copy(id, device, ids.data(), Device::kCPU, ids.size() * 4, stream);
+  if (!ids.empty()) device_copy(id, device, ids.data(), Device::kCPU, ids.size() * 4, stream);
   if (m_numel_ > 0) device_zero(device, M, static_cast<size_t>(m_numel_) * 4, stream);
   if (q_numel_ > 0) device_zero(device, Q, static_cast<size_t>(q_numel_) * 4, stream);
   int64_t id_off = 0, max_member = 0;
@@ -151,8 +149,8 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
   if (device == Device::kCPU) {
     if (dtype_ != DType::kFloat32) impl_->scratch.get<float>(static_cast<size_t>(max_member));
   } else {
-    impl_->scratch.get<float>(static_cast<size_t>(std::max(max_member, std::min<int64_t>(
-        kGpuScratchFloats, m_numel_))));
+    impl_->scratch.get<float>(
+        static_cast<size_t>(std::max(max_member, std::min<int64_t>(kGpuScratchFloats, m_numel_))));
   }
   if (cfg_.start_iter > 0) impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel));
   stats_.rank_used.assign(info_.size(), 0);
@@ -166,8 +164,9 @@ std::vector<float> PowerSGDState::error(size_t i) const {
   const PowerSGDTensorInfo& t = info_.at(i);
   std::vector<float> out(static_cast<size_t>(t.n * t.m), 0.0f);
   if (t.rank > 0 && cfg_.error_feedback && !out.empty())
-    device_copy(out.data(), Device::kCPU, static_cast<const float*>(impl_->mbuf.data()) + t.m_offset,
-                device_, out.size() * 4, impl_->stream);
+    device_copy(out.data(), Device::kCPU,
+                static_cast<const float*>(impl_->mbuf.data()) + t.m_offset, device_, out.size() * 4,
+                impl_->stream);
   return out;
 }
 
@@ -238,8 +237,8 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
                " tensors, got ", grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     const TensorView& g = grads[i];
-    GC_CHECK_ARG(g.dtype == st_.dtype_, "PowerSGD: tensor ", i, " must be ",
-                 dtype_name(st_.dtype_), ", got ", g.describe());
+    GC_CHECK_ARG(g.dtype == st_.dtype_, "PowerSGD: tensor ", i, " must be ", dtype_name(st_.dtype_),
+                 ", got ", g.describe());
     GC_CHECK_ARG(g.device == st_.device_, "PowerSGD: tensor ", i, " must be on ",
                  device_name(st_.device_), ", got ", g.describe());
     bool same = static_cast<size_t>(g.ndim) == shapes[i].size() ||
@@ -247,7 +246,8 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
     for (size_t d = 0; same && d < shapes[i].size(); ++d) same = g.shape[d] == shapes[i][d];
     if (!same) {
       std::string want = "[";
-      for (size_t d = 0; d < shapes[i].size(); ++d) want += (d ? ", " : "") + std::to_string(shapes[i][d]);
+      for (size_t d = 0; d < shapes[i].size(); ++d)
+        want += (d ? ", " : "") + std::to_string(shapes[i][d]);
       GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " must have shape ", want, "], got ",
                    g.describe());
     }
@@ -256,8 +256,9 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
   if (st_.cfg_.check_finite) {
     for (size_t i = 0; i < grads.size(); ++i) {
       const TensorView& g = grads[i];
-      const int64_t bad = g.is_cuda() ? k::cuda::first_nonfinite(g.data, g.dtype, g.numel, st_.impl_->ctx)
-                                      : k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
+      const int64_t bad = g.is_cuda()
+                              ? k::cuda::first_nonfinite(g.data, g.dtype, g.numel, st_.impl_->ctx)
+                              : k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
       GC_CHECK_ARG(bad < 0, "PowerSGD: tensor ", i, " (", g.describe(),
                    ") holds a non-finite value at index ", bad,
                    " (check_finite rejects NaN/Inf before any state changes)");
@@ -301,7 +302,8 @@ std::optional<Collective> PowerSGDPlan::next() {
     s.sent_bytes = 0;
     for (const auto& c : issued_) s.sent_bytes += c.send_bytes();
     s.collectives = static_cast<int>(issued_.size());
-    for (size_t i = 0; i < st_.info_.size(); ++i) s.rank_used[i] = compressed ? st_.info_[i].rank : 0;
+    for (size_t i = 0; i < st_.info_.size(); ++i)
+      s.rank_used[i] = compressed ? st_.info_[i].rank : 0;
     ++st_.step_;
     phase_ = Phase::kDone;
     grads_.clear();
@@ -311,15 +313,18 @@ std::optional<Collective> PowerSGDPlan::next() {
     case Phase::kIdle:
       GC_CHECK_ARG(false, "PowerSGD plan: next() called before begin()");
       return std::nullopt;
-    case Phase::kDone: return std::nullopt;
+    case Phase::kDone:
+      return std::nullopt;
     case Phase::kStart: {
       if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
         if (im.total_numel == 0) return done(false);
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
         for (const auto& g : grads_) {
-          if (gpu) k::cuda::load(g.data, g.dtype, g.numel, b + off, false, im.stream);
-          else k::cpu::load(g.data, g.dtype, g.numel, b + off, false);
+          if (gpu)
+            k::cuda::load(g.data, g.dtype, g.numel, b + off, false, im.stream);
+          else
+            k::cpu::load(g.data, g.dtype, g.numel, b + off, false);
           off += g.numel;
         }
         phase_ = Phase::kPlainWait;
@@ -339,8 +344,10 @@ std::optional<Collective> PowerSGDPlan::next() {
       const float* b = static_cast<const float*>(im.plain.data());
       int64_t off = 0;
       for (const auto& g : grads_) {
-        if (gpu) k::cuda::store_mean(b + off, g.numel, world, g.data, g.dtype, im.stream);
-        else k::cpu::store_mean(b + off, g.numel, world, g.data, g.dtype);
+        if (gpu)
+          k::cuda::store_mean(b + off, g.numel, world, g.data, g.dtype, im.stream);
+        else
+          k::cpu::store_mean(b + off, g.numel, world, g.data, g.dtype);
         off += g.numel;
       }
       return done(false);
@@ -375,21 +382,27 @@ void PowerSGDPlan::phase_compress() {
     const PowerSGDTensorInfo& t = st_.info_[i];
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
     const bool add = t.rank > 0 && cfg.error_feedback;
-    if (gpu) k::cuda::load(g.data, g.dtype, g.numel, dst, add, im.stream);
-    else k::cpu::load(g.data, g.dtype, g.numel, dst, add);
+    if (gpu)
+      k::cuda::load(g.data, g.dtype, g.numel, dst, add, im.stream);
+    else
+      k::cpu::load(g.data, g.dtype, g.numel, dst, add);
   }
   // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
   const uint64_t step = static_cast<uint64_t>(st_.step_);
   for (const auto& grp : im.groups) {
-    if (gpu) k::cuda::fill_q(grp, cfg.seed, step, !fresh, im.stream);
-    else k::cpu::fill_q(grp, cfg.seed, step, !fresh);
+    if (gpu)
+      k::cuda::fill_q(grp, cfg.seed, step, !fresh, im.stream);
+    else
+      k::cpu::fill_q(grp, cfg.seed, step, !fresh);
   }
   st_.q_ready_ = true;
   for (const auto& grp : im.groups) {
-    if (gpu) k::cuda::compute_p(grp, im.ctx);
-    else k::cpu::compute_p(grp, im.ctx);
+    if (gpu)
+      k::cuda::compute_p(grp, im.ctx);
+    else
+      k::cpu::compute_p(grp, im.ctx);
   }
 }
 
@@ -400,8 +413,10 @@ void PowerSGDPlan::phase_project() {
   const auto& cfg = st_.cfg_;
   float* P = static_cast<float*>(im.pbuf.data());
   const float world = static_cast<float>(world_);
-  if (gpu) k::cuda::divide(P, st_.p_numel_, world, im.stream);
-  else k::cpu::divide(P, st_.p_numel_, world);
+  if (gpu)
+    k::cuda::divide(P, st_.p_numel_, world, im.stream);
+  else
+    k::cpu::divide(P, st_.p_numel_, world);
   for (const auto& grp : im.groups) {
     if (gpu)
       k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
@@ -411,8 +426,10 @@ void PowerSGDPlan::phase_project() {
                             cfg.orthogonalization, im.ctx);
   }
   for (const auto& grp : im.groups) {
-    if (gpu) k::cuda::compute_q(grp, im.ctx);
-    else k::cpu::compute_q(grp, im.ctx);
+    if (gpu)
+      k::cuda::compute_q(grp, im.ctx);
+    else
+      k::cpu::compute_q(grp, im.ctx);
   }
 }
 
@@ -422,8 +439,10 @@ void PowerSGDPlan::phase_finish() {
   const bool gpu = st_.device_ == Device::kCUDA;
   const bool ef = st_.cfg_.error_feedback;
   const float world = static_cast<float>(world_);
-  if (gpu) k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
-  else k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
+  if (gpu)
+    k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
+  else
+    k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
   float* M = static_cast<float*>(im.mbuf.data());
   float* scratch = static_cast<float*>(im.scratch.data());
   for (size_t gi = 0; gi < im.groups.size(); ++gi) {
@@ -439,8 +458,8 @@ void PowerSGDPlan::phase_finish() {
       }
       continue;
     }
-    const int64_t chunk =
-        std::max<int64_t>(1, static_cast<int64_t>(im.scratch.capacity() / 4) / std::max<int64_t>(1, nm));
+    const int64_t chunk = std::max<int64_t>(
+        1, static_cast<int64_t>(im.scratch.capacity() / 4) / std::max<int64_t>(1, nm));
     for (int64_t b0 = 0; b0 < grp.batch; b0 += chunk) {
       const int64_t cnt = std::min(chunk, grp.batch - b0);
       k::cuda::reconstruct(grp, b0, cnt, scratch, im.ctx);
@@ -457,8 +476,10 @@ void PowerSGDPlan::phase_finish() {
     const PowerSGDTensorInfo& t = st_.info_[i];
     if (t.rank > 0) continue;
     const TensorView& g = grads_[i];
-    if (gpu) k::cuda::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype, im.stream);
-    else k::cpu::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype);
+    if (gpu)
+      k::cuda::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype, im.stream);
+    else
+      k::cpu::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype);
   }
 }
 

@@ -69,8 +69,7 @@ void load(const void* g, DType t, int64_t n, float* dst, bool add, void* stream)
 void divide(float* x, int64_t n, float world, void* stream);
 void store_mean(const float* src, int64_t n, float world, void* g, DType t, void* stream);
 void store_result(const float* r, void* g, DType t, int64_t n, float* m_err, void* stream);
-void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns,
-            void* stream);
+void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns, void* stream);
 void compute_p(const PsgdGroup& g, PsgdContext& ctx);
 void compute_q(const PsgdGroup& g, PsgdContext& ctx);
 /// out[b - b0] = P_b Q_b^T for members b0 .. b0 + count - 1 (one strided-batched GEMM).

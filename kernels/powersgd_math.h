@@ -92,9 +92,12 @@ GC_HD void psgd_mgs_coefficients(const float* s, const float* orig, int r, int j
 
 /// Stores x into element i of an fp32/fp16/bf16 array (round to nearest even).
 GC_HD void psgd_store(void* p, int64_t i, DType t, float x) {
-  if (t == DType::kFloat32) static_cast<float*>(p)[i] = x;
-  else if (t == DType::kFloat16) static_cast<uint16_t*>(p)[i] = float_to_half(x);
-  else static_cast<uint16_t*>(p)[i] = float_to_bf16(x);
+  if (t == DType::kFloat32)
+    static_cast<float*>(p)[i] = x;
+  else if (t == DType::kFloat16)
+    static_cast<uint16_t*>(p)[i] = float_to_half(x);
+  else
+    static_cast<uint16_t*>(p)[i] = float_to_bf16(x);
 }
 
 /// Loads element i of an fp32/fp16/bf16 array as float.

@@ -69,7 +69,7 @@ struct PowerSGDConfig {
   /// are numerically zero (norm <= 1e-4 x their norm before projection, or exactly 0) become zero
   /// columns whatever epsilon is: never NaN.
   float orthogonalization_epsilon = 0.0f;
-  uint64_t seed = 0;          ///< keys the initial Q: identical on every rank, CPU and CUDA
+  uint64_t seed = 0;             ///< keys the initial Q: identical on every rank, CPU and CUDA
   uint32_t first_tensor_id = 0;  ///< tensor i of the bucket uses RNG tensor id first_tensor_id + i
   Orthogonalization orthogonalization = Orthogonalization::kAuto;
   /// Send the uncompressed pack and P in one allreduce (2 collectives per step instead of 3).
@@ -81,12 +81,12 @@ struct PowerSGDConfig {
 
 /// What happened to the bucket in its last step.
 struct PowerSGDStats {
-  int64_t step = -1;            ///< step index (0-based) of the last completed step
-  bool compressed = false;      ///< false for the plain allreduce steps before start_iter
-  uint64_t dense_bytes = 0;     ///< sum of numel * dtype size of the bucket's gradients
-  uint64_t sent_bytes = 0;      ///< bytes this rank sent in the step's collectives (fp32)
-  int collectives = 0;          ///< number of collectives of the step
-  std::vector<int> rank_used;   ///< per tensor: rank used, 0 = sent uncompressed
+  int64_t step = -1;           ///< step index (0-based) of the last completed step
+  bool compressed = false;     ///< false for the plain allreduce steps before start_iter
+  uint64_t dense_bytes = 0;    ///< sum of numel * dtype size of the bucket's gradients
+  uint64_t sent_bytes = 0;     ///< bytes this rank sent in the step's collectives (fp32)
+  int collectives = 0;         ///< number of collectives of the step
+  std::vector<int> rank_used;  ///< per tensor: rank used, 0 = sent uncompressed
   double compression_ratio() const {
     return sent_bytes ? static_cast<double>(dense_bytes) / static_cast<double>(sent_bytes) : 0.0;
   }
@@ -94,13 +94,13 @@ struct PowerSGDStats {
 
 /// Bucket layout: how each tensor is handled (fixed at construction).
 struct PowerSGDTensorInfo {
-  int64_t n = 0, m = 0;   ///< matrix view shape[0] x rest (1-D: numel x 1)
-  int rank = 0;           ///< rank used, 0 = uncompressed
-  int group = -1;         ///< batch group (same n, m, rank) of a compressed tensor
-  int64_t m_offset = 0;   ///< offset (elements) of its M / error block (compressed)
-  int64_t p_offset = 0;   ///< offset of its P block in the P buffer (compressed)
-  int64_t q_offset = 0;   ///< offset of its Q block (compressed)
-  int64_t u_offset = 0;   ///< offset in the uncompressed pack (uncompressed)
+  int64_t n = 0, m = 0;  ///< matrix view shape[0] x rest (1-D: numel x 1)
+  int rank = 0;          ///< rank used, 0 = uncompressed
+  int group = -1;        ///< batch group (same n, m, rank) of a compressed tensor
+  int64_t m_offset = 0;  ///< offset (elements) of its M / error block (compressed)
+  int64_t p_offset = 0;  ///< offset of its P block in the P buffer (compressed)
+  int64_t q_offset = 0;  ///< offset of its Q block (compressed)
+  int64_t u_offset = 0;  ///< offset in the uncompressed pack (uncompressed)
 };
 
 /// The state of PowerSGD for one bucket on one rank: error, Q, step, workspaces. Not thread-safe.

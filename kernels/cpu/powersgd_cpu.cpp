@@ -27,9 +27,15 @@ int threads_for(int64_t work) {
 template <class F>
 void with_loader(DType t, F&& f) {
   switch (t) {
-    case DType::kFloat32: f(F32Load{}); return;
-    case DType::kFloat16: f(F16Load{}); return;
-    case DType::kBFloat16: f(BF16Load{}); return;
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
   }
 }
 
@@ -58,11 +64,15 @@ void mgs_pass_rows(float* A, int64_t b, int64_t e, int r, int j, const float* sc
   for (int k = 0; k < 2 * R; ++k) acc[k] = 0.0f;
   const bool full = r == R;
   if (j == 0) {
-    if (full) mgs_rows<R, true, false, true>(A, b, e, r, j, scale, coef, acc);
-    else mgs_rows<R, false, false, true>(A, b, e, r, j, scale, coef, acc);
+    if (full)
+      mgs_rows<R, true, false, true>(A, b, e, r, j, scale, coef, acc);
+    else
+      mgs_rows<R, false, false, true>(A, b, e, r, j, scale, coef, acc);
   } else {
-    if (full) mgs_rows<R, true, true, false>(A, b, e, r, j, scale, coef, acc);
-    else mgs_rows<R, false, true, false>(A, b, e, r, j, scale, coef, acc);
+    if (full)
+      mgs_rows<R, true, true, false>(A, b, e, r, j, scale, coef, acc);
+    else
+      mgs_rows<R, false, true, false>(A, b, e, r, j, scale, coef, acc);
   }
 }
 
@@ -133,8 +143,7 @@ void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
   std::vector<float>& w = ctx.host_work;
   if (w.size() < 1) w.resize(1);
   GC_CHECK(LAPACKE_sgeqrf_work(LAPACK_COL_MAJOR, N, K, w.data(), N, w.data(), &query, -1) == 0);
-  GC_CHECK(LAPACKE_sorgqr_work(LAPACK_COL_MAJOR, N, K, K, w.data(), N, w.data(), &query2, -1) ==
-           0);
+  GC_CHECK(LAPACKE_sorgqr_work(LAPACK_COL_MAJOR, N, K, K, w.data(), N, w.data(), &query2, -1) == 0);
   const size_t lwork = static_cast<size_t>(std::max(query, query2)) + 1;
   const size_t need = static_cast<size_t>(n) * r + r + lwork;
   if (w.size() < need) w.resize(need);
@@ -247,9 +256,9 @@ void compute_q(const PsgdGroup& g, PsgdContext&) {
 }
 
 void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext&) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(g.n),
-              static_cast<int>(g.m), g.r, 1.0f, g.P + b * g.n * g.r, g.r, g.Q + b * g.m * g.r,
-              g.r, 0.0f, out, static_cast<int>(g.m));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(g.n), static_cast<int>(g.m),
+              g.r, 1.0f, g.P + b * g.n * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, out,
+              static_cast<int>(g.m));
 }
 
 void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
@@ -259,20 +268,30 @@ void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogo
     how = r <= kPowerSGDMaxGramSchmidtRank ? Orthogonalization::kGramSchmidt
                                            : Orthogonalization::kHouseholder;
   switch (how) {
-    case Orthogonalization::kHouseholder: householder(P, batch, n, r, ctx); return;
+    case Orthogonalization::kHouseholder:
+      householder(P, batch, n, r, ctx);
+      return;
     case Orthogonalization::kGramSchmidtUnfused:
       for (int64_t b = 0; b < batch; ++b) mgs_unfused(P + b * n * r, n, r, eps);
       return;
-    default: break;
+    default:
+      break;
   }
-  GC_CHECK_ARG(r <= kPowerSGDMaxGramSchmidtRank, "fused Gram-Schmidt supports rank <= ",
-               kPowerSGDMaxGramSchmidtRank, ", got ", r, " (use Householder)");
-  if (r <= 1) mgs_batch<1>(P, batch, n, r, eps);
-  else if (r <= 2) mgs_batch<2>(P, batch, n, r, eps);
-  else if (r <= 4) mgs_batch<4>(P, batch, n, r, eps);
-  else if (r <= 8) mgs_batch<8>(P, batch, n, r, eps);
-  else if (r <= 16) mgs_batch<16>(P, batch, n, r, eps);
-  else mgs_batch<32>(P, batch, n, r, eps);
+  GC_CHECK_ARG(r <= kPowerSGDMaxGramSchmidtRank,
+               "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ", r,
+               " (use Householder)");
+  if (r <= 1)
+    mgs_batch<1>(P, batch, n, r, eps);
+  else if (r <= 2)
+    mgs_batch<2>(P, batch, n, r, eps);
+  else if (r <= 4)
+    mgs_batch<4>(P, batch, n, r, eps);
+  else if (r <= 8)
+    mgs_batch<8>(P, batch, n, r, eps);
+  else if (r <= 16)
+    mgs_batch<16>(P, batch, n, r, eps);
+  else
+    mgs_batch<32>(P, batch, n, r, eps);
 }
 
 }  // namespace gradcomp::kernels::cpu

@@ -13,22 +13,22 @@
 #include "kernels/powersgd.hpp"
 #include "kernels/powersgd_math.h"
 
-#define GC_CUBLAS_CHECK(call)                                                              \
-  do {                                                                                     \
-    cublasStatus_t gc_st_ = (call);                                                        \
-    if (gc_st_ != CUBLAS_STATUS_SUCCESS)                                                   \
-      throw ::gradcomp::BackendError(::gradcomp::detail::cat(                              \
-          "cuBLAS error ", static_cast<int>(gc_st_), " in ", #call, " at ", __FILE__, ":", \
-          __LINE__));                                                                      \
+#define GC_CUBLAS_CHECK(call)                                                               \
+  do {                                                                                      \
+    cublasStatus_t gc_st_ = (call);                                                         \
+    if (gc_st_ != CUBLAS_STATUS_SUCCESS)                                                    \
+      throw ::gradcomp::BackendError(                                                       \
+          ::gradcomp::detail::cat("cuBLAS error ", static_cast<int>(gc_st_), " in ", #call, \
+                                  " at ", __FILE__, ":", __LINE__));                        \
   } while (0)
 
-#define GC_CUSOLVER_CHECK(call)                                                              \
-  do {                                                                                       \
-    cusolverStatus_t gc_st_ = (call);                                                        \
-    if (gc_st_ != CUSOLVER_STATUS_SUCCESS)                                                   \
-      throw ::gradcomp::BackendError(::gradcomp::detail::cat(                                \
-          "cuSOLVER error ", static_cast<int>(gc_st_), " in ", #call, " at ", __FILE__, ":", \
-          __LINE__));                                                                        \
+#define GC_CUSOLVER_CHECK(call)                                                               \
+  do {                                                                                        \
+    cusolverStatus_t gc_st_ = (call);                                                         \
+    if (gc_st_ != CUSOLVER_STATUS_SUCCESS)                                                    \
+      throw ::gradcomp::BackendError(                                                         \
+          ::gradcomp::detail::cat("cuSOLVER error ", static_cast<int>(gc_st_), " in ", #call, \
+                                  " at ", __FILE__, ":", __LINE__));                          \
   } while (0)
 
 namespace gradcomp::kernels {
@@ -148,8 +148,10 @@ __global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int 
         for (int k = 0; k < R; ++k)
           if (k >= j - 1 && k < r) row[k] = v[k];
       }
-      if (j == 0) psgd_mgs_accumulate_row<R, true>(v, j, acc);
-      else if (j < r) psgd_mgs_accumulate_row<R, false>(v, j, acc);
+      if (j == 0)
+        psgd_mgs_accumulate_row<R, true>(v, j, acc);
+      else if (j < r)
+        psgd_mgs_accumulate_row<R, false>(v, j, acc);
     }
     if (j == r) break;  // the last pass only finishes column r-1
 #pragma unroll
@@ -267,19 +269,19 @@ void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_col
 void compute_p(const PsgdGroup& g, PsgdContext& ctx) {  // P^T (r x n) = Q^T (r x m) M^T (m x n)
   if (g.batch == 0) return;
   const float one = 1.0f, zero = 0.0f;
-  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(
-      blas(ctx), CUBLAS_OP_N, CUBLAS_OP_N, g.r, to_int(g.n, "n"), to_int(g.m, "m"), &one, g.Q,
-      g.r, g.m * g.r, g.M, to_int(g.m, "m"), g.n * g.m, &zero, g.P, g.r, g.n * g.r,
-      to_int(g.batch, "batch")));
+  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(blas(ctx), CUBLAS_OP_N, CUBLAS_OP_N, g.r,
+                                            to_int(g.n, "n"), to_int(g.m, "m"), &one, g.Q, g.r,
+                                            g.m * g.r, g.M, to_int(g.m, "m"), g.n * g.m, &zero, g.P,
+                                            g.r, g.n * g.r, to_int(g.batch, "batch")));
 }
 
 void compute_q(const PsgdGroup& g, PsgdContext& ctx) {  // Q^T (r x m) = P^T (r x n) M (n x m)
   if (g.batch == 0) return;
   const float one = 1.0f, zero = 0.0f;
-  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(
-      blas(ctx), CUBLAS_OP_N, CUBLAS_OP_T, g.r, to_int(g.m, "m"), to_int(g.n, "n"), &one, g.P,
-      g.r, g.n * g.r, g.M, to_int(g.m, "m"), g.n * g.m, &zero, g.Q, g.r, g.m * g.r,
-      to_int(g.batch, "batch")));
+  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(blas(ctx), CUBLAS_OP_N, CUBLAS_OP_T, g.r,
+                                            to_int(g.m, "m"), to_int(g.n, "n"), &one, g.P, g.r,
+                                            g.n * g.r, g.M, to_int(g.m, "m"), g.n * g.m, &zero, g.Q,
+                                            g.r, g.m * g.r, to_int(g.batch, "batch")));
 }
 
 void reconstruct(const PsgdGroup& g, int64_t b0, int64_t count, float* out,
@@ -304,15 +306,22 @@ void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogo
     householder(P, batch, n, r, ctx);
     return;
   }
-  GC_CHECK_ARG(r <= kPowerSGDMaxGramSchmidtRank, "fused Gram-Schmidt supports rank <= ",
-               kPowerSGDMaxGramSchmidtRank, ", got ", r, " (use Householder)");
+  GC_CHECK_ARG(r <= kPowerSGDMaxGramSchmidtRank,
+               "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ", r,
+               " (use Householder)");
   cudaStream_t s = as_stream(ctx.stream);
-  if (r <= 1) launch_mgs<1>(P, batch, n, r, eps, s);
-  else if (r <= 2) launch_mgs<2>(P, batch, n, r, eps, s);
-  else if (r <= 4) launch_mgs<4>(P, batch, n, r, eps, s);
-  else if (r <= 8) launch_mgs<8>(P, batch, n, r, eps, s);
-  else if (r <= 16) launch_mgs<16>(P, batch, n, r, eps, s);
-  else launch_mgs<32>(P, batch, n, r, eps, s);
+  if (r <= 1)
+    launch_mgs<1>(P, batch, n, r, eps, s);
+  else if (r <= 2)
+    launch_mgs<2>(P, batch, n, r, eps, s);
+  else if (r <= 4)
+    launch_mgs<4>(P, batch, n, r, eps, s);
+  else if (r <= 8)
+    launch_mgs<8>(P, batch, n, r, eps, s);
+  else if (r <= 16)
+    launch_mgs<16>(P, batch, n, r, eps, s);
+  else
+    launch_mgs<32>(P, batch, n, r, eps, s);
 }
 
 }  // namespace cuda

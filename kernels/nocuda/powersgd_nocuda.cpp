@@ -23,8 +23,12 @@ void store_result(const float*, void*, DType, int64_t, float*, void*) {
 void fill_q(const PsgdGroup&, uint64_t, uint64_t, bool, void*) {
   throw_not_built_with_cuda("PowerSGD Q initialization on CUDA");
 }
-void compute_p(const PsgdGroup&, PsgdContext&) { throw_not_built_with_cuda("PowerSGD GEMM on CUDA"); }
-void compute_q(const PsgdGroup&, PsgdContext&) { throw_not_built_with_cuda("PowerSGD GEMM on CUDA"); }
+void compute_p(const PsgdGroup&, PsgdContext&) {
+  throw_not_built_with_cuda("PowerSGD GEMM on CUDA");
+}
+void compute_q(const PsgdGroup&, PsgdContext&) {
+  throw_not_built_with_cuda("PowerSGD GEMM on CUDA");
+}
 void reconstruct(const PsgdGroup&, int64_t, int64_t, float*, PsgdContext&) {
   throw_not_built_with_cuda("PowerSGD GEMM on CUDA");
 }

@@ -53,9 +53,9 @@ TEST(PowerSGDOrth, FusedMatchesScalarReferenceOnManySizes) {
                       OrthCase{20000, 4}, OrthCase{9000, 8}, OrthCase{64, 32}, OrthCase{5, 5}}) {
     for (int batch : {1, 3}) {
       std::vector<float> p = normal(oc.n * oc.r * batch, 11 + oc.n + oc.r);
-      for (Orthogonalization how : {Orthogonalization::kGramSchmidt,
-                                    Orthogonalization::kGramSchmidtUnfused,
-                                    Orthogonalization::kHouseholder}) {
+      for (Orthogonalization how :
+           {Orthogonalization::kGramSchmidt, Orthogonalization::kGramSchmidtUnfused,
+            Orthogonalization::kHouseholder}) {
         std::vector<float> q = p;
         kernels::cpu::orthogonalize(q.data(), batch, oc.n, oc.r, 0.0f, how, ctx);
         for (int b = 0; b < batch; ++b) {
@@ -63,7 +63,8 @@ TEST(PowerSGDOrth, FusedMatchesScalarReferenceOnManySizes) {
           ref_orth(ref, oc.n, oc.r);
           std::vector<float> got(q.begin() + b * oc.n * oc.r, q.begin() + (b + 1) * oc.n * oc.r);
           std::vector<bool> zc;
-          for (float d : gram_defect(got, oc.n, oc.r, &zc)) ASSERT_LT(d, 2e-5) << oc.n << "x" << oc.r;
+          for (float d : gram_defect(got, oc.n, oc.r, &zc))
+            ASSERT_LT(d, 2e-5) << oc.n << "x" << oc.r;
           for (bool z : zc) EXPECT_FALSE(z);
           if (how == Orthogonalization::kHouseholder) {
             // Householder columns may differ in sign: compare |<q_c, ref_c>| = 1.
@@ -87,8 +88,8 @@ TEST(PowerSGDOrth, ZeroAndDuplicateColumnsNeverNaN) {
     const int r = 5;
     std::vector<float> p = normal(n * r, 3 + n);
     for (int64_t i = 0; i < n; ++i) {
-      p[i * r + 1] = 0.0f;               // zero column
-      p[i * r + 3] = p[i * r + 0];       // duplicate of column 0
+      p[i * r + 1] = 0.0f;                 // zero column
+      p[i * r + 3] = p[i * r + 0];         // duplicate of column 0
       p[i * r + 4] = 2.0f * p[i * r + 2];  // parallel to column 2
     }
     for (float eps : {0.0f, 1e-8f}) {
@@ -160,9 +161,9 @@ TEST(PowerSGD, PowerIterationApproachesBestRankRError) {
   // Best rank-r error from the singular values (LAPACKE dgesdd).
   std::vector<double> a = Md, sv(m);
   // (row-major n x m is column-major m x n: the same singular values)
-  ASSERT_EQ(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', m, n, a.data(), m, sv.data(), nullptr, 1,
-                           nullptr, 1),
-            0);
+  ASSERT_EQ(
+      LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', m, n, a.data(), m, sv.data(), nullptr, 1, nullptr, 1),
+      0);
   double best = 0, total = 0;
   for (int64_t i = 0; i < m; ++i) total += sv[i] * sv[i];
   for (int64_t i = r; i < m; ++i) best += sv[i] * sv[i];
@@ -179,9 +180,9 @@ TEST(PowerSGD, PowerIterationApproachesBestRankRError) {
     for (int64_t i = 0; i < n * m; ++i) e += (bk.data[0][i] - Md[i]) * (bk.data[0][i] - Md[i]);
     errs.push_back(std::sqrt(e));
   }
-  EXPECT_GT(errs[0], 1.02 * best);          // one iteration from a random Q is not optimal ...
+  EXPECT_GT(errs[0], 1.02 * best);  // one iteration from a random Q is not optimal ...
   EXPECT_LT(errs.back(), 1.001 * best + 1e-4 * std::sqrt(total));  // ... k iterations are
-  EXPECT_GE(errs.back(), best * (1 - 1e-4));  // and nothing beats the SVD
+  EXPECT_GE(errs.back(), best * (1 - 1e-4));                       // and nothing beats the SVD
   EXPECT_LT(errs[5], errs[0]);
 }
 
@@ -210,7 +211,8 @@ TEST(PowerSGD, ErrorFeedbackInvariantOver50Steps) {
           half[p][i].resize(bk[p].data[i].size());
           for (size_t e = 0; e < bk[p].data[i].size(); ++e) {
             half[p][i][e] = float_to_bf16(bk[p].data[i][e]);
-            const double x = dt == DType::kFloat32 ? bk[p].data[i][e] : bf16_to_float(half[p][i][e]);
+            const double x =
+                dt == DType::kFloat32 ? bk[p].data[i][e] : bf16_to_float(half[p][i][e]);
             in_sum[i][e] += x / P;
           }
           v.push_back(dt == DType::kFloat32

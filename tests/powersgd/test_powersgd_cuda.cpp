@@ -58,7 +58,8 @@ TEST(PowerSGDCuda, OrthogonalizeMatchesCpuTwin) {
         p[i * c.r + 1] = 0.0f;
         p[i * c.r + 3] = p[i * c.r + 0];
       }
-    for (Orthogonalization how : {Orthogonalization::kGramSchmidt, Orthogonalization::kHouseholder}) {
+    for (Orthogonalization how :
+         {Orthogonalization::kGramSchmidt, Orthogonalization::kHouseholder}) {
       auto cpu = p;
       kernels::cpu::orthogonalize(cpu.data(), batch, c.n, c.r, 1e-8f, how, cctx);
       Dev<float> d(p);
