@@ -7,6 +7,7 @@
 #include "gradcomp/error.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/powersgd.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/straggler.hpp"

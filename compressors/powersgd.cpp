@@ -1,0 +1,486 @@
+// SPDX-License-Identifier: Apache-2.0
+// PowerSGD for one bucket: layout (compress or not, batch groups), state (error, Q, step), and the
+// plan that runs one step. The math lives in kernels/; the backend is picked by the device.
+#include "gradcomp/powersgd.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "core/state_io.hpp"
+#include "gradcomp/runtime.hpp"
+#include "gradcomp/workspace.hpp"
+#include "kernels/powersgd.hpp"
+
+namespace gradcomp {
+
+namespace k = kernels;
+
+namespace {
+constexpr int kMaxRank = 4096;
+// GPU reconstruction scratch: at most this many floats per strided-batched GEMM (one member at
+// least); bounds the memory for models with many same-shape layers.
+constexpr int64_t kGpuScratchFloats = int64_t{1} << 24;
+
+}  // namespace
+
+void PowerSGDConfig::validate() const {
+  GC_CHECK_ARG(rank >= 1 && rank <= kMaxRank, "PowerSGD rank must be in [1, ", kMaxRank, "], got ",
+               rank);
+  GC_CHECK_ARG(start_iter >= 0, "start_iter must be >= 0, got ", start_iter);
+  GC_CHECK_ARG(std::isfinite(min_compression_rate) && min_compression_rate >= 0.0,
+               "min_compression_rate must be finite and >= 0, got ", min_compression_rate);
+  GC_CHECK_ARG(std::isfinite(orthogonalization_epsilon) && orthogonalization_epsilon >= 0.0f,
+               "orthogonalization_epsilon must be finite and >= 0, got ",
+               orthogonalization_epsilon);
+  GC_CHECK_ARG(static_cast<uint8_t>(orthogonalization) <= 3, "unknown orthogonalization ",
+               int(orthogonalization));
+  GC_CHECK_ARG(
+      orthogonalization != Orthogonalization::kGramSchmidt || rank <= kPowerSGDMaxGramSchmidtRank,
+      "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got rank ", rank,
+      " (use Orthogonalization::kHouseholder or kAuto)");
+}
+
+struct PowerSGDState::Impl {
+  Impl(Device d, void* s)
+      : mbuf(d, s), pbuf(d, s), qbuf(d, s), scratch(d, s), plain(d, s), ids(d, s), ctx(d, s) {}
+  Buffer mbuf;     // M = grad + error; holds the error between steps (error feedback)
+  Buffer pbuf;     // [P of every compressed tensor | uncompressed pack]
+  Buffer qbuf;     // Q of every compressed tensor (persists with warm start)
+  Buffer scratch;  // reconstruction P Q^T when it cannot go straight into the gradient
+  Buffer plain;    // the whole bucket in fp32 for the steps before start_iter
+  Buffer ids;      // RNG tensor ids, group by group (uint32)
+  std::vector<k::PsgdGroup> groups;
+  std::vector<std::vector<size_t>> members;  // tensor indices per group, in bucket order
+  std::vector<std::vector<int64_t>> shapes;
+  int64_t total_numel = 0, max_numel = 0;
+  k::PsgdContext ctx;
+  void* stream = nullptr;
+};
+
+PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
+                             const std::vector<std::vector<int64_t>>& shapes, DType grad_dtype,
+                             Device device, int device_index, void* stream)
+    : cfg_(cfg), dtype_(grad_dtype), device_(device) {
+  (void)device_index;
+  cfg_.validate();
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype ",
+               int(grad_dtype));
+  if (device == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda("PowerSGD state on a CUDA device");
+  GC_CHECK_ARG(
+      device == Device::kCPU || cfg_.orthogonalization != Orthogonalization::kGramSchmidtUnfused,
+      "Orthogonalization::kGramSchmidtUnfused is a CPU baseline; use kGramSchmidt on CUDA");
+  impl_ = std::make_unique<Impl>(device, stream);
+  impl_->stream = stream;
+  impl_->shapes = shapes;
+  info_.resize(shapes.size());
+  std::map<std::tuple<int64_t, int64_t, int>, int> group_of;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& s = shapes[i];
+    GC_CHECK_ARG(s.size() <= static_cast<size_t>(TensorView::kMaxDims), "tensor ", i, " has ",
+                 s.size(), " dimensions, at most ", TensorView::kMaxDims, " are supported");
+    int64_t numel = 1;
+    for (int64_t d : s) {
+      GC_CHECK_ARG(d >= 0, "tensor ", i, " has a negative dimension ", d);
+      numel *= d;
+    }
+    PowerSGDTensorInfo& t = info_[i];
+    t.n = s.empty() ? 1 : s[0];
+    t.m = t.n > 0 ? numel / t.n : 0;
+    impl_->total_numel += numel;
+    impl_->max_numel = std::max(impl_->max_numel, numel);
+    const int r = static_cast<int>(std::min<int64_t>({cfg_.rank, t.n, t.m}));
+    const bool compress = s.size() >= 2 && r >= 1 &&
+                          static_cast<double>(t.n + t.m) * r * cfg_.min_compression_rate <
+                              static_cast<double>(t.n) * static_cast<double>(t.m);
+    if (compress) {
+      t.rank = r;
+      auto key = std::make_tuple(t.n, t.m, r);
+      auto it = group_of.find(key);
+      if (it == group_of.end()) {
+        it = group_of.emplace(key, static_cast<int>(impl_->members.size())).first;
+        impl_->members.emplace_back();
+      }
+      t.group = it->second;
+      impl_->members[t.group].push_back(i);
+    } else {
+      t.u_offset = u_numel_;
+      u_numel_ += numel;
+    }
+  }
+  // Group-contiguous layout so that a group is one strided batch.
+  std::vector<uint32_t> ids;
+  for (const auto& mem : impl_->members)
+    for (size_t i : mem) {
+      PowerSGDTensorInfo& t = info_[i];
+      t.m_offset = m_numel_;
+      t.p_offset = p_numel_;
+      t.q_offset = q_numel_;
+      m_numel_ += t.n * t.m;
+      p_numel_ += t.n * t.rank;
+      q_numel_ += t.m * t.rank;
+      ids.push_back(cfg_.first_tensor_id + static_cast<uint32_t>(i));
+    }
+  float* M = impl_->mbuf.get<float>(static_cast<size_t>(m_numel_));
+  float* P = impl_->pbuf.get<float>(static_cast<size_t>(p_numel_ + u_numel_));
+  float* Q = impl_->qbuf.get<float>(static_cast<size_t>(q_numel_));
+  uint32_t* id = impl_->ids.get<uint32_t>(ids.size());
+  if (!ids.empty()) device_copy(id, device, ids.data(), Device::kCPU, ids.size() * 4, stream);
+  if (m_numel_ > 0) device_zero(device, M, static_cast<size_t>(m_numel_) * 4, stream);
+  if (q_numel_ > 0) device_zero(device, Q, static_cast<size_t>(q_numel_) * 4, stream);
+  int64_t id_off = 0, max_member = 0;
+  for (const auto& mem : impl_->members) {
+    const PowerSGDTensorInfo& t = info_[mem[0]];
+    k::PsgdGroup g;
+    g.batch = static_cast<int64_t>(mem.size());
+    g.n = t.n;
+    g.m = t.m;
+    g.r = t.rank;
+    g.M = M + t.m_offset;
+    g.P = P + t.p_offset;
+    g.Q = Q + t.q_offset;
+    g.ids = id + id_off;
+    id_off += g.batch;
+    max_member = std::max(max_member, t.n * t.m);
+    impl_->groups.push_back(g);
+  }
+  if (device == Device::kCPU) {
+    if (dtype_ != DType::kFloat32) impl_->scratch.get<float>(static_cast<size_t>(max_member));
+  } else {
+    impl_->scratch.get<float>(
+        static_cast<size_t>(std::max(max_member, std::min<int64_t>(kGpuScratchFloats, m_numel_))));
+  }
+  if (cfg_.start_iter > 0) impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel));
+  stats_.rank_used.assign(info_.size(), 0);
+}
+
+PowerSGDState::~PowerSGDState() = default;
+
+size_t PowerSGDState::num_groups() const { return impl_->groups.size(); }
+
+std::vector<float> PowerSGDState::error(size_t i) const {
+  const PowerSGDTensorInfo& t = info_.at(i);
+  std::vector<float> out(static_cast<size_t>(t.n * t.m), 0.0f);
+  if (t.rank > 0 && cfg_.error_feedback && !out.empty())
+    device_copy(out.data(), Device::kCPU,
+                static_cast<const float*>(impl_->mbuf.data()) + t.m_offset, device_, out.size() * 4,
+                impl_->stream);
+  return out;
+}
+
+std::vector<float> PowerSGDState::q(size_t i) const {
+  const PowerSGDTensorInfo& t = info_.at(i);
+  if (t.rank == 0 || !q_ready_) return {};
+  std::vector<float> out(static_cast<size_t>(t.m * t.rank));
+  device_copy(out.data(), Device::kCPU, static_cast<const float*>(impl_->qbuf.data()) + t.q_offset,
+              device_, out.size() * 4, impl_->stream);
+  return out;
+}
+
+std::vector<uint8_t> PowerSGDState::state_dict() const {
+  detail::StateWriter w("powersgd");
+  w.put<uint64_t>(info_.size());
+  for (const auto& t : info_) {
+    w.put<int64_t>(t.n);
+    w.put<int64_t>(t.m);
+    w.put<int32_t>(t.rank);
+  }
+  w.put<uint8_t>(cfg_.error_feedback);
+  w.put<uint8_t>(cfg_.warm_start);
+  w.put<int64_t>(step_);
+  w.put<uint8_t>(q_ready_);
+  w.put_array(impl_->mbuf.data(), device_, cfg_.error_feedback ? m_numel_ * 4 : 0, impl_->stream);
+  w.put_array(impl_->qbuf.data(), device_, q_ready_ ? q_numel_ * 4 : 0, impl_->stream);
+  return w.take();
+}
+
+void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
+  detail::StateReader r(data, nbytes, "powersgd");
+  r.expect<uint64_t>("tensor count", info_.size());
+  for (const auto& t : info_) {
+    r.expect<int64_t>("rows", t.n);
+    r.expect<int64_t>("cols", t.m);
+    r.expect<int32_t>("rank", t.rank);
+  }
+  r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
+  r.expect<uint8_t>("warm_start", cfg_.warm_start);
+  const auto step = r.get<int64_t>("step");
+  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const auto qr = r.get<uint8_t>("q_ready");
+  GC_CHECK_ARG(qr <= 1, "state_dict: bad q_ready flag ", int(qr));
+  const uint8_t* err = r.array("error", cfg_.error_feedback ? m_numel_ * 4 : 0);
+  const uint8_t* q = r.array("Q", qr ? q_numel_ * 4 : 0);
+  r.finish();
+  // Everything checked: now change the state.
+  if (cfg_.error_feedback && m_numel_ > 0)
+    device_copy(impl_->mbuf.data(), device_, err, Device::kCPU, m_numel_ * 4, impl_->stream);
+  if (qr && q_numel_ > 0)
+    device_copy(impl_->qbuf.data(), device_, q, Device::kCPU, q_numel_ * 4, impl_->stream);
+  if (device_ == Device::kCUDA) cuda::stream_synchronize(impl_->stream);  // host source dies
+  step_ = step;
+  q_ready_ = qr != 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+
+PowerSGDPlan::PowerSGDPlan(PowerSGDState& state, int world) : st_(state), world_(world) {
+  GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
+}
+
+void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
+  GC_CHECK_ARG(phase_ == Phase::kIdle || phase_ == Phase::kDone,
+               "PowerSGD plan: begin() called while a step is in progress");
+  const auto& shapes = st_.impl_->shapes;
+  GC_CHECK_ARG(grads.size() == shapes.size(), "PowerSGD: the bucket has ", shapes.size(),
+               " tensors, got ", grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const TensorView& g = grads[i];
+    GC_CHECK_ARG(g.dtype == st_.dtype_, "PowerSGD: tensor ", i, " must be ", dtype_name(st_.dtype_),
+                 ", got ", g.describe());
+    GC_CHECK_ARG(g.device == st_.device_, "PowerSGD: tensor ", i, " must be on ",
+                 device_name(st_.device_), ", got ", g.describe());
+    bool same = static_cast<size_t>(g.ndim) == shapes[i].size() ||
+                (shapes[i].empty() && g.ndim == 1 && g.numel == 1);
+    for (size_t d = 0; same && d < shapes[i].size(); ++d) same = g.shape[d] == shapes[i][d];
+    if (!same) {
+      std::string want = "[";
+      for (size_t d = 0; d < shapes[i].size(); ++d)
+        want += (d ? ", " : "") + std::to_string(shapes[i][d]);
+      GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " must have shape ", want, "], got ",
+                   g.describe());
+    }
+    GC_CHECK_ARG(g.numel == 0 || g.data != nullptr, "PowerSGD: tensor ", i, " has null data");
+  }
+  if (st_.cfg_.check_finite) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const TensorView& g = grads[i];
+      const int64_t bad = g.is_cuda()
+                              ? k::cuda::first_nonfinite(g.data, g.dtype, g.numel, st_.impl_->ctx)
+                              : k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
+      GC_CHECK_ARG(bad < 0, "PowerSGD: tensor ", i, " (", g.describe(),
+                   ") holds a non-finite value at index ", bad,
+                   " (check_finite rejects NaN/Inf before any state changes)");
+    }
+  }
+  grads_ = grads;
+  issued_.clear();
+  phase_ = Phase::kStart;
+}
+
+Collective PowerSGDPlan::make(void* buf, size_t count, const char* tag) const {
+  Collective c;
+  c.kind = CollectiveKind::kAllreduceSum;
+  c.type = ElemType::kF32;
+  c.send = buf;
+  c.recv = buf;
+  c.count = count;
+  c.device = st_.device_;
+  c.stream = st_.impl_->stream;
+  c.tag = tag;
+  c.world = world_;
+  return c;
+}
+
+std::optional<Collective> PowerSGDPlan::next() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const float world = static_cast<float>(world_);
+  float* pbuf = static_cast<float*>(im.pbuf.data());
+  float* ubuf = pbuf + st_.p_numel_;
+  auto issue = [&](Collective c) {
+    issued_.push_back(c);
+    return std::optional<Collective>(std::move(c));
+  };
+  auto done = [&](bool compressed) {
+    PowerSGDStats& s = st_.stats_;
+    s.step = st_.step_;
+    s.compressed = compressed;
+    s.dense_bytes = 0;
+    for (const auto& g : grads_) s.dense_bytes += static_cast<uint64_t>(g.nbytes());
+    s.sent_bytes = 0;
+    for (const auto& c : issued_) s.sent_bytes += c.send_bytes();
+    s.collectives = static_cast<int>(issued_.size());
+    for (size_t i = 0; i < st_.info_.size(); ++i)
+      s.rank_used[i] = compressed ? st_.info_[i].rank : 0;
+    ++st_.step_;
+    phase_ = Phase::kDone;
+    grads_.clear();
+    return std::optional<Collective>();
+  };
+  switch (phase_) {
+    case Phase::kIdle:
+      GC_CHECK_ARG(false, "PowerSGD plan: next() called before begin()");
+      return std::nullopt;
+    case Phase::kDone:
+      return std::nullopt;
+    case Phase::kStart: {
+      if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
+        if (im.total_numel == 0) return done(false);
+        float* b = static_cast<float*>(im.plain.data());
+        int64_t off = 0;
+        for (const auto& g : grads_) {
+          if (gpu)
+            k::cuda::load(g.data, g.dtype, g.numel, b + off, false, im.stream);
+          else
+            k::cpu::load(g.data, g.dtype, g.numel, b + off, false);
+          off += g.numel;
+        }
+        phase_ = Phase::kPlainWait;
+        return issue(make(b, static_cast<size_t>(im.total_numel), "powersgd plain"));
+      }
+      phase_compress();
+      const size_t np = static_cast<size_t>(st_.p_numel_), nu = static_cast<size_t>(st_.u_numel_);
+      if (np == 0 && nu == 0) return done(true);
+      if (np > 0 && (nu == 0 || st_.cfg_.fuse_uncompressed_with_p)) {
+        phase_ = Phase::kWaitP;
+        return issue(make(pbuf, np + nu, nu ? "powersgd P+uncompressed" : "powersgd P"));
+      }
+      phase_ = Phase::kWaitU;
+      return issue(make(ubuf, nu, "powersgd uncompressed"));
+    }
+    case Phase::kPlainWait: {
+      const float* b = static_cast<const float*>(im.plain.data());
+      int64_t off = 0;
+      for (const auto& g : grads_) {
+        if (gpu)
+          k::cuda::store_mean(b + off, g.numel, world, g.data, g.dtype, im.stream);
+        else
+          k::cpu::store_mean(b + off, g.numel, world, g.data, g.dtype);
+        off += g.numel;
+      }
+      return done(false);
+    }
+    case Phase::kWaitU:
+      if (st_.p_numel_ > 0) {
+        phase_ = Phase::kWaitP;
+        return issue(make(pbuf, static_cast<size_t>(st_.p_numel_), "powersgd P"));
+      }
+      phase_finish();
+      return done(true);
+    case Phase::kWaitP:
+      phase_project();
+      phase_ = Phase::kWaitQ;
+      return issue(make(im.qbuf.data(), static_cast<size_t>(st_.q_numel_), "powersgd Q"));
+    case Phase::kWaitQ:
+      phase_finish();
+      return done(true);
+  }
+  return std::nullopt;
+}
+
+// local: M = grad (+ error); Q drawn / kept; P = M Q; uncompressed tensors packed.
+void PowerSGDPlan::phase_compress() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const auto& cfg = st_.cfg_;
+  float* M = static_cast<float*>(im.mbuf.data());
+  float* U = static_cast<float*>(im.pbuf.data()) + st_.p_numel_;
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const TensorView& g = grads_[i];
+    const PowerSGDTensorInfo& t = st_.info_[i];
+    float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
+    const bool add = t.rank > 0 && cfg.error_feedback;
+    if (gpu)
+      k::cuda::load(g.data, g.dtype, g.numel, dst, add, im.stream);
+    else
+      k::cpu::load(g.data, g.dtype, g.numel, dst, add);
+  }
+  // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
+  // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
+  const bool fresh = !cfg.warm_start || !st_.q_ready_;
+  const uint64_t step = static_cast<uint64_t>(st_.step_);
+  for (const auto& grp : im.groups) {
+    if (gpu)
+      k::cuda::fill_q(grp, cfg.seed, step, !fresh, im.stream);
+    else
+      k::cpu::fill_q(grp, cfg.seed, step, !fresh);
+  }
+  st_.q_ready_ = true;
+  for (const auto& grp : im.groups) {
+    if (gpu)
+      k::cuda::compute_p(grp, im.ctx);
+    else
+      k::cpu::compute_p(grp, im.ctx);
+  }
+}
+
+// local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
+void PowerSGDPlan::phase_project() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const auto& cfg = st_.cfg_;
+  float* P = static_cast<float*>(im.pbuf.data());
+  const float world = static_cast<float>(world_);
+  if (gpu)
+    k::cuda::divide(P, st_.p_numel_, world, im.stream);
+  else
+    k::cpu::divide(P, st_.p_numel_, world);
+  for (const auto& grp : im.groups) {
+    if (gpu)
+      k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
+                             cfg.orthogonalization, im.ctx);
+    else
+      k::cpu::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
+                            cfg.orthogonalization, im.ctx);
+  }
+  for (const auto& grp : im.groups) {
+    if (gpu)
+      k::cuda::compute_q(grp, im.ctx);
+    else
+      k::cpu::compute_q(grp, im.ctx);
+  }
+}
+
+// local: Q = Q_sum / world; grad = P_hat Q^T; error = M - grad; uncompressed = sum / world.
+void PowerSGDPlan::phase_finish() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const bool ef = st_.cfg_.error_feedback;
+  const float world = static_cast<float>(world_);
+  if (gpu)
+    k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
+  else
+    k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
+  float* M = static_cast<float*>(im.mbuf.data());
+  float* scratch = static_cast<float*>(im.scratch.data());
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+    const k::PsgdGroup& grp = im.groups[gi];
+    const auto& mem = im.members[gi];
+    const int64_t nm = grp.n * grp.m;
+    if (!gpu) {
+      for (int64_t b = 0; b < grp.batch; ++b) {
+        const TensorView& g = grads_[mem[b]];
+        float* out = g.dtype == DType::kFloat32 ? g.as<float>() : scratch;
+        k::cpu::reconstruct(grp, b, out, im.ctx);
+        k::cpu::store_result(out, g.data, g.dtype, nm, ef ? grp.M + b * nm : nullptr);
+      }
+      continue;
+    }
+    const int64_t chunk = std::max<int64_t>(
+        1, static_cast<int64_t>(im.scratch.capacity() / 4) / std::max<int64_t>(1, nm));
+    for (int64_t b0 = 0; b0 < grp.batch; b0 += chunk) {
+      const int64_t cnt = std::min(chunk, grp.batch - b0);
+      k::cuda::reconstruct(grp, b0, cnt, scratch, im.ctx);
+      for (int64_t b = b0; b < b0 + cnt; ++b) {
+        const TensorView& g = grads_[mem[b]];
+        k::cuda::store_result(scratch + (b - b0) * nm, g.data, g.dtype, nm,
+                              ef ? grp.M + b * nm : nullptr, im.stream);
+      }
+    }
+  }
+  (void)M;
+  const float* U = static_cast<const float*>(im.pbuf.data()) + st_.p_numel_;
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const PowerSGDTensorInfo& t = st_.info_[i];
+    if (t.rank > 0) continue;
+    const TensorView& g = grads_[i];
+    if (gpu)
+      k::cuda::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype, im.stream);
+    else
+      k::cpu::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype);
+  }
+}
+
+}  // namespace gradcomp

@@ -1,0 +1,297 @@
+// SPDX-License-Identifier: Apache-2.0
+// PowerSGD on the CPU: OpenMP element-wise passes, BLAS GEMMs (a loop over the members of a batch
+// group), the fused modified Gram-Schmidt and LAPACKE Householder QR.
+#include <cblas.h>
+#include <lapacke.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_math.h"
+
+namespace gradcomp::kernels::cpu {
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per thread below which a pass stays serial
+constexpr int kMaxThreads = 64;
+
+int threads_for(int64_t work) {
+  const int64_t t = std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, work / kGrain));
+  return static_cast<int>(std::min<int64_t>(t, kMaxThreads));
+}
+
+template <class F>
+void with_loader(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
+  }
+}
+
+// One fused MGS pass over rows [b, e) of A: finish column j-1 (if j > 0), accumulate sums of j.
+template <int R, bool Full, bool Update, bool First>
+void mgs_rows(float* A, int64_t b, int64_t e, int r, int j, const float* scale, const float* coef,
+              float (&acc)[2 * R]) {
+  for (int64_t i = b; i < e; ++i) {
+    float* row = A + i * r;
+    float v[R];
+    PSGD_UNROLL
+    for (int k = 0; k < R; ++k) v[k] = (Full || k < r) ? row[k] : 0.0f;
+    if (Update) {
+      psgd_mgs_update_row<R>(v, j - 1, scale, coef);
+      PSGD_UNROLL
+      for (int k = 0; k < R; ++k)
+        if (Full || k < r) row[k] = v[k];
+    }
+    if (j < r) psgd_mgs_accumulate_row<R, First>(v, j, acc);
+  }
+}
+
+template <int R>
+void mgs_pass_rows(float* A, int64_t b, int64_t e, int r, int j, const float* scale,
+                   const float* coef, float (&acc)[2 * R]) {
+  for (int k = 0; k < 2 * R; ++k) acc[k] = 0.0f;
+  const bool full = r == R;
+  if (j == 0) {
+    if (full)
+      mgs_rows<R, true, false, true>(A, b, e, r, j, scale, coef, acc);
+    else
+      mgs_rows<R, false, false, true>(A, b, e, r, j, scale, coef, acc);
+  } else {
+    if (full)
+      mgs_rows<R, true, true, false>(A, b, e, r, j, scale, coef, acc);
+    else
+      mgs_rows<R, false, true, false>(A, b, e, r, j, scale, coef, acc);
+  }
+}
+
+template <int R>
+void mgs_serial(float* A, int64_t n, int r, float eps) {
+  float orig[R] = {}, scale[R] = {}, coef[R] = {}, acc[2 * R];
+  for (int j = 0; j <= r; ++j) {
+    mgs_pass_rows<R>(A, 0, n, r, j, scale, coef, acc);
+    if (j == 0)
+      for (int k = 0; k < r; ++k) orig[k] = acc[R + k];
+    if (j < r) psgd_mgs_coefficients<R>(acc, orig, r, j, eps, scale, coef);
+  }
+}
+
+template <int R>
+void mgs_parallel(float* A, int64_t n, int r, float eps, int T) {
+  float partial[kMaxThreads][2 * R];
+  float orig[R] = {}, scale[R] = {}, coef[R] = {};
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t b = n * t / T, e = n * (t + 1) / T;
+    for (int j = 0; j <= r; ++j) {
+      mgs_pass_rows<R>(A, b, e, r, j, scale, coef, partial[t]);
+#pragma omp barrier
+#pragma omp single
+      {
+        float s[2 * R] = {};
+        for (int u = 0; u < T; ++u)  // fixed order: deterministic for a given thread count
+          for (int k = 0; k < 2 * R; ++k) s[k] += partial[u][k];
+        if (j == 0)
+          for (int k = 0; k < r; ++k) orig[k] = s[R + k];
+        if (j < r) psgd_mgs_coefficients<R>(s, orig, r, j, eps, scale, coef);
+      }  // implicit barrier
+    }
+  }
+}
+
+template <int R>
+void mgs_batch(float* P, int64_t batch, int64_t n, int r, float eps) {
+  const int T = threads_for(n * r);
+  if (T > 1 && batch < T) {
+    for (int64_t b = 0; b < batch; ++b) mgs_parallel<R>(P + b * n * r, n, r, eps, T);
+    return;
+  }
+  const int TB = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), batch));
+#pragma omp parallel for num_threads(TB) schedule(static) if (TB > 1 && batch * n * r > kGrain)
+  for (int64_t b = 0; b < batch; ++b) mgs_serial<R>(P + b * n * r, n, r, eps);
+}
+
+// PyTorch's column-by-column Gram-Schmidt: norm, scale, then a dot and an axpy per later column,
+// each a separate strided pass (the benchmark baseline). Zero columns stay zero.
+void mgs_unfused(float* A, int64_t n, int r, float eps) {
+  for (int i = 0; i < r; ++i) {
+    float* col = A + i;
+    const float nrm = cblas_snrm2(static_cast<int>(n), col, r);
+    cblas_sscal(static_cast<int>(n), nrm > 0.0f ? 1.0f / (nrm + eps) : 0.0f, col, r);
+    for (int k = i + 1; k < r; ++k) {
+      const float d = cblas_sdot(static_cast<int>(n), col, r, A + k, r);
+      cblas_saxpy(static_cast<int>(n), -d, col, r, A + k, r);
+    }
+  }
+}
+
+void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
+  const lapack_int N = static_cast<lapack_int>(n), K = r;
+  float query = 0.0f, query2 = 0.0f;
+  std::vector<float>& w = ctx.host_work;
+  if (w.size() < 1) w.resize(1);
+  GC_CHECK(LAPACKE_sgeqrf_work(LAPACK_COL_MAJOR, N, K, w.data(), N, w.data(), &query, -1) == 0);
+  GC_CHECK(LAPACKE_sorgqr_work(LAPACK_COL_MAJOR, N, K, K, w.data(), N, w.data(), &query2, -1) == 0);
+  const size_t lwork = static_cast<size_t>(std::max(query, query2)) + 1;
+  const size_t need = static_cast<size_t>(n) * r + r + lwork;
+  if (w.size() < need) w.resize(need);
+  float* a = w.data();
+  float* tau = a + n * r;
+  float* work = tau + r;
+  for (int64_t b = 0; b < batch; ++b) {
+    float* A = P + b * n * r;
+    for (int64_t i = 0; i < n; ++i)
+      for (int k = 0; k < r; ++k) a[k * n + i] = A[i * r + k];
+    lapack_int info = LAPACKE_sgeqrf_work(LAPACK_COL_MAJOR, N, K, a, N, tau, work,
+                                          static_cast<lapack_int>(lwork));
+    if (info != 0) throw BackendError(detail::cat("LAPACKE_sgeqrf failed with info ", info));
+    info = LAPACKE_sorgqr_work(LAPACK_COL_MAJOR, N, K, K, a, N, tau, work,
+                               static_cast<lapack_int>(lwork));
+    if (info != 0) throw BackendError(detail::cat("LAPACKE_sorgqr failed with info ", info));
+    for (int64_t i = 0; i < n; ++i)
+      for (int k = 0; k < r; ++k) A[i * r + k] = a[k * n + i];
+  }
+}
+
+}  // namespace
+
+int64_t first_nonfinite(const void* g, DType t, int64_t n) {
+  int64_t best = std::numeric_limits<int64_t>::max();
+  with_loader(t, [&](auto L) {
+    using Ld = decltype(L);
+#pragma omp parallel for num_threads(threads_for(n)) reduction(min : best) schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      if (!is_finite_bits(Ld::load(g, i)) && i < best) best = i;
+  });
+  return best == std::numeric_limits<int64_t>::max() ? -1 : best;
+}
+
+void load(const void* g, DType t, int64_t n, float* dst, bool add) {
+  with_loader(t, [&](auto L) {
+    using Ld = decltype(L);
+    if (add) {
+#pragma omp parallel for num_threads(threads_for(n)) schedule(static)
+      for (int64_t i = 0; i < n; ++i) dst[i] += Ld::load(g, i);
+    } else {
+#pragma omp parallel for num_threads(threads_for(n)) schedule(static)
+      for (int64_t i = 0; i < n; ++i) dst[i] = Ld::load(g, i);
+    }
+  });
+}
+
+void divide(float* x, int64_t n, float world) {
+  if (world == 1.0f) return;  // x / 1 == x exactly
+#pragma omp parallel for num_threads(threads_for(n)) schedule(static)
+  for (int64_t i = 0; i < n; ++i) x[i] = psgd_mean(x[i], world);
+}
+
+void store_mean(const float* src, int64_t n, float world, void* g, DType t) {
+#pragma omp parallel for num_threads(threads_for(n)) schedule(static)
+  for (int64_t i = 0; i < n; ++i) psgd_store(g, i, t, psgd_mean(src[i], world));
+}
+
+void store_result(const float* r, void* g, DType t, int64_t n, float* m_err) {
+  const bool same = static_cast<const void*>(r) == g;
+  if (t == DType::kFloat32) {
+    float* gf = static_cast<float*>(g);
+    if (m_err) {
+#pragma omp parallel for num_threads(threads_for(n)) schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = r[i];
+        if (!same) gf[i] = v;
+        m_err[i] -= v;
+      }
+    } else if (!same) {
+      std::memcpy(gf, r, static_cast<size_t>(n) * sizeof(float));
+    }
+    return;
+  }
+#pragma omp parallel for num_threads(threads_for(n)) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    psgd_store(g, i, t, r[i]);
+    if (m_err) m_err[i] -= psgd_load(g, i, t);  // the error keeps the rounding of the store too
+  }
+}
+
+void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns) {
+  for (int64_t b = 0; b < g.batch; ++b) {
+    float* Q = g.Q + b * g.m * g.r;
+    const RngKey key{seed, step, g.ids[b]};
+    for (int c = 0; c < g.r; ++c) {
+      if (only_zero_columns) {
+        bool zero = true;
+        for (int64_t i = 0; i < g.m && zero; ++i) zero = Q[i * g.r + c] == 0.0f;
+        if (!zero) continue;
+      }
+      for (int64_t i = 0; i < g.m; ++i)
+        Q[i * g.r + c] = psgd_q_value(key, static_cast<uint64_t>(i * g.r + c));
+    }
+  }
+}
+
+void compute_p(const PsgdGroup& g, PsgdContext&) {
+  for (int64_t b = 0; b < g.batch; ++b)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(g.n), g.r,
+                static_cast<int>(g.m), 1.0f, g.M + b * g.n * g.m, static_cast<int>(g.m),
+                g.Q + b * g.m * g.r, g.r, 0.0f, g.P + b * g.n * g.r, g.r);
+}
+
+void compute_q(const PsgdGroup& g, PsgdContext&) {
+  for (int64_t b = 0; b < g.batch; ++b)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
+                static_cast<int>(g.n), 1.0f, g.M + b * g.n * g.m, static_cast<int>(g.m),
+                g.P + b * g.n * g.r, g.r, 0.0f, g.Q + b * g.m * g.r, g.r);
+}
+
+void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext&) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(g.n), static_cast<int>(g.m),
+              g.r, 1.0f, g.P + b * g.n * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, out,
+              static_cast<int>(g.m));
+}
+
+void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
+                   PsgdContext& ctx) {
+  if (batch == 0 || n == 0 || r == 0) return;
+  if (how == Orthogonalization::kAuto)
+    how = r <= kPowerSGDMaxGramSchmidtRank ? Orthogonalization::kGramSchmidt
+                                           : Orthogonalization::kHouseholder;
+  switch (how) {
+    case Orthogonalization::kHouseholder:
+      householder(P, batch, n, r, ctx);
+      return;
+    case Orthogonalization::kGramSchmidtUnfused:
+      for (int64_t b = 0; b < batch; ++b) mgs_unfused(P + b * n * r, n, r, eps);
+      return;
+    default:
+      break;
+  }
+  GC_CHECK_ARG(r <= kPowerSGDMaxGramSchmidtRank,
+               "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ", r,
+               " (use Householder)");
+  if (r <= 1)
+    mgs_batch<1>(P, batch, n, r, eps);
+  else if (r <= 2)
+    mgs_batch<2>(P, batch, n, r, eps);
+  else if (r <= 4)
+    mgs_batch<4>(P, batch, n, r, eps);
+  else if (r <= 8)
+    mgs_batch<8>(P, batch, n, r, eps);
+  else if (r <= 16)
+    mgs_batch<16>(P, batch, n, r, eps);
+  else
+    mgs_batch<32>(P, batch, n, r, eps);
+}
+
+}  // namespace gradcomp::kernels::cpu

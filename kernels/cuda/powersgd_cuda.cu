@@ -1,0 +1,328 @@
+// SPDX-License-Identifier: Apache-2.0
+// PowerSGD on CUDA: element-wise kernels, cuBLAS strided-batched GEMMs, the fused modified
+// Gram-Schmidt kernel (one block per matrix, r + 1 passes, deterministic block reductions) and
+// cuSOLVER Householder QR. Everything is stream-ordered on the caller's stream.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cusolverDn.h>
+
+#include <algorithm>
+#include <climits>
+
+#include "core/cuda/check.cuh"
+#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_math.h"
+
+#define GC_CUBLAS_CHECK(call)                                                               \
+  do {                                                                                      \
+    cublasStatus_t gc_st_ = (call);                                                         \
+    if (gc_st_ != CUBLAS_STATUS_SUCCESS)                                                    \
+      throw ::gradcomp::BackendError(                                                       \
+          ::gradcomp::detail::cat("cuBLAS error ", static_cast<int>(gc_st_), " in ", #call, \
+                                  " at ", __FILE__, ":", __LINE__));                        \
+  } while (0)
+
+#define GC_CUSOLVER_CHECK(call)                                                               \
+  do {                                                                                        \
+    cusolverStatus_t gc_st_ = (call);                                                         \
+    if (gc_st_ != CUSOLVER_STATUS_SUCCESS)                                                    \
+      throw ::gradcomp::BackendError(                                                         \
+          ::gradcomp::detail::cat("cuSOLVER error ", static_cast<int>(gc_st_), " in ", #call, \
+                                  " at ", __FILE__, ":", __LINE__));                          \
+  } while (0)
+
+namespace gradcomp::kernels {
+
+PsgdContext::~PsgdContext() {
+  if (cublas) cublasDestroy(static_cast<cublasHandle_t>(cublas));
+  if (cusolver) cusolverDnDestroy(static_cast<cusolverDnHandle_t>(cusolver));
+}
+
+namespace cuda {
+
+namespace {
+
+using gradcomp::cuda_detail::as_stream;
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) {
+  return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+}
+
+cublasHandle_t blas(PsgdContext& ctx) {
+  if (!ctx.cublas) {
+    cublasHandle_t h;
+    GC_CUBLAS_CHECK(cublasCreate(&h));
+    ctx.cublas = h;
+  }
+  auto h = static_cast<cublasHandle_t>(ctx.cublas);
+  GC_CUBLAS_CHECK(cublasSetStream(h, as_stream(ctx.stream)));
+  return h;
+}
+
+cusolverDnHandle_t solver(PsgdContext& ctx) {
+  if (!ctx.cusolver) {
+    cusolverDnHandle_t h;
+    GC_CUSOLVER_CHECK(cusolverDnCreate(&h));
+    ctx.cusolver = h;
+  }
+  auto h = static_cast<cusolverDnHandle_t>(ctx.cusolver);
+  GC_CUSOLVER_CHECK(cusolverDnSetStream(h, as_stream(ctx.stream)));
+  return h;
+}
+
+__global__ void nonfinite_kernel(const void* g, DType t, int64_t n, unsigned long long* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    if (!is_finite_bits(psgd_load(g, i, t))) atomicMin(out, static_cast<unsigned long long>(i));
+}
+
+__global__ void load_kernel(const void* g, DType t, int64_t n, float* dst, bool add) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = (add ? dst[i] : 0.0f) + psgd_load(g, i, t);
+}
+
+__global__ void divide_kernel(float* x, int64_t n, float world) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = psgd_mean(x[i], world);
+}
+
+__global__ void store_mean_kernel(const float* src, int64_t n, float world, void* g, DType t) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    psgd_store(g, i, t, psgd_mean(src[i], world));
+}
+
+__global__ void store_result_kernel(const float* r, void* g, DType t, int64_t n, float* m_err) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    psgd_store(g, i, t, r[i]);
+    if (m_err) m_err[i] -= psgd_load(g, i, t);
+  }
+}
+
+// One block per member: draws Q (or only its all-zero columns).
+__global__ void fill_q_kernel(float* Q, int64_t m, int r, uint64_t seed, uint64_t step,
+                              const uint32_t* ids, bool only_zero) {
+  float* q = Q + blockIdx.x * m * r;
+  const RngKey key{seed, step, ids[blockIdx.x]};
+  for (int c = 0; c < r; ++c) {
+    if (only_zero) {
+      int nonzero = 0;
+      for (int64_t i = threadIdx.x; i < m; i += blockDim.x) nonzero |= q[i * r + c] != 0.0f;
+      if (__syncthreads_or(nonzero)) continue;  // uniform across the block
+    }
+    for (int64_t i = threadIdx.x; i < m; i += blockDim.x)
+      q[i * r + c] = psgd_q_value(key, static_cast<uint64_t>(i * r + c));
+  }
+}
+
+// Fused MGS: one block per n x r matrix; pass j finishes column j-1 and accumulates the sums of
+// column j (see powersgd_math.h). Reductions: warp shuffles, then warps summed in a fixed order.
+template <int R>
+__global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int r, float eps) {
+  float* A = P + blockIdx.x * n * r;
+  __shared__ float red[kThreads / 32][2 * R];
+  __shared__ float scale[R], coef[R], orig[R];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid < R) {
+    scale[tid] = 1.0f;
+    coef[tid] = 0.0f;
+    orig[tid] = 0.0f;
+  }
+  __syncthreads();
+  for (int j = 0; j <= r; ++j) {
+    float acc[2 * R];
+#pragma unroll
+    for (int k = 0; k < 2 * R; ++k) acc[k] = 0.0f;
+    for (int64_t i = tid; i < n; i += blockDim.x) {
+      float* row = A + i * r;
+      float v[R];
+#pragma unroll
+      for (int k = 0; k < R; ++k) v[k] = k < r ? row[k] : 0.0f;
+      if (j > 0) {
+        psgd_mgs_update_row<R>(v, j - 1, scale, coef);
+#pragma unroll
+        for (int k = 0; k < R; ++k)
+          if (k >= j - 1 && k < r) row[k] = v[k];
+      }
+      if (j == 0)
+        psgd_mgs_accumulate_row<R, true>(v, j, acc);
+      else if (j < r)
+        psgd_mgs_accumulate_row<R, false>(v, j, acc);
+    }
+    if (j == r) break;  // the last pass only finishes column r-1
+#pragma unroll
+    for (int k = 0; k < 2 * R; ++k) {
+      float x = acc[k];
+      for (int off = 16; off > 0; off >>= 1) x += __shfl_down_sync(0xffffffffu, x, off);
+      if (lane == 0) red[warp][k] = x;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float s[2 * R];
+      for (int k = 0; k < 2 * R; ++k) {
+        float x = 0.0f;
+        for (int w = 0; w < kThreads / 32; ++w) x += red[w][k];
+        s[k] = x;
+      }
+      if (j == 0)
+        for (int k = 0; k < r; ++k) orig[k] = s[R + k];
+      psgd_mgs_coefficients<R>(s, orig, r, j, eps, scale, coef);
+    }
+    __syncthreads();
+  }
+}
+
+template <int R>
+void launch_mgs(float* P, int64_t batch, int64_t n, int r, float eps, cudaStream_t s) {
+  for (int64_t b0 = 0; b0 < batch; b0 += 65535) {
+    const int grid = static_cast<int>(std::min<int64_t>(65535, batch - b0));
+    mgs_kernel<R><<<grid, kThreads, 0, s>>>(P + b0 * n * r, n, r, eps);
+    GC_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
+  GC_CHECK_ARG(n <= INT_MAX, "Householder QR on CUDA: n = ", n, " exceeds int range");
+  cublasHandle_t hb = blas(ctx);
+  cusolverDnHandle_t hs = solver(ctx);
+  const int N = static_cast<int>(n);
+  float* a = ctx.work.get<float>(static_cast<size_t>(n) * r + r);
+  int lw1 = 0, lw2 = 0;
+  GC_CUSOLVER_CHECK(cusolverDnSgeqrf_bufferSize(hs, N, r, a, N, &lw1));
+  GC_CUSOLVER_CHECK(cusolverDnSorgqr_bufferSize(hs, N, r, r, a, N, a + n * r, &lw2));
+  const int lwork = std::max(std::max(lw1, lw2), 1);
+  a = ctx.work.get<float>(static_cast<size_t>(n) * r + r + lwork);
+  float* tau = a + n * r;
+  float* work = tau + r;
+  int* info = ctx.info.get<int>(1);
+  const float one = 1.0f, zero = 0.0f;
+  for (int64_t b = 0; b < batch; ++b) {
+    float* A = P + b * n * r;  // row-major n x r == column-major r x n (ld r)
+    GC_CUBLAS_CHECK(cublasSgeam(hb, CUBLAS_OP_T, CUBLAS_OP_N, N, r, &one, A, r, &zero, a, N, a, N));
+    GC_CUSOLVER_CHECK(cusolverDnSgeqrf(hs, N, r, a, N, tau, work, lwork, info));
+    GC_CUSOLVER_CHECK(cusolverDnSorgqr(hs, N, r, r, a, N, tau, work, lwork, info));
+    GC_CUBLAS_CHECK(cublasSgeam(hb, CUBLAS_OP_T, CUBLAS_OP_N, r, N, &one, a, N, &zero, A, r, A, r));
+  }
+}
+
+int to_int(int64_t v, const char* what) {
+  GC_CHECK_ARG(v <= INT_MAX, "PowerSGD on CUDA: ", what, " = ", v, " exceeds cuBLAS int range");
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+int64_t first_nonfinite(const void* g, DType t, int64_t n, PsgdContext& ctx) {
+  if (n == 0) return -1;
+  cudaStream_t s = as_stream(ctx.stream);
+  auto* slot = ctx.info.get<unsigned long long>(1);
+  GC_CUDA_CHECK(cudaMemsetAsync(slot, 0xFF, sizeof(unsigned long long), s));
+  nonfinite_kernel<<<blocks_for(n), kThreads, 0, s>>>(g, t, n, slot);
+  GC_CUDA_CHECK_LAUNCH();
+  unsigned long long host = 0;
+  GC_CUDA_CHECK(cudaMemcpyAsync(&host, slot, sizeof(host), cudaMemcpyDeviceToHost, s));
+  GC_CUDA_CHECK(cudaStreamSynchronize(s));  // validation must finish before any state changes
+  return host == ULLONG_MAX ? -1 : static_cast<int64_t>(host);
+}
+
+void load(const void* g, DType t, int64_t n, float* dst, bool add, void* stream) {
+  if (n == 0) return;
+  load_kernel<<<blocks_for(n), kThreads, 0, as_stream(stream)>>>(g, t, n, dst, add);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void divide(float* x, int64_t n, float world, void* stream) {
+  if (n == 0 || world == 1.0f) return;
+  divide_kernel<<<blocks_for(n), kThreads, 0, as_stream(stream)>>>(x, n, world);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void store_mean(const float* src, int64_t n, float world, void* g, DType t, void* stream) {
+  if (n == 0) return;
+  store_mean_kernel<<<blocks_for(n), kThreads, 0, as_stream(stream)>>>(src, n, world, g, t);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void store_result(const float* r, void* g, DType t, int64_t n, float* m_err, void* stream) {
+  if (n == 0) return;
+  store_result_kernel<<<blocks_for(n), kThreads, 0, as_stream(stream)>>>(r, g, t, n, m_err);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns,
+            void* stream) {
+  if (g.batch == 0 || g.m == 0) return;
+  for (int64_t b0 = 0; b0 < g.batch; b0 += 65535) {
+    const int grid = static_cast<int>(std::min<int64_t>(65535, g.batch - b0));
+    fill_q_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(g.Q + b0 * g.m * g.r, g.m, g.r, seed,
+                                                            step, g.ids + b0, only_zero_columns);
+    GC_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// Row-major X (a x b) is column-major X^T (b x a, ld b); each product below is the transposed
+// column-major one.
+void compute_p(const PsgdGroup& g, PsgdContext& ctx) {  // P^T (r x n) = Q^T (r x m) M^T (m x n)
+  if (g.batch == 0) return;
+  const float one = 1.0f, zero = 0.0f;
+  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(blas(ctx), CUBLAS_OP_N, CUBLAS_OP_N, g.r,
+                                            to_int(g.n, "n"), to_int(g.m, "m"), &one, g.Q, g.r,
+                                            g.m * g.r, g.M, to_int(g.m, "m"), g.n * g.m, &zero, g.P,
+                                            g.r, g.n * g.r, to_int(g.batch, "batch")));
+}
+
+void compute_q(const PsgdGroup& g, PsgdContext& ctx) {  // Q^T (r x m) = P^T (r x n) M (n x m)
+  if (g.batch == 0) return;
+  const float one = 1.0f, zero = 0.0f;
+  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(blas(ctx), CUBLAS_OP_N, CUBLAS_OP_T, g.r,
+                                            to_int(g.m, "m"), to_int(g.n, "n"), &one, g.P, g.r,
+                                            g.n * g.r, g.M, to_int(g.m, "m"), g.n * g.m, &zero, g.Q,
+                                            g.r, g.m * g.r, to_int(g.batch, "batch")));
+}
+
+void reconstruct(const PsgdGroup& g, int64_t b0, int64_t count, float* out,
+                 PsgdContext& ctx) {  // R^T (m x n) = Q (m x r) P^T (r x n)
+  if (count == 0) return;
+  const float one = 1.0f, zero = 0.0f;
+  GC_CUBLAS_CHECK(cublasSgemmStridedBatched(
+      blas(ctx), CUBLAS_OP_T, CUBLAS_OP_N, to_int(g.m, "m"), to_int(g.n, "n"), g.r, &one,
+      g.Q + b0 * g.m * g.r, g.r, g.m * g.r, g.P + b0 * g.n * g.r, g.r, g.n * g.r, &zero, out,
+      to_int(g.m, "m"), g.n * g.m, to_int(count, "batch")));
+}
+
+void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
+                   PsgdContext& ctx) {
+  if (batch == 0 || n == 0 || r == 0) return;
+  if (how == Orthogonalization::kAuto)
+    how = r <= kPowerSGDMaxGramSchmidtRank ? Orthogonalization::kGramSchmidt
+                                           : Orthogonalization::kHouseholder;
+  GC_CHECK_ARG(how != Orthogonalization::kGramSchmidtUnfused,
+               "the unfused Gram-Schmidt baseline is CPU only");
+  if (how == Orthogonalization::kHouseholder) {
+    householder(P, batch, n, r, ctx);
+    return;
+  }
+  GC_CHECK_ARG(r <= kPowerSGDMaxGramSchmidtRank,
+               "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ", r,
+               " (use Householder)");
+  cudaStream_t s = as_stream(ctx.stream);
+  if (r <= 1)
+    launch_mgs<1>(P, batch, n, r, eps, s);
+  else if (r <= 2)
+    launch_mgs<2>(P, batch, n, r, eps, s);
+  else if (r <= 4)
+    launch_mgs<4>(P, batch, n, r, eps, s);
+  else if (r <= 8)
+    launch_mgs<8>(P, batch, n, r, eps, s);
+  else if (r <= 16)
+    launch_mgs<16>(P, batch, n, r, eps, s);
+  else
+    launch_mgs<32>(P, batch, n, r, eps, s);
+}
+
+}  // namespace cuda
+}  // namespace gradcomp::kernels

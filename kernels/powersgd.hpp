@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+// Backend entry points of PowerSGD. compressors/powersgd.cpp calls these through the device of the
+// state; kernels/cpu implements `cpu::` (OpenMP + BLAS/LAPACKE), kernels/cuda (or kernels/nocuda)
+// `cuda::` (CUDA + cuBLAS/cuSOLVER). Every CUDA entry point has a CPU twin with the same contract.
+// All matrices are row-major fp32: M n x m, P n x r, Q m x r; a group is `batch` same-shape
+// matrices stored back to back (strides n*m, n*r, m*r).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gradcomp/powersgd.hpp"
+#include "gradcomp/tensor.hpp"
+#include "gradcomp/workspace.hpp"
+
+namespace gradcomp::kernels {
+
+struct PsgdGroup {
+  int64_t batch = 0, n = 0, m = 0;
+  int r = 0;
+  float* M = nullptr;
+  float* P = nullptr;
+  float* Q = nullptr;
+  const uint32_t* ids = nullptr;  ///< RNG tensor ids of the members (on the group's device)
+};
+
+/// Library handles and scratch, made once per state and reused (no steady-state allocation).
+struct PsgdContext {
+  explicit PsgdContext(Device dev, void* s = nullptr)
+      : device(dev), stream(s), work(dev, s), work2(dev, s), info(dev, s) {}
+  ~PsgdContext();  // defined by the backend that owns the handles (cuda/ or nocuda/)
+  PsgdContext(const PsgdContext&) = delete;
+  PsgdContext& operator=(const PsgdContext&) = delete;
+  Device device;
+  void* stream;
+  void* cublas = nullptr;    ///< cublasHandle_t (CUDA)
+  void* cusolver = nullptr;  ///< cusolverDnHandle_t (CUDA)
+  Buffer work, work2, info;  ///< solver / transpose / reconstruction scratch
+  std::vector<float> host_work;
+};
+
+namespace cpu {
+/// Index of the first NaN/Inf of g, or -1.
+int64_t first_nonfinite(const void* g, DType t, int64_t n);
+/// dst = (add ? dst : 0) + float(g).
+void load(const void* g, DType t, int64_t n, float* dst, bool add);
+/// x = x / world.
+void divide(float* x, int64_t n, float world);
+/// g = dtype(src / world).
+void store_mean(const float* src, int64_t n, float world, void* g, DType t);
+/// g = dtype(r) (skipped when r is g itself, fp32); then, if m_err, m_err -= float(g).
+void store_result(const float* r, void* g, DType t, int64_t n, float* m_err);
+/// Draws Q of every member (only its all-zero columns when only_zero_columns).
+void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns);
+/// P = M Q, for every member.
+void compute_p(const PsgdGroup& g, PsgdContext& ctx);
+/// Q = M^T P, for every member.
+void compute_q(const PsgdGroup& g, PsgdContext& ctx);
+/// out = P Q^T for member b (n x m, row-major).
+void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext& ctx);
+/// Orthonormalizes the columns of every n x r matrix of P (batch of them).
+void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
+                   PsgdContext& ctx);
+}  // namespace cpu
+
+namespace cuda {
+int64_t first_nonfinite(const void* g, DType t, int64_t n, PsgdContext& ctx);
+void load(const void* g, DType t, int64_t n, float* dst, bool add, void* stream);
+void divide(float* x, int64_t n, float world, void* stream);
+void store_mean(const float* src, int64_t n, float world, void* g, DType t, void* stream);
+void store_result(const float* r, void* g, DType t, int64_t n, float* m_err, void* stream);
+void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns, void* stream);
+void compute_p(const PsgdGroup& g, PsgdContext& ctx);
+void compute_q(const PsgdGroup& g, PsgdContext& ctx);
+/// out[b - b0] = P_b Q_b^T for members b0 .. b0 + count - 1 (one strided-batched GEMM).
+void reconstruct(const PsgdGroup& g, int64_t b0, int64_t count, float* out, PsgdContext& ctx);
+void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
+                   PsgdContext& ctx);
+}  // namespace cuda
+
+}  // namespace gradcomp::kernels
