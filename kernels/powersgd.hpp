@@ -6,6 +6,8 @@
 // matrices stored back to back (strides n*m, n*r, m*r).
 #pragma once
 
+#include "kernels/topk.hpp"  // cpu::first_nonfinite
+
 #include <cstdint>
 #include <vector>
 
@@ -40,8 +42,7 @@ struct PsgdContext {
 };
 
 namespace cpu {
-/// Index of the first NaN/Inf of g, or -1.
-int64_t first_nonfinite(const void* g, DType t, int64_t n);
+// first_nonfinite(g, t, n): the top-k family's check (kernels/topk.hpp) is reused.
 /// dst = (add ? dst : 0) + float(g).
 void load(const void* g, DType t, int64_t n, float* dst, bool add);
 /// x = x / world.

@@ -167,17 +167,6 @@ void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
 
 }  // namespace
 
-int64_t first_nonfinite(const void* g, DType t, int64_t n) {
-  int64_t best = std::numeric_limits<int64_t>::max();
-  with_loader(t, [&](auto L) {
-    using Ld = decltype(L);
-#pragma omp parallel for num_threads(threads_for(n)) reduction(min : best) schedule(static)
-    for (int64_t i = 0; i < n; ++i)
-      if (!is_finite_bits(Ld::load(g, i)) && i < best) best = i;
-  });
-  return best == std::numeric_limits<int64_t>::max() ? -1 : best;
-}
-
 void load(const void* g, DType t, int64_t n, float* dst, bool add) {
   with_loader(t, [&](auto L) {
     using Ld = decltype(L);
