@@ -4,6 +4,7 @@
 
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/error.hpp"
+#include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/runtime.hpp"
