@@ -256,6 +256,10 @@ void OneBitCompressor::encode(const TensorView& g, Payload& out) {
   out.bytes.resize(h.total_bytes(), false);
   uint8_t* base = static_cast<uint8_t*>(out.bytes.data());
   auto* bits = reinterpret_cast<uint32_t*>(base + h.section_offset(1));
+  for (int sec = 1; sec <= 2; ++sec) {  // alignment padding: zero, so payloads are reproducible
+    const uint64_t pad = PayloadHeader::align(h.section_bytes[sec]) - h.section_bytes[sec];
+    if (pad) device_zero(device_, base + h.section_offset(sec) + h.section_bytes[sec], pad, s.stream);
+  }
   run_quantize(device_, g.data, g.dtype, e_in, cfg_.error_feedback ? e : nullptr, geo, scales,
                bits, s.stream);
   device_copy(base + h.section_offset(2), device_, scales, device_, h.section_bytes[2], s.stream);
