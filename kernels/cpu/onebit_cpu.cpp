@@ -38,7 +38,7 @@ using namespace onebit;
 
 constexpr int64_t kGroup = int64_t{1} << 16;  // elements per partial sum of the flat reductions
 constexpr int64_t kLaneBlock = 1024;          // fp32 lane sums are folded into double this often
-constexpr int64_t kTile = 256;                // columns per work item of the column reduction
+constexpr int64_t kTile = 1024;               // columns per work item of the column reduction
 
 inline int threads_for(int64_t work) {
   const int64_t per = int64_t{1} << 15;  // below ~32K elements per thread, threads do not pay
@@ -74,6 +74,41 @@ int64_t first_nonfinite(const void* g, int64_t n) {
 template <class Load, int N, bool HasE>
 double flat_sum(const void* g, const float* e, int64_t b, int64_t end) {
   double total = 0.0;
+#if GC_ONEBIT_SSE
+  if constexpr (std::is_same_v<Load, F32Load>) {  // same lanes as below, explicit SSE
+    const float* gf = static_cast<const float*>(g);
+    const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+    for (int64_t i = b; i < end; i += kLaneBlock) {
+      const int64_t stop = std::min(end, i + kLaneBlock);
+      __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
+      int64_t j = i;
+      for (; j + 8 <= stop; j += 8) {
+        __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
+        if (HasE) {
+          x0 = _mm_add_ps(x0, _mm_loadu_ps(e + j));
+          x1 = _mm_add_ps(x1, _mm_loadu_ps(e + j + 4));
+        }
+        if (N == kL1) {
+          x0 = _mm_and_ps(x0, absmask);
+          x1 = _mm_and_ps(x1, absmask);
+        } else {
+          x0 = _mm_mul_ps(x0, x0);
+          x1 = _mm_mul_ps(x1, x1);
+        }
+        a0 = _mm_add_ps(a0, x0);
+        a1 = _mm_add_ps(a1, x1);
+      }
+      float lane[8];
+      _mm_storeu_ps(lane, a0);
+      _mm_storeu_ps(lane + 4, a1);
+      for (; j < stop; ++j) lane[0] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j));
+      double s = 0.0;
+      for (int l = 0; l < 8; ++l) s += lane[l];
+      total += s;
+    }
+    return total;
+  }
+#endif
   for (int64_t i = b; i < end; i += kLaneBlock) {
     const int64_t stop = std::min(end, i + kLaneBlock);
     float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -97,6 +132,35 @@ void flat_split_sum(const void* g, const float* e, int64_t b, int64_t end, doubl
     float lp[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ln[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int32_t lc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t j = i;
+#if GC_ONEBIT_SSE
+    if constexpr (std::is_same_v<Load, F32Load>) {
+      const float* gf = static_cast<const float*>(g);
+      const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
+      __m128 p0 = zero, p1 = zero, n0 = zero, n1 = zero, c0 = zero, c1 = zero;
+      for (; j + 8 <= stop; j += 8) {
+        __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
+        if (HasE) {
+          x0 = _mm_add_ps(x0, _mm_loadu_ps(e + j));
+          x1 = _mm_add_ps(x1, _mm_loadu_ps(e + j + 4));
+        }
+        const __m128 m0 = _mm_cmpge_ps(x0, zero), m1 = _mm_cmpge_ps(x1, zero);
+        p0 = _mm_add_ps(p0, _mm_and_ps(m0, x0));
+        p1 = _mm_add_ps(p1, _mm_and_ps(m1, x1));
+        n0 = _mm_add_ps(n0, _mm_andnot_ps(m0, x0));
+        n1 = _mm_add_ps(n1, _mm_andnot_ps(m1, x1));
+        c0 = _mm_add_ps(c0, _mm_and_ps(m0, one));
+        c1 = _mm_add_ps(c1, _mm_and_ps(m1, one));
+      }
+      float cf[8];
+      _mm_storeu_ps(lp, p0);
+      _mm_storeu_ps(lp + 4, p1);
+      _mm_storeu_ps(ln, n0);
+      _mm_storeu_ps(ln + 4, n1);
+      _mm_storeu_ps(cf, c0);
+      _mm_storeu_ps(cf + 4, c1);
+      for (int l = 0; l < 8; ++l) lc[l] = static_cast<int32_t>(cf[l]);  // <= 128: exact
+    }
+#endif
     for (; j + 8 <= stop; j += 8)
       for (int l = 0; l < 8; ++l) {
         const float x = xval<Load>(g, HasE ? e : nullptr, j + l);
@@ -188,15 +252,41 @@ void column_scales(const void* g, const float* e, const OneBitGeom& geo, float* 
     const int64_t r0 = R * slab / nslab, r1 = R * (slab + 1) / nslab;
     const int64_t c0 = tile * kTile, c1 = std::min(C, c0 + kTile), w = c1 - c0;
     double sp[kTile], sn[kTile], cp[kTile];
+    float fp[kTile], fn[kTile], fc[kTile];
     for (int64_t c = 0; c < w; ++c) sp[c] = sn[c] = cp[c] = 0.0;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t base = r * C + c0;
+    for (int64_t rb = r0; rb < r1; rb += 32) {  // fp32 over <= 32 rows, then into double
+      const int64_t re = std::min(r1, rb + 32);
+      for (int64_t c = 0; c < w; ++c) fp[c] = fn[c] = fc[c] = 0.0f;
+      for (int64_t r = rb; r < re; ++r) {
+        const int64_t base = r * C + c0;
+        int64_t c = 0;
+#if GC_ONEBIT_SSE
+        if constexpr (std::is_same_v<Load, F32Load>) {
+          const float* gf = static_cast<const float*>(g) + base;
+          const float* ef = HasE ? e + base : nullptr;
+          const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
+          for (; c + 4 <= w; c += 4) {
+            __m128 x = _mm_loadu_ps(gf + c);
+            if (HasE) x = _mm_add_ps(x, _mm_loadu_ps(ef + c));
+            const __m128 m = _mm_cmpge_ps(x, zero);
+            _mm_storeu_ps(fp + c, _mm_add_ps(_mm_loadu_ps(fp + c), _mm_and_ps(m, x)));
+            _mm_storeu_ps(fn + c, _mm_add_ps(_mm_loadu_ps(fn + c), _mm_andnot_ps(m, x)));
+            _mm_storeu_ps(fc + c, _mm_add_ps(_mm_loadu_ps(fc + c), _mm_and_ps(m, one)));
+          }
+        }
+#endif
+        for (; c < w; ++c) {
+          const float x = xval<Load>(g, HasE ? e : nullptr, base + c);
+          const bool p = sign_bit(x);
+          fp[c] += p ? x : 0.0f;
+          fn[c] += p ? 0.0f : x;
+          fc[c] += p ? 1.0f : 0.0f;
+        }
+      }
       for (int64_t c = 0; c < w; ++c) {
-        const float x = xval<Load>(g, HasE ? e : nullptr, base + c);
-        const bool p = sign_bit(x);
-        sp[c] += p ? static_cast<double>(x) : 0.0;
-        sn[c] += p ? 0.0 : static_cast<double>(x);
-        cp[c] += p ? 1.0 : 0.0;
+        sp[c] += fp[c];
+        sn[c] += fn[c];
+        cp[c] += fc[c];
       }
     }
     double* out = part + 3 * slab * C;
