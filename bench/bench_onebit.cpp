@@ -227,33 +227,29 @@ void sizes(benchmark::internal::Benchmark* b, bool modes) {
 
 }  // namespace
 
-BENCHMARK(BM_onebit_memcpy)->Arg(k25M)->Unit(benchmark::kMillisecond)->MinTime(0.3);
-BENCHMARK(BM_onebit_compress)
-    ->Apply([](auto* b) { sizes(b, true); })
-    ->Unit(benchmark::kMillisecond)
-    ->MinTime(0.3)
-    ->UseRealTime();
+BENCHMARK(BM_onebit_memcpy)->Arg(k25M)->Unit(benchmark::kMillisecond)->MinTime(0.3)->UseRealTime();
+BENCHMARK(BM_onebit_compress)->Apply([](auto* b) {
+                               sizes(b, true);
+                             }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3) -> UseRealTime();
 BENCHMARK(BM_onebit_baseline_compress)
-    ->Apply([](auto* b) { sizes(b, false); })
-    ->Unit(benchmark::kMillisecond)
-    ->MinTime(0.3)
-    ->UseRealTime();
+    ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
+        -> UseRealTime();
 BENCHMARK(BM_onebit_decompress_accumulate)
-    ->Apply([](auto* b) { sizes(b, true); })
-    ->Unit(benchmark::kMillisecond)
-    ->MinTime(0.3)
-    ->UseRealTime();
+    ->Apply([](auto* b) { sizes(b, true); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
+        -> UseRealTime();
 BENCHMARK(BM_onebit_decode_average8)
-    ->Apply([](auto* b) { sizes(b, false); })
-    ->Unit(benchmark::kMillisecond)
-    ->MinTime(0.3)
-    ->UseRealTime();
+    ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
+        -> UseRealTime();
 BENCHMARK(BM_onebit_plan_p8)
     ->Arg(k1M)
     ->Arg(k25M)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.3)
     ->UseRealTime();
-BENCHMARK(BM_onebit_plan_p8)->Arg(k110M)->Unit(benchmark::kMillisecond)->Iterations(1)->UseRealTime();
+BENCHMARK(BM_onebit_plan_p8)
+    ->Arg(k110M)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

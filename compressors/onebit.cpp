@@ -17,9 +17,12 @@ namespace k = kernels;
 
 const char* onebit_scaling_name(OneBitScaling s) {
   switch (s) {
-    case OneBitScaling::kColumnMeans: return "column-means";
-    case OneBitScaling::kSignL1: return "sign-l1";
-    case OneBitScaling::kSignL2: return "sign-l2";
+    case OneBitScaling::kColumnMeans:
+      return "column-means";
+    case OneBitScaling::kSignL1:
+      return "sign-l1";
+    case OneBitScaling::kSignL2:
+      return "sign-l2";
   }
   return "unknown";
 }
@@ -68,9 +71,7 @@ k::OneBitGeom sign_geom(int64_t n, int64_t chunk) {
 }
 
 uint64_t bits_bytes(const k::OneBitGeom& g) { return 4 * static_cast<uint64_t>(g.num_words()); }
-uint64_t scales_bytes(const k::OneBitGeom& g) {
-  return 4 * static_cast<uint64_t>(g.num_scales());
-}
+uint64_t scales_bytes(const k::OneBitGeom& g) { return 4 * static_cast<uint64_t>(g.num_scales()); }
 
 void fill_header(PayloadHeader& h, const OneBitConfig& cfg, const k::OneBitGeom& g) {
   h = PayloadHeader{};
@@ -121,8 +122,8 @@ k::OneBitGeom parse_onebit(const PayloadHeader& h, int64_t numel) {
   }
   GC_CHECK_PAYLOAD(h.section_bytes[1] == bits_bytes(g), "bits section has ", h.section_bytes[1],
                    " bytes, expected ", bits_bytes(g), " for ", h.numel, " elements (truncated?)");
-  GC_CHECK_PAYLOAD(h.section_bytes[2] == scales_bytes(g), "scales section has ",
-                   h.section_bytes[2], " bytes, expected ", scales_bytes(g));
+  GC_CHECK_PAYLOAD(h.section_bytes[2] == scales_bytes(g), "scales section has ", h.section_bytes[2],
+                   " bytes, expected ", scales_bytes(g));
   return g;
 }
 
@@ -237,8 +238,8 @@ void OneBitCompressor::encode(const TensorView& g, Payload& out) {
   check_grad(g, n, device_, s.device_index, cfg_.tensor_id, "onebit");
   if (cfg_.scaling == OneBitScaling::kColumnMeans && n > 0)
     GC_CHECK_ARG(g.cols() == cols_, "onebit tensor ", cfg_.tensor_id, ": gradient ", g.describe(),
-                 " is a ", g.rows(), " x ", g.cols(), " matrix but the state was built for ",
-                 rows_, " x ", cols_, " (column-means groups by column)");
+                 " is a ", g.rows(), " x ", g.cols(), " matrix but the state was built for ", rows_,
+                 " x ", cols_, " (column-means groups by column)");
   const k::OneBitGeom& geo = s.geo;
   float* e = static_cast<float*>(s.e.data());
   const float* e_in = cfg_.error_feedback ? e : nullptr;
@@ -258,10 +259,11 @@ void OneBitCompressor::encode(const TensorView& g, Payload& out) {
   auto* bits = reinterpret_cast<uint32_t*>(base + h.section_offset(1));
   for (int sec = 1; sec <= 2; ++sec) {  // alignment padding: zero, so payloads are reproducible
     const uint64_t pad = PayloadHeader::align(h.section_bytes[sec]) - h.section_bytes[sec];
-    if (pad) device_zero(device_, base + h.section_offset(sec) + h.section_bytes[sec], pad, s.stream);
+    if (pad)
+      device_zero(device_, base + h.section_offset(sec) + h.section_bytes[sec], pad, s.stream);
   }
-  run_quantize(device_, g.data, g.dtype, e_in, cfg_.error_feedback ? e : nullptr, geo, scales,
-               bits, s.stream);
+  run_quantize(device_, g.data, g.dtype, e_in, cfg_.error_feedback ? e : nullptr, geo, scales, bits,
+               s.stream);
   device_copy(base + h.section_offset(2), device_, scales, device_, h.section_bytes[2], s.stream);
   device_copy(base, device_, &h, Device::kCPU, sizeof(PayloadHeader), s.stream);
 
@@ -278,8 +280,8 @@ void OneBitCompressor::decode_add(const void* payload, size_t nbytes, const Tens
   decode_average(&payload, &nbytes, 1, dense, scale);
 }
 
-void OneBitCompressor::decode_average(const void* const* payloads, const size_t* nbytes,
-                                      int count, const TensorView& dense, float scale) {
+void OneBitCompressor::decode_average(const void* const* payloads, const size_t* nbytes, int count,
+                                      const TensorView& dense, float scale) {
   Impl& s = *impl_;
   const int64_t n = rows_ * cols_;
   check_dense(dense, n, device_, "onebit");
@@ -340,8 +342,17 @@ void OneBitCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
 // ------------------------------------------------------------------------------------------------
 struct OneBitAllreducePlan::Impl {
   Impl(Device dev, void* s)
-      : we(dev, s), se(dev, s), scales(dev, s), bits(dev, s), send(dev, s), recv(dev, s),
-        avg(dev, s), gsend(dev, s), grecv(dev, s), ws(dev), stream(s) {}
+      : we(dev, s),
+        se(dev, s),
+        scales(dev, s),
+        bits(dev, s),
+        send(dev, s),
+        recv(dev, s),
+        avg(dev, s),
+        gsend(dev, s),
+        grecv(dev, s),
+        ws(dev),
+        stream(s) {}
   Buffer we, se, scales, bits, send, recv, avg, gsend, grecv;
   k::OneBitWorkspace ws;
   void* stream;
@@ -422,9 +433,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
   Impl& s = *impl_;
   const size_t P = static_cast<size_t>(world_), B = block_bytes();
   const int64_t W = words_per_chunk_, CE = chunk_elems(), words = k::onebit::num_words(numel_);
-  auto chunk_len = [&](int64_t q) {
-    return std::clamp<int64_t>(numel_ - q * CE, 0, CE);
-  };
+  auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
   Collective c;
   c.device = device_;
   c.stream = s.stream;

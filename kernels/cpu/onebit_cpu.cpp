@@ -49,9 +49,15 @@ inline int threads_for(int64_t work) {
 template <class F>
 void by_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::kFloat32: f(F32Load{}); return;
-    case DType::kFloat16: f(F16Load{}); return;
-    case DType::kBFloat16: f(BF16Load{}); return;
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
   }
 }
 
@@ -296,7 +302,7 @@ void column_scales(const void* g, const float* e, const OneBitGeom& geo, float* 
       out[2 * C + c0 + c] = sn[c];
     }
   }
-#pragma omp parallel for num_threads(threads_for(C * nslab * 8)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(C* nslab * 8)) schedule(static)
   for (int64_t c = 0; c < C; ++c) {
     double sp = 0, cp = 0, sn = 0;
     for (int64_t s = 0; s < nslab; ++s) {
@@ -484,8 +490,8 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
   return bad;
 }
 
-void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out,
-                     const OneBitGeom& geo, const float* scales, uint32_t* bits) {
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits) {
   if (geo.n == 0) return;
   by_dtype(t, [&](auto L) { quantize_t<decltype(L)>(g, e_in, e_out, geo, scales, bits); });
 }

@@ -11,12 +11,11 @@
 //    variant sums the P payloads in order in registers before one read-modify-write of dense.
 // All work is stream-ordered on the caller's stream; the only synchronisation is the optional
 // finiteness check (one 8-byte copy to pinned memory).
-#include <cub/cub.cuh>
-
 #include <algorithm>
 #include <climits>
-#include <type_traits>
 #include <cstdint>
+#include <cub/cub.cuh>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda/check.cuh"
@@ -314,9 +313,15 @@ unsigned grid_for(int64_t work_items, int64_t per_block) {
 template <class F>
 void by_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::kFloat32: f(F32Load{}); return;
-    case DType::kFloat16: f(F16Load{}); return;
-    case DType::kBFloat16: f(BF16Load{}); return;
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
   }
 }
 
@@ -341,26 +346,26 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
     if (geo.columns) {
       const int64_t C = geo.cols, R = n / C;
       const bool narrow = C < 32;
-      const int64_t nslab = narrow ? std::clamp<int64_t>(R / 4096, 1, 1024)
-                                   : std::clamp<int64_t>(R / 64, 1, 1024);
+      const int64_t nslab =
+          narrow ? std::clamp<int64_t>(R / 4096, 1, 1024) : std::clamp<int64_t>(R / 64, 1, 1024);
       double* part = ws.partials.get<double>(static_cast<size_t>(3 * nslab * C));
       if (narrow) {
         const dim3 grid(static_cast<unsigned>(nslab), static_cast<unsigned>(C));
         if (e)
-          column_narrow_kernel<Load, true><<<grid, kThreads, 0, s>>>(g, e, R, C, nslab,
-                                                                     check_finite, bad, part);
+          column_narrow_kernel<Load, true>
+              <<<grid, kThreads, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
         else
-          column_narrow_kernel<Load, false><<<grid, kThreads, 0, s>>>(g, e, R, C, nslab,
-                                                                      check_finite, bad, part);
+          column_narrow_kernel<Load, false>
+              <<<grid, kThreads, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
       } else {
         const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(nslab));
         const dim3 block(32, 8);
         if (e)
-          column_tiled_kernel<Load, true><<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite,
-                                                                 bad, part);
+          column_tiled_kernel<Load, true>
+              <<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
         else
-          column_tiled_kernel<Load, false><<<grid, block, 0, s>>>(g, e, R, C, nslab,
-                                                                  check_finite, bad, part);
+          column_tiled_kernel<Load, false>
+              <<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
       }
       GC_CUDA_CHECK_LAUNCH();
       column_finalize_kernel<<<static_cast<unsigned>((C + 127) / 128), 128, 0, s>>>(part, R, C,
@@ -401,8 +406,8 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
   return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
 }
 
-void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out,
-                     const OneBitGeom& geo, const float* scales, uint32_t* bits, void* stream) {
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits, void* stream) {
   if (geo.n == 0) return;
   cudaStream_t s = as_stream(stream);
   const Geo gg = to_geo(geo);
@@ -451,8 +456,8 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
   }
   const void** dev = ws.ptrs.get<const void*>(host.size());
   // pageable source: the call returns after the source was staged, so `host` may go away
-  GC_CUDA_CHECK(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(void*),
-                                cudaMemcpyHostToDevice, s));
+  GC_CUDA_CHECK(
+      cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice, s));
   decode_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, s>>>(
       reinterpret_cast<const uint32_t* const*>(dev),
       reinterpret_cast<const float* const*>(dev + count), nullptr, nullptr, count, to_geo(geo),

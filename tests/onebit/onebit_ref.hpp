@@ -61,8 +61,8 @@ inline std::vector<uint32_t> ref_bits(const std::vector<float>& x) {
 }
 
 /// Decoded value of element i from bits and (the implementation's) scales.
-inline float ref_decoded(const uint32_t* bits, const float* scales, int64_t i, int64_t n,
-                         int64_t C, const OneBitConfig& cfg) {
+inline float ref_decoded(const uint32_t* bits, const float* scales, int64_t i, int64_t n, int64_t C,
+                         const OneBitConfig& cfg) {
   const bool b = (bits[i / 32] >> (i % 32)) & 1u;
   if (cfg.scaling == OneBitScaling::kColumnMeans) return b ? scales[i % C] : scales[C + i % C];
   const int64_t S = onebit_effective_chunk(cfg, n);

@@ -69,8 +69,8 @@ void check_against_reference(const OneBitConfig& cfg, Shape sh, int steps, DType
     const auto want_scales = ref_scales(x, sh.R, sh.C, cfg);
     ASSERT_EQ(v.h.section_bytes[1], 4 * want_bits.size());
     ASSERT_EQ(v.h.section_bytes[2], 4 * want_scales.size());
-    const uint64_t total = 64 + (4 * want_bits.size() + 7) / 8 * 8 +
-                           (4 * want_scales.size() + 7) / 8 * 8;
+    const uint64_t total =
+        64 + (4 * want_bits.size() + 7) / 8 * 8 + (4 * want_scales.size() + 7) / 8 * 8;
     ASSERT_EQ(p.size(), total);
     ASSERT_EQ(comp.last_stats().payload_bytes, total);
     ASSERT_EQ(onebit_payload_bytes(cfg, sh.R, sh.C), total);
@@ -95,34 +95,34 @@ void check_against_reference(const OneBitConfig& cfg, Shape sh, int steps, DType
     std::vector<float> dense = normal(n, 999, 1.0f), want = dense;
     for (int64_t i = 0; i < n; ++i)
       want[i] = dense[i] + 0.5f * ref_decoded(v.bits, v.scales, i, n, sh.C, cfg);
-    comp.decode_add(p.data(), p.size(), TensorView(dense.data(), {sh.R, sh.C}, DType::kFloat32,
-                                                   Device::kCPU), 0.5f);
+    comp.decode_add(p.data(), p.size(),
+                    TensorView(dense.data(), {sh.R, sh.C}, DType::kFloat32, Device::kCPU), 0.5f);
     for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(same_bits(dense[i], want[i])) << "decode at " << i;
   }
   EXPECT_EQ(comp.step(), steps);
 }
 
-const Shape kShapes[] = {{1, 1}, {1, 77}, {1000, 1}, {7, 13}, {1024, 1000}, {33, 3}, {0, 5},
-                         {300, 37}, {1000003, 1}};
+const Shape kShapes[] = {{1, 1},  {1, 77}, {1000, 1}, {7, 13},     {1024, 1000},
+                         {33, 3}, {0, 5},  {300, 37}, {1000003, 1}};
 
 }  // namespace
 
 TEST(OneBit, ColumnMeansMatchesReference) {
-  for (Shape s : kShapes) check_against_reference(make_cfg(OneBitScaling::kColumnMeans), s, 3,
-                                                  DType::kFloat32);
+  for (Shape s : kShapes)
+    check_against_reference(make_cfg(OneBitScaling::kColumnMeans), s, 3, DType::kFloat32);
 }
 
 TEST(OneBit, SignL1MatchesReference) {
-  for (Shape s : kShapes) check_against_reference(make_cfg(OneBitScaling::kSignL1), s, 3,
-                                                  DType::kFloat32);
+  for (Shape s : kShapes)
+    check_against_reference(make_cfg(OneBitScaling::kSignL1), s, 3, DType::kFloat32);
   for (int64_t chunk : {32, 64, 4096})
     for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{100003, 1}})
       check_against_reference(make_cfg(OneBitScaling::kSignL1, chunk), s, 2, DType::kFloat32);
 }
 
 TEST(OneBit, SignL2MatchesReference) {
-  for (Shape s : kShapes) check_against_reference(make_cfg(OneBitScaling::kSignL2), s, 3,
-                                                  DType::kFloat32);
+  for (Shape s : kShapes)
+    check_against_reference(make_cfg(OneBitScaling::kSignL2), s, 3, DType::kFloat32);
   for (int64_t chunk : {32, 96, 1 << 17})
     for (Shape s : {Shape{1, 33}, Shape{1024, 1000}, Shape{300001, 1}})
       check_against_reference(make_cfg(OneBitScaling::kSignL2, chunk), s, 2, DType::kFloat32);
@@ -184,8 +184,8 @@ TEST(OneBit, ErrorFeedbackInvariantOver100Steps) {
         }
         comp.encode(TensorView(g.data(), {s.R, s.C}, DType::kFloat32, Device::kCPU), p);
         std::fill(dec.begin(), dec.end(), 0.0f);
-        comp.decode_add(p.data(), p.size(), TensorView(dec.data(), {s.R, s.C}, DType::kFloat32,
-                                                       Device::kCPU));
+        comp.decode_add(p.data(), p.size(),
+                        TensorView(dec.data(), {s.R, s.C}, DType::kFloat32, Device::kCPU));
         for (int64_t i = 0; i < n; ++i) sum_out[i] += dec[i];
       }
       const float* e = comp.error();
@@ -307,11 +307,13 @@ TEST(OneBitBadInput, GradientRejectedAndStateUnchanged) {
   std::vector<float> g = normal(n, 5);
   // wrong element count
   std::vector<float> big(n + 1);
-  expect_throw_with<InvalidArgument>(
-      [&] { c.encode(TensorView::cpu(big.data(), n + 1), p); }, "elements");
+  expect_throw_with<InvalidArgument>([&] { c.encode(TensorView::cpu(big.data(), n + 1), p); },
+                                     "elements");
   // wrong shape for column means
   expect_throw_with<InvalidArgument>(
-      [&] { c.encode(TensorView(g.data(), {C, R}, DType::kFloat32, Device::kCPU), p); },
+      [&] {
+        c.encode(TensorView(g.data(), {C, R}, DType::kFloat32, Device::kCPU), p);
+      },
       "29 x 37");
   // dtype
   TensorView bad = TensorView(g.data(), {R, C}, DType::kFloat32, Device::kCPU);
@@ -323,15 +325,20 @@ TEST(OneBitBadInput, GradientRejectedAndStateUnchanged) {
   expect_throw_with<InvalidArgument>([&] { c.encode(dev, p); }, "cuda");
   // null data
   expect_throw_with<InvalidArgument>(
-      [&] { c.encode(TensorView(nullptr, {R, C}, DType::kFloat32, Device::kCPU), p); }, "null");
+      [&] {
+        c.encode(TensorView(nullptr, {R, C}, DType::kFloat32, Device::kCPU), p);
+      },
+      "null");
   // NaN and Inf, named by index
-  for (float badv : {std::numeric_limits<float>::quiet_NaN(),
-                     std::numeric_limits<float>::infinity(),
-                     -std::numeric_limits<float>::infinity()}) {
+  for (float badv :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()}) {
     std::vector<float> h = g;
     h[500] = badv;
     expect_throw_with<InvalidArgument>(
-        [&] { c.encode(TensorView(h.data(), {R, C}, DType::kFloat32, Device::kCPU), p); },
+        [&] {
+          c.encode(TensorView(h.data(), {R, C}, DType::kFloat32, Device::kCPU), p);
+        },
         "index 500");
   }
   EXPECT_EQ(c.state_dict(), before);
@@ -395,7 +402,10 @@ TEST(OneBitBadInput, CorruptPayloadRejectedAndOutputUnchanged) {
   };
   add("magic", mutate([](PayloadHeader& h, auto&) { h.magic ^= 1; }));
   add("kind", mutate([](PayloadHeader& h, auto&) { h.kind = uint8_t(PayloadKind::kSparse); }));
-  add("numel", mutate([](PayloadHeader& h, auto&) { h.numel -= 50; h.count -= 50; }));
+  add("numel", mutate([](PayloadHeader& h, auto&) {
+        h.numel -= 50;
+        h.count -= 50;
+      }));
   add("count", mutate([](PayloadHeader& h, auto&) { h.count -= 1; }));
   add("dtype", mutate([](PayloadHeader& h, auto&) { h.value_dtype = 1; }));
   add("scaling", mutate([](PayloadHeader& h, auto&) { h.flags = 5; }));

@@ -112,8 +112,10 @@ void compare_twins(const OneBitConfig& cfg, Shape sh, DType dt, int steps, int64
     // decodes agree bitwise across devices: GPU payload on both, CPU payload on both
     std::vector<float> base = normal(n, 5), a = base, b(n);
     DevBuf dd(4 * n);
-    for (const std::vector<uint8_t>* pay : {&hg, static_cast<const std::vector<uint8_t>*>(nullptr)}) {
-      const std::vector<uint8_t> bytes = pay ? *pay : std::vector<uint8_t>(pc.data(), pc.data() + pc.size());
+    for (const std::vector<uint8_t>* pay :
+         {&hg, static_cast<const std::vector<uint8_t>*>(nullptr)}) {
+      const std::vector<uint8_t> bytes =
+          pay ? *pay : std::vector<uint8_t>(pc.data(), pc.data() + pc.size());
       a = base;
       cpu.decode_add(bytes.data(), bytes.size(),
                      TensorView(a.data(), {sh.R, sh.C}, DType::kFloat32, Device::kCPU), 0.25f);
@@ -130,14 +132,15 @@ void compare_twins(const OneBitConfig& cfg, Shape sh, DType dt, int steps, int64
   }
 }
 
-const Shape kShapes[] = {{1, 1}, {1, 77}, {1000, 1}, {7, 13}, {1024, 1000}, {33, 3}, {0, 4},
-                         {300, 37}, {1000003, 1}};
+const Shape kShapes[] = {{1, 1},  {1, 77}, {1000, 1}, {7, 13},     {1024, 1000},
+                         {33, 3}, {0, 4},  {300, 37}, {1000003, 1}};
 
 }  // namespace
 
 TEST(OneBitCuda, ColumnMeansMatchesCpu) {
   GC_REQUIRE_GPU();
-  for (Shape s : kShapes) compare_twins(make_cfg(OneBitScaling::kColumnMeans), s, DType::kFloat32, 3);
+  for (Shape s : kShapes)
+    compare_twins(make_cfg(OneBitScaling::kColumnMeans), s, DType::kFloat32, 3);
 }
 
 TEST(OneBitCuda, SignModesMatchCpu) {
@@ -154,7 +157,8 @@ TEST(OneBitCuda, ScalarPathHalfBFloat16AndMisaligned) {
   GC_REQUIRE_GPU();
   for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL2}) {
     for (DType dt : {DType::kFloat16, DType::kBFloat16})
-      for (Shape s : {Shape{7, 13}, Shape{4097, 1}, Shape{64, 129}}) compare_twins(make_cfg(sc), s, dt, 2);
+      for (Shape s : {Shape{7, 13}, Shape{4097, 1}, Shape{64, 129}})
+        compare_twins(make_cfg(sc), s, dt, 2);
     for (Shape s : {Shape{5000, 1}, Shape{64, 100}})
       compare_twins(make_cfg(sc), s, DType::kFloat32, 2, /*offset=*/1);
   }
@@ -189,10 +193,10 @@ TEST(OneBitCuda, DecodeAverageMatchesCpu) {
     dd.upload(a.data(), 4 * n);
     cpu.decode_average(hp.data(), sz.data(), P,
                        TensorView(a.data(), {R, C}, DType::kFloat32, Device::kCPU), 1.0f / P);
-    gpu.decode_average(dp.data(), sz.data(), P,
-                       TensorView(dd.p, {R, C}, DType::kFloat32, Device::kCUDA,
-                                  gradcomp::cuda::current_device()),
-                       1.0f / P);
+    gpu.decode_average(
+        dp.data(), sz.data(), P,
+        TensorView(dd.p, {R, C}, DType::kFloat32, Device::kCUDA, gradcomp::cuda::current_device()),
+        1.0f / P);
     dd.download(b.data(), 4 * n);
     EXPECT_EQ(0, std::memcmp(a.data(), b.data(), 4 * n));
   }

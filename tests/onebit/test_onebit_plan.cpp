@@ -48,7 +48,8 @@ struct Sim {
 
 double norm_scale(const std::vector<float>& x, int64_t b, int64_t e, OneBitScaling s) {
   double acc = 0;
-  for (int64_t i = b; i < e; ++i) acc += s == OneBitScaling::kSignL1 ? std::fabs(x[i]) : double(x[i]) * x[i];
+  for (int64_t i = b; i < e; ++i)
+    acc += s == OneBitScaling::kSignL1 ? std::fabs(x[i]) : double(x[i]) * x[i];
   const double len = double(e - b);
   return s == OneBitScaling::kSignL1 ? acc / len : std::sqrt(acc / len);
 }
@@ -103,8 +104,8 @@ TEST(OneBitPlan, AsksForAllToAllThenAllgatherOfEqualBlocks) {
 TEST(OneBitPlan, FirstStepMatchesScalarReferenceAndRanksAgreeBitwise) {
   for (auto sc : {OneBitScaling::kSignL1, OneBitScaling::kSignL2})
     for (int P : {1, 2, 3, 8})
-      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000},
-                        int64_t{100003}}) {
+      for (int64_t n :
+           {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000}, int64_t{100003}}) {
         SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n));
         Sim sim(plan_cfg(sc), P, n);
         std::vector<std::vector<float>> g(P);
@@ -170,7 +171,8 @@ TEST(OneBitPlan, HalfGradientsAndStateRoundTrip) {
   const int64_t n = 4099;
   auto make = [&] {
     std::vector<std::unique_ptr<OneBitAllreducePlan>> v;
-    for (int r = 0; r < P; ++r) v.push_back(std::make_unique<OneBitAllreducePlan>(plan_cfg(), n, P, r));
+    for (int r = 0; r < P; ++r)
+      v.push_back(std::make_unique<OneBitAllreducePlan>(plan_cfg(), n, P, r));
     return v;
   };
   auto a = make(), b = make();
