@@ -1,0 +1,255 @@
+// SPDX-License-Identifier: Apache-2.0
+// Microbenchmarks of the 1-bit family (CPU): fused compress per scaling mode, decompress-
+// accumulate, the averaging decode of 8 payloads, the simulated two-phase allreduce for P = 8,
+// and the unfused baseline (separate passes: add error, scale, sign, pack, error update; the way
+// 1-bit Adam does it with tensor ops and packbits).
+//
+// Counters: bytes_per_second counts the bytes a kernel must move (compress: read g and e, write
+// e and bits = 12.125 bytes per fp32 element); frac_of_copy = that bandwidth / the bandwidth of a
+// plain memory copy (read + write bytes per second) measured in this binary, the better of a
+// single memcpy and one memcpy per OpenMP thread; compression_ratio = dense bytes / payload bytes
+// (header and scales included).
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gradcomp/gradcomp.hpp"
+
+using namespace gradcomp;
+
+namespace {
+
+std::vector<float> data(int64_t n, uint64_t seed) {
+  std::vector<float> v(static_cast<size_t>(n));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const int64_t m = std::min<int64_t>(n, 1 << 16);  // tile a random block (fast setup)
+  for (int64_t i = 0; i < m; ++i) v[i] = d(rng);
+  for (int64_t i = m; i < n; ++i) v[i] = v[i % m] * (1.0f + 1e-3f * static_cast<float>(i / m % 7));
+  return v;
+}
+
+/// Copy bandwidth in bytes/s (read + write), measured once on 256 MiB.
+double copy_bandwidth() {
+  static const double bw = [] {
+    const size_t bytes = size_t{256} << 20;
+    std::vector<char> a(bytes, 1), b(bytes, 2);
+    double best = 0.0;
+    for (int mode = 0; mode < 2; ++mode)
+      for (int rep = 0; rep < 4; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (mode == 0) {
+          std::memcpy(b.data(), a.data(), bytes);
+        } else {
+#pragma omp parallel
+          {
+            const size_t T = static_cast<size_t>(omp_get_num_threads());
+            const size_t t = static_cast<size_t>(omp_get_thread_num());
+            const size_t lo = bytes * t / T, hi = bytes * (t + 1) / T;
+            std::memcpy(b.data() + lo, a.data() + lo, hi - lo);
+          }
+        }
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        best = std::max(best, 2.0 * static_cast<double>(bytes) / s);
+        benchmark::DoNotOptimize(b.data());
+      }
+    return best;
+  }();
+  return bw;
+}
+
+void set_counters(benchmark::State& st, double bytes_per_iter, double ratio) {
+  const double bps = bytes_per_iter * static_cast<double>(st.iterations());
+  st.counters["bytes_per_second"] = benchmark::Counter(bps, benchmark::Counter::kIsRate);
+  st.counters["frac_of_copy"] =
+      benchmark::Counter(bps / copy_bandwidth(), benchmark::Counter::kIsRate);
+  if (ratio > 0) st.counters["compression_ratio"] = ratio;
+}
+
+OneBitConfig cfg_of(int mode) {
+  OneBitConfig c;
+  c.scaling = static_cast<OneBitScaling>(mode);
+  return c;
+}
+
+/// Matrix shape used for a size: column-means gets a [n / 1024, 1024] weight; sign modes 1-D.
+void shape_of(int mode, int64_t n, int64_t* R, int64_t* C) {
+  if (mode == 0 && n % 1024 == 0) {
+    *R = n / 1024;
+    *C = 1024;
+  } else {
+    *R = n;
+    *C = 1;
+  }
+}
+
+void BM_onebit_memcpy(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  std::vector<float> a = data(n, 1), b(n);
+  for (auto _ : st) {
+    std::memcpy(b.data(), a.data(), 4 * n);
+    benchmark::DoNotOptimize(b.data());
+  }
+  set_counters(st, 8.0 * n, 0);
+}
+
+/// Fused compress (scale pass + quantize pass). Arg 0: n, arg 1: scaling mode.
+void BM_onebit_compress(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const int mode = static_cast<int>(st.range(1));
+  int64_t R, C;
+  shape_of(mode, n, &R, &C);
+  OneBitCompressor comp(cfg_of(mode), R, C);
+  std::vector<float> g = data(n, 2);
+  Payload p;
+  const TensorView gv(g.data(), {R, C}, DType::kFloat32, Device::kCPU);
+  comp.encode(gv, p);  // warm-up: payload buffer allocated
+  for (auto _ : st) {
+    comp.encode(gv, p);
+    benchmark::DoNotOptimize(p.data());
+  }
+  st.SetLabel(onebit_scaling_name(static_cast<OneBitScaling>(mode)));
+  set_counters(st, 12.0 * n + n / 8.0, comp.last_stats().compression_ratio());
+}
+
+/// The unfused baseline: x = g + e; scale = ||x||_2 / sqrt(n); signs = x >= 0 (one byte each);
+/// pack 8 signs per byte; e = x - scale * (2 s - 1). Each pass is a plain OpenMP loop.
+void BM_onebit_baseline_compress(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  std::vector<float> g = data(n, 2), e(n, 0.0f), x(n);
+  std::vector<uint8_t> signs(n), packed((n + 7) / 8);
+  for (auto _ : st) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) x[i] = g[i] + e[i];
+    double ss = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+    const float scale = static_cast<float>(std::sqrt(ss / static_cast<double>(n)));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) signs[i] = x[i] >= 0.0f ? 1 : 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < (n + 7) / 8; ++j) {
+      uint8_t b = 0;
+      for (int k = 0; k < 8 && 8 * j + k < n; ++k) b |= static_cast<uint8_t>(signs[8 * j + k] << k);
+      packed[j] = b;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) e[i] = x[i] - scale * (2.0f * signs[i] - 1.0f);
+    benchmark::DoNotOptimize(packed.data());
+    benchmark::DoNotOptimize(e.data());
+  }
+  set_counters(st, 12.0 * n + n / 8.0, 4.0 * n / (64.0 + n / 8.0 + 8.0));
+}
+
+/// Decompress-accumulate: dense += decode(payload). Bytes: read bits, read and write dense.
+void BM_onebit_decompress_accumulate(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const int mode = static_cast<int>(st.range(1));
+  int64_t R, C;
+  shape_of(mode, n, &R, &C);
+  OneBitCompressor comp(cfg_of(mode), R, C);
+  std::vector<float> g = data(n, 3), dense(n, 0.0f);
+  Payload p;
+  comp.encode(TensorView(g.data(), {R, C}, DType::kFloat32, Device::kCPU), p);
+  const TensorView dv(dense.data(), {R, C}, DType::kFloat32, Device::kCPU);
+  for (auto _ : st) {
+    comp.decode_add(p.data(), p.size(), dv, 0.125f);
+    benchmark::DoNotOptimize(dense.data());
+  }
+  st.SetLabel(onebit_scaling_name(static_cast<OneBitScaling>(mode)));
+  set_counters(st, 8.0 * n + n / 8.0, comp.last_stats().compression_ratio());
+}
+
+/// Averaging decode of 8 payloads in one pass over dense.
+void BM_onebit_decode_average8(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const int P = 8;
+  OneBitConfig cfg = cfg_of(2);
+  std::vector<Payload> ps(P);
+  std::vector<const void*> ptr(P);
+  std::vector<size_t> sz(P);
+  OneBitCompressor comp(cfg, n, 1);
+  for (int q = 0; q < P; ++q) {
+    std::vector<float> g = data(n, 10 + q);
+    OneBitCompressor c(cfg, n, 1);
+    c.encode(TensorView::cpu(g.data(), n), ps[q]);
+    ptr[q] = ps[q].data();
+    sz[q] = ps[q].size();
+  }
+  std::vector<float> dense(n, 0.0f);
+  for (auto _ : st) {
+    comp.decode_average(ptr.data(), sz.data(), P, TensorView::cpu(dense.data(), n), 1.0f / P);
+    benchmark::DoNotOptimize(dense.data());
+  }
+  set_counters(st, 8.0 * n + P * n / 8.0, 0);
+}
+
+/// The two-phase compressed allreduce for P = 8 simulated ranks in this process (all local work
+/// of all ranks, plus in-memory collectives). The ranks share one input and one output buffer
+/// (they write identical values) so that n = 110M fits in memory. bytes_per_second counts the
+/// gradient bytes reduced per second (P * 4 n); compression_ratio = 4 n / bytes sent per rank.
+void BM_onebit_plan_p8(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const int P = 8;
+  OneBitConfig cfg = cfg_of(2);
+  std::vector<std::unique_ptr<OneBitAllreducePlan>> plans;
+  for (int r = 0; r < P; ++r) plans.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
+  std::vector<float> g = data(n, 4), out(n);
+  std::vector<Plan*> ps;
+  for (auto& p : plans) ps.push_back(p.get());
+  for (auto _ : st) {
+    for (auto& p : plans) p->begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n));
+    run_plans_in_process(ps);
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_counters(st, 4.0 * P * n, 4.0 * n / static_cast<double>(plans[0]->bytes_sent()));
+}
+
+constexpr int64_t k1M = 1 << 20, k25M = 25'000'000, k110M = 110'000'000;
+
+void sizes(benchmark::internal::Benchmark* b, bool modes) {
+  for (int64_t n : {k1M, k25M, k110M})
+    for (int m = 0; m < (modes ? 3 : 1); ++m) {
+      if (modes)
+        b->Args({n, m});
+      else
+        b->Args({n});
+    }
+}
+
+}  // namespace
+
+BENCHMARK(BM_onebit_memcpy)->Arg(k25M)->Unit(benchmark::kMillisecond)->MinTime(0.3)->UseRealTime();
+BENCHMARK(BM_onebit_compress)->Apply([](auto* b) {
+                               sizes(b, true);
+                             }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3) -> UseRealTime();
+BENCHMARK(BM_onebit_baseline_compress)
+    ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
+        -> UseRealTime();
+BENCHMARK(BM_onebit_decompress_accumulate)
+    ->Apply([](auto* b) { sizes(b, true); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
+        -> UseRealTime();
+BENCHMARK(BM_onebit_decode_average8)
+    ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
+        -> UseRealTime();
+BENCHMARK(BM_onebit_plan_p8)
+    ->Arg(k1M)
+    ->Arg(k25M)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.3)
+    ->UseRealTime();
+BENCHMARK(BM_onebit_plan_p8)
+    ->Arg(k110M)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1)
+    ->UseRealTime();
+
+BENCHMARK_MAIN();

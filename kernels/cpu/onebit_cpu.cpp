@@ -1,0 +1,563 @@
+// SPDX-License-Identifier: Apache-2.0
+// CPU backend of the 1-bit family. Two passes per compress: the scale pass (reads g and e, writes
+// a few partial sums) and the fused quantize pass (reads g and e, writes e and the packed bits).
+// Both are split across OpenMP threads in contiguous word ranges; full 32-element words go
+// through SSE (compare + movemask packs 4 bits per instruction), partial words through the same
+// scalar math from kernels/onebit_math.h. Partial sums are taken over fixed element groups and
+// combined in a fixed order, so scales do not depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/onebit.hpp"
+#include "kernels/onebit_math.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define GC_ONEBIT_SSE 1
+#endif
+
+namespace gradcomp::kernels {
+
+OneBitWorkspace::~OneBitWorkspace() {
+  if (pinned) {
+    try {
+      gradcomp::cuda::free_host(pinned);
+    } catch (...) {
+    }
+  }
+}
+
+namespace cpu {
+namespace {
+
+using namespace onebit;
+
+constexpr int64_t kGroup = int64_t{1} << 16;  // elements per partial sum of the flat reductions
+constexpr int64_t kLaneBlock = 1024;          // fp32 lane sums are folded into double this often
+constexpr int64_t kTile = 1024;               // columns per work item of the column reduction
+
+inline int threads_for(int64_t work) {
+  const int64_t per = int64_t{1} << 15;  // below ~32K elements per thread, threads do not pay
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
+}
+
+template <class F>
+void by_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
+  }
+}
+
+template <class Load>
+inline float xval(const void* g, const float* e, int64_t i) {
+  const float gv = Load::load(g, i);
+  return e ? compensate(gv, e[i]) : gv;
+}
+
+template <class Load>
+int64_t first_nonfinite(const void* g, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!is_finite_bits(Load::load(g, i))) return i;
+  return -1;
+}
+
+// ---- pass 1 -----------------------------------------------------------------------------------
+
+/// Sum over [b, end) of norm_term(x): fp32 lanes over blocks of kLaneBlock, folded into double.
+template <class Load, int N, bool HasE>
+double flat_sum(const void* g, const float* e, int64_t b, int64_t end) {
+  double total = 0.0;
+#if GC_ONEBIT_SSE
+  if constexpr (std::is_same_v<Load, F32Load>) {  // same lanes as below, explicit SSE
+    const float* gf = static_cast<const float*>(g);
+    const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+    for (int64_t i = b; i < end; i += kLaneBlock) {
+      const int64_t stop = std::min(end, i + kLaneBlock);
+      __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
+      int64_t j = i;
+      for (; j + 8 <= stop; j += 8) {
+        __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
+        if (HasE) {
+          x0 = _mm_add_ps(x0, _mm_loadu_ps(e + j));
+          x1 = _mm_add_ps(x1, _mm_loadu_ps(e + j + 4));
+        }
+        if (N == kL1) {
+          x0 = _mm_and_ps(x0, absmask);
+          x1 = _mm_and_ps(x1, absmask);
+        } else {
+          x0 = _mm_mul_ps(x0, x0);
+          x1 = _mm_mul_ps(x1, x1);
+        }
+        a0 = _mm_add_ps(a0, x0);
+        a1 = _mm_add_ps(a1, x1);
+      }
+      float lane[8];
+      _mm_storeu_ps(lane, a0);
+      _mm_storeu_ps(lane + 4, a1);
+      for (; j < stop; ++j) lane[0] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j));
+      double s = 0.0;
+      for (int l = 0; l < 8; ++l) s += lane[l];
+      total += s;
+    }
+    return total;
+  }
+#endif
+  for (int64_t i = b; i < end; i += kLaneBlock) {
+    const int64_t stop = std::min(end, i + kLaneBlock);
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = i;
+    for (; j + 8 <= stop; j += 8)
+      for (int l = 0; l < 8; ++l) lane[l] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j + l));
+    for (; j < stop; ++j) lane[0] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j));
+    double s = 0.0;
+    for (int l = 0; l < 8; ++l) s += lane[l];
+    total += s;
+  }
+  return total;
+}
+
+/// Sums of the non-negative entries, their count, and of the negative entries over [b, end).
+template <class Load, bool HasE>
+void flat_split_sum(const void* g, const float* e, int64_t b, int64_t end, double out[3]) {
+  double sp = 0, sn = 0, cp = 0;
+  for (int64_t i = b; i < end; i += kLaneBlock) {
+    const int64_t stop = std::min(end, i + kLaneBlock);
+    float lp[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ln[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int32_t lc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = i;
+#if GC_ONEBIT_SSE
+    if constexpr (std::is_same_v<Load, F32Load>) {
+      const float* gf = static_cast<const float*>(g);
+      const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
+      __m128 p0 = zero, p1 = zero, n0 = zero, n1 = zero, c0 = zero, c1 = zero;
+      for (; j + 8 <= stop; j += 8) {
+        __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
+        if (HasE) {
+          x0 = _mm_add_ps(x0, _mm_loadu_ps(e + j));
+          x1 = _mm_add_ps(x1, _mm_loadu_ps(e + j + 4));
+        }
+        const __m128 m0 = _mm_cmpge_ps(x0, zero), m1 = _mm_cmpge_ps(x1, zero);
+        p0 = _mm_add_ps(p0, _mm_and_ps(m0, x0));
+        p1 = _mm_add_ps(p1, _mm_and_ps(m1, x1));
+        n0 = _mm_add_ps(n0, _mm_andnot_ps(m0, x0));
+        n1 = _mm_add_ps(n1, _mm_andnot_ps(m1, x1));
+        c0 = _mm_add_ps(c0, _mm_and_ps(m0, one));
+        c1 = _mm_add_ps(c1, _mm_and_ps(m1, one));
+      }
+      float cf[8];
+      _mm_storeu_ps(lp, p0);
+      _mm_storeu_ps(lp + 4, p1);
+      _mm_storeu_ps(ln, n0);
+      _mm_storeu_ps(ln + 4, n1);
+      _mm_storeu_ps(cf, c0);
+      _mm_storeu_ps(cf + 4, c1);
+      for (int l = 0; l < 8; ++l) lc[l] = static_cast<int32_t>(cf[l]);  // <= 128: exact
+    }
+#endif
+    for (; j + 8 <= stop; j += 8)
+      for (int l = 0; l < 8; ++l) {
+        const float x = xval<Load>(g, HasE ? e : nullptr, j + l);
+        const bool p = sign_bit(x);
+        lp[l] += p ? x : 0.0f;
+        ln[l] += p ? 0.0f : x;
+        lc[l] += p ? 1 : 0;
+      }
+    for (; j < stop; ++j) {
+      const float x = xval<Load>(g, HasE ? e : nullptr, j);
+      const bool p = sign_bit(x);
+      lp[0] += p ? x : 0.0f;
+      ln[0] += p ? 0.0f : x;
+      lc[0] += p ? 1 : 0;
+    }
+    for (int l = 0; l < 8; ++l) {
+      sp += lp[l];
+      sn += ln[l];
+      cp += lc[l];
+    }
+  }
+  out[0] = sp;
+  out[1] = cp;
+  out[2] = sn;
+}
+
+template <class Load, bool HasE>
+void sign_scales(const void* g, const float* e, const OneBitGeom& geo, int norm, float* scales,
+                 OneBitWorkspace& ws) {
+  const int64_t n = geo.n, S = geo.chunk, K = geo.num_scales();
+  const int64_t spc = (std::min(S, n) + kGroup - 1) / kGroup;  // groups per chunk
+  const int64_t items = K * spc;
+  ws.host.resize(static_cast<size_t>(items));
+  double* part = ws.host.data();
+  const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t k = it / spc, s = it % spc;
+    const int64_t ce = std::min(n, (k + 1) * S);
+    const int64_t b = k * S + s * kGroup, end = std::min(ce, b + kGroup);
+    double v = 0.0;
+    if (b < end)
+      v = norm == kL1 ? flat_sum<Load, kL1, HasE>(g, e, b, end)
+                      : flat_sum<Load, kL2, HasE>(g, e, b, end);
+    part[it] = v;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    double sum = 0.0;
+    for (int64_t s = 0; s < spc; ++s) sum += part[k * spc + s];
+    const int64_t len = std::min(n, (k + 1) * S) - k * S;
+    scales[k] = norm == kL1 ? l1_scale(sum, len) : l2_scale(sum, len);
+  }
+}
+
+template <class Load, bool HasE>
+void column_scales(const void* g, const float* e, const OneBitGeom& geo, float* scales,
+                   OneBitWorkspace& ws) {
+  const int64_t n = geo.n, C = geo.cols, R = n / C;
+  float* hi = scales;
+  float* lo = scales + C;
+  if (C == 1) {  // one column: a flat reduction over fixed groups
+    const int64_t items = (n + kGroup - 1) / kGroup;
+    ws.host.resize(static_cast<size_t>(3 * items));
+    double* part = ws.host.data();
+    const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t it = 0; it < items; ++it)
+      flat_split_sum<Load, HasE>(g, e, it * kGroup, std::min(n, (it + 1) * kGroup), part + 3 * it);
+    double sp = 0, cp = 0, sn = 0;
+    for (int64_t it = 0; it < items; ++it) {
+      sp += part[3 * it];
+      cp += part[3 * it + 1];
+      sn += part[3 * it + 2];
+    }
+    hi[0] = mean_or_zero(sp, cp);
+    lo[0] = mean_or_zero(sn, static_cast<double>(R) - cp);
+    return;
+  }
+  // Work items: (row slab, tile of kTile columns). Each item sums its columns over its rows in
+  // row order into double accumulators; slabs are then combined in slab order.
+  const int64_t nslab = std::clamp<int64_t>(std::min(R / 16, n >> 18), 1, 64);
+  const int64_t ntile = (C + kTile - 1) / kTile;
+  ws.host.resize(static_cast<size_t>(3 * nslab * C));
+  double* part = ws.host.data();  // [slab][3][C]
+  const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static)
+  for (int64_t it = 0; it < nslab * ntile; ++it) {
+    const int64_t slab = it / ntile, tile = it % ntile;
+    const int64_t r0 = R * slab / nslab, r1 = R * (slab + 1) / nslab;
+    const int64_t c0 = tile * kTile, c1 = std::min(C, c0 + kTile), w = c1 - c0;
+    double sp[kTile], sn[kTile], cp[kTile];
+    float fp[kTile], fn[kTile], fc[kTile];
+    for (int64_t c = 0; c < w; ++c) sp[c] = sn[c] = cp[c] = 0.0;
+    for (int64_t rb = r0; rb < r1; rb += 32) {  // fp32 over <= 32 rows, then into double
+      const int64_t re = std::min(r1, rb + 32);
+      for (int64_t c = 0; c < w; ++c) fp[c] = fn[c] = fc[c] = 0.0f;
+      for (int64_t r = rb; r < re; ++r) {
+        const int64_t base = r * C + c0;
+        int64_t c = 0;
+#if GC_ONEBIT_SSE
+        if constexpr (std::is_same_v<Load, F32Load>) {
+          const float* gf = static_cast<const float*>(g) + base;
+          const float* ef = HasE ? e + base : nullptr;
+          const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
+          for (; c + 4 <= w; c += 4) {
+            __m128 x = _mm_loadu_ps(gf + c);
+            if (HasE) x = _mm_add_ps(x, _mm_loadu_ps(ef + c));
+            const __m128 m = _mm_cmpge_ps(x, zero);
+            _mm_storeu_ps(fp + c, _mm_add_ps(_mm_loadu_ps(fp + c), _mm_and_ps(m, x)));
+            _mm_storeu_ps(fn + c, _mm_add_ps(_mm_loadu_ps(fn + c), _mm_andnot_ps(m, x)));
+            _mm_storeu_ps(fc + c, _mm_add_ps(_mm_loadu_ps(fc + c), _mm_and_ps(m, one)));
+          }
+        }
+#endif
+        for (; c < w; ++c) {
+          const float x = xval<Load>(g, HasE ? e : nullptr, base + c);
+          const bool p = sign_bit(x);
+          fp[c] += p ? x : 0.0f;
+          fn[c] += p ? 0.0f : x;
+          fc[c] += p ? 1.0f : 0.0f;
+        }
+      }
+      for (int64_t c = 0; c < w; ++c) {
+        sp[c] += fp[c];
+        sn[c] += fn[c];
+        cp[c] += fc[c];
+      }
+    }
+    double* out = part + 3 * slab * C;
+    for (int64_t c = 0; c < w; ++c) {
+      out[c0 + c] = sp[c];
+      out[C + c0 + c] = cp[c];
+      out[2 * C + c0 + c] = sn[c];
+    }
+  }
+#pragma omp parallel for num_threads(threads_for(C* nslab * 8)) schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    double sp = 0, cp = 0, sn = 0;
+    for (int64_t s = 0; s < nslab; ++s) {
+      const double* p = part + 3 * s * C;
+      sp += p[c];
+      cp += p[C + c];
+      sn += p[2 * C + c];
+    }
+    hi[c] = mean_or_zero(sp, cp);
+    lo[c] = mean_or_zero(sn, static_cast<double>(R) - cp);
+  }
+}
+
+// ---- pass 2 and decode: per-word helpers ------------------------------------------------------
+
+/// Walks the words [wb, we) keeping track of the scales that apply to each word.
+struct ScaleCursor {
+  const OneBitGeom& geo;
+  const float* scales;
+  int64_t k = 0, rem = 0, wpc = 1;  // sign: chunk index, word within chunk, words per chunk
+  int64_t c0 = 0;                   // columns: column of the word's first element
+  ScaleCursor(const OneBitGeom& g, const float* s, int64_t w) : geo(g), scales(s) {
+    if (geo.columns) {
+      c0 = (32 * w) % geo.cols;
+    } else {
+      wpc = geo.chunk / 32;
+      k = w / wpc;
+      rem = w % wpc;
+    }
+  }
+  void advance() {
+    if (geo.columns) {
+      c0 += 32;
+      while (c0 >= geo.cols) c0 -= geo.cols;
+    } else if (++rem == wpc) {
+      rem = 0;
+      ++k;
+    }
+  }
+  /// True when the 32 elements of the word use constant hi/lo (written to hi, lo).
+  bool constant(float* hi, float* lo) const {
+    if (!geo.columns) {
+      *hi = scales[k];
+      *lo = -scales[k];
+      return true;
+    }
+    if (geo.cols == 1) {
+      *hi = scales[0];
+      *lo = scales[1];
+      return true;
+    }
+    return false;
+  }
+  /// Columns: true when the word's columns are contiguous (no wrap inside the word).
+  bool contiguous() const { return c0 + 32 <= geo.cols; }
+  /// hi / lo of element j of the word (any geometry; for the scalar path).
+  void element(int j, float* hi, float* lo) const {
+    if (!geo.columns) {
+      *hi = scales[k];
+      *lo = -scales[k];
+      return;
+    }
+    int64_t c = c0 + j;
+    while (c >= geo.cols) c -= geo.cols;
+    *hi = scales[c];
+    *lo = scales[geo.cols + c];
+  }
+};
+
+/// Scalar quantization of elements [0, len) of word w (the shared math, any case).
+template <class Load>
+uint32_t quantize_scalar(const void* g, const float* e_in, float* e_out, int64_t i0, int len,
+                         const ScaleCursor& cur) {
+  uint32_t word = 0;
+  for (int j = 0; j < len; ++j) {
+    const int64_t i = i0 + j;
+    const float x = xval<Load>(g, e_in, i);
+    const bool b = sign_bit(x);
+    word |= static_cast<uint32_t>(b) << j;
+    if (e_out) {
+      float hi, lo;
+      cur.element(j, &hi, &lo);
+      e_out[i] = error_update(x, reconstruct(b, hi, lo));
+    }
+  }
+  return word;
+}
+
+#if GC_ONEBIT_SSE
+/// One full word with SSE. g is fp32 (or a converted copy); hiA/loA null = constant hi/lo.
+inline uint32_t quantize_word_sse(const float* g, const float* e_in, float* e_out, float hi,
+                                  float lo, const float* hiA, const float* loA) {
+  const __m128 zero = _mm_setzero_ps();
+  const __m128 H = _mm_set1_ps(hi), L = _mm_set1_ps(lo);
+  uint32_t word = 0;
+  for (int j = 0; j < 32; j += 4) {
+    __m128 x = _mm_loadu_ps(g + j);
+    if (e_in) x = _mm_add_ps(x, _mm_loadu_ps(e_in + j));
+    const __m128 m = _mm_cmpge_ps(x, zero);  // x >= 0: false for NaN, true for -0
+    word |= static_cast<uint32_t>(_mm_movemask_ps(m)) << j;
+    if (e_out) {
+      const __m128 h = hiA ? _mm_loadu_ps(hiA + j) : H;
+      const __m128 l = loA ? _mm_loadu_ps(loA + j) : L;
+      const __m128 d = _mm_or_ps(_mm_and_ps(m, h), _mm_andnot_ps(m, l));
+      _mm_storeu_ps(e_out + j, _mm_sub_ps(x, d));
+    }
+  }
+  return word;
+}
+
+/// Lane masks of 4 consecutive bits of a word: lane l set when bit (j + l) is set.
+inline __m128 bit_mask4(uint32_t word, int j) {
+  const __m128i sel = _mm_setr_epi32(1, 2, 4, 8);
+  const __m128i v = _mm_set1_epi32(static_cast<int>(word >> j));
+  return _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(v, sel), sel));
+}
+#endif
+
+template <class Load>
+void quantize_t(const void* g, const float* e_in, float* e_out, const OneBitGeom& geo,
+                const float* scales, uint32_t* bits) {
+  const int64_t n = geo.n, W = geo.num_words();
+  const int T = threads_for(n);
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t wb = W * t / T, we = W * (t + 1) / T;
+    ScaleCursor cur(geo, scales, wb);
+    [[maybe_unused]] float conv[32];
+    for (int64_t w = wb; w < we; ++w, cur.advance()) {
+      const int64_t i0 = 32 * w;
+      const int len = static_cast<int>(std::min<int64_t>(32, n - i0));
+#if GC_ONEBIT_SSE
+      float hi = 0, lo = 0;
+      const bool cst = cur.constant(&hi, &lo);
+      if (len == 32 && (cst || cur.contiguous())) {
+        const float* gx;
+        if constexpr (std::is_same_v<Load, F32Load>) {
+          gx = static_cast<const float*>(g) + i0;
+        } else {
+          for (int j = 0; j < 32; ++j) conv[j] = Load::load(g, i0 + j);
+          gx = conv;
+        }
+        const float* hiA = cst ? nullptr : scales + cur.c0;
+        const float* loA = cst ? nullptr : scales + geo.cols + cur.c0;
+        bits[w] = quantize_word_sse(gx, e_in ? e_in + i0 : nullptr, e_out ? e_out + i0 : nullptr,
+                                    hi, lo, hiA, loA);
+        continue;
+      }
+#endif
+      bits[w] = quantize_scalar<Load>(g, e_in, e_out, i0, len, cur);
+    }
+  }
+}
+
+/// Decoded value of element j of a word.
+inline float decoded(uint32_t word, int j, const ScaleCursor& cur) {
+  float hi, lo;
+  cur.element(j, &hi, &lo);
+  return reconstruct(get_bit(word, static_cast<uint32_t>(j)), hi, lo);
+}
+
+}  // namespace
+
+int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
+                      bool check_finite, float* scales, OneBitWorkspace& ws) {
+  if (geo.n == 0) return -1;
+  by_dtype(t, [&](auto L) {
+    using Load = decltype(L);
+    if (geo.columns)
+      e ? column_scales<Load, true>(g, e, geo, scales, ws)
+        : column_scales<Load, false>(g, e, geo, scales, ws);
+    else
+      e ? sign_scales<Load, true>(g, e, geo, norm, scales, ws)
+        : sign_scales<Load, false>(g, e, geo, norm, scales, ws);
+  });
+  if (!check_finite) return -1;
+  // A NaN / Inf in g makes some scale NaN / Inf; only then is g scanned for the index.
+  bool ok = true;
+  const int64_t K = geo.num_scales();
+  for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
+  if (ok) return -1;
+  int64_t bad = -1;
+  by_dtype(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
+  return bad;
+}
+
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits) {
+  if (geo.n == 0) return;
+  by_dtype(t, [&](auto L) { quantize_t<decltype(L)>(g, e_in, e_out, geo, scales, bits); });
+}
+
+void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
+                   bool accumulate, float* dense) {
+  const float* s = scales;
+  onebit_decode_average(&bits, &s, 1, geo, scale, accumulate, dense);
+}
+
+void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
+                           const OneBitGeom& geo, float scale, bool accumulate, float* dense) {
+  const int64_t n = geo.n, W = geo.num_words();
+  if (n == 0) return;
+  const int T = threads_for(n);
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t wb = W * t / T, we = W * (t + 1) / T;
+    // one cursor per payload (they share the geometry, not the scales)
+    ScaleCursor cur(geo, scales[0], wb);
+    for (int64_t w = wb; w < we; ++w, cur.advance()) {
+      const int64_t i0 = 32 * w;
+      const int len = static_cast<int>(std::min<int64_t>(32, n - i0));
+      float* out = dense + i0;
+#if GC_ONEBIT_SSE
+      float hi0, lo0;
+      const bool cst = cur.constant(&hi0, &lo0);
+      if (len == 32 && (cst || cur.contiguous())) {
+        __m128 acc[8];
+        for (int q = 0; q < 8; ++q) acc[q] = _mm_setzero_ps();
+        for (int p = 0; p < count; ++p) {
+          const uint32_t word = bits[p][w];
+          ScaleCursor cp = cur;
+          cp.scales = scales[p];
+          float hi = 0, lo = 0;
+          cp.constant(&hi, &lo);
+          const float* hiA = cst ? nullptr : scales[p] + cur.c0;
+          const float* loA = cst ? nullptr : scales[p] + geo.cols + cur.c0;
+          for (int q = 0; q < 8; ++q) {
+            const __m128 m = bit_mask4(word, 4 * q);
+            const __m128 h = hiA ? _mm_loadu_ps(hiA + 4 * q) : _mm_set1_ps(hi);
+            const __m128 l = loA ? _mm_loadu_ps(loA + 4 * q) : _mm_set1_ps(lo);
+            acc[q] = _mm_add_ps(acc[q], _mm_or_ps(_mm_and_ps(m, h), _mm_andnot_ps(m, l)));
+          }
+        }
+        const __m128 sc = _mm_set1_ps(scale);
+        for (int q = 0; q < 8; ++q) {
+          const __m128 v = _mm_mul_ps(sc, acc[q]);
+          _mm_storeu_ps(out + 4 * q, accumulate ? _mm_add_ps(_mm_loadu_ps(out + 4 * q), v) : v);
+        }
+        continue;
+      }
+#endif
+      float acc[32];
+      for (int j = 0; j < len; ++j) acc[j] = 0.0f;
+      for (int p = 0; p < count; ++p) {
+        ScaleCursor cp = cur;
+        cp.scales = scales[p];
+        const uint32_t word = bits[p][w];
+        for (int j = 0; j < len; ++j) acc[j] = add_rn(acc[j], decoded(word, j, cp));
+      }
+      for (int j = 0; j < len; ++j) out[j] = decode_store(out[j], scale, acc[j], accumulate);
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace gradcomp::kernels

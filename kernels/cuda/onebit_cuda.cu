@@ -1,0 +1,468 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA backend of the 1-bit family; the CPU twin is kernels/cpu/onebit_cpu.cpp and both call the
+// math of kernels/onebit_math.h.
+//  - scales: per-block partial sums (cub::BlockReduce / cub::WarpReduce, in double), combined in
+//    a fixed order by a finalize kernel, so results are deterministic run to run. The first
+//    non-finite gradient index is found in the same pass (atomicMin) when asked.
+//  - quantize: one pass; fp32 16-byte aligned data goes through float4 loads, one warp per 128
+//    elements, four __ballot_sync per warp, bit-interleaved into four words; everything else
+//    (fp16/bf16, misaligned, the tail) one warp per 32-element word with one __ballot_sync.
+//  - decode: one thread per element, the warp reads its word once (broadcast); the averaging
+//    variant sums the P payloads in order in registers before one read-modify-write of dense.
+// All work is stream-ordered on the caller's stream; the only synchronisation is the optional
+// finiteness check (one 8-byte copy to pinned memory).
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cub/cub.cuh>
+#include <type_traits>
+#include <vector>
+
+#include "core/cuda/check.cuh"
+#include "gradcomp/numeric.hpp"
+#include "gradcomp/runtime.hpp"
+#include "kernels/onebit.hpp"
+#include "kernels/onebit_math.h"
+
+namespace gradcomp::kernels::cuda {
+namespace {
+
+using namespace onebit;
+using cuda_detail::as_stream;
+
+constexpr int kThreads = 256;
+constexpr int64_t kGroupCuda = 8192;  // elements per block of the flat scale pass
+constexpr unsigned kFull = 0xffffffffu;
+
+/// Plain-data copy of the geometry for kernels.
+struct Geo {
+  int64_t n, cols, chunk;
+  bool columns;
+};
+Geo to_geo(const OneBitGeom& g) { return Geo{g.n, g.cols, g.chunk, g.columns}; }
+
+__device__ __forceinline__ void hilo(const Geo& g, const float* scales, int64_t i, float& hi,
+                                     float& lo) {
+  if (g.columns) {
+    const int64_t c = i % g.cols;
+    hi = scales[c];
+    lo = scales[g.cols + c];
+  } else {
+    const float s = scales[i / g.chunk];
+    hi = s;
+    lo = -s;
+  }
+}
+
+template <class Load, bool HasE>
+__device__ __forceinline__ float load_x(const void* g, const float* e, int64_t i, bool check,
+                                        unsigned long long* bad) {
+  const float gv = Load::load(g, i);
+  if (check && !is_finite_bits(gv)) atomicMin(bad, static_cast<unsigned long long>(i));
+  return HasE ? compensate(gv, e[i]) : gv;
+}
+
+// ---- scales: sign modes -----------------------------------------------------------------------
+
+template <class Load, int N, bool HasE>
+__global__ void sign_partial_kernel(const void* g, const float* e, int64_t n, int64_t chunk,
+                                    int64_t spc, bool check, unsigned long long* bad,
+                                    double* part) {
+  using BR = cub::BlockReduce<double, kThreads>;
+  __shared__ typename BR::TempStorage tmp;
+  const int64_t it = blockIdx.x;
+  const int64_t k = it / spc, s = it % spc;
+  const int64_t ce = min(n, (k + 1) * chunk);
+  const int64_t b = k * chunk + s * kGroupCuda, end = min(ce, b + kGroupCuda);
+  float acc = 0.0f;
+  for (int64_t i = b + threadIdx.x; i < end; i += kThreads)
+    acc += norm_term<N>(load_x<Load, HasE>(g, e, i, check, bad));
+  const double total = BR(tmp).Sum(static_cast<double>(acc));
+  if (threadIdx.x == 0) part[it] = total;
+}
+
+/// One warp per chunk: lanes stride over the chunk's partials, then a warp reduction.
+template <int N>
+__global__ void sign_finalize_kernel(const double* part, int64_t K, int64_t spc, int64_t n,
+                                     int64_t chunk, float* scales) {
+  using WR = cub::WarpReduce<double>;
+  __shared__ typename WR::TempStorage tmp[kThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp;
+  if (k >= K) return;  // whole warps leave together
+  double acc = 0.0;
+  for (int64_t s = lane; s < spc; s += 32) acc += part[k * spc + s];
+  const double sum = WR(tmp[warp]).Sum(acc);
+  if (lane == 0) {
+    const int64_t len = min(n, (k + 1) * chunk) - k * chunk;
+    scales[k] = N == kL1 ? l1_scale(sum, len) : l2_scale(sum, len);
+  }
+}
+
+// ---- scales: column means ---------------------------------------------------------------------
+
+/// Few columns (C < 32): block (slab, column) walks its rows; three block reductions.
+template <class Load, bool HasE>
+__global__ void column_narrow_kernel(const void* g, const float* e, int64_t R, int64_t C,
+                                     int64_t nslab, bool check, unsigned long long* bad,
+                                     double* part) {
+  using BR = cub::BlockReduce<double, kThreads>;
+  __shared__ typename BR::TempStorage tmp;
+  const int64_t slab = blockIdx.x, c = blockIdx.y;
+  const int64_t r0 = R * slab / nslab, r1 = R * (slab + 1) / nslab;
+  float sp = 0.0f, sn = 0.0f;
+  int cp = 0;
+  for (int64_t r = r0 + threadIdx.x; r < r1; r += kThreads) {
+    const float x = load_x<Load, HasE>(g, e, r * C + c, check, bad);
+    const bool p = sign_bit(x);
+    sp += p ? x : 0.0f;
+    sn += p ? 0.0f : x;
+    cp += p ? 1 : 0;
+  }
+  const double tsp = BR(tmp).Sum(static_cast<double>(sp));
+  __syncthreads();
+  const double tcp = BR(tmp).Sum(static_cast<double>(cp));
+  __syncthreads();
+  const double tsn = BR(tmp).Sum(static_cast<double>(sn));
+  if (threadIdx.x == 0) {
+    double* out = part + 3 * slab * C;
+    out[c] = tsp;
+    out[C + c] = tcp;
+    out[2 * C + c] = tsn;
+  }
+}
+
+/// Many columns (C >= 32): block (32 columns) x (8 row lanes) over a slab of rows, coalesced
+/// along the row; the 8 row lanes are combined in a fixed order through shared memory.
+template <class Load, bool HasE>
+__global__ void column_tiled_kernel(const void* g, const float* e, int64_t R, int64_t C,
+                                    int64_t nslab, bool check, unsigned long long* bad,
+                                    double* part) {
+  __shared__ double s_sp[8][32], s_sn[8][32], s_cp[8][32];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + tx;
+  const int64_t slab = blockIdx.y;
+  const int64_t r0 = R * slab / nslab, r1 = R * (slab + 1) / nslab;
+  float sp = 0.0f, sn = 0.0f;
+  int cp = 0;
+  if (c < C) {
+    for (int64_t r = r0 + ty; r < r1; r += 8) {
+      const float x = load_x<Load, HasE>(g, e, r * C + c, check, bad);
+      const bool p = sign_bit(x);
+      sp += p ? x : 0.0f;
+      sn += p ? 0.0f : x;
+      cp += p ? 1 : 0;
+    }
+  }
+  s_sp[ty][tx] = sp;
+  s_sn[ty][tx] = sn;
+  s_cp[ty][tx] = cp;
+  __syncthreads();
+  if (ty == 0 && c < C) {
+    double a = 0, b = 0, d = 0;
+    for (int y = 0; y < 8; ++y) {
+      a += s_sp[y][tx];
+      b += s_cp[y][tx];
+      d += s_sn[y][tx];
+    }
+    double* out = part + 3 * slab * C;
+    out[c] = a;
+    out[C + c] = b;
+    out[2 * C + c] = d;
+  }
+}
+
+__global__ void column_finalize_kernel(const double* part, int64_t R, int64_t C, int64_t nslab,
+                                       float* scales) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double sp = 0, cp = 0, sn = 0;
+  for (int64_t s = 0; s < nslab; ++s) {
+    const double* p = part + 3 * s * C;
+    sp += p[c];
+    cp += p[C + c];
+    sn += p[2 * C + c];
+  }
+  scales[c] = mean_or_zero(sp, cp);
+  scales[C + c] = mean_or_zero(sn, static_cast<double>(R) - cp);
+}
+
+// ---- quantize ---------------------------------------------------------------------------------
+
+/// Spreads the 8 low bits of b to bits 0, 4, 8, ..., 28.
+__device__ __forceinline__ uint32_t spread4(uint32_t b) {
+  b &= 0xffu;
+  b = (b | (b << 12)) & 0x000f000fu;
+  b = (b | (b << 6)) & 0x03030303u;
+  b = (b | (b << 3)) & 0x11111111u;
+  return b;
+}
+
+/// fp32, 16-byte aligned: one warp per group of 128 elements (4 words), float4 per lane.
+/// Lane l holds elements 4l..4l+3; ballot j has bit l = sign of element 4l + j, so word k
+/// (elements 32k..32k+31, lanes 8k..8k+7) interleaves byte k of the four ballots.
+__global__ void quantize_vec4_kernel(const float* g, const float* e_in, float* e_out, Geo geo,
+                                     const float* scales, uint32_t* bits, int64_t groups) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t grp = warp; grp < groups; grp += nwarps) {
+    const int64_t i0 = grp * 128 + 4 * lane;
+    float4 x = reinterpret_cast<const float4*>(g)[i0 / 4];
+    if (e_in) {
+      const float4 ev = reinterpret_cast<const float4*>(e_in)[i0 / 4];
+      x.x = compensate(x.x, ev.x);
+      x.y = compensate(x.y, ev.y);
+      x.z = compensate(x.z, ev.z);
+      x.w = compensate(x.w, ev.w);
+    }
+    const bool b0 = sign_bit(x.x), b1 = sign_bit(x.y), b2 = sign_bit(x.z), b3 = sign_bit(x.w);
+    const uint32_t v0 = __ballot_sync(kFull, b0), v1 = __ballot_sync(kFull, b1);
+    const uint32_t v2 = __ballot_sync(kFull, b2), v3 = __ballot_sync(kFull, b3);
+    if (lane < 4) {
+      const int sh = 8 * lane;
+      bits[grp * 4 + lane] = spread4(v0 >> sh) | (spread4(v1 >> sh) << 1) |
+                             (spread4(v2 >> sh) << 2) | (spread4(v3 >> sh) << 3);
+    }
+    if (e_out) {
+      float4 d;
+      if (geo.columns) {
+        int64_t c = i0 % geo.cols;
+        float hi = scales[c], lo = scales[geo.cols + c];
+        d.x = error_update(x.x, reconstruct(b0, hi, lo));
+        if (++c == geo.cols) c = 0;
+        hi = scales[c];
+        lo = scales[geo.cols + c];
+        d.y = error_update(x.y, reconstruct(b1, hi, lo));
+        if (++c == geo.cols) c = 0;
+        hi = scales[c];
+        lo = scales[geo.cols + c];
+        d.z = error_update(x.z, reconstruct(b2, hi, lo));
+        if (++c == geo.cols) c = 0;
+        hi = scales[c];
+        lo = scales[geo.cols + c];
+        d.w = error_update(x.w, reconstruct(b3, hi, lo));
+      } else {  // 4 consecutive elements lie in one word, hence in one chunk
+        const float s = scales[i0 / geo.chunk];
+        d.x = error_update(x.x, reconstruct(b0, s, -s));
+        d.y = error_update(x.y, reconstruct(b1, s, -s));
+        d.z = error_update(x.z, reconstruct(b2, s, -s));
+        d.w = error_update(x.w, reconstruct(b3, s, -s));
+      }
+      reinterpret_cast<float4*>(e_out)[i0 / 4] = d;
+    }
+  }
+}
+
+/// Any dtype / alignment: one warp per 32-element word, one ballot.
+template <class Load>
+__global__ void quantize_word_kernel(const void* g, const float* e_in, float* e_out, Geo geo,
+                                     const float* scales, uint32_t* bits, int64_t w_begin,
+                                     int64_t w_end) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = w_begin + warp; w < w_end; w += nwarps) {
+    const int64_t i = 32 * w + lane;
+    const bool valid = i < geo.n;
+    float x = 0.0f;
+    if (valid) {
+      const float gv = Load::load(g, i);
+      x = e_in ? compensate(gv, e_in[i]) : gv;
+    }
+    const bool b = valid && sign_bit(x);
+    const uint32_t word = __ballot_sync(kFull, b);
+    if (lane == 0) bits[w] = word;
+    if (valid && e_out) {
+      float hi, lo;
+      hilo(geo, scales, i, hi, lo);
+      e_out[i] = error_update(x, reconstruct(b, hi, lo));
+    }
+  }
+}
+
+// ---- decode -----------------------------------------------------------------------------------
+
+__global__ void decode_kernel(const uint32_t* const* bits_arr, const float* const* scales_arr,
+                              const uint32_t* bits0, const float* scales0, int count, Geo geo,
+                              float scale, bool accumulate, float* dense) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < geo.n;
+       i += stride) {
+    const int64_t w = word_index(i);
+    const uint32_t pos = bit_position(i);
+    float acc = 0.0f;
+    for (int p = 0; p < count; ++p) {
+      const uint32_t* bits = bits_arr ? bits_arr[p] : bits0;
+      const float* sc = scales_arr ? scales_arr[p] : scales0;
+      float hi, lo;
+      hilo(geo, sc, i, hi, lo);
+      acc = add_rn(acc, reconstruct(get_bit(bits[w], pos), hi, lo));
+    }
+    dense[i] = decode_store(accumulate ? dense[i] : 0.0f, scale, acc, accumulate);
+  }
+}
+
+// ---- host helpers -----------------------------------------------------------------------------
+
+unsigned grid_for(int64_t work_items, int64_t per_block) {
+  const int64_t b = (work_items + per_block - 1) / per_block;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{1} << 20)));
+}
+
+template <class F>
+void by_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
+  }
+}
+
+bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
+                      bool check_finite, float* scales, OneBitWorkspace& ws, void* stream) {
+  if (geo.n == 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  ws.partials.set_stream(stream);
+  ws.aux.set_stream(stream);
+  unsigned long long* bad = nullptr;
+  if (check_finite) {
+    bad = ws.aux.get<unsigned long long>(1);
+    GC_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof(unsigned long long), s));
+  }
+  const int64_t n = geo.n;
+  by_dtype(t, [&](auto L) {
+    using Load = decltype(L);
+    if (geo.columns) {
+      const int64_t C = geo.cols, R = n / C;
+      const bool narrow = C < 32;
+      const int64_t nslab =
+          narrow ? std::clamp<int64_t>(R / 4096, 1, 1024) : std::clamp<int64_t>(R / 64, 1, 1024);
+      double* part = ws.partials.get<double>(static_cast<size_t>(3 * nslab * C));
+      if (narrow) {
+        const dim3 grid(static_cast<unsigned>(nslab), static_cast<unsigned>(C));
+        if (e)
+          column_narrow_kernel<Load, true>
+              <<<grid, kThreads, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+        else
+          column_narrow_kernel<Load, false>
+              <<<grid, kThreads, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+      } else {
+        const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(nslab));
+        const dim3 block(32, 8);
+        if (e)
+          column_tiled_kernel<Load, true>
+              <<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+        else
+          column_tiled_kernel<Load, false>
+              <<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+      }
+      GC_CUDA_CHECK_LAUNCH();
+      column_finalize_kernel<<<static_cast<unsigned>((C + 127) / 128), 128, 0, s>>>(part, R, C,
+                                                                                    nslab, scales);
+      GC_CUDA_CHECK_LAUNCH();
+      return;
+    }
+    const int64_t S = geo.chunk, K = geo.num_scales();
+    const int64_t spc = (std::min(S, n) + kGroupCuda - 1) / kGroupCuda;
+    const int64_t items = K * spc;
+    GC_CHECK(items < (int64_t{1} << 31), "too many scale blocks: ", items);
+    double* part = ws.partials.get<double>(static_cast<size_t>(items));
+    const unsigned grid = static_cast<unsigned>(items);
+    auto launch = [&](auto Nc, auto HasEc) {
+      sign_partial_kernel<Load, decltype(Nc)::value, decltype(HasEc)::value>
+          <<<grid, kThreads, 0, s>>>(g, e, n, S, spc, check_finite, bad, part);
+    };
+    using L1 = std::integral_constant<int, kL1>;
+    using L2 = std::integral_constant<int, kL2>;
+    if (norm == kL1)
+      e ? launch(L1{}, std::true_type{}) : launch(L1{}, std::false_type{});
+    else
+      e ? launch(L2{}, std::true_type{}) : launch(L2{}, std::false_type{});
+    GC_CUDA_CHECK_LAUNCH();
+    const unsigned fgrid = static_cast<unsigned>((K + kThreads / 32 - 1) / (kThreads / 32));
+    if (norm == kL1)
+      sign_finalize_kernel<kL1><<<fgrid, kThreads, 0, s>>>(part, K, spc, n, S, scales);
+    else
+      sign_finalize_kernel<kL2><<<fgrid, kThreads, 0, s>>>(part, K, spc, n, S, scales);
+    GC_CUDA_CHECK_LAUNCH();
+  });
+  if (!check_finite) return -1;
+  if (!ws.pinned) ws.pinned = gradcomp::cuda::malloc_host(sizeof(unsigned long long));
+  GC_CUDA_CHECK(
+      cudaMemcpyAsync(ws.pinned, bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+  GC_CUDA_CHECK(cudaStreamSynchronize(s));
+  const unsigned long long v = *static_cast<unsigned long long*>(ws.pinned);
+  return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
+}
+
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits, void* stream) {
+  if (geo.n == 0) return;
+  cudaStream_t s = as_stream(stream);
+  const Geo gg = to_geo(geo);
+  const int64_t W = geo.num_words();
+  int64_t w_begin = 0;
+  if (t == DType::kFloat32 && aligned16(g) && aligned16(e_in) && aligned16(e_out)) {
+    const int64_t groups = geo.n / 128;
+    if (groups > 0) {
+      quantize_vec4_kernel<<<grid_for(groups, kThreads / 32), kThreads, 0, s>>>(
+          static_cast<const float*>(g), e_in, e_out, gg, scales, bits, groups);
+      GC_CUDA_CHECK_LAUNCH();
+    }
+    w_begin = 4 * groups;
+  }
+  if (w_begin < W) {
+    by_dtype(t, [&](auto L) {
+      quantize_word_kernel<decltype(L)><<<grid_for(W - w_begin, kThreads / 32), kThreads, 0, s>>>(
+          g, e_in, e_out, gg, scales, bits, w_begin, W);
+    });
+    GC_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
+                   bool accumulate, float* dense, void* stream) {
+  if (geo.n == 0) return;
+  decode_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, as_stream(stream)>>>(
+      nullptr, nullptr, bits, scales, 1, to_geo(geo), scale, accumulate, dense);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
+                           const OneBitGeom& geo, float scale, bool accumulate, float* dense,
+                           OneBitWorkspace& ws, void* stream) {
+  if (geo.n == 0 || count <= 0) return;
+  if (count == 1) {
+    onebit_decode(bits[0], scales[0], geo, scale, accumulate, dense, stream);
+    return;
+  }
+  cudaStream_t s = as_stream(stream);
+  ws.ptrs.set_stream(stream);
+  std::vector<const void*> host(2 * static_cast<size_t>(count));
+  for (int p = 0; p < count; ++p) {
+    host[p] = bits[p];
+    host[count + p] = scales[p];
+  }
+  const void** dev = ws.ptrs.get<const void*>(host.size());
+  // pageable source: the call returns after the source was staged, so `host` may go away
+  GC_CUDA_CHECK(
+      cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice, s));
+  decode_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, s>>>(
+      reinterpret_cast<const uint32_t* const*>(dev),
+      reinterpret_cast<const float* const*>(dev + count), nullptr, nullptr, count, to_geo(geo),
+      scale, accumulate, dense);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace gradcomp::kernels::cuda

@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: Apache-2.0
+// CPU-only build: the CUDA entry points of the 1-bit family throw "built without CUDA".
+#include "gradcomp/runtime.hpp"
+#include "kernels/onebit.hpp"
+
+namespace gradcomp::kernels::cuda {
+
+int64_t onebit_scales(const void*, DType, const float*, const OneBitGeom&, int, bool, float*,
+                      OneBitWorkspace&, void*) {
+  throw_not_built_with_cuda("1-bit scales of a CUDA tensor");
+}
+void onebit_quantize(const void*, DType, const float*, float*, const OneBitGeom&, const float*,
+                     uint32_t*, void*) {
+  throw_not_built_with_cuda("1-bit quantization of a CUDA tensor");
+}
+void onebit_decode(const uint32_t*, const float*, const OneBitGeom&, float, bool, float*, void*) {
+  throw_not_built_with_cuda("1-bit decode into a CUDA tensor");
+}
+void onebit_decode_average(const uint32_t* const*, const float* const*, int, const OneBitGeom&,
+                           float, bool, float*, OneBitWorkspace&, void*) {
+  throw_not_built_with_cuda("1-bit decode into a CUDA tensor");
+}
+
+}  // namespace gradcomp::kernels::cuda

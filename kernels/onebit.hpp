@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: Apache-2.0
+// Backend entry points of the 1-bit family. compressors/onebit.cpp calls these through the device
+// of the data; kernels/cpu implements `cpu::`, kernels/cuda (or kernels/nocuda) implements
+// `cuda::`. Every CUDA entry point has a CPU twin with the same contract; the CUDA tests compare
+// them (bits bitwise, scales to rounding, decodes bitwise for the same payload).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gradcomp/tensor.hpp"
+#include "gradcomp/workspace.hpp"
+
+namespace gradcomp::kernels {
+
+/// Geometry of one 1-bit payload of n elements.
+///  columns == true:  cols > 0 divides n; element i uses hi = scales[i % cols],
+///                    lo = scales[cols + i % cols] (2 * cols floats).
+///  columns == false: chunk is a positive multiple of 32; element i uses s = scales[i / chunk],
+///                    hi = s, lo = -s (ceil(n / chunk) floats).
+struct OneBitGeom {
+  int64_t n = 0;
+  bool columns = false;
+  int64_t cols = 1;
+  int64_t chunk = 32;
+  int64_t num_words() const { return (n + 31) / 32; }
+  int64_t num_scales() const { return columns ? 2 * cols : (n + chunk - 1) / chunk; }
+};
+
+/// Scratch reused across calls (grow-only; no steady-state allocation).
+struct OneBitWorkspace {
+  explicit OneBitWorkspace(Device dev = Device::kCPU) : partials(dev), aux(dev), ptrs(dev) {}
+  Buffer partials, aux, ptrs;
+  std::vector<double> host;
+  void* pinned = nullptr;  ///< CUDA: pinned slot for the first-non-finite index
+  ~OneBitWorkspace();
+  OneBitWorkspace(const OneBitWorkspace&) = delete;
+  OneBitWorkspace& operator=(const OneBitWorkspace&) = delete;
+};
+
+namespace cpu {
+/// Pass 1: the scales of x = g + e (e == nullptr: x = g) for the geometry; norm is
+/// onebit::kColumnMeans / kL1 / kL2 (columns geometry iff kColumnMeans). When check_finite,
+/// returns the index of the first non-finite element of g, else -1 (scales are then garbage).
+/// Changes nothing but `scales` and `ws`.
+int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
+                      bool check_finite, float* scales, OneBitWorkspace& ws);
+/// Pass 2 (fused): x = g + e_in; bits[w] packed by the bit order; when e_out, e_out = x - decode.
+/// e_in may be null (x = g) and e_out may equal e_in (in place).
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits);
+/// dense = [dense +] scale * decode(bits, scales).
+void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
+                   bool accumulate, float* dense);
+/// dense = [dense +] scale * (sum over p in order of decode(bits[p], scales[p])); one pass.
+void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
+                           const OneBitGeom& geo, float scale, bool accumulate, float* dense);
+}  // namespace cpu
+
+namespace cuda {
+int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
+                      bool check_finite, float* scales, OneBitWorkspace& ws, void* stream);
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits, void* stream);
+void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
+                   bool accumulate, float* dense, void* stream);
+/// bits / scales are host arrays of device pointers (copied to the device through ws).
+void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
+                           const OneBitGeom& geo, float scale, bool accumulate, float* dense,
+                           OneBitWorkspace& ws, void* stream);
+}  // namespace cuda
+
+}  // namespace gradcomp::kernels

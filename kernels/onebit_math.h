@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+// The element-wise math of the 1-bit family, written once for the CPU loops and the CUDA kernels:
+// the sign bit, the bit order, the reconstruction, the error-feedback update and the scale
+// formulas. Every arithmetic step is a single IEEE round-to-nearest fp32 operation (the device
+// side spells it with __fadd_rn / __fmul_rn so that nvcc cannot contract it into an FMA), so the
+// CPU and the GPU produce the same bits from the same inputs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "gradcomp/macros.hpp"
+#include "gradcomp/numeric.hpp"
+
+namespace gradcomp::kernels::onebit {
+
+/// Bit order: element i lives in word i / 32 at bit i % 32 (least significant bit first).
+GC_HD int64_t word_index(int64_t i) { return i >> 5; }
+GC_HD uint32_t bit_position(int64_t i) { return static_cast<uint32_t>(i & 31); }
+/// Number of 32-bit words that hold n bits.
+GC_HD int64_t num_words(int64_t n) { return (n + 31) >> 5; }
+
+/// The transmitted bit: 1 when x >= 0 (-0.0 gives 1, NaN gives 0).
+GC_HD bool sign_bit(float x) { return x >= 0.0f; }
+/// Bit (i % 32) of a packed word.
+GC_HD bool get_bit(uint32_t word, uint32_t pos) { return ((word >> pos) & 1u) != 0u; }
+
+GC_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+GC_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+GC_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+/// The compensated value x = g + e (error feedback), or g when error feedback is off.
+GC_HD float compensate(float g, float e) { return add_rn(g, e); }
+/// Reconstruction of one element from its bit: hi for a set bit, lo for a clear one.
+GC_HD float reconstruct(bool bit, float hi, float lo) { return bit ? hi : lo; }
+/// The new error-feedback memory: what the payload does not carry.
+GC_HD float error_update(float x, float decoded) { return sub_rn(x, decoded); }
+/// Decode step: dense + scale * v (accumulate) or scale * v (overwrite).
+GC_HD float decode_store(float dense, float scale, float v, bool accumulate) {
+  const float t = mul_rn(scale, v);
+  return accumulate ? add_rn(dense, t) : t;
+}
+
+/// Scale of the sign modes from the chunk's sum (|x| for L1, x^2 for L2) over len elements.
+GC_HD float l1_scale(double sum_abs, int64_t len) {
+  return len > 0 ? static_cast<float>(sum_abs / static_cast<double>(len)) : 0.0f;
+}
+GC_HD float l2_scale(double sum_sq, int64_t len) {
+  return len > 0 ? static_cast<float>(sqrt(sum_sq / static_cast<double>(len))) : 0.0f;
+}
+/// 1-bit SGD's reconstruction value: the mean of a set, 0 for an empty set.
+GC_HD float mean_or_zero(double sum, double count) {
+  return count > 0.0 ? static_cast<float>(sum / count) : 0.0f;
+}
+
+/// Norm selector of the scale pass.
+enum Norm : int { kColumnMeans = 0, kL1 = 1, kL2 = 2 };
+
+/// The per-element term of the sign modes' reduction (computed in fp32, summed in wider types).
+template <int N>
+GC_HD float norm_term(float x) {
+  return N == kL1 ? fabsf(x) : mul_rn(x, x);
+}
+
+}  // namespace gradcomp::kernels::onebit

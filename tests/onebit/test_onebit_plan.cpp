@@ -1,0 +1,253 @@
+// SPDX-License-Identifier: Apache-2.0
+// 1-bit Adam's two-phase compressed allreduce, simulated in one process for P ranks: the
+// collectives asked for, a scalar reference of one step, bitwise consensus, convergence of the
+// running average under error feedback, bad input and state round trips.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "gradcomp/gradcomp.hpp"
+#include "gradcomp/numeric.hpp"
+#include "test_util.hpp"
+
+using namespace gradcomp;
+using namespace gradcomp::test;
+
+namespace {
+
+OneBitConfig plan_cfg(OneBitScaling s = OneBitScaling::kSignL2, bool ef = true) {
+  OneBitConfig c;
+  c.scaling = s;
+  c.error_feedback = ef;
+  return c;
+}
+
+struct Sim {
+  int P;
+  int64_t n;
+  std::vector<std::unique_ptr<OneBitAllreducePlan>> plans;
+  std::vector<std::vector<float>> out;
+  Sim(const OneBitConfig& cfg, int P_, int64_t n_) : P(P_), n(n_), out(P_) {
+    for (int r = 0; r < P; ++r) {
+      plans.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
+      out[r].assign(static_cast<size_t>(n), -1.0f);
+    }
+  }
+  std::vector<Collective> step(std::vector<std::vector<float>>& g) {
+    std::vector<Plan*> ps;
+    for (int r = 0; r < P; ++r) {
+      plans[r]->begin(TensorView::cpu(g[r].data(), n), TensorView::cpu(out[r].data(), n));
+      ps.push_back(plans[r].get());
+    }
+    return run_plans_in_process(ps);
+  }
+};
+
+double norm_scale(const std::vector<float>& x, int64_t b, int64_t e, OneBitScaling s) {
+  double acc = 0;
+  for (int64_t i = b; i < e; ++i)
+    acc += s == OneBitScaling::kSignL1 ? std::fabs(x[i]) : double(x[i]) * x[i];
+  const double len = double(e - b);
+  return s == OneBitScaling::kSignL1 ? acc / len : std::sqrt(acc / len);
+}
+
+/// One step of the algorithm written from its description, no error feedback state carried in.
+std::vector<float> reference_step(const std::vector<std::vector<float>>& g, int64_t n,
+                                  OneBitScaling s) {
+  const int P = static_cast<int>(g.size());
+  const int64_t W = ((n + 31) / 32 + P - 1) / P, CE = 32 * W;
+  std::vector<std::vector<float>> d(P, std::vector<float>(n));
+  for (int p = 0; p < P; ++p)
+    for (int64_t b = 0; b < n; b += CE) {
+      const int64_t e = std::min(n, b + CE);
+      const float sc = static_cast<float>(norm_scale(g[p], b, e, s));
+      for (int64_t i = b; i < e; ++i) d[p][i] = g[p][i] >= 0 ? sc : -sc;
+    }
+  std::vector<float> avg(n), out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = 0.0f;
+    for (int p = 0; p < P; ++p) acc += d[p][i];
+    avg[i] = acc * (1.0f / P);
+  }
+  for (int64_t b = 0; b < n; b += CE) {
+    const int64_t e = std::min(n, b + CE);
+    const float sc = static_cast<float>(norm_scale(avg, b, e, s));
+    for (int64_t i = b; i < e; ++i) out[i] = avg[i] >= 0 ? sc : -sc;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(OneBitPlan, AsksForAllToAllThenAllgatherOfEqualBlocks) {
+  for (int P : {1, 2, 3, 8}) {
+    const int64_t n = 1000;
+    Sim sim(plan_cfg(), P, n);
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) g[r] = normal(n, r);
+    const auto log = sim.step(g);
+    ASSERT_EQ(log.size(), 2u);
+    const int64_t W = (32 + P - 1) / P;  // ceil(1000 / 32) = 32 words
+    EXPECT_EQ(log[0].kind, CollectiveKind::kAllToAll);
+    EXPECT_EQ(log[0].type, ElemType::kU8);
+    EXPECT_EQ(log[0].count, size_t(4 * (W + 1)));
+    EXPECT_EQ(log[1].kind, CollectiveKind::kAllgather);
+    EXPECT_EQ(log[1].count, size_t(4 * (W + 1)));
+    EXPECT_EQ(sim.plans[0]->block_bytes(), size_t(4 * (W + 1)));
+    EXPECT_EQ(sim.plans[0]->chunk_elems(), 32 * W);
+  }
+}
+
+TEST(OneBitPlan, FirstStepMatchesScalarReferenceAndRanksAgreeBitwise) {
+  for (auto sc : {OneBitScaling::kSignL1, OneBitScaling::kSignL2})
+    for (int P : {1, 2, 3, 8})
+      for (int64_t n :
+           {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000}, int64_t{100003}}) {
+        SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n));
+        Sim sim(plan_cfg(sc), P, n);
+        std::vector<std::vector<float>> g(P);
+        for (int r = 0; r < P; ++r) g[r] = normal(n, 10 * r + 1);
+        sim.step(g);
+        for (int r = 1; r < P; ++r)
+          ASSERT_EQ(0, std::memcmp(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
+        const auto want = reference_step(g, n, sc);
+        int64_t sign_flips = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          if (std::signbit(want[i]) != std::signbit(sim.out[0][i])) {
+            ++sign_flips;  // an average within rounding of 0 may fall either way
+            continue;
+          }
+          ASSERT_NEAR(sim.out[0][i], want[i], 1e-5 * std::fabs(want[i]) + 1e-7) << i;
+        }
+        EXPECT_LE(sign_flips, n / 1000);
+      }
+}
+
+TEST(OneBitPlan, ErrorFeedbackMakesRunningAverageConverge) {
+  const int64_t n = 5000;
+  for (int P : {1, 2, 3, 8}) {
+    SCOPED_TRACE("P " + std::to_string(P));
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) g[r] = normal(n, 100 + r);
+    std::vector<double> truth(n, 0.0);
+    for (int r = 0; r < P; ++r)
+      for (int64_t i = 0; i < n; ++i) truth[i] += double(g[r][i]) / P;
+    double tnorm = 0;
+    for (double v : truth) tnorm += v * v;
+    tnorm = std::sqrt(tnorm);
+    auto run = [&](bool ef, int steps, std::vector<double>& errs) {
+      Sim sim(plan_cfg(OneBitScaling::kSignL2, ef), P, n);
+      std::vector<double> sum(n, 0.0);
+      for (int t = 1; t <= steps; ++t) {
+        sim.step(g);
+        for (int r = 1; r < P; ++r)
+          ASSERT_EQ(0, std::memcmp(sim.out[0].data(), sim.out[r].data(), 4 * n));
+        double err = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          sum[i] += sim.out[0][i];
+          const double dlt = sum[i] / t - truth[i];
+          err += dlt * dlt;
+        }
+        errs.push_back(std::sqrt(err) / tnorm);
+      }
+    };
+    std::vector<double> ef, noef;
+    run(true, 200, ef);
+    run(false, 200, noef);
+    // with error feedback the error of the running mean decays like 1/t
+    EXPECT_LT(ef[199], ef[9] / 5) << ef[9] << " -> " << ef[199];
+    EXPECT_LT(ef[199], 0.05);
+    // without it the bias of 1-bit quantization stays
+    EXPECT_GT(noef[199], 0.3);
+    EXPECT_GT(noef[199], 10 * ef[199]);
+  }
+}
+
+TEST(OneBitPlan, HalfGradientsAndStateRoundTrip) {
+  const int P = 3;
+  const int64_t n = 4099;
+  auto make = [&] {
+    std::vector<std::unique_ptr<OneBitAllreducePlan>> v;
+    for (int r = 0; r < P; ++r)
+      v.push_back(std::make_unique<OneBitAllreducePlan>(plan_cfg(), n, P, r));
+    return v;
+  };
+  auto a = make(), b = make();
+  std::vector<std::vector<uint16_t>> g(P, std::vector<uint16_t>(n));
+  std::vector<std::vector<float>> oa(P, std::vector<float>(n)), ob(P, std::vector<float>(n));
+  auto step = [&](std::vector<std::unique_ptr<OneBitAllreducePlan>>& pl,
+                  std::vector<std::vector<float>>& out, int seed) {
+    std::vector<Plan*> ps;
+    for (int r = 0; r < P; ++r) {
+      const auto x = normal(n, seed * 10 + r);
+      for (int64_t i = 0; i < n; ++i) g[r][i] = float_to_bf16(x[i]);
+      pl[r]->begin(TensorView(g[r].data(), {n}, DType::kBFloat16, Device::kCPU),
+                   TensorView::cpu(out[r].data(), n));
+      ps.push_back(pl[r].get());
+    }
+    run_plans_in_process(ps);
+  };
+  for (int t = 0; t < 3; ++t) step(a, oa, t);
+  for (int r = 0; r < P; ++r) {
+    const auto st = a[r]->state_dict();
+    b[r]->load_state_dict(st.data(), st.size());
+    EXPECT_EQ(b[r]->step(), 3);
+  }
+  step(a, oa, 7);
+  step(b, ob, 7);
+  for (int r = 0; r < P; ++r) {
+    EXPECT_EQ(0, std::memcmp(oa[r].data(), ob[r].data(), 4 * n));
+    EXPECT_EQ(0, std::memcmp(oa[0].data(), oa[r].data(), 4 * n));
+  }
+  // a state of another rank is rejected and changes nothing
+  const auto s0 = b[0]->state_dict(), s1 = b[1]->state_dict();
+  EXPECT_THROW(b[0]->load_state_dict(s1.data(), s1.size()), InvalidArgument);
+  EXPECT_EQ(b[0]->state_dict(), s0);
+}
+
+TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
+  const int64_t n = 300;
+  EXPECT_THROW(OneBitAllreducePlan(plan_cfg(OneBitScaling::kColumnMeans), n, 2, 0),
+               InvalidArgument);
+  OneBitConfig chunked = plan_cfg();
+  chunked.chunk_size = 64;
+  EXPECT_THROW(OneBitAllreducePlan(chunked, n, 2, 0), InvalidArgument);
+  EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 2, 2), InvalidArgument);
+  EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 0, 0), InvalidArgument);
+
+  OneBitAllreducePlan plan(plan_cfg(), n, 1, 0);
+  std::vector<float> g = normal(n, 1), out(n);
+  EXPECT_THROW(plan.next(), InvalidArgument);  // no step begun
+  plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n));
+  run_plans_in_process({&plan});
+  const auto st = plan.state_dict();
+  g[123] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n));
+    ADD_FAILURE() << "NaN accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("index 123"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(plan.state_dict(), st);
+  g[123] = 0.5f;
+  std::vector<float> small(n - 1);
+  EXPECT_THROW(plan.begin(TensorView::cpu(small.data(), n - 1), TensorView::cpu(out.data(), n)),
+               InvalidArgument);
+  EXPECT_THROW(plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(g.data(), n)),
+               InvalidArgument);  // alias
+  std::vector<uint16_t> half(n);
+  EXPECT_THROW(plan.begin(TensorView::cpu(g.data(), n),
+                          TensorView(half.data(), {n}, DType::kFloat16, Device::kCPU)),
+               InvalidArgument);  // fp16 output
+  EXPECT_EQ(plan.state_dict(), st);
+  // a begun step cannot be begun again, nor its state replaced
+  plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n));
+  EXPECT_THROW(plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n)),
+               InvalidArgument);
+  EXPECT_THROW(plan.load_state_dict(st.data(), st.size()), InvalidArgument);
+  run_plans_in_process({&plan});
+  EXPECT_EQ(plan.step(), 2);
+}
