@@ -22,8 +22,6 @@ Momentum. With ``momentum > 0`` the top-k hook applies DGC's momentum correction
 optimizer must then not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
 :func:`dgc_optimizer`).
 """
-from __future__ import annotations
-
 import logging
 import time
 from typing import Any, Dict, Optional, Tuple
@@ -78,18 +76,21 @@ class _Family:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for compressor {self.name!r}; "
                              f"known: {sorted(self.defaults)}")
 
-    def make(self, opts, bucket, world: int, tensor_id: int):
+    def make(self, opts, bucket, world: int, tensor_id: int, group=None):
         raise NotImplementedError
 
     def begin(self, plan, bucket) -> None:
         buf = bucket.buffer()
         plan.begin(buf, _stream_of(buf))
 
+    def result(self, plan, bucket) -> torch.Tensor:
+        return bucket.buffer()
+
 
 class _Allreduce(_Family):
     name = "allreduce"
 
-    def make(self, opts, bucket, world, tensor_id):
+    def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         return _C.DenseAllreducePlan(buf.numel(), _dtype_name(buf), world, device=dev,
@@ -101,7 +102,7 @@ class _Cast(_Family):
         self.name = wire
         self.wire = {"fp16": "float16", "bf16": "bfloat16"}[wire]
 
-    def make(self, opts, bucket, world, tensor_id):
+    def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         return _C.CastAllreducePlan(buf.numel(), _dtype_name(buf), self.wire, world, device=dev,
@@ -122,7 +123,7 @@ class _TopK(_Family):
         if not (0.0 < float(r) <= 1.0):
             raise ValueError(f"ratio must be in (0, 1], got {r}")
 
-    def make(self, opts, bucket, world, tensor_id):
+    def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         o = dict(self.defaults)
@@ -145,7 +146,7 @@ class _RandomK(_Family):
         if not (0.0 < float(r) <= 1.0):
             raise ValueError(f"ratio must be in (0, 1], got {r}")
 
-    def make(self, opts, bucket, world, tensor_id):
+    def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         o = dict(self.defaults)
@@ -155,46 +156,91 @@ class _RandomK(_Family):
                                        tensor_id=tensor_id, **o)
 
 
+class _OneBitPlan:
+    """The two-phase 1-bit plan writes the average into a separate fp32 buffer; copy it back."""
+
+    def __init__(self, plan, out: torch.Tensor):
+        self.plan, self.out = plan, out
+
+    def next(self):
+        return self.plan.next()
+
+    def state_dict(self):
+        return self.plan.state_dict()
+
+    def load_state_dict(self, b):
+        self.plan.load_state_dict(b)
+
+
 class _OneBit(_Family):
     name = "onebit"
     stateful = True
     defaults = dict(scaling="sign_l1", error_feedback=True, check_finite=True)
 
-    def make(self, opts, bucket, world, tensor_id):
+    def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         o = dict(self.defaults)
         o.update(opts)
-        return _C.OneBitAllreducePlan(buf.numel(), world, grad_dtype=_dtype_name(buf), device=dev,
-                                      device_index=idx, stream=_stream_of(buf), **o)
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        plan = _C.OneBitAllreducePlan(buf.numel(), world, rank, device=dev, device_index=idx,
+                                      stream=_stream_of(buf), **o)
+        return _OneBitPlan(plan, torch.empty(buf.numel(), dtype=torch.float32, device=buf.device))
+
+    def begin(self, plan, bucket):
+        buf = bucket.buffer()
+        plan.plan.begin(buf, plan.out, _stream_of(buf))
+
+    def result(self, plan, bucket):
+        buf = bucket.buffer()
+        buf.copy_(plan.out)
+        return buf
+
+
+class _PowerSGDPlan:
+    """PowerSGD keeps its state (error, Q) apart from the per-step plan."""
+
+    def __init__(self, state, world: int):
+        self.state = state
+        self.plan = _C.PowerSGDPlan(state, world)
+
+    def next(self):
+        return self.plan.next()
+
+    def state_dict(self):
+        return self.state.state_dict()
+
+    def load_state_dict(self, b):
+        self.state.load_state_dict(b)
 
 
 class _PowerSGD(_Family):
     name = "powersgd"
     stateful = True
     defaults = dict(rank=1, min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
-                    orthogonalization_epsilon=0.0, seed=0, orthogonalization="auto")
+                    orthogonalization_epsilon=0.0, seed=0, orthogonalization="auto",
+                    check_finite=True)
 
     def validate(self, opts):
         super().validate(opts)
         r = opts.get("rank", self.defaults["rank"])
-        if int(r) < 1 or int(r) != r:
+        if isinstance(r, bool) or int(r) != r or int(r) < 1:
             raise ValueError(f"rank must be an integer >= 1, got {r}")
 
-    def make(self, opts, bucket, world, tensor_id):
+    def make(self, opts, bucket, world, tensor_id, group=None):
         grads = bucket.gradients()
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         o = dict(self.defaults)
         o.update(opts)
-        shapes = [list(g.shape) for g in grads]
+        shapes = [list(g.shape) if g.dim() > 0 else [1] for g in grads]
         st = _C.PowerSGDState(shapes, grad_dtype=_dtype_name(buf), device=dev, device_index=idx,
-                              stream=_stream_of(buf), **o)
-        return _C.PowerSGDPlan(st, world)
+                              stream=_stream_of(buf), first_tensor_id=tensor_id * 65536, **o)
+        return _PowerSGDPlan(st, world)
 
     def begin(self, plan, bucket):
-        grads = bucket.gradients()
-        plan.begin(grads, _stream_of(bucket.buffer()))
+        grads = [g.reshape(-1) if g.dim() == 0 else g for g in bucket.gradients()]
+        plan.plan.begin(grads, _stream_of(bucket.buffer()))
 
 
 COMPRESSORS = {f.name: f for f in (_Allreduce(), _Cast("fp16"), _Cast("bf16"), _TopK(),
@@ -203,21 +249,56 @@ COMPRESSORS = {f.name: f for f in (_Allreduce(), _Cast("fp16"), _Cast("bf16"), _
 
 # ------------------------------------------------------------------------------------------------
 class _Bucket:
-    __slots__ = ("plan", "numel", "dtype", "steps")
+    __slots__ = ("plan", "numel", "dtype", "layout", "shapes", "steps")
 
-    def __init__(self, plan, numel, dtype):
-        self.plan, self.numel, self.dtype, self.steps = plan, numel, dtype, 0
+    def __init__(self, plan, numel, dtype, layout, shapes):
+        self.plan, self.numel, self.dtype, self.layout = plan, numel, dtype, layout
+        self.shapes, self.steps = shapes, 0
+
+
+class _PermutedBucket:
+    """A DDP bucket seen in another parameter order: its gradients gathered into a scratch buffer
+    in the order the compression state was made with, and scattered back at the end."""
+
+    def __init__(self, bucket, order):
+        self._bucket = bucket
+        grads = bucket.gradients()
+        self._grads = [grads[j] for j in order]
+        self._buf = torch.cat([g.reshape(-1) for g in self._grads])
+        off = 0
+        self._views = []
+        for g in self._grads:
+            self._views.append(self._buf[off:off + g.numel()].view(g.shape))
+            off += g.numel()
+
+    def buffer(self):
+        return self._buf
+
+    def gradients(self):
+        return self._views
+
+    def index(self):
+        return self._bucket.index()
+
+    def is_last(self):
+        return self._bucket.is_last()
+
+    def scatter(self):
+        for g, v in zip(self._grads, self._views):
+            g.copy_(v)
 
 
 class GradcompState:
     """State of a gradcomp DDP hook: options, per-bucket plans, iteration, statistics.
 
     Pickling (``__getstate__``) and :meth:`state_dict` keep everything but the process group, so a
-    checkpoint restores residuals, momenta, Q and errors exactly.
+    checkpoint restores residuals, momenta, Q and errors exactly. Pass ``model`` (the DDP module
+    or the wrapped module) so that state is matched to parameters, not to DDP's bucket order: a
+    restored job's first iteration runs before DDP rebuilds its buckets, in another order.
     """
 
     def __init__(self, compressor: str, process_group=None, start_iter: Optional[int] = None,
-                 log_every: int = 0, **options):
+                 log_every: int = 0, model=None, **options):
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
@@ -232,60 +313,113 @@ class GradcompState:
         self.iter = 0
         self.buckets: Dict[int, _Bucket] = {}
         self.last_stats: Dict[int, Dict[str, Any]] = {}
-        self.history: list = []  # per iteration: dense bytes, bytes sent, local seconds
-        self._iter_acc = self._new_acc()
-        self._pending_state: Optional[Dict[int, bytes]] = None
+        self.history: list = []  # per iteration: dense bytes, bytes sent, local seconds, ...
+        self._pending: Dict[int, Dict[str, Any]] = {}
+        self._param_index = None
+        self._local_keys: Dict[int, int] = {}
+        if model is not None:
+            self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    @staticmethod
-    def _new_acc():
-        return {"dense_bytes": 0, "bytes_sent": 0, "local_seconds": 0.0, "collectives": 0}
-
     @property
     def world(self) -> int:
         return dist.get_world_size(self.process_group)
 
-    def _record(self, bucket_index: int, dense: int, stats: PlanStats, route: str = "") -> None:
-        s = {"dense_bytes": dense, "bytes_sent": stats.bytes_sent,
+    def _iteration(self, it: int) -> Dict[str, Any]:
+        """The statistics of iteration `it` (collectives complete asynchronously, so a bucket's
+        numbers are added to the iteration that launched it, whenever they arrive)."""
+        while len(self.history) <= it:
+            self.history.append({"iter": len(self.history), "dense_bytes": 0, "bytes_sent": 0,
+                                 "local_seconds": 0.0, "collectives": 0, "buckets": 0})
+        return self.history[it]
+
+    def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
+                last: bool) -> None:
+        s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
              "local_seconds": stats.local_seconds, "collectives": stats.collectives,
              "tags": list(stats.tags)}
-        if route:
-            s["route"] = route
         self.last_stats[bucket_index] = s
-        acc = self._iter_acc
+        acc = self._iteration(it)
         acc["dense_bytes"] += dense
         acc["bytes_sent"] += stats.bytes_sent
         acc["local_seconds"] += stats.local_seconds
         acc["collectives"] += stats.collectives
-
-    def _end_iteration(self) -> None:
-        self.history.append(dict(self._iter_acc, iter=self.iter))
-        if self.log_every and self.iter % self.log_every == 0:
-            a = self._iter_acc
+        acc["buckets"] += 1
+        if last and self.log_every and it % self.log_every == 0:
             log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
-                     self.compressor, self.iter, a["dense_bytes"], a["bytes_sent"],
-                     a["dense_bytes"] / max(1, a["bytes_sent"]), 1e3 * a["local_seconds"])
-        self._iter_acc = self._new_acc()
-        self.iter += 1
+                     self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],
+                     acc["dense_bytes"] / max(1, acc["bytes_sent"]), 1e3 * acc["local_seconds"])
 
-    def _bucket(self, bucket) -> _Bucket:
+    def _layout(self, bucket) -> Tuple:
+        """The bucket's parameters as keys: their index in model.parameters() when the model is
+        known; otherwise keys given to the Parameter objects at first sight in this process
+        (stable while the process lives, so DDP's bucket rebuild is followed either way)."""
+        keys = []
+        for p in bucket.parameters():
+            if self._param_index is not None:
+                k = self._param_index.get(id(p))
+                if k is None:
+                    raise ValueError("gradcomp: a bucket holds a parameter that is not in the "
+                                     "model given to gradcomp.torch.hook(model=...)")
+            else:
+                k = self._local_keys.setdefault(id(p), len(self._local_keys))
+            keys.append(k)
+        return tuple(keys)
+
+    @staticmethod
+    def _shapes(bucket) -> list:
+        return [list(g.shape) for g in bucket.gradients()]
+
+    def _resolve(self, bucket):
+        """Returns (bucket-like, _Bucket, permuted) for a compressed step."""
         buf = bucket.buffer()
         idx = bucket.index()
-        b = self.buckets.get(idx)
         dt = _dtype_name(buf)
-        if b is not None and (b.numel != buf.numel() or b.dtype != dt):
+        layout = self._layout(bucket)
+        b = self.buckets.get(idx)
+        if b is None and idx in self._pending:
+            p = self._pending[idx]
+            if p["numel"] != buf.numel() or p["dtype"] != dt:
+                raise ValueError(f"gradcomp: checkpoint has bucket {idx} with {p['numel']} "
+                                 f"{p['dtype']} elements but the model's bucket has "
+                                 f"{buf.numel()} {dt}")
+            if p.get("keyed_by_model") and self._param_index is not None:
+                saved = tuple(p["layout"])
+            elif p["shapes"] == self._shapes(bucket):
+                saved = layout  # no parameter identities to compare: trust the same shapes order
+            else:
+                raise RuntimeError(
+                    f"gradcomp: checkpoint bucket {idx} holds tensors of shapes {p['shapes']} but "
+                    f"the model's bucket {self._shapes(bucket)}: DDP has not rebuilt its buckets "
+                    f"yet. Pass model=... to gradcomp.torch.hook (before saving and when "
+                    f"restoring) so that state follows parameters")
+            view = bucket if saved == layout else self._permute(bucket, layout, saved, idx)
+            plan = COMPRESSORS[self.compressor].make(self.options, view, self.world, idx,
+                                                     self.process_group)
+            plan.load_state_dict(p["state"])
+            del self._pending[idx]
+            b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, saved, self._shapes(view))
+        elif b is None:
+            plan = COMPRESSORS[self.compressor].make(self.options, bucket, self.world, idx,
+                                                     self.process_group)
+            b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, layout, self._shapes(bucket))
+        if b.numel != buf.numel() or b.dtype != dt:
             raise RuntimeError(
                 f"gradcomp: bucket {idx} changed from {b.numel} {b.dtype} elements to "
                 f"{buf.numel()} {dt} after its compression state was created; increase "
                 f"start_iter past DDP's bucket rebuild (iteration 1)")
-        if b is None:
-            fam = COMPRESSORS[self.compressor]
-            plan = fam.make(self.options, bucket, self.world, tensor_id=idx)
-            b = _Bucket(plan, buf.numel(), dt)
-            if self._pending_state and idx in self._pending_state:
-                plan.load_state_dict(self._pending_state.pop(idx))
-            self.buckets[idx] = b
-        return b
+        if b.layout == layout:
+            return bucket, b, False
+        return self._permute(bucket, layout, b.layout, idx), b, True
+
+    def _permute(self, bucket, layout, saved, idx):
+        if sorted(layout) != sorted(saved):
+            raise RuntimeError(
+                f"gradcomp: bucket {idx} now holds other parameters than its compression state "
+                f"was made with (DDP regrouped its buckets); start compression after DDP's bucket "
+                f"rebuild (start_iter >= 2), or restore checkpoints with the same bucket sizes")
+        pos = {k: j for j, k in enumerate(layout)}
+        return _PermutedBucket(bucket, [pos[k] for k in saved])
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -293,15 +427,20 @@ class GradcompState:
         buckets = {}
         for i, b in self.buckets.items():
             if hasattr(b.plan, "state_dict"):
-                buckets[i] = {"numel": b.numel, "dtype": b.dtype, "state": b.plan.state_dict()}
+                buckets[i] = {"numel": b.numel, "dtype": b.dtype, "layout": list(b.layout),
+                              "keyed_by_model": self._param_index is not None,
+                              "shapes": b.shapes, "state": b.plan.state_dict()}
+        for i, p in self._pending.items():
+            buckets.setdefault(i, p)
         return {"compressor": self.compressor, "options": dict(self.options),
                 "start_iter": self.start_iter, "iter": self.iter,
                 "world_size": self.world if dist.is_initialized() else None,
                 "buckets": buckets}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`; a different compressor, world size or bucket layout is an
-        error, raised before anything changes."""
+        """Restores :meth:`state_dict`. A different compressor or world size, or a bucket whose
+        size differs, is an error raised before anything changes. Bucket states are applied
+        when DDP first calls the hook for that bucket."""
         if sd.get("compressor") != self.compressor:
             raise ValueError(f"state is for compressor {sd.get('compressor')!r}, this hook is "
                              f"{self.compressor!r}")
@@ -314,13 +453,8 @@ class GradcompState:
             if cur is not None and (cur.numel != b["numel"] or cur.dtype != b["dtype"]):
                 raise ValueError(f"bucket {i}: saved {b['numel']} {b['dtype']} elements, "
                                  f"the model has {cur.numel} {cur.dtype}")
-        for i, b in sd["buckets"].items():
-            cur = self.buckets.get(int(i))
-            if cur is not None:
-                cur.plan.load_state_dict(b["state"])
-        self._pending_state = {int(i): b["state"] for i, b in sd["buckets"].items()
-                               if int(i) not in self.buckets}
-        self._pending_layout = {int(i): (b["numel"], b["dtype"]) for i, b in sd["buckets"].items()}
+        self.buckets = {}
+        self._pending = {int(i): dict(b) for i, b in sd["buckets"].items()}
         self.iter = int(sd["iter"])
         self.start_iter = int(sd["start_iter"])
 
@@ -333,34 +467,42 @@ class GradcompState:
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
-def _hook(state: GradcompState, bucket) -> torch.futures.Future:
+def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    if bucket.is_last() if hasattr(bucket, "is_last") else False:
-        finish_iter = True
-    else:
-        finish_iter = False
+    idx = bucket.index()
+    last = bucket.is_last()
+    it = state.iter
     dense = buf.numel() * buf.element_size()
-    world = state.world
+    state._iteration(it)
 
-    def done(stats: PlanStats, idx=bucket.index(), route=""):
-        state._record(idx, dense, stats, route)
+    def done(stats: PlanStats):
+        state._record(it, idx, dense, stats, last)
 
-    if state.iter < state.start_iter:
-        plan = COMPRESSORS["allreduce"].make({}, bucket, world, bucket.index())
-        COMPRESSORS["allreduce"].begin(plan, bucket)
-        fut = run_async(plan, state.process_group, lambda: buf, done=done)
+    if it < state.start_iter:
+        fam = COMPRESSORS["allreduce"]
+        view, permuted = bucket, False
+        plan = fam.make({}, bucket, state.world, idx, state.process_group)
     else:
-        b = state._bucket(bucket)
-        COMPRESSORS[state.compressor].begin(b.plan, bucket)
+        fam = COMPRESSORS[state.compressor]
+        view, b, permuted = state._resolve(bucket)
+        plan = b.plan
         b.steps += 1
-        fut = run_async(b.plan, state.process_group, lambda: buf, done=done)
-    if finish_iter:
-        state._end_iteration()
+    fam.begin(plan, view)
+
+    def result():
+        fam.result(plan, view)
+        if permuted:
+            view.scatter()
+        return buf
+
+    fut = run_async(plan, state.process_group, result, done=done)
+    if last:
+        state.iter += 1
     return fut
 
 
 def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
-         log_every: int = 0, **options):
+         log_every: int = 0, model=None, **options) -> Tuple["GradcompState", Any]:
     """Returns ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     Example::
@@ -370,7 +512,7 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
 
     Raises ValueError for an unknown compressor name or option, ratio outside (0, 1], rank < 1.
     """
-    return GradcompState(compressor, process_group, start_iter, log_every, **options), _hook
+    return GradcompState(compressor, process_group, start_iter, log_every, model, **options), _hook
 
 
 def dgc_optimizer(params, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.SGD:

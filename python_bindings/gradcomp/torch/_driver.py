@@ -51,6 +51,19 @@ def launch(c, group) -> torch.futures.Future:
     if kind == "allreduce":
         if not c.in_place:
             recv.copy_(send)
+        if recv.dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
+            # gloo (torch 1.13) has no bf16 reductions: sum in fp32, round once; every rank
+            # rounds the same fp32 sum, so the result stays identical across ranks
+            wide = recv.float()
+            fut = dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=group,
+                                  async_op=True).get_future()
+
+            def narrow(f):
+                f.wait()
+                recv.copy_(wide)
+                return [recv]
+
+            return fut.then(narrow)
         work = dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=group, async_op=True)
     elif kind == "allgather":
         outs = list(recv.chunk(c.world))

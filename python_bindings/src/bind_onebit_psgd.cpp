@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: Apache-2.0
+// The 1-bit family and PowerSGD, for standalone use and for the Python driver's hooks.
+#include <nanobind/stl/vector.h>
+
+#include "common.hpp"
+
+namespace gradcomp::py {
+namespace {
+
+nb::bytes to_bytes(const std::vector<uint8_t>& b) {
+  return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+OneBitScaling parse_scaling(const std::string& s) {
+  if (s == "column_means" || s == "1bit_sgd") return OneBitScaling::kColumnMeans;
+  if (s == "sign_l1") return OneBitScaling::kSignL1;
+  if (s == "sign_l2") return OneBitScaling::kSignL2;
+  throw InvalidArgument("unknown 1-bit scaling '" + s +
+                        "' (expected column_means, sign_l1 or sign_l2)");
+}
+
+Orthogonalization parse_orth(const std::string& s) {
+  if (s == "auto") return Orthogonalization::kAuto;
+  if (s == "gram_schmidt") return Orthogonalization::kGramSchmidt;
+  if (s == "householder") return Orthogonalization::kHouseholder;
+  if (s == "gram_schmidt_unfused") return Orthogonalization::kGramSchmidtUnfused;
+  throw InvalidArgument("unknown orthogonalization '" + s +
+                        "' (expected auto, gram_schmidt, householder, gram_schmidt_unfused)");
+}
+
+void bind(nb::module_& m) {
+  nb::class_<OneBitCompressor>(m, "OneBitCompressor",
+                               "1-bit SGD / scaled sign with error feedback for one tensor.")
+      .def(
+          "__init__",
+          [](OneBitCompressor* self, int64_t rows, int64_t cols, const std::string& scaling,
+             bool error_feedback, int64_t chunk_size, bool check_finite, uint32_t tensor_id,
+             const std::string& grad_dtype, const std::string& device, int device_index,
+             uintptr_t stream) {
+            OneBitConfig c;
+            c.scaling = parse_scaling(scaling);
+            c.error_feedback = error_feedback;
+            c.chunk_size = chunk_size;
+            c.check_finite = check_finite;
+            c.tensor_id = tensor_id;
+            new (self) OneBitCompressor(c, rows, cols, parse_dtype(grad_dtype),
+                                        parse_device(device), device_index,
+                                        reinterpret_cast<void*>(stream));
+          },
+          nb::arg("rows"), nb::arg("cols") = 1, nb::kw_only(), nb::arg("scaling") = "column_means",
+          nb::arg("error_feedback") = true, nb::arg("chunk_size") = 0,
+          nb::arg("check_finite") = true, nb::arg("tensor_id") = 0,
+          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
+          nb::arg("device_index") = 0, nb::arg("stream") = 0)
+      .def(
+          "encode",
+          [](OneBitCompressor& c, const AnyArray& g, Payload* out, uintptr_t stream) {
+            const TensorView v = to_view(g, stream, "gradient");
+            nb::gil_scoped_release nogil;
+            c.encode(v, *out);
+          },
+          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0)
+      .def(
+          "decode_add",
+          [](OneBitCompressor& c, const nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>& payload,
+             const AnyArray& dense, float scale, uintptr_t stream) {
+            const TensorView d = to_view(dense, stream, "output");
+            nb::gil_scoped_release nogil;
+            c.decode_add(payload.data(), payload.shape(0), d, scale);
+          },
+          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0)
+      .def("state_dict", [](const OneBitCompressor& c) { return to_bytes(c.state_dict()); })
+      .def("load_state_dict",
+           [](OneBitCompressor& c, nb::bytes b) {
+             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+           })
+      .def_prop_ro("step", &OneBitCompressor::step)
+      .def_prop_ro("last_stats", [](const OneBitCompressor& c) { return stats_dict(c.last_stats()); });
+
+  nb::class_<OneBitAllreducePlan, Plan>(m, "OneBitAllreducePlan",
+                                        "1-bit Adam's two-phase compressed allreduce (one rank).")
+      .def(
+          "__init__",
+          [](OneBitAllreducePlan* self, int64_t numel, int world, int rank,
+             const std::string& scaling, bool error_feedback, bool check_finite,
+             const std::string& device, int device_index, uintptr_t stream) {
+            OneBitConfig c;
+            c.scaling = parse_scaling(scaling);
+            c.error_feedback = error_feedback;
+            c.check_finite = check_finite;
+            new (self) OneBitAllreducePlan(c, numel, world, rank, parse_device(device),
+                                           device_index, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("numel"), nb::arg("world"), nb::arg("rank"), nb::kw_only(),
+          nb::arg("scaling") = "sign_l1", nb::arg("error_feedback") = true,
+          nb::arg("check_finite") = true, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+          nb::arg("stream") = 0)
+      .def(
+          "begin",
+          [](OneBitAllreducePlan& p, const AnyArray& grad, const AnyArray& out, uintptr_t stream) {
+            p.begin(to_view(grad, stream, "gradient"), to_view(out, stream, "output"));
+          },
+          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
+          "Starts a step; `out` (fp32, not aliasing grad) receives the average.")
+      .def_prop_ro("numel", &OneBitAllreducePlan::numel)
+      .def_prop_ro("step", &OneBitAllreducePlan::step)
+      .def_prop_ro("bytes_sent", &OneBitAllreducePlan::bytes_sent)
+      .def("state_dict", [](const OneBitAllreducePlan& p) { return to_bytes(p.state_dict()); })
+      .def("load_state_dict", [](OneBitAllreducePlan& p, nb::bytes b) {
+        p.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+      });
+
+  nb::class_<PowerSGDState>(m, "PowerSGDState", "PowerSGD state of one bucket on one rank.")
+      .def(
+          "__init__",
+          [](PowerSGDState* self, const std::vector<std::vector<int64_t>>& shapes, int rank,
+             int64_t start_iter, double min_compression_rate, bool use_error_feedback,
+             bool warm_start, float orthogonalization_epsilon, uint64_t seed,
+             const std::string& orthogonalization, bool check_finite, uint32_t first_tensor_id,
+             const std::string& grad_dtype, const std::string& device, int device_index,
+             uintptr_t stream) {
+            PowerSGDConfig c;
+            c.rank = rank;
+            c.start_iter = start_iter;
+            c.min_compression_rate = min_compression_rate;
+            c.error_feedback = use_error_feedback;
+            c.warm_start = warm_start;
+            c.orthogonalization_epsilon = orthogonalization_epsilon;
+            c.seed = seed;
+            c.orthogonalization = parse_orth(orthogonalization);
+            c.check_finite = check_finite;
+            c.first_tensor_id = first_tensor_id;
+            new (self) PowerSGDState(c, shapes, parse_dtype(grad_dtype), parse_device(device),
+                                     device_index, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("shapes"), nb::kw_only(), nb::arg("rank") = 1, nb::arg("start_iter") = 0,
+          nb::arg("min_compression_rate") = 2.0, nb::arg("use_error_feedback") = true,
+          nb::arg("warm_start") = true, nb::arg("orthogonalization_epsilon") = 0.0f,
+          nb::arg("seed") = 0, nb::arg("orthogonalization") = "auto",
+          nb::arg("check_finite") = true, nb::arg("first_tensor_id") = 0,
+          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
+          nb::arg("device_index") = 0, nb::arg("stream") = 0)
+      .def_prop_ro("step", &PowerSGDState::step)
+      .def("state_dict", [](const PowerSGDState& s) { return to_bytes(s.state_dict()); })
+      .def("load_state_dict",
+           [](PowerSGDState& s, nb::bytes b) {
+             s.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+           })
+      .def_prop_ro("last_stats", [](const PowerSGDState& s) {
+        const PowerSGDStats& st = s.last_stats();
+        nb::dict d;
+        d["step"] = st.step;
+        d["compressed"] = st.compressed;
+        d["dense_bytes"] = st.dense_bytes;
+        d["sent_bytes"] = st.sent_bytes;
+        d["collectives"] = st.collectives;
+        d["rank_used"] = st.rank_used;
+        d["compression_ratio"] = st.compression_ratio();
+        return d;
+      });
+
+  nb::class_<PowerSGDPlan, Plan>(m, "PowerSGDPlan", "One PowerSGD step on a bucket, as a plan.")
+      .def(nb::init<PowerSGDState&, int>(), nb::arg("state"), nb::arg("world"),
+           nb::keep_alive<1, 2>())
+      .def(
+          "begin",
+          [](PowerSGDPlan& p, const std::vector<AnyArray>& grads, uintptr_t stream) {
+            std::vector<TensorView> v;
+            v.reserve(grads.size());
+            for (const auto& g : grads) v.push_back(to_view(g, stream, "gradient"));
+            p.begin(v);
+          },
+          nb::arg("grads"), nb::arg("stream") = 0,
+          "Binds the bucket's gradients (in the state's order); written in place.");
+}
+
+Register reg(30, bind);
+
+}  // namespace
+}  // namespace gradcomp::py

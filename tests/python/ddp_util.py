@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers for multi-process DDP tests: spawn N gloo ranks on loopback, deterministic models."""
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(fn, world, *args):
+    """Runs fn(rank, world, *args) in `world` spawned processes; raises if any rank fails."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+class Net(torch.nn.Module):
+    """A small MLP with an optional unused branch."""
+
+    def __init__(self, d_in=32, d_hidden=64, d_out=8, unused=False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, d_hidden)
+        self.fc2 = torch.nn.Linear(d_hidden, d_hidden)
+        self.fc3 = torch.nn.Linear(d_hidden, d_out)
+        self.unused = torch.nn.Linear(d_hidden, 3) if unused else None
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc2(h))
+        return self.fc3(h)
+
+
+def make_data(rank, steps, batch=16, d_in=32, d_out=8, seed=0):
+    """Per-rank regression data from a fixed teacher (same teacher on every rank)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    teacher = torch.randn(d_in, d_out, generator=g)
+    gr = torch.Generator().manual_seed(rank * 7919 + seed)
+    xs = [torch.randn(batch, d_in, generator=gr) for _ in range(steps)]
+    return [(x, x @ teacher) for x in xs]
+
+
+def params_equal_across_ranks(model) -> bool:
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def tmpdir():
+    return tempfile.mkdtemp(prefix="gradcomp-test-")
