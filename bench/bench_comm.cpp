@@ -237,7 +237,8 @@ void run_case(benchmark::State& state, const Case& c) {
     const double coll0 = comm.stats().seconds;
     const auto t0 = std::chrono::steady_clock::now();
     step();
-    const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double mine =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     in_collectives += comm.stats().seconds - coll0;
     const double s = max_over_ranks(comm, mine);
     state.SetIterationTime(s);
@@ -245,8 +246,8 @@ void run_case(benchmark::State& state, const Case& c) {
   }
   const double per_step = total / static_cast<double>(state.iterations());
   // bytes sent per step by this rank's plan, without the barrier/timing traffic
-  const double sent = static_cast<double>(comm.stats().bytes_sent) / state.iterations() -
-                      8.0 * (P - 1);
+  const double sent =
+      static_cast<double>(comm.stats().bytes_sent) / state.iterations() - 8.0 * (P - 1);
   if (std::string(c.name) == "baseline_dense") x.plain_s = per_step;
   const double grad_bytes = static_cast<double>(x.numel) * sizeof(float);
   state.counters["bytes_sent_per_rank"] = sent;

@@ -79,7 +79,8 @@ struct TopKReference {
       comps[r]->encode(TensorView::cpu(g.data(), static_cast<int64_t>(g.size())), p);
       sizes.push_back(p.size());
       std::vector<float> d(g.size(), 0.0f);
-      comps[r]->decode_add(p.data(), p.size(), TensorView::cpu(d.data(), static_cast<int64_t>(d.size())),
+      comps[r]->decode_add(p.data(), p.size(),
+                           TensorView::cpu(d.data(), static_cast<int64_t>(d.size())),
                            1.0f / static_cast<float>(comps.size()));
       dec.push_back(std::move(d));
     }
@@ -142,17 +143,14 @@ struct GradientRankPlan : RankPlan {
   explicit GradientRankPlan(std::unique_ptr<GradientPlan> p, Device dev = Device::kCPU)
       : p_(std::move(p)), dev_(dev) {}
   BucketPlan& plan() override { return *p_; }
-  void begin(float* g) override {
-    p_->begin(TensorView(g, {p_->numel()}, DType::kFloat32, dev_));
-  }
+  void begin(float* g) override { p_->begin(TensorView(g, {p_->numel()}, DType::kFloat32, dev_)); }
   std::unique_ptr<GradientPlan> p_;
   Device dev_;
 };
 
 /// The 1-bit two-phase plan (writes the average into its own output buffer).
 struct OneBitRankPlan : RankPlan {
-  OneBitRankPlan(const OneBitConfig& cfg, int64_t n, int world, int rank,
-                 Device dev = Device::kCPU)
+  OneBitRankPlan(const OneBitConfig& cfg, int64_t n, int world, int rank, Device dev = Device::kCPU)
       : p_(cfg, n, world, rank, dev), out_(dev), dev_(dev), n_(n) {
     out_.get<float>(static_cast<size_t>(std::max<int64_t>(n, 1)));
   }

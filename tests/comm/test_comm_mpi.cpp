@@ -29,7 +29,8 @@ gc::MpiCommunicator& world() {
 
 /// Every rank holds the same bytes as rank 0.
 bool consensus(gc::Communicator& comm, const void* data, size_t bytes) {
-  std::vector<uint8_t> r0(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + bytes);
+  std::vector<uint8_t> r0(static_cast<const uint8_t*>(data),
+                          static_cast<const uint8_t*>(data) + bytes);
   comm.broadcast(r0.data(), r0.data(), bytes, gc::ElemType::kU8, 0);
   int64_t same = bytes == 0 || std::memcmp(r0.data(), data, bytes) == 0, all = 0;
   comm.allreduce(&same, &all, 1, gc::ElemType::kI64, gc::ReduceOp::kSum);
@@ -75,14 +76,14 @@ void check_rank_plans(const RankFactory& make, int steps, const StepCheck& check
     auto sim = in;
     for (int r = 0; r < P; ++r) sims[r]->begin(sim[r].data());
     gc::run_plans_in_process(raw);
-    std::vector<float> want(sims[me]->result(sim[me].data()),
-                            sims[me]->result(sim[me].data()) + n);
+    std::vector<float> want(sims[me]->result(sim[me].data()), sims[me]->result(sim[me].data()) + n);
     ASSERT_TRUE(gc::test::same_bits(want, got))
         << name << " n=" << n << " step " << s << ": MPI result differs from the "
         << "in-process simulation at " << gc::test::first_diff(want, got);
     if (check) check(s, in, got);
     if (::testing::Test::HasFatalFailure()) return;
-    ASSERT_TRUE(consensus(comm, got, static_cast<size_t>(n) * sizeof(float))) << name << " step " << s;
+    ASSERT_TRUE(consensus(comm, got, static_cast<size_t>(n) * sizeof(float)))
+        << name << " step " << s;
   }
 }
 
@@ -92,14 +93,14 @@ using Factory = std::function<std::unique_ptr<gc::GradientPlan>(int rank)>;
 /// inputs -> expected average), compared bitwise.
 template <class Ref>
 void check_against_reference(const Factory& make, int64_t n, int steps, Ref&& ref) {
-  check_rank_plans(
-      [&](int r) { return std::make_unique<gc::test::GradientRankPlan>(make(r)); }, steps,
-      [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
-        const std::vector<float> want = ref(in);
-        ASSERT_TRUE(gc::test::same_bits(want, got))
-            << "n=" << n << " step " << s << ": differs from the reference at "
-            << gc::test::first_diff(want, got);
-      });
+  check_rank_plans([&](int r) { return std::make_unique<gc::test::GradientRankPlan>(make(r)); },
+                   steps,
+                   [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
+                     const std::vector<float> want = ref(in);
+                     ASSERT_TRUE(gc::test::same_bits(want, got))
+                         << "n=" << n << " step " << s << ": differs from the reference at "
+                         << gc::test::first_diff(want, got);
+                   });
 }
 
 const int64_t kSizes[] = {0, 1, 5, 1000, 100003};
@@ -225,7 +226,10 @@ TEST(MpiPlans, TopKAutoRouteUsesMeasuredCostModel) {
     cfg.ratio = ratio;
     gc::test::TopKReference ref(cfg, n, P);
     check_against_reference(
-        [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm}); },
+        [&](int) {
+          return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P,
+                                                         gc::TopKPlanOptions{.cost = cm});
+        },
         n, 2, [&](const auto& in) { return ref.step(in); });
   }
   // a dense-enough bucket over a bandwidth-bound model goes dense
@@ -235,7 +239,7 @@ TEST(MpiPlans, TopKAutoRouteUsesMeasuredCostModel) {
   auto g = rank_input(n, comm.rank(), 0);
   plan.begin(gc::TensorView::cpu(g.data(), n));
   gc::run_plan(plan, comm);
-    // (P = 2: the ring sends n values either way, and the sparse route needs fewer rounds)
+  // (P = 2: the ring sends n values either way, and the sparse route needs fewer rounds)
   EXPECT_EQ(plan.stats().last_route, P > 2 ? gc::TopKRoute::kDense : gc::TopKRoute::kSparse);
 }
 
@@ -264,8 +268,11 @@ TEST(MpiPlans, OneBitEqualsSimulationAndScalarReference) {
     for (int64_t n : kSizes) {
       SCOPED_TRACE("onebit n=" + std::to_string(n));
       check_rank_plans(
-          [&](int r) { return std::make_unique<gc::test::OneBitRankPlan>(onebit_cfg(sc), n, P, r); },
-          3, [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
+          [&](int r) {
+            return std::make_unique<gc::test::OneBitRankPlan>(onebit_cfg(sc), n, P, r);
+          },
+          3,
+          [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
             if (s != 0 || sc != gc::OneBitScaling::kSignL2) return;
             // first step (no error carried in): the scalar reference, up to rounding; an average
             // within rounding of zero may take either sign
@@ -356,7 +363,8 @@ TEST(MpiPlans, TwoHundredStepsWithoutMemoryGrowth) {
   gc::RandomKConfig rcfg;
   std::vector<std::unique_ptr<gc::GradientPlan>> plans;
   plans.push_back(std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P));
-  plans.push_back(std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P));
+  plans.push_back(
+      std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P));
   plans.push_back(std::make_unique<gc::TopKAllreducePlan>(tcfg, n, P));
   plans.push_back(std::make_unique<gc::RandomKAllreducePlan>(rcfg, n, P));
   gc::PlanRunner runner(comm);

@@ -41,12 +41,13 @@ struct DeviceVec {
   void* p;
 };
 
-#define REQUIRE_GPU_PER_RANK()                                                             \
-  do {                                                                                     \
-    GC_REQUIRE_GPU();                                                                      \
-    if (mpi().size() > 1)                                                                  \
-      GTEST_SKIP() << "NCCL needs one GPU per rank; this test selects device 0 only, so "  \
-                      "it runs with -np 1 (got " << mpi().size() << " ranks)";            \
+#define REQUIRE_GPU_PER_RANK()                                                            \
+  do {                                                                                    \
+    GC_REQUIRE_GPU();                                                                     \
+    if (mpi().size() > 1)                                                                 \
+      GTEST_SKIP() << "NCCL needs one GPU per rank; this test selects device 0 only, so " \
+                      "it runs with -np 1 (got "                                          \
+                   << mpi().size() << " ranks)";                                          \
   } while (0)
 
 }  // namespace
@@ -82,11 +83,13 @@ TEST(Nccl, PlansOnCudaMatchCpuPlans) {
       std::unique_ptr<gc::GradientPlan> cpu, gpu;
       if (which == 0) {
         cpu = std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P);
-        gpu = std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P, gc::Device::kCUDA);
+        gpu =
+            std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P, gc::Device::kCUDA);
       } else {
-        cpu = std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P);
-        gpu = std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P,
-                                                      gc::Device::kCUDA);
+        cpu =
+            std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P);
+        gpu = std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16,
+                                                      P, gc::Device::kCUDA);
       }
       auto h = x;
       cpu->begin(gc::TensorView::cpu(h.data(), n));
@@ -103,7 +106,8 @@ TEST(Nccl, PlansOnCudaMatchCpuPlans) {
     gc::RandomKConfig rcfg;
     for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense}) {
       gc::TopKAllreducePlan cpu(tcfg, n, P, {.route = route});
-      gc::TopKAllreducePlan gpu(tcfg, n, P, {.route = route}, gc::DType::kFloat32, gc::Device::kCUDA);
+      gc::TopKAllreducePlan gpu(tcfg, n, P, {.route = route}, gc::DType::kFloat32,
+                                gc::Device::kCUDA);
       gc::RandomKAllreducePlan rcpu(rcfg, n, P);
       gc::RandomKAllreducePlan rgpu(rcfg, n, P, gc::DType::kFloat32, gc::Device::kCUDA);
       for (int s = 0; s < 3; ++s) {
@@ -121,7 +125,8 @@ TEST(Nccl, PlansOnCudaMatchCpuPlans) {
         DeviceVec rd(in);
         rgpu.begin(gc::TensorView(rd.p, {n}, gc::DType::kFloat32, gc::Device::kCUDA));
         gc::run_plan(rgpu, nccl);
-        EXPECT_TRUE(gc::test::same_bits(rh, rd.host().data())) << "randomk n=" << n << " step " << s;
+        EXPECT_TRUE(gc::test::same_bits(rh, rd.host().data()))
+            << "randomk n=" << n << " step " << s;
       }
     }
   }
@@ -153,8 +158,8 @@ TEST(Nccl, OneBitAndPowerSGDOnCudaMatchCpuPlans) {
   gc::PowerSGDConfig pcfg;
   pcfg.rank = 4;
   pcfg.seed = 3;
-  const std::vector<std::vector<int64_t>> shapes = {
-      {64, 3, 7, 7}, {64}, {48, 64}, {48, 64}, {256, 64, 1, 1}, {6, 5}, {1000, 40}};
+  const std::vector<std::vector<int64_t>> shapes = {{64, 3, 7, 7},   {64},   {48, 64},  {48, 64},
+                                                    {256, 64, 1, 1}, {6, 5}, {1000, 40}};
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{4097}, int64_t{200003}}) {
     gc::test::OneBitRankPlan cpu(ocfg, n, P, me), gpu(ocfg, n, P, me, gc::Device::kCUDA);
     for (int s = 0; s < 3; ++s) {
