@@ -7,8 +7,13 @@
 // Environment: GC_BENCH_NUMEL (default 25,000,000), GC_BENCH_ITERS (default 5).
 // bench/netem/run.sh runs it with the ranks in network namespaces joined by 1 Gbit/s links.
 //
-// Hook for more plans (1-bit, PowerSGD r=4): add a line to cases() below, e.g.
-//   {"onebit", [](int64_t n, int P, const gc::CostModel&) { return make_onebit_plan(n, P); }},
+// Cases: plain (baseline), fp16 cast, top-k 1% / 0.1% (route chosen by the measured cost model),
+// random-k 1%, 1-bit (two-phase plan, L2 sign scaling, worker + server error feedback) and
+// PowerSGD rank 4. PowerSGD needs matrices: the gradient is laid out as ResNet-50's parameter
+// tensors (torchvision order: conv weights with their BatchNorm weight and bias, then fc) cut at
+// GC_BENCH_NUMEL; see powersgd_layout(). Counters besides time: bytes_sent_per_rank,
+// compression_ratio, speedup_vs_plain, and collective_ms / local_ms (time inside the
+// communicator's collectives / the rest of the step: compression and decoding).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -21,7 +26,9 @@
 #include <vector>
 
 #include "gradcomp/comm.hpp"
+#include "gradcomp/onebit.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/powersgd.hpp"
 
 namespace gc = gradcomp;
 
@@ -46,7 +53,111 @@ Ctx& ctx() {
   return c;
 }
 
-using Factory = std::function<std::unique_ptr<gc::GradientPlan>(int64_t n, int P, const gc::CostModel&)>;
+/// One rank's plan behind a uniform begin(gradient): every family's plan runs the same loop.
+struct BenchPlan {
+  virtual ~BenchPlan() = default;
+  virtual gc::Plan& plan() = 0;
+  /// Binds this step's gradient (n fp32 elements on the CPU).
+  virtual void begin(float* g, int64_t n) = 0;
+};
+
+/// A plan of plans.hpp (in place).
+struct GradientBench : BenchPlan {
+  explicit GradientBench(std::unique_ptr<gc::GradientPlan> p) : p_(std::move(p)) {}
+  gc::Plan& plan() override { return *p_; }
+  void begin(float* g, int64_t n) override { p_->begin(gc::TensorView::cpu(g, n)); }
+  std::unique_ptr<gc::GradientPlan> p_;
+};
+template <class T, class... A>
+std::unique_ptr<BenchPlan> gradient_plan(A&&... a) {
+  return std::make_unique<GradientBench>(std::make_unique<T>(std::forward<A>(a)...));
+}
+
+/// The 1-bit two-phase plan (writes the average into its own output buffer).
+struct OneBitBench : BenchPlan {
+  OneBitBench(const gc::OneBitConfig& cfg, int64_t n, int P, int rank)
+      : p_(cfg, n, P, rank), out_(static_cast<size_t>(n)) {}
+  gc::Plan& plan() override { return p_; }
+  void begin(float* g, int64_t n) override {
+    p_.begin(gc::TensorView::cpu(g, n), gc::TensorView::cpu(out_.data(), n));
+  }
+  gc::OneBitAllreducePlan p_;
+  std::vector<float> out_;
+};
+
+using Shapes = std::vector<std::vector<int64_t>>;
+
+/// ResNet-50 (torchvision) parameter tensors in order: conv weights with BatchNorm weight and
+/// bias, the bottleneck stages [3, 4, 6, 3] with downsample convs, fc 1000 x 2048 and its bias
+/// (25,557,032 elements).
+Shapes resnet50() {
+  Shapes s;
+  auto conv_bn = [&](int64_t out, int64_t in, int64_t k) {
+    s.push_back({out, in, k, k});
+    s.push_back({out});
+    s.push_back({out});
+  };
+  conv_bn(64, 3, 7);
+  int64_t in = 64;
+  const int blocks[4] = {3, 4, 6, 3};
+  for (int stage = 0; stage < 4; ++stage) {
+    const int64_t w = 64 << stage;
+    for (int b = 0; b < blocks[stage]; ++b) {
+      conv_bn(w, in, 1);
+      conv_bn(w, w, 3);
+      conv_bn(4 * w, w, 1);
+      if (b == 0) conv_bn(4 * w, in, 1);  // downsample
+      in = 4 * w;
+    }
+  }
+  s.push_back({1000, 2048});
+  s.push_back({1000});
+  return s;
+}
+
+/// n elements laid out as ResNet-50's tensors (repeated if n is larger): every tensor that fits
+/// whole, then the rest R as an R / 2048 x 2048 matrix (a shortened fc layer) and a 1-D tail of
+/// R % 2048 elements. For n = 25,000,000: all of ResNet-50 but fc (23,508,032 elements, 159
+/// tensors), a 728 x 2048 matrix and a tail of 1,024.
+Shapes powersgd_layout(int64_t n) {
+  const Shapes net = resnet50();
+  Shapes out;
+  int64_t left = n;
+  for (size_t i = 0;; i = (i + 1) % net.size()) {
+    int64_t numel = 1;
+    for (int64_t d : net[i]) numel *= d;
+    if (numel > left) break;
+    out.push_back(net[i]);
+    left -= numel;
+  }
+  if (left >= 2048) out.push_back({left / 2048, 2048});
+  if (left % 2048) out.push_back({left % 2048});
+  return out;
+}
+
+/// PowerSGD over the layout above, in place.
+struct PowerSGDBench : BenchPlan {
+  PowerSGDBench(const gc::PowerSGDConfig& cfg, const Shapes& shapes, int P)
+      : shapes_(shapes), st_(cfg, shapes), p_(st_, P) {}
+  gc::Plan& plan() override { return p_; }
+  void begin(float* g, int64_t) override {
+    views_.clear();
+    int64_t off = 0;
+    for (const auto& s : shapes_) {
+      views_.emplace_back(g + off, s.data(), static_cast<int>(s.size()), gc::DType::kFloat32,
+                          gc::Device::kCPU);
+      off += views_.back().numel;
+    }
+    p_.begin(views_);
+  }
+  Shapes shapes_;
+  gc::PowerSGDState st_;
+  gc::PowerSGDPlan p_;
+  std::vector<gc::TensorView> views_;
+};
+
+using Factory =
+    std::function<std::unique_ptr<BenchPlan>(int64_t n, int P, int rank, const gc::CostModel&)>;
 struct Case {
   const char* name;
   Factory make;
@@ -55,32 +166,44 @@ struct Case {
 std::vector<Case> cases() {
   return {
       {"baseline_dense",
-       [](int64_t n, int P, const gc::CostModel&) {
-         return std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P);
+       [](int64_t n, int P, int, const gc::CostModel&) {
+         return gradient_plan<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P);
        }},
       {"cast_fp16",
-       [](int64_t n, int P, const gc::CostModel&) {
-         return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P);
+       [](int64_t n, int P, int, const gc::CostModel&) {
+         return gradient_plan<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16,
+                                                     P);
        }},
       {"topk_1pct",
-       [](int64_t n, int P, const gc::CostModel& cm) {
+       [](int64_t n, int P, int, const gc::CostModel& cm) {
          gc::TopKConfig cfg;
          cfg.ratio = 0.01;
-         return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm});
+         return gradient_plan<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm});
        }},
       {"topk_0.1pct",
-       [](int64_t n, int P, const gc::CostModel& cm) {
+       [](int64_t n, int P, int, const gc::CostModel& cm) {
          gc::TopKConfig cfg;
          cfg.ratio = 0.001;
-         return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm});
+         return gradient_plan<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm});
        }},
       {"randomk_1pct",
-       [](int64_t n, int P, const gc::CostModel&) {
+       [](int64_t n, int P, int, const gc::CostModel&) {
          gc::RandomKConfig cfg;
          cfg.ratio = 0.01;
-         return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P);
+         return gradient_plan<gc::RandomKAllreducePlan>(cfg, n, P);
        }},
-      // the lead adds 1-bit (two-phase plan) and PowerSGD r=4 here
+      {"onebit",
+       [](int64_t n, int P, int rank, const gc::CostModel&) -> std::unique_ptr<BenchPlan> {
+         gc::OneBitConfig cfg;
+         cfg.scaling = gc::OneBitScaling::kSignL2;
+         return std::make_unique<OneBitBench>(cfg, n, P, rank);
+       }},
+      {"powersgd_r4",
+       [](int64_t n, int P, int, const gc::CostModel&) -> std::unique_ptr<BenchPlan> {
+         gc::PowerSGDConfig cfg;
+         cfg.rank = 4;
+         return std::make_unique<PowerSGDBench>(cfg, powersgd_layout(n), P);
+       }},
   };
 }
 
@@ -95,33 +218,36 @@ void run_case(benchmark::State& state, const Case& c) {
   Ctx& x = ctx();
   gc::MpiCommunicator& comm = *x.comm;
   const int P = comm.size();
-  auto plan = c.make(x.numel, P, x.cost);
+  auto plan = c.make(x.numel, P, comm.rank(), x.cost);
   gc::PlanRunner runner(comm);
   auto reset = [&] {  // a fresh gradient each step (not timed)
     std::memcpy(x.work.data(), x.grad.data(), x.grad.size() * sizeof(float));
   };
   auto step = [&] {
-    plan->begin(gc::TensorView::cpu(x.work.data(), x.numel));
-    runner.run(*plan, 0);
+    plan->begin(x.work.data(), x.numel);
+    runner.run(plan->plan(), 0);
   };
   reset();
   step();  // warm-up: handshake, workspaces, connections
   comm.reset_stats();
-  double total = 0.0;
+  double total = 0.0, in_collectives = 0.0;
   for (auto _ : state) {
     reset();
     comm.barrier();
+    const double coll0 = comm.stats().seconds;
     const auto t0 = std::chrono::steady_clock::now();
     step();
-    const double s = max_over_ranks(
-        comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const double mine =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    in_collectives += comm.stats().seconds - coll0;
+    const double s = max_over_ranks(comm, mine);
     state.SetIterationTime(s);
     total += s;
   }
   const double per_step = total / static_cast<double>(state.iterations());
   // bytes sent per step by this rank's plan, without the barrier/timing traffic
-  const double sent = static_cast<double>(comm.stats().bytes_sent) / state.iterations() -
-                      8.0 * (P - 1);
+  const double sent =
+      static_cast<double>(comm.stats().bytes_sent) / state.iterations() - 8.0 * (P - 1);
   if (std::string(c.name) == "baseline_dense") x.plain_s = per_step;
   const double grad_bytes = static_cast<double>(x.numel) * sizeof(float);
   state.counters["bytes_sent_per_rank"] = sent;
@@ -129,8 +255,13 @@ void run_case(benchmark::State& state, const Case& c) {
   state.counters["bytes_per_second"] = grad_bytes / per_step;
   state.counters["frac_of_copy"] = x.copy_Bps > 0 ? grad_bytes / per_step / x.copy_Bps : 0.0;
   state.counters["speedup_vs_plain"] = x.plain_s > 0 ? x.plain_s / per_step : 0.0;
-  if (auto* tp = dynamic_cast<gc::TopKAllreducePlan*>(plan.get()))
-    state.counters["dense_route"] = tp->stats().last_route == gc::TopKRoute::kDense ? 1 : 0;
+  // rank 0's split of its own step: inside collectives (transfer + waiting for peers) / local
+  const double coll = in_collectives / static_cast<double>(state.iterations());
+  state.counters["collective_ms"] = 1e3 * coll;
+  state.counters["local_ms"] = 1e3 * std::max(0.0, per_step - coll);
+  if (auto* gp = dynamic_cast<GradientBench*>(plan.get()))
+    if (auto* tp = dynamic_cast<gc::TopKAllreducePlan*>(gp->p_.get()))
+      state.counters["dense_route"] = tp->stats().last_route == gc::TopKRoute::kDense ? 1 : 0;
 }
 
 double memcpy_bandwidth(size_t bytes) {

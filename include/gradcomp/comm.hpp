@@ -117,12 +117,7 @@ enum class Handshake : uint8_t {
   kEvery = 2,  ///< the same before every collective of the plan
 };
 
-/// Plans that know the size of their bucket (every plan of plans.hpp) expose it for the handshake.
-class BucketPlan : public Plan {
- public:
-  /// Elements of the gradient bucket.
-  virtual int64_t numel() const = 0;
-};
+// BucketPlan (plan.hpp): plans that know the size of their bucket expose it for the handshake.
 
 /// Drives a plan to completion on a communicator: while (auto c = plan.next()) comm.execute(*c).
 /// With a handshake, a disagreement between ranks (bucket sizes, collective kind, element type,

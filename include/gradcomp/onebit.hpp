@@ -142,7 +142,7 @@ class OneBitCompressor : public Compressor {
 ///   gradcomp::OneBitAllreducePlan plan(cfg, n, world, rank);
 ///   plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(avg.data(), n));
 ///   while (auto c = plan.next()) driver.run(*c);   // avg now holds the averaged gradient
-class OneBitAllreducePlan : public Plan {
+class OneBitAllreducePlan : public BucketPlan {
  public:
   OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel, int world, int rank,
                       Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
@@ -156,7 +156,7 @@ class OneBitAllreducePlan : public Plan {
   /// Elements per server chunk (32 W) and bytes per block (4 (W + 1)).
   int64_t chunk_elems() const { return 32 * words_per_chunk_; }
   size_t block_bytes() const { return static_cast<size_t>(4 * (words_per_chunk_ + 1)); }
-  int64_t numel() const { return numel_; }
+  int64_t numel() const override { return numel_; }
   int64_t step() const { return step_; }
   /// Worker error (numel floats) and server error (chunk_elems() floats, for this rank's chunk).
   const float* worker_error() const;

@@ -67,6 +67,17 @@ class Plan {
   virtual std::string name() const = 0;
 };
 
+/// A plan over one gradient bucket that knows the bucket's size (every plan of plans.hpp, the
+/// 1-bit and PowerSGD plans). run_plan()'s handshake compares numel() across ranks before the
+/// first collective, so a rank that passes a different bucket is reported with both sizes.
+///
+/// Example:  if (auto* b = dynamic_cast<gradcomp::BucketPlan*>(&plan)) n = b->numel();
+class BucketPlan : public Plan {
+ public:
+  /// Elements of the gradient bucket.
+  virtual int64_t numel() const = 0;
+};
+
 /// Executes one plan per simulated rank in this process, summing in rank order. For tests and
 /// single-process experiments. Throws InvalidArgument if the ranks disagree on a collective.
 /// Returns the collectives executed (as seen by rank 0).

@@ -165,13 +165,15 @@ class PowerSGDState {
 /// Example:  gradcomp::PowerSGDPlan plan(state, 4);
 ///           plan.begin(grads);
 ///           gradcomp::run_plans_in_process({&plan0, &plan1, &plan2, &plan3});
-class PowerSGDPlan : public Plan {
+class PowerSGDPlan : public BucketPlan {
  public:
   PowerSGDPlan(PowerSGDState& state, int world);
   /// The bucket's gradients, in the order of the shapes given to the state; written in place.
   void begin(const std::vector<TensorView>& grads);
   std::optional<Collective> next() override;
   std::string name() const override { return "powersgd"; }
+  /// Elements of the bucket (all its tensors), for run_plan()'s size handshake.
+  int64_t numel() const override { return st_.compressed_numel() + st_.uncompressed_numel(); }
 
  private:
   enum class Phase : uint8_t { kIdle, kStart, kPlainWait, kWaitU, kWaitP, kWaitQ, kDone };

@@ -6,8 +6,96 @@
 #include "kernels/reduce.hpp"
 #include "kernels/reduce_math.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GC_HAVE_F16C_PATH 1
+#endif
+
 namespace gradcomp::kernels::cpu {
 namespace {
+
+#ifdef GC_HAVE_F16C_PATH
+// fp16 fast paths (the baseline ISA, x86-64-v2, has no F16C; chosen at run time). They give the
+// bits of the scalar twins: the hardware conversions round to nearest even like float_to_half /
+// half_to_float, fp32 division and addition are the same IEEE operations, and a group of 8 that
+// holds a NaN is redone by the scalar code (the hardware keeps NaN payloads, the twin does not).
+bool have_f16c() {
+  static const bool ok = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return ok;
+}
+
+/// d[i] = float_to_half(scaled(load(src, i), div)) for i in [0, n), src fp32 or fp16.
+__attribute__((target("avx,f16c"))) void to_half_f16c(const void* src, bool src_half, uint16_t* d,
+                                                      int64_t n, float div) {
+  const __m256 vdiv = _mm256_set1_ps(div);
+  const bool divide = div != 1.0f;
+  const int64_t n8 = n / 8 * 8;
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t i = 0; i < n8; i += 8) {
+    __m256 x = src_half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                              static_cast<const uint16_t*>(src) + i)))
+                        : _mm256_loadu_ps(static_cast<const float*>(src) + i);
+    if (divide) x = _mm256_div_ps(x, vdiv);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {
+      for (int64_t j = i; j < i + 8; ++j)
+        d[j] = float_to_half(scaled(src_half ? F16Load::load(src, j) : F32Load::load(src, j), div));
+      continue;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (int64_t j = n8; j < n; ++j)
+    d[j] = float_to_half(scaled(src_half ? F16Load::load(src, j) : F32Load::load(src, j), div));
+}
+
+/// d[i] = scaled(half_to_float(src[i]), div) (fp16 -> fp32; exact conversion, then IEEE division).
+__attribute__((target("avx,f16c"))) void from_half_f16c(const uint16_t* src, float* d, int64_t n,
+                                                        float div) {
+  const __m256 vdiv = _mm256_set1_ps(div);
+  const bool divide = div != 1.0f;
+  const int64_t n8 = n / 8 * 8;
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t i = 0; i < n8; i += 8) {
+    __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    if (divide) x = _mm256_div_ps(x, vdiv);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {  // (the hardware quiets sNaN)
+      for (int64_t j = i; j < i + 8; ++j) d[j] = scaled(half_to_float(src[j]), div);
+      continue;
+    }
+    _mm256_storeu_ps(d + i, x);
+  }
+  for (int64_t j = n8; j < n; ++j) d[j] = scaled(half_to_float(src[j]), div);
+}
+
+/// The rank-ordered fp16 sum of reduce_blocks (rounding to fp16 after every addition).
+__attribute__((target("avx,f16c"))) void reduce_half_f16c(const uint16_t* b, size_t nb, int64_t n,
+                                                          size_t stride, uint16_t* d) {
+  const int64_t n8 = n / 8 * 8;
+  auto scalar = [&](int64_t i) {
+    uint16_t acc = b[i];
+    for (size_t r = 1; r < nb; ++r) acc = add_f16(acc, b[r * stride + i]);
+    d[i] = acc;
+  };
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t i = 0; i < n8; i += 8) {
+    __m128i acc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
+    bool nan = false;
+    for (size_t r = 1; r < nb; ++r) {
+      const __m256 s = _mm256_add_ps(
+          _mm256_cvtph_ps(acc),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + r * stride + i))));
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q)) != 0;
+      acc = _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    if (nan) {
+      for (int64_t j = i; j < i + 8; ++j) scalar(j);
+      continue;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), acc);
+  }
+  for (int64_t j = n8; j < n; ++j) scalar(j);
+}
+#endif
 
 template <class T, class Add>
 void reduce_t(const void* blocks, size_t nb, size_t count, size_t stride, void* dst, Add add) {
@@ -52,9 +140,17 @@ void reduce_blocks(const void* blocks, size_t nb, size_t count, size_t stride, E
                    void* dst) {
   if (count == 0 || nb == 0) return;
   switch (t) {
-    case ElemType::kF32: return reduce_t<float>(blocks, nb, count, stride, dst, add_f32);
-    case ElemType::kF16: return reduce_t<uint16_t>(blocks, nb, count, stride, dst, add_f16);
-    case ElemType::kBF16: return reduce_t<uint16_t>(blocks, nb, count, stride, dst, add_bf16);
+    case ElemType::kF32:
+      return reduce_t<float>(blocks, nb, count, stride, dst, add_f32);
+    case ElemType::kF16:
+#ifdef GC_HAVE_F16C_PATH
+      if (have_f16c() && nb > 1)
+        return reduce_half_f16c(static_cast<const uint16_t*>(blocks), nb,
+                                static_cast<int64_t>(count), stride, static_cast<uint16_t*>(dst));
+#endif
+      return reduce_t<uint16_t>(blocks, nb, count, stride, dst, add_f16);
+    case ElemType::kBF16:
+      return reduce_t<uint16_t>(blocks, nb, count, stride, dst, add_bf16);
     case ElemType::kU8:
       return reduce_t<uint8_t>(blocks, nb, count, stride, dst,
                                [](uint8_t a, uint8_t b) { return static_cast<uint8_t>(a + b); });
@@ -74,10 +170,19 @@ void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float di
     if (src != dst) std::memmove(dst, src, static_cast<size_t>(n) * dtype_size(st));
     return;
   }
+#ifdef GC_HAVE_F16C_PATH
+  if (have_f16c() && dt == DType::kFloat16 && st != DType::kBFloat16)
+    return to_half_f16c(src, st == DType::kFloat16, static_cast<uint16_t*>(dst), n, divisor);
+  if (have_f16c() && st == DType::kFloat16 && dt == DType::kFloat32)
+    return from_half_f16c(static_cast<const uint16_t*>(src), static_cast<float*>(dst), n, divisor);
+#endif
   switch (st) {
-    case DType::kFloat32: return convert_from<F32Load>(src, dst, dt, n, divisor);
-    case DType::kFloat16: return convert_from<F16Load>(src, dst, dt, n, divisor);
-    case DType::kBFloat16: return convert_from<BF16Load>(src, dst, dt, n, divisor);
+    case DType::kFloat32:
+      return convert_from<F32Load>(src, dst, dt, n, divisor);
+    case DType::kFloat16:
+      return convert_from<F16Load>(src, dst, dt, n, divisor);
+    case DType::kBFloat16:
+      return convert_from<BF16Load>(src, dst, dt, n, divisor);
   }
 }
 

@@ -3,12 +3,16 @@
 // compressors applied per rank) and the deterministic per-rank inputs the comm tests share.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "gradcomp/numeric.hpp"
+#include "gradcomp/onebit.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/powersgd.hpp"
 #include "test_util.hpp"
 
 namespace gradcomp::test {
@@ -75,7 +79,8 @@ struct TopKReference {
       comps[r]->encode(TensorView::cpu(g.data(), static_cast<int64_t>(g.size())), p);
       sizes.push_back(p.size());
       std::vector<float> d(g.size(), 0.0f);
-      comps[r]->decode_add(p.data(), p.size(), TensorView::cpu(d.data(), static_cast<int64_t>(d.size())),
+      comps[r]->decode_add(p.data(), p.size(),
+                           TensorView::cpu(d.data(), static_cast<int64_t>(d.size())),
                            1.0f / static_cast<float>(comps.size()));
       dec.push_back(std::move(d));
     }
@@ -118,6 +123,118 @@ struct RandomKReference {
   int64_t n_;
   std::vector<std::unique_ptr<RandomKCompressor>> comps;
 };
+
+// ---------------------------------------------------------------------------------------------
+// Plans of every family behind one begin(gradient), so that the comm tests drive them alike.
+
+/// One rank's plan for a bucket of numel() fp32 elements on `device`: begin(g) binds this step's
+/// gradient g (on the plan's device); once the plan finished, result(g) points at the averaged
+/// gradient (g itself for in-place plans, the plan's output buffer for the 1-bit plan).
+struct RankPlan {
+  virtual ~RankPlan() = default;
+  virtual BucketPlan& plan() = 0;
+  virtual void begin(float* g) = 0;
+  virtual const float* result(const float* g) const { return g; }
+  int64_t numel() { return plan().numel(); }
+};
+
+/// Any plan of plans.hpp (averages in place).
+struct GradientRankPlan : RankPlan {
+  explicit GradientRankPlan(std::unique_ptr<GradientPlan> p, Device dev = Device::kCPU)
+      : p_(std::move(p)), dev_(dev) {}
+  BucketPlan& plan() override { return *p_; }
+  void begin(float* g) override { p_->begin(TensorView(g, {p_->numel()}, DType::kFloat32, dev_)); }
+  std::unique_ptr<GradientPlan> p_;
+  Device dev_;
+};
+
+/// The 1-bit two-phase plan (writes the average into its own output buffer).
+struct OneBitRankPlan : RankPlan {
+  OneBitRankPlan(const OneBitConfig& cfg, int64_t n, int world, int rank, Device dev = Device::kCPU)
+      : p_(cfg, n, world, rank, dev), out_(dev), dev_(dev), n_(n) {
+    out_.get<float>(static_cast<size_t>(std::max<int64_t>(n, 1)));
+  }
+  BucketPlan& plan() override { return p_; }
+  void begin(float* g) override {
+    p_.begin(TensorView(g, {n_}, DType::kFloat32, dev_),
+             TensorView(out_.data(), {n_}, DType::kFloat32, dev_));
+  }
+  const float* result(const float*) const override {
+    return static_cast<const float*>(out_.data());
+  }
+  OneBitAllreducePlan p_;
+  Buffer out_;
+  Device dev_;
+  int64_t n_;
+};
+
+/// PowerSGD over a bucket of tensors laid out back to back in one fp32 buffer (in place).
+struct PowerSGDRankPlan : RankPlan {
+  PowerSGDRankPlan(const PowerSGDConfig& cfg, const std::vector<std::vector<int64_t>>& shapes,
+                   int world, Device dev = Device::kCPU)
+      : shapes_(shapes), st_(cfg, shapes, DType::kFloat32, dev), p_(st_, world), dev_(dev) {}
+  BucketPlan& plan() override { return p_; }
+  void begin(float* g) override {
+    std::vector<TensorView> views;
+    int64_t off = 0;
+    for (const auto& s : shapes_) {
+      views.emplace_back(g + off, s.data(), static_cast<int>(s.size()), DType::kFloat32, dev_);
+      off += views.back().numel;
+    }
+    p_.begin(views);
+  }
+  std::vector<std::vector<int64_t>> shapes_;
+  PowerSGDState st_;
+  PowerSGDPlan p_;
+  Device dev_;
+};
+
+inline int64_t bucket_numel(const std::vector<std::vector<int64_t>>& shapes) {
+  int64_t total = 0;
+  for (const auto& s : shapes) {
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    total += n;
+  }
+  return total;
+}
+
+/// PowerSGD test buckets: empty, one element, too small to compress, and mixed buckets (conv
+/// weights, biases, a group of equal matrices, a matrix that fails the rate test).
+inline std::vector<std::vector<std::vector<int64_t>>> powersgd_layouts() {
+  return {
+      {{0}},
+      {{1}},
+      {{1, 1}, {4}},
+      {{32, 24}, {232}},
+      {{64, 3, 7, 7}, {64}, {64}, {48, 64}, {48, 64}, {256, 64, 1, 1}, {256}, {6, 5}, {1000, 40}},
+  };
+}
+
+/// Scalar reference of the first step of the 1-bit plan (no error carried in): per server chunk
+/// of 32 W elements, worker signs scaled by the chunk's L2 scale sqrt(mean x^2), averaged over
+/// ranks, then the server's signs scaled by the average's L2 scale.
+inline std::vector<float> ref_onebit_first_step(const std::vector<std::vector<float>>& g) {
+  const int64_t P = static_cast<int64_t>(g.size()), n = static_cast<int64_t>(g[0].size());
+  const int64_t W = ((n + 31) / 32 + P - 1) / P, CE = 32 * W;
+  auto l2 = [](const std::vector<double>& x, int64_t b, int64_t e) {
+    double a = 0;
+    for (int64_t i = b; i < e; ++i) a += x[i] * x[i];
+    return std::sqrt(a / static_cast<double>(e - b));
+  };
+  std::vector<double> avg(static_cast<size_t>(n), 0.0), out(static_cast<size_t>(n));
+  for (int64_t b = 0; b < n; b += CE) {
+    const int64_t e = std::min(n, b + CE);
+    for (int64_t p = 0; p < P; ++p) {
+      std::vector<double> x(g[p].begin(), g[p].end());
+      const double sc = l2(x, b, e);
+      for (int64_t i = b; i < e; ++i) avg[i] += (x[i] >= 0 ? sc : -sc) / static_cast<double>(P);
+    }
+    const double sc = l2(avg, b, e);
+    for (int64_t i = b; i < e; ++i) out[i] = avg[i] >= 0 ? sc : -sc;
+  }
+  return std::vector<float>(out.begin(), out.end());
+}
 
 inline bool same_bits(const std::vector<float>& a, const float* b) {
   return a.empty() || std::memcmp(a.data(), b, a.size() * sizeof(float)) == 0;

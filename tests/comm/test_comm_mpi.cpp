@@ -6,6 +6,7 @@
 // steps; mismatched bucket sizes reported with both sizes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -28,7 +29,8 @@ gc::MpiCommunicator& world() {
 
 /// Every rank holds the same bytes as rank 0.
 bool consensus(gc::Communicator& comm, const void* data, size_t bytes) {
-  std::vector<uint8_t> r0(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + bytes);
+  std::vector<uint8_t> r0(static_cast<const uint8_t*>(data),
+                          static_cast<const uint8_t*>(data) + bytes);
   comm.broadcast(r0.data(), r0.data(), bytes, gc::ElemType::kU8, 0);
   int64_t same = bytes == 0 || std::memcmp(r0.data(), data, bytes) == 0, all = 0;
   comm.allreduce(&same, &all, 1, gc::ElemType::kI64, gc::ReduceOp::kSum);
@@ -43,40 +45,62 @@ long rss_kib() {
   return 0;
 }
 
-using Factory = std::function<std::unique_ptr<gc::GradientPlan>(int rank)>;
+using RankFactory = std::function<std::unique_ptr<gc::test::RankPlan>(int rank)>;
+/// Extra per-step check: (step, every rank's input, this rank's result).
+using StepCheck =
+    std::function<void(int step, const std::vector<std::vector<float>>& in, const float* got)>;
 
-/// Runs `steps` steps of this rank's plan over MPI and, in process, of P simulated ranks; checks
-/// bitwise equality with the simulation and with `ref` (may be empty), and consensus.
-template <class Ref>
-void check_against_reference(const Factory& make, int64_t n, int steps, Ref&& ref) {
+/// Runs `steps` steps of this rank's plan over MPI (PlanRunner: the size handshake on the first
+/// step) and, in process, of P simulated ranks on all ranks' inputs; checks bitwise equality with
+/// the simulation, the extra check, and consensus across ranks.
+void check_rank_plans(const RankFactory& make, int steps, const StepCheck& check) {
   gc::Communicator& comm = world();
   const int P = comm.size(), me = comm.rank();
   auto mine = make(me);
-  std::vector<std::unique_ptr<gc::GradientPlan>> sims;
+  const int64_t n = mine->numel();
+  std::vector<std::unique_ptr<gc::test::RankPlan>> sims;
   std::vector<gc::Plan*> raw;
   for (int r = 0; r < P; ++r) {
     sims.push_back(make(r));
-    raw.push_back(sims.back().get());
+    raw.push_back(&sims.back()->plan());
   }
   gc::PlanRunner runner(comm);
+  const std::string name = mine->plan().name();
   for (int s = 0; s < steps; ++s) {
     std::vector<std::vector<float>> in;
     for (int r = 0; r < P; ++r) in.push_back(rank_input(n, r, s));
     auto g = in[me];
-    mine->begin(gc::TensorView::cpu(g.data(), n));
-    runner.run(*mine, 0);
+    mine->begin(g.data());
+    runner.run(mine->plan(), 0);
+    const float* got = mine->result(g.data());
     auto sim = in;
-    for (int r = 0; r < P; ++r) sims[r]->begin(gc::TensorView::cpu(sim[r].data(), n));
+    for (int r = 0; r < P; ++r) sims[r]->begin(sim[r].data());
     gc::run_plans_in_process(raw);
-    ASSERT_TRUE(gc::test::same_bits(sim[me], g.data()))
-        << mine->name() << " n=" << n << " step " << s << ": MPI result differs from the "
-        << "in-process simulation at " << gc::test::first_diff(sim[me], g.data());
-    const std::vector<float> want = ref(in);
-    ASSERT_TRUE(gc::test::same_bits(want, g.data()))
-        << mine->name() << " n=" << n << " step " << s << ": differs from the reference at "
-        << gc::test::first_diff(want, g.data());
-    ASSERT_TRUE(consensus(comm, g.data(), g.size() * sizeof(float))) << mine->name() << " step " << s;
+    std::vector<float> want(sims[me]->result(sim[me].data()), sims[me]->result(sim[me].data()) + n);
+    ASSERT_TRUE(gc::test::same_bits(want, got))
+        << name << " n=" << n << " step " << s << ": MPI result differs from the "
+        << "in-process simulation at " << gc::test::first_diff(want, got);
+    if (check) check(s, in, got);
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_TRUE(consensus(comm, got, static_cast<size_t>(n) * sizeof(float)))
+        << name << " step " << s;
   }
+}
+
+using Factory = std::function<std::unique_ptr<gc::GradientPlan>(int rank)>;
+
+/// check_rank_plans for a plan of plans.hpp with an independent reference `ref` (all ranks'
+/// inputs -> expected average), compared bitwise.
+template <class Ref>
+void check_against_reference(const Factory& make, int64_t n, int steps, Ref&& ref) {
+  check_rank_plans([&](int r) { return std::make_unique<gc::test::GradientRankPlan>(make(r)); },
+                   steps,
+                   [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
+                     const std::vector<float> want = ref(in);
+                     ASSERT_TRUE(gc::test::same_bits(want, got))
+                         << "n=" << n << " step " << s << ": differs from the reference at "
+                         << gc::test::first_diff(want, got);
+                   });
 }
 
 const int64_t kSizes[] = {0, 1, 5, 1000, 100003};
@@ -202,7 +226,10 @@ TEST(MpiPlans, TopKAutoRouteUsesMeasuredCostModel) {
     cfg.ratio = ratio;
     gc::test::TopKReference ref(cfg, n, P);
     check_against_reference(
-        [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, gc::TopKPlanOptions{.cost = cm}); },
+        [&](int) {
+          return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P,
+                                                         gc::TopKPlanOptions{.cost = cm});
+        },
         n, 2, [&](const auto& in) { return ref.step(in); });
   }
   // a dense-enough bucket over a bandwidth-bound model goes dense
@@ -212,7 +239,7 @@ TEST(MpiPlans, TopKAutoRouteUsesMeasuredCostModel) {
   auto g = rank_input(n, comm.rank(), 0);
   plan.begin(gc::TensorView::cpu(g.data(), n));
   gc::run_plan(plan, comm);
-    // (P = 2: the ring sends n values either way, and the sparse route needs fewer rounds)
+  // (P = 2: the ring sends n values either way, and the sparse route needs fewer rounds)
   EXPECT_EQ(plan.stats().last_route, P > 2 ? gc::TopKRoute::kDense : gc::TopKRoute::kSparse);
 }
 
@@ -229,6 +256,103 @@ TEST(MpiPlans, RandomKEqualsReference) {
   }
 }
 
+gc::OneBitConfig onebit_cfg(gc::OneBitScaling s = gc::OneBitScaling::kSignL2) {
+  gc::OneBitConfig cfg;
+  cfg.scaling = s;
+  return cfg;
+}
+
+TEST(MpiPlans, OneBitEqualsSimulationAndScalarReference) {
+  const int P = world().size();
+  for (auto sc : {gc::OneBitScaling::kSignL2, gc::OneBitScaling::kSignL1})
+    for (int64_t n : kSizes) {
+      SCOPED_TRACE("onebit n=" + std::to_string(n));
+      check_rank_plans(
+          [&](int r) {
+            return std::make_unique<gc::test::OneBitRankPlan>(onebit_cfg(sc), n, P, r);
+          },
+          3,
+          [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
+            if (s != 0 || sc != gc::OneBitScaling::kSignL2) return;
+            // first step (no error carried in): the scalar reference, up to rounding; an average
+            // within rounding of zero may take either sign
+            const auto want = gc::test::ref_onebit_first_step(in);
+            int64_t flips = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              if (std::signbit(want[i]) != std::signbit(got[i])) {
+                ++flips;
+                continue;
+              }
+              ASSERT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i]) + 1e-7) << "i=" << i;
+            }
+            EXPECT_LE(flips, n / 1000) << "sign flips";
+          });
+    }
+}
+
+TEST(MpiPlans, PowerSGDEqualsSimulationAndExactForUncompressedTensors) {
+  const int P = world().size();
+  for (int64_t start_iter : {0, 1})
+    for (const auto& shapes : gc::test::powersgd_layouts()) {
+      const int64_t n = gc::test::bucket_numel(shapes);
+      SCOPED_TRACE("powersgd n=" + std::to_string(n) + " start_iter " + std::to_string(start_iter));
+      gc::PowerSGDConfig cfg;
+      cfg.rank = 4;
+      cfg.start_iter = start_iter;
+      cfg.seed = 11;
+      // which elements of the bucket are sent uncompressed (averaged exactly)
+      gc::PowerSGDState probe(cfg, shapes);
+      std::vector<char> exact(static_cast<size_t>(n), 0);
+      int64_t off = 0;
+      for (size_t t = 0; t < shapes.size(); ++t) {
+        const int64_t len = gc::test::bucket_numel({shapes[t]});
+        if (probe.tensor(t).rank == 0) std::fill(exact.begin() + off, exact.begin() + off + len, 1);
+        off += len;
+      }
+      int compressed_steps = 0;
+      check_rank_plans(
+          [&](int) { return std::make_unique<gc::test::PowerSGDRankPlan>(cfg, shapes, P); }, 3,
+          [&](int s, const std::vector<std::vector<float>>& in, const float* got) {
+            const auto dense = gc::test::ref_dense(in);
+            const bool plain = s < start_iter;
+            compressed_steps += !plain;
+            for (int64_t i = 0; i < n; ++i)
+              if (plain || exact[i])
+                ASSERT_EQ(std::memcmp(&dense[i], &got[i], 4), 0)
+                    << "step " << s << " i=" << i << ": want the exact average " << dense[i]
+                    << ", got " << got[i];
+          });
+      EXPECT_EQ(compressed_steps, 3 - start_iter);
+    }
+}
+
+TEST(MpiPlans, OneBitAndPowerSGDTwoHundredStepsWithoutMemoryGrowth) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  gc::PowerSGDConfig pcfg;
+  pcfg.rank = 4;
+  std::vector<std::unique_ptr<gc::test::RankPlan>> plans;
+  plans.push_back(std::make_unique<gc::test::OneBitRankPlan>(onebit_cfg(), 4099, P, me));
+  plans.push_back(std::make_unique<gc::test::PowerSGDRankPlan>(
+      pcfg, std::vector<std::vector<int64_t>>{{64, 3, 3, 3}, {64}, {48, 64}, {48, 64}, {7}}, P));
+  gc::PlanRunner runner(comm);
+  long rss0 = 0;
+  std::vector<std::vector<float>> g(plans.size());
+  for (int s = 0; s < 200; ++s) {
+    for (size_t p = 0; p < plans.size(); ++p) {
+      g[p] = rank_input(plans[p]->numel(), me, s % 7);
+      plans[p]->begin(g[p].data());
+      runner.run(plans[p]->plan(), p);
+    }
+    if (s == 20) rss0 = rss_kib();
+  }
+  EXPECT_LT(rss_kib() - rss0, 1024) << "resident memory grew over 180 steps";
+  // still consistent after 200 steps of error feedback
+  for (size_t p = 0; p < plans.size(); ++p)
+    EXPECT_TRUE(consensus(comm, plans[p]->result(g[p].data()), g[p].size() * sizeof(float)))
+        << plans[p]->plan().name();
+}
+
 TEST(MpiPlans, TwoHundredStepsWithoutMemoryGrowth) {
   gc::Communicator& comm = world();
   const int P = comm.size(), me = comm.rank();
@@ -239,7 +363,8 @@ TEST(MpiPlans, TwoHundredStepsWithoutMemoryGrowth) {
   gc::RandomKConfig rcfg;
   std::vector<std::unique_ptr<gc::GradientPlan>> plans;
   plans.push_back(std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P));
-  plans.push_back(std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P));
+  plans.push_back(
+      std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, gc::DType::kFloat16, P));
   plans.push_back(std::make_unique<gc::TopKAllreducePlan>(tcfg, n, P));
   plans.push_back(std::make_unique<gc::RandomKAllreducePlan>(rcfg, n, P));
   gc::PlanRunner runner(comm);
@@ -293,6 +418,40 @@ TEST(MpiPlans, MismatchedBucketSizesReportedWithBothSizes) {
     EXPECT_NE(msg.find("100"), std::string::npos) << msg;
     EXPECT_NE(msg.find("101"), std::string::npos) << msg;
   }
+  comm.barrier();
+}
+
+TEST(MpiPlans, OneBitAndPowerSGDMismatchedBucketsReportedWithBothSizes) {
+  gc::Communicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  if (P < 2) GTEST_SKIP() << "needs 2 ranks";
+  auto expect_sizes = [&](gc::test::RankPlan& rp, std::vector<float>& g, const char* a,
+                          const char* b) {
+    const auto before = g;
+    rp.begin(g.data());
+    try {
+      gc::run_plan(rp.plan(), comm);
+      ADD_FAILURE() << rp.plan().name() << ": mismatch not detected";
+    } catch (const gc::InvalidArgument& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(a), std::string::npos) << msg;
+      EXPECT_NE(msg.find(b), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+    }
+    EXPECT_EQ(g, before) << rp.plan().name() << ": the gradient was changed";
+  };
+  // 100 and 101 elements make 1-bit blocks of the same byte count: only the handshake sees it
+  const int64_t n = me == 1 ? 101 : 100;
+  std::vector<float> g(static_cast<size_t>(n), 1.0f);
+  gc::test::OneBitRankPlan ob(onebit_cfg(), n, P, me);
+  expect_sizes(ob, g, "100", "101");
+  EXPECT_EQ(ob.p_.step(), 0);
+  gc::PowerSGDConfig cfg;
+  cfg.rank = 2;
+  gc::test::PowerSGDRankPlan ps(cfg, {{10, me == 1 ? int64_t{11} : int64_t{10}}}, P);
+  std::vector<float> h(static_cast<size_t>(ps.numel()), 1.0f);
+  expect_sizes(ps, h, "100", "110");
+  EXPECT_EQ(ps.st_.step(), 0);
   comm.barrier();
 }
 

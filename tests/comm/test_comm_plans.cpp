@@ -5,11 +5,14 @@
 // input rejected before any state changes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "comm_reference.hpp"
 #include "gradcomp/plans.hpp"
 #include "kernels/reduce.hpp"
+#include "kernels/reduce_math.h"
 
 namespace gc = gradcomp;
 using gc::test::rank_input;
@@ -75,28 +78,100 @@ TEST(CommKernels, ConvertDividesThenRounds) {
   for (int64_t n : kSizes) {
     auto x = gc::test::normal(n, 3, 100.0f);
     std::vector<uint16_t> b(static_cast<size_t>(n));
-    gc::kernels::cpu::convert(x.data(), gc::DType::kFloat32, b.data(), gc::DType::kBFloat16, n, 3.0f);
+    gc::kernels::cpu::convert(x.data(), gc::DType::kFloat32, b.data(), gc::DType::kBFloat16, n,
+                              3.0f);
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(b[i], gc::float_to_bf16(x[i] / 3.0f)) << i;
     std::vector<float> y(static_cast<size_t>(n));
-    gc::kernels::cpu::convert(b.data(), gc::DType::kBFloat16, y.data(), gc::DType::kFloat32, n, 1.0f);
+    gc::kernels::cpu::convert(b.data(), gc::DType::kBFloat16, y.data(), gc::DType::kFloat32, n,
+                              1.0f);
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], gc::bf16_to_float(b[i]));
+  }
+}
+
+/// Every fp16 bit pattern (NaNs, infinities, subnormals, both zeros) plus fp32 values around
+/// the fp16 rounding boundaries: the conversions and the fp16 sum (the F16C fast paths where the
+/// CPU has them) must give the bits of the scalar twins.
+TEST(CommKernels, HalfConversionsAndSumBitwiseEqualScalarTwins) {
+  std::vector<uint16_t> all(65536 + 5);  // + 5: a tail shorter than one vector of 8
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i * 40503u);
+  const auto n = static_cast<int64_t>(all.size());
+  std::vector<float> f(all.size());
+  for (float div : {1.0f, 3.0f}) {
+    gc::kernels::cpu::convert(all.data(), gc::DType::kFloat16, f.data(), gc::DType::kFloat32, n,
+                              div);
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = div == 1.0f ? gc::half_to_float(all[i]) : gc::half_to_float(all[i]) / div;
+      ASSERT_EQ(std::memcmp(&want, &f[i], 4), 0) << "half " << all[i] << " / " << div;
+    }
+  }
+  // fp32 -> fp16: exact halves, midpoints between neighbours (ties to even), just off them,
+  // overflow, subnormal range, NaNs with payloads, infinities
+  std::vector<float> x;
+  for (uint32_t h = 0; h < 0x7c00u; h += 7) {
+    const float a = gc::half_to_float(static_cast<uint16_t>(h));
+    const float b = gc::half_to_float(static_cast<uint16_t>(h + 1));
+    const float mid = a + (b - a) / 2;
+    for (float v : {a, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      x.push_back(v);
+      x.push_back(-v);
+    }
+  }
+  for (uint32_t u : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffc12345u, 0x477ff000u,
+                     0x477fefffu, 0x33000000u, 0x33000001u, 0x00000001u})
+    for (int k = 0; k < 9; ++k) {
+      float v;
+      std::memcpy(&v, &u, 4);
+      x.push_back(v);
+    }
+  std::vector<uint16_t> h(x.size()), back(x.size());
+  for (float div : {1.0f, 3.0f}) {
+    gc::kernels::cpu::convert(x.data(), gc::DType::kFloat32, h.data(), gc::DType::kFloat16,
+                              static_cast<int64_t>(x.size()), div);
+    for (size_t i = 0; i < x.size(); ++i)
+      ASSERT_EQ(h[i], gc::float_to_half(div == 1.0f ? x[i] : x[i] / div))
+          << "float " << x[i] << " / " << div << " at " << i;
+    // fp16 -> fp16 with a divisor (the cast plan's re-averaging)
+    gc::kernels::cpu::convert(all.data(), gc::DType::kFloat16, back.data(), gc::DType::kFloat16,
+                              std::min<int64_t>(n, static_cast<int64_t>(back.size())), div);
+    for (size_t i = 0; i < std::min(all.size(), back.size()); ++i)
+      ASSERT_EQ(back[i], div == 1.0f ? all[i]  // same type, no division: a plain copy
+                                     : gc::float_to_half(gc::half_to_float(all[i]) / div))
+          << i;
+  }
+  // rank-ordered fp16 sum of 3 blocks over every bit pattern (NaN + x, Inf - Inf, overflow)
+  const size_t P = 3;
+  std::vector<uint16_t> blocks(all.size() * P), out(all.size());
+  for (size_t r = 0; r < P; ++r)
+    for (size_t i = 0; i < all.size(); ++i)
+      blocks[r * all.size() + i] = static_cast<uint16_t>(all[i] + r * 977u);
+  gc::kernels::cpu::reduce_blocks(blocks.data(), P, all.size(), all.size(), gc::ElemType::kF16,
+                                  out.data());
+  for (size_t i = 0; i < all.size(); ++i) {
+    uint16_t a = blocks[i];
+    for (size_t r = 1; r < P; ++r) a = gc::kernels::add_f16(a, blocks[r * all.size() + i]);
+    ASSERT_EQ(a, out[i]) << "i=" << i;
   }
 }
 
 TEST(CommPlans, DenseMatchesReference) {
   for (int P = 1; P <= 4; ++P)
     for (int64_t n : kSizes)
-      check_plan(P, n, 2, [&](int) { return std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P); },
-                 gc::test::ref_dense);
+      check_plan(
+          P, n, 2,
+          [&](int) { return std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P); },
+          gc::test::ref_dense);
 }
 
 TEST(CommPlans, CastMatchesReference) {
   for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
     for (int P = 1; P <= 4; ++P)
       for (int64_t n : kSizes)
-        check_plan(P, n, 2,
-                   [&](int) { return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P); },
-                   [&](const auto& in) { return gc::test::ref_cast(in, wire); });
+        check_plan(
+            P, n, 2,
+            [&](int) {
+              return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P);
+            },
+            [&](const auto& in) { return gc::test::ref_cast(in, wire); });
 }
 
 TEST(CommPlans, TopKBothRoutesMatchReference) {
@@ -108,13 +183,13 @@ TEST(CommPlans, TopKBothRoutesMatchReference) {
         gc::test::TopKReference ref(cfg, n, P);
         gc::TopKPlanOptions opt;
         opt.route = route;
-        check_plan(P, n, 3,
-                   [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
-                   [&](const auto& in) {
-                     auto v = ref.step(in);
-                     if (n == 0) v.clear();
-                     return v;
-                   });
+        check_plan(
+            P, n, 3, [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
+            [&](const auto& in) {
+              auto v = ref.step(in);
+              if (n == 0) v.clear();
+              return v;
+            });
       }
 }
 
@@ -125,9 +200,9 @@ TEST(CommPlans, RandomKMatchesReference) {
       cfg.ratio = 0.05;
       cfg.seed = 11;
       gc::test::RandomKReference ref(cfg, n, P);
-      check_plan(P, n, 3,
-                 [&](int) { return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P); },
-                 [&](const auto& in) { return ref.step(in); });
+      check_plan(
+          P, n, 3, [&](int) { return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P); },
+          [&](const auto& in) { return ref.step(in); });
     }
 }
 
@@ -209,7 +284,8 @@ TEST(CommPlans, DenseHalfGradientsSumInHalf) {
   gc::run_plans_in_process(raw);
   for (int64_t i = 0; i < n; ++i) {
     uint16_t a = orig[0][i];
-    for (int r = 1; r < P; ++r) a = gc::float_to_half(gc::half_to_float(a) + gc::half_to_float(orig[r][i]));
+    for (int r = 1; r < P; ++r)
+      a = gc::float_to_half(gc::half_to_float(a) + gc::half_to_float(orig[r][i]));
     const uint16_t want = gc::float_to_half(gc::half_to_float(a) / float(P));
     for (int r = 0; r < P; ++r) ASSERT_EQ(g[r][i], want) << "i=" << i << " rank " << r;
   }
