@@ -32,7 +32,7 @@ import torch.distributed as dist
 import gradcomp
 from gradcomp import _C
 
-from ._driver import PlanStats, launch, run_async, run_sync  # noqa: F401
+from ._driver import PlanStats, Worker, launch, run_async, run_sync  # noqa: F401
 
 __all__ = ["hook", "GradcompState", "dgc_optimizer", "COMPRESSORS"]
 
@@ -299,6 +299,7 @@ class GradcompState:
 
     def __init__(self, compressor: str, process_group=None, start_iter: Optional[int] = None,
                  log_every: int = 0, model=None, **options):
+        lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
@@ -317,8 +318,25 @@ class GradcompState:
         self._pending: Dict[int, Dict[str, Any]] = {}
         self._param_index = None
         self._local_keys: Dict[int, int] = {}
+        self._worker: Optional[Worker] = None
+        if dist.is_available() and dist.is_initialized() and not lazy:
+            self._make_worker()
         if model is not None:
             self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def _make_worker(self) -> Worker:
+        """A process group of our own (same ranks and backend as the user's) and the thread
+        that issues all of this hook's collectives in bucket order. Creating a group is itself
+        collective, so it happens here, when every rank builds its hook, not inside backward."""
+        if self._worker is None:
+            pg = self.process_group
+            if pg is None:
+                ranks = list(range(dist.get_world_size()))
+            else:
+                ranks = sorted(dist.distributed_c10d._pg_group_ranks[pg].keys())
+            own = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+            self._worker = Worker(own)
+        return self._worker
 
     # -- bookkeeping ------------------------------------------------------------------------------
     @property
@@ -461,9 +479,11 @@ class GradcompState:
     def __getstate__(self):
         return {"compressor": self.compressor, "options": self.options,
                 "log_every": self.log_every, "sd": self.state_dict()}
+    # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
-        self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], **d["options"])
+        self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
+                      _lazy=True, **d["options"])
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
@@ -495,7 +515,8 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
             view.scatter()
         return buf
 
-    fut = run_async(plan, state.process_group, result, done=done)
+    worker = state._worker or state._make_worker()
+    fut = worker.submit(plan, result, done, buf.device)
     if last:
         state.iter += 1
     return fut

@@ -3,11 +3,20 @@
 
 A plan is a step machine: ``plan.next()`` runs the next local phase (compress, decode, ...) in
 C++ with the GIL released and returns the next collective, or None when the averaged gradient is
-complete. The collectives run asynchronously; the chain is built with ``Future.then`` so the
-backward pass is never blocked (the same pattern as PyTorch's own PowerSGD hook).
+complete.
+
+Ordering. Collectives of a process group must be issued in the same order on every rank. A plan
+has several collectives, and DDP issues its own (e.g. the unused-parameter map with
+``find_unused_parameters``); chaining the next collective from a completion callback lets ranks
+interleave them differently, which deadlocks. So :class:`Worker` runs all plans of a hook on one
+thread, bucket after bucket in the order DDP hands them over (the same on every rank), over a
+process group of its own. The hook returns at once with a future the worker completes: the
+backward pass is never blocked.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from typing import Callable, Optional
 
@@ -131,3 +140,50 @@ def run_sync(plan, group) -> PlanStats:
         if c is None:
             return stats
         launch(c, group).wait()
+
+
+class Worker:
+    """Runs submitted plans one after another on a daemon thread (see the module docstring)."""
+
+    def __init__(self, group, name: str = "gradcomp-comm"):
+        self.group = group
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, plan, result: Callable[[], torch.Tensor],
+               done: Optional[Callable[[PlanStats], None]] = None,
+               device: Optional[torch.device] = None) -> torch.futures.Future:
+        """Queues a begun plan; the future's value is ``result()`` once the plan finished."""
+        stream = None
+        if device is not None and device.type == "cuda":
+            fut = torch.futures.Future(devices=[device])
+            stream = torch.cuda.current_stream(device)
+        else:
+            fut = torch.futures.Future()
+        self._q.put((plan, result, done, fut, stream))
+        return fut
+
+    def _loop(self):
+        while True:
+            plan, result, done, fut, stream = self._q.get()
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        value = self._run(plan, result, done)
+                else:
+                    value = self._run(plan, result, done)
+                fut.set_result(value)
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def _run(self, plan, result, done):
+        stats = PlanStats()
+        while True:
+            c = _step(plan, stats)
+            if c is None:
+                break
+            launch(c, self.group).wait()
+        if done is not None:
+            done(stats)
+        return result()
