@@ -38,6 +38,15 @@ def init(rank, world, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def finish():
+    """Leaves a worker without destructors: torch 1.13 can deadlock when a DDP reducer holds the
+    last reference to a gloo process group (its worker thread waits for the GIL the destructor
+    holds). The results are written before."""
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def spawn(fn, tmp_path, *args):
     mp.spawn(fn, args=(WORLD, free_port(), str(tmp_path)) + args, nprocs=WORLD, join=True)
     return [torch.load(os.path.join(tmp_path, f"r{r}.pt")) for r in range(WORLD)]
@@ -103,7 +112,7 @@ def _normalization_worker(rank, world, port, out):
                                   "total": dc.last["total_completed"], "calls": hs["calls"],
                                   "sync_pass": dc.last["sync_pass"]}
     torch.save(res, os.path.join(out, f"r{rank}.pt"))
-    dist.destroy_process_group()
+    finish()
 
 
 def test_normalization_is_the_mean_of_computed_microbatch_gradients(tmp_path):
@@ -201,7 +210,7 @@ def _slow_rank_worker(rank, world, port, out, hook):
     res["params_equal"] = all(torch.equal(flat, o) for o in gather_flat(flat))
     res["finite"] = bool(torch.isfinite(flat).all())
     torch.save(res, os.path.join(out, f"r{rank}.pt"))
-    dist.destroy_process_group()
+    finish()
 
 
 def check_slow_rank(res):

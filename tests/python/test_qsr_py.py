@@ -85,6 +85,15 @@ def lam(s):  # the LambdaLR factor: warm-up, then decay (periods grow from 2 to 
     return (s + 1) / WARMUP if s < WARMUP else max(0.03, 1.0 - (s - WARMUP) / 50)
 
 
+def finish():
+    """Leaves a worker without destructors: torch 1.13 can deadlock when a DDP reducer or a
+    process group dies after destroy_process_group (a gloo thread waits for the GIL)."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def _local_sgd_worker(rank, world, port, out):
     import torch
     import torch.distributed as dist
@@ -137,7 +146,7 @@ def _local_sgd_worker(rank, world, port, out):
     torch.save({"calls": calls, "sync_steps": avg.sync_steps, "lrs": lrs,
                 "identical": identical_after_sync, "differ": differ_before_sync,
                 "periods": avg.periods}, os.path.join(out, f"r{rank}.pt"))
-    dist.destroy_process_group()
+    finish()
 
 
 def test_local_sgd_averages_exactly_at_the_scheduled_steps(tmp_path):

@@ -431,7 +431,9 @@ class DropCompute:
             self._ctl_run.set_tau(best.tau)
             record.update(best.as_dict())
             record["serial_time"] = tc
-            record["stats"] = _dc.latency_stats(trace)
+            st = _dc.latency_stats(trace)
+            record["latency_mean"] = st.mean
+            record["latency_stddev"] = st.stddev
         self.estimates.append(record)
         if self.reestimate_every > 0:
             self._next_window_at = self.step + self.reestimate_every
