@@ -86,31 +86,33 @@ def mb_data(rank, m):
 def _normalization_worker(rank, world, port, out):
     init(rank, world, port)
     res = {}
-    for point in ("before_forward", "after_backward", "between_forward_backward"):
-        for norm in ("actual", "nominal"):
-            torch.manual_seed(0)
-            ddp = DDP(torch.nn.Linear(DIM, 1, bias=False))
-            hs = {"calls": 0}
-            ddp.register_comm_hook(hs, counting_hook)
-            clk = ManualClock()
-            dc = DropCompute(ddp, M_NORM, tau=TAU_NORM, drop_point=point, normalization=norm,
-                             timer=clk)
-            grads = []
-            for step in range(2):
-                ddp.zero_grad(set_to_none=True)
-                data = (mb_data(rank, m) for m in range(M_NORM))
-                for x in dc.microbatches(data):
-                    if point == "between_forward_backward":
-                        loss = ddp(x).mean()
-                        clk.t += rank + 1  # the forward takes rank + 1 time units
-                        dc.backward(loss)
-                    else:
-                        ddp(x).mean().backward()
-                        clk.t += rank + 1
-                grads.append(ddp.module.weight.grad.detach().clone().double())
-            res[(point, norm)] = {"grads": grads, "completed": dc.last["completed"],
-                                  "total": dc.last["total_completed"], "calls": hs["calls"],
-                                  "sync_pass": dc.last["sync_pass"]}
+    runs = [(p, n, False) for p in EXPECTED_COUNTS for n in ("actual", "nominal")]
+    runs.append(("before_forward", "actual", True))  # the sync pass with find_unused_parameters
+    for point, norm, unused in runs:
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Linear(DIM, 1, bias=False), find_unused_parameters=unused)
+        hs = {"calls": 0}
+        ddp.register_comm_hook(hs, counting_hook)
+        clk = ManualClock()
+        dc = DropCompute(ddp, M_NORM, tau=TAU_NORM, drop_point=point, normalization=norm,
+                         timer=clk)
+        grads = []
+        for step in range(2):
+            ddp.zero_grad(set_to_none=True)
+            data = (mb_data(rank, m) for m in range(M_NORM))
+            for x in dc.microbatches(data):
+                if point == "between_forward_backward":
+                    loss = ddp(x).mean()
+                    clk.t += rank + 1  # the forward takes rank + 1 time units
+                    dc.backward(loss)
+                else:
+                    ddp(x).mean().backward()
+                    clk.t += rank + 1
+            grads.append(ddp.module.weight.grad.detach().clone().double())
+        key = (point, norm) + (("unused",) if unused else ())
+        res[key] = {"grads": grads, "completed": dc.last["completed"],
+                    "total": dc.last["total_completed"], "calls": hs["calls"],
+                    "sync_pass": dc.last["sync_pass"]}
     torch.save(res, os.path.join(out, f"r{rank}.pt"))
     finish()
 
@@ -123,10 +125,14 @@ def test_normalization_is_the_mean_of_computed_microbatch_gradients(tmp_path):
                     for r in range(WORLD)]
         total = sum(counts)
         summed = sum(g for per in mb_grads for g in per)
-        for norm in ("actual", "nominal"):
+        keys = [(point, "actual"), (point, "nominal")]
+        if point == "before_forward":
+            keys.append((point, "actual", "unused"))
+        for key in keys:
+            norm = key[1]
             expected = summed / (total if norm == "actual" else WORLD * M_NORM)
             for r in range(WORLD):
-                got = res[r][(point, norm)]
+                got = res[r][key]
                 assert got["completed"] == counts[r], (point, r)
                 assert got["calls"] == 2, "exactly one allreduce (one hook call) per step"
                 assert got["sync_pass"] == (counts[r] < M_NORM or
@@ -135,7 +141,7 @@ def test_normalization_is_the_mean_of_computed_microbatch_gradients(tmp_path):
                     assert got["total"] == total
                 for g in got["grads"]:
                     torch.testing.assert_close(g.reshape(-1), expected, rtol=2e-6, atol=1e-7)
-                assert torch.equal(got["grads"][0], res[0][(point, norm)]["grads"][0])
+                assert torch.equal(got["grads"][0], res[0][key]["grads"][0])
 
 
 # -- slow rank ------------------------------------------------------------------------------------
@@ -144,7 +150,10 @@ M_SLOW, SLOW_S, FAST_S = 6, 0.04, 0.003
 
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    # BatchNorm: DDP broadcasts buffers in the first forward of each step, which must stay
+    # matched across ranks that compute different numbers of micro-batches
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
 
 
 def batches(rank):

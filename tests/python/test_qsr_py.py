@@ -94,7 +94,16 @@ def finish():
     os._exit(0)
 
 
-def _local_sgd_worker(rank, world, port, out):
+def fp16_mean(flat, group):
+    """A lossy compressor for the averager: the change rounded to fp16, then averaged."""
+    import torch
+    import torch.distributed as dist
+    h = flat.half().float()
+    dist.all_reduce(h, group=group)
+    flat.copy_(h / dist.get_world_size(group))
+
+
+def _local_sgd_worker(rank, world, port, out, compressed):
     import torch
     import torch.distributed as dist
     from gradcomp.torch.qsr import QSRAverager
@@ -108,7 +117,7 @@ def _local_sgd_worker(rank, world, port, out):
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     avg = QSRAverager(model, opt, alpha=ALPHA, h_base=H_BASE, total_steps=TOTAL,
-                      warmup_steps=WARMUP)
+                      warmup_steps=WARMUP, compressor=fp16_mean if compressed else None)
     calls = []
     real = dist.all_reduce
     step_now = [0]
@@ -149,13 +158,14 @@ def _local_sgd_worker(rank, world, port, out):
     finish()
 
 
-def test_local_sgd_averages_exactly_at_the_scheduled_steps(tmp_path):
+@pytest.mark.parametrize("compressed", [False, True], ids=["exact", "fp16-delta"])
+def test_local_sgd_averages_exactly_at_the_scheduled_steps(tmp_path, compressed):
     torch = pytest.importorskip("torch")
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_local_sgd_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_local_sgd_worker, args=(2, port, str(tmp_path), compressed), nprocs=2, join=True)
     res = [torch.load(os.path.join(tmp_path, f"r{r}.pt")) for r in range(2)]
     lrs = [0.02 * lam(0)] + res[0]["lrs"]  # lrs[s]: the lr after s steps
     expected = ref_schedule(lrs, ALPHA, H_BASE, TOTAL, WARMUP)
