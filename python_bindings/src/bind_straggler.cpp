@@ -32,9 +32,12 @@ DropPoint parse_drop_point(const std::string& s) {
 }
 const char* drop_point_name(DropPoint p) {
   switch (p) {
-    case DropPoint::kBeforeForward: return "before_forward";
-    case DropPoint::kBetweenForwardBackward: return "between_forward_backward";
-    case DropPoint::kAfterBackward: return "after_backward";
+    case DropPoint::kBeforeForward:
+      return "before_forward";
+    case DropPoint::kBetweenForwardBackward:
+      return "between_forward_backward";
+    case DropPoint::kAfterBackward:
+      return "after_backward";
   }
   return "unknown";
 }
@@ -72,7 +75,7 @@ nb::object to_numpy(std::vector<double> v, std::vector<size_t> shape = {}) {
   nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<double>*>(p); });
   if (shape.empty()) shape.push_back(owned->size());
   return nb::cast(nb::ndarray<nb::numpy, double>(owned->data(), shape.size(), shape.data(), owner),
-                 nb::rv_policy::move);
+                  nb::rv_policy::move);
 }
 
 LatencyTrace make_trace(int64_t workers, int64_t steps, int64_t micro_batches,
@@ -139,8 +142,8 @@ void bind_analytics(nb::module_& m) {
             a.validate();
             new (self) AnalyticModel(a);
           },
-          nb::kw_only(), nb::arg("workers") = 1, nb::arg("micro_batches") = 1,
-          nb::arg("mu") = 1.0, nb::arg("sigma") = 0.0, nb::arg("serial_time") = 0.0)
+          nb::kw_only(), nb::arg("workers") = 1, nb::arg("micro_batches") = 1, nb::arg("mu") = 1.0,
+          nb::arg("sigma") = 0.0, nb::arg("serial_time") = 0.0)
       .def_ro("workers", &AnalyticModel::workers)
       .def_ro("micro_batches", &AnalyticModel::micro_batches)
       .def_ro("mu", &AnalyticModel::mu)
@@ -201,11 +204,11 @@ void bind_trace(nb::module_& m) {
                                static_cast<int64_t>(latency.shape(2)) == micro_batches,
                            "LatencyTrace: a 3-d latency array must have shape (workers, steps, "
                            "micro_batches) = (",
-                           workers, ", ", steps, ", ", micro_batches, "), got (",
-                           latency.shape(0), ", ", latency.shape(1), ", ", latency.shape(2), ")");
+                           workers, ", ", steps, ", ", micro_batches, "), got (", latency.shape(0),
+                           ", ", latency.shape(1), ", ", latency.shape(2), ")");
             const double* p = latency.data();
-            new (self) LatencyTrace(
-                make_trace(workers, steps, micro_batches, std::vector<double>(p, p + latency.size())));
+            new (self) LatencyTrace(make_trace(workers, steps, micro_batches,
+                                               std::vector<double>(p, p + latency.size())));
           },
           nb::arg("workers"), nb::arg("steps"), nb::arg("micro_batches"), nb::arg("latency"))
       .def(
@@ -218,20 +221,22 @@ void bind_trace(nb::module_& m) {
       .def_ro("workers", &LatencyTrace::workers)
       .def_ro("steps", &LatencyTrace::steps)
       .def_ro("micro_batches", &LatencyTrace::micro_batches)
-      .def_prop_ro("latency",
-                   [](const LatencyTrace& t) {
-                     return to_numpy(t.latency, {static_cast<size_t>(t.workers),
-                                                 static_cast<size_t>(t.steps),
-                                                 static_cast<size_t>(t.micro_batches)});
-                   },
-                   "A (workers, steps, micro_batches) float64 copy.")
-      .def("at", [](const LatencyTrace& t, int64_t n, int64_t s, int64_t mb) {
-        GC_CHECK_ARG(n >= 0 && n < t.workers && s >= 0 && s < t.steps && mb >= 0 &&
-                         mb < t.micro_batches,
-                     "LatencyTrace.at: index (", n, ", ", s, ", ", mb, ") out of range (", t.workers,
-                     ", ", t.steps, ", ", t.micro_batches, ")");
-        return t.at(n, s, mb);
-      })
+      .def_prop_ro(
+          "latency",
+          [](const LatencyTrace& t) {
+            return to_numpy(t.latency,
+                            {static_cast<size_t>(t.workers), static_cast<size_t>(t.steps),
+                             static_cast<size_t>(t.micro_batches)});
+          },
+          "A (workers, steps, micro_batches) float64 copy.")
+      .def("at",
+           [](const LatencyTrace& t, int64_t n, int64_t s, int64_t mb) {
+             GC_CHECK_ARG(n >= 0 && n < t.workers && s >= 0 && s < t.steps && mb >= 0 &&
+                              mb < t.micro_batches,
+                          "LatencyTrace.at: index (", n, ", ", s, ", ", mb, ") out of range (",
+                          t.workers, ", ", t.steps, ", ", t.micro_batches, ")");
+             return t.at(n, s, mb);
+           })
       .def("validate", &LatencyTrace::validate);
 
   nb::class_<TauEval>(m, "TauEval",
@@ -246,7 +251,8 @@ void bind_trace(nb::module_& m) {
       .def_ro("step_speedup", &TauEval::step_speedup)
       .def("as_dict", &tau_eval_dict)
       .def("__repr__", [](const TauEval& e) {
-        return "TauEval(tau=" + std::to_string(e.tau) + ", drop_rate=" + std::to_string(e.drop_rate) +
+        return "TauEval(tau=" + std::to_string(e.tau) +
+               ", drop_rate=" + std::to_string(e.drop_rate) +
                ", speedup=" + std::to_string(e.speedup) + ")";
       });
 
@@ -372,21 +378,22 @@ void bind_controller(nb::module_& m) {
       .def_prop_ro("completed", [](const PyController& w) { return w.ctl.completed(); })
       .def_prop_ro("in_step", [](const PyController& w) { return w.ctl.in_step(); })
       .def_prop_ro("tau", [](const PyController& w) { return w.ctl.tau(); })
-      .def("set_tau", [](PyController& w, double tau) { w.ctl.set_tau(tau); }, nb::arg("tau"),
-           "New threshold from the next begin_step(); ValueError for tau <= 0 or NaN.")
+      .def(
+          "set_tau", [](PyController& w, double tau) { w.ctl.set_tau(tau); }, nb::arg("tau"),
+          "New threshold from the next begin_step(); ValueError for tau <= 0 or NaN.")
       .def_prop_ro("micro_batches",
                    [](const PyController& w) { return w.ctl.config().micro_batches; })
       .def_prop_ro("drop_point",
                    [](const PyController& w) {
                      return std::string(drop_point_name(w.ctl.config().drop_point));
                    })
-      .def_prop_ro("history",
-                   [](const PyController& w) {
-                     return to_numpy(w.ctl.history(),
-                                     {static_cast<size_t>(w.ctl.history_steps()),
-                                      static_cast<size_t>(w.ctl.config().micro_batches)});
-                   },
-                   "Recorded latencies of complete steps, a (steps, M) float64 copy.")
+      .def_prop_ro(
+          "history",
+          [](const PyController& w) {
+            return to_numpy(w.ctl.history(), {static_cast<size_t>(w.ctl.history_steps()),
+                                              static_cast<size_t>(w.ctl.config().micro_batches)});
+          },
+          "Recorded latencies of complete steps, a (steps, M) float64 copy.")
       .def_prop_ro("history_steps", [](const PyController& w) { return w.ctl.history_steps(); })
       .def("clear_history", [](PyController& w) { w.ctl.clear_history(); });
 
@@ -417,9 +424,8 @@ void bind_simulator(nb::module_& m) {
             d.validate();
             new (self) DelayModel(d);
           },
-          nb::arg("kind") = "normal", nb::kw_only(), nb::arg("mean") = 1.0,
-          nb::arg("stddev") = 0.0, nb::arg("log_mu") = 0.0, nb::arg("log_sigma") = 1.0,
-          nb::arg("cap") = 1.0)
+          nb::arg("kind") = "normal", nb::kw_only(), nb::arg("mean") = 1.0, nb::arg("stddev") = 0.0,
+          nb::arg("log_mu") = 0.0, nb::arg("log_sigma") = 1.0, nb::arg("cap") = 1.0)
       .def_prop_ro("kind", [](const DelayModel& d) { return std::string(delay_kind_name(d.kind)); })
       .def_ro("mean", &DelayModel::mean)
       .def_ro("stddev", &DelayModel::stddev)
@@ -455,7 +461,8 @@ void bind_simulator(nb::module_& m) {
         return tau_curve(t, lo, hi, points, o);
       },
       nb::arg("trace"), nb::arg("tau_lo"), nb::arg("tau_hi"), nb::arg("points"), nb::kw_only(),
-      nb::arg("serial_time") = 0.0, nb::arg("stop_model") = "preemptive", nb::arg("min_gain") = 1e-9,
+      nb::arg("serial_time") = 0.0, nb::arg("stop_model") = "preemptive",
+      nb::arg("min_gain") = 1e-9,
       "S_eff (simulated, analytic, analytic given E[T]) at evenly spaced taus.");
 
   nb::class_<ScalePoint>(m, "ScalePoint", "One point of the paper's Fig. 1.")

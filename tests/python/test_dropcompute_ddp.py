@@ -249,7 +249,7 @@ def test_slow_rank_stacked_with_topk_hook(tmp_path):
     check_slow_rank(spawn(_slow_rank_worker, tmp_path, "topk"))
 
 
-# -- single process ---------------------------------------------------------------------------------
+# -- single process -------------------------------------------------------------------------------
 def test_single_process_plain_module_nominal_scale():
     model = torch.nn.Linear(DIM, 1, bias=False)
     clk = ManualClock()

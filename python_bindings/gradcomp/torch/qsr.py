@@ -100,7 +100,8 @@ class QSRAverager:
     warmup_steps < 0 or a learning rate <= 0.
     """
 
-    def __init__(self, model: torch.nn.Module, lr: Union[torch.optim.Optimizer, Callable[[], float]],
+    def __init__(self, model: torch.nn.Module,
+                 lr: Union[torch.optim.Optimizer, Callable[[], float]],
                  alpha: float, h_base: int, total_steps: int, warmup_steps: int = 0,
                  process_group=None, compressor: Union[None, str, Callable] = None,
                  compressor_options: Optional[Dict[str, Any]] = None,
