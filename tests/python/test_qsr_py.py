@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Quadratic Synchronization Rule through the bindings and the Local SGD averager (2 gloo
+ranks): averaging happens exactly at the scheduled steps, and only there."""
+import math
+import os
+import socket
+
+import pytest
+
+from gradcomp import dropcompute as dc
+
+
+def ref_period(lr, alpha, h_base):
+    return max(h_base, math.floor((alpha / lr) ** 2))
+
+
+def ref_schedule(lrs, alpha, h_base, total, warmup):
+    """Sync step counts; lrs[s] is the learning rate of the steps after s steps are done."""
+    syncs, s = [], 0
+    while s < total:
+        h = h_base if s < warmup else ref_period(lrs[s], alpha, h_base)
+        s = s + min(h, total - s)
+        syncs.append(s)
+    return syncs
+
+
+def test_qsr_period_values():
+    assert dc.qsr_period(0.008, 0.0175, 4) == 4
+    assert dc.qsr_period(0.001, 0.0175, 4) == 306
+    for lr in (0.1, 0.02, 0.0031, 0.0007, 0.0001):
+        for alpha in (0.0, 0.01, 0.0175, 0.03):
+            for hb in (1, 2, 4, 8):
+                assert dc.qsr_period(lr, alpha, hb) == ref_period(lr, alpha, hb), (lr, alpha, hb)
+
+
+def cosine_lrs(total, warmup, peak, low):
+    out = []
+    for s in range(total + 1):
+        if s < warmup:
+            out.append(peak * (s + 1) / warmup)
+        else:
+            p = (s - warmup) / max(1, total - warmup)
+            out.append(low + 0.5 * (peak - low) * (1 + math.cos(math.pi * p)))
+    return out
+
+
+def test_scheduler_matches_the_rule():
+    total, warmup = 400, 20
+    lrs = cosine_lrs(total, warmup, 0.01, 0.0008)
+    q = dc.QsrScheduler(dc.QsrConfig(alpha=0.0175, h_base=4, total_steps=total,
+                                     warmup_steps=warmup), lrs[0])
+    got = [s for s in range(1, total + 1) if q.after_step(s, lrs[s])]
+    assert got == ref_schedule(lrs, 0.0175, 4, total, warmup)
+    assert got[-1] == total
+    # warm-up: H = h_base
+    assert got[:5] == [4, 8, 12, 16, 20]
+    # late in training the period grows quadratically in 1/lr
+    assert max(b - a for a, b in zip(got, got[1:])) > 40
+
+
+def test_qsr_bad_input():
+    with pytest.raises(ValueError, match="learning rate"):
+        dc.qsr_period(0.0, 0.0175, 4)
+    with pytest.raises(ValueError, match="learning rate"):
+        dc.qsr_period(float("nan"), 0.0175, 4)
+    with pytest.raises(ValueError, match="alpha"):
+        dc.qsr_period(0.01, -1.0, 4)
+    with pytest.raises(ValueError, match="h_base"):
+        dc.qsr_period(0.01, 0.0175, 0)
+    with pytest.raises(ValueError, match="total_steps"):
+        dc.QsrConfig(alpha=0.1, h_base=2, total_steps=0)
+    q = dc.QsrScheduler(dc.QsrConfig(alpha=0.1, h_base=2, total_steps=10), 0.1)
+    with pytest.raises(ValueError, match="step"):
+        q.after_step(0, 0.1)
+    with pytest.raises(ValueError, match="step"):
+        q.after_step(11, 0.1)
+    assert q.next_sync == 2  # unchanged by the rejected calls
+
+
+# -- Local SGD on 2 ranks --------------------------------------------------------------------------
+TOTAL, WARMUP, ALPHA, H_BASE = 60, 6, 0.02, 2
+
+
+def lam(s):  # the LambdaLR factor: warm-up, then decay (periods grow from 2 to ~60)
+    return (s + 1) / WARMUP if s < WARMUP else max(0.03, 1.0 - (s - WARMUP) / 50)
+
+
+def finish():
+    """Leaves a worker without destructors: torch 1.13 can deadlock when a DDP reducer or a
+    process group dies after destroy_process_group (a gloo thread waits for the GIL)."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def fp16_mean(flat, group):
+    """A lossy compressor for the averager: the change rounded to fp16, then averaged."""
+    import torch
+    import torch.distributed as dist
+    h = flat.half().float()
+    dist.all_reduce(h, group=group)
+    flat.copy_(h / dist.get_world_size(group))
+
+
+def _local_sgd_worker(rank, world, port, out, compressed):
+    import torch
+    import torch.distributed as dist
+    from gradcomp.torch.qsr import QSRAverager
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    avg = QSRAverager(model, opt, alpha=ALPHA, h_base=H_BASE, total_steps=TOTAL,
+                      warmup_steps=WARMUP, compressor=fp16_mean if compressed else None)
+    calls = []
+    real = dist.all_reduce
+    step_now = [0]
+
+    def counting(*a, **k):
+        calls.append(step_now[0])
+        return real(*a, **k)
+
+    dist.all_reduce = counting
+    g = torch.Generator().manual_seed(rank)
+    identical_after_sync, differ_before_sync = [], []
+    lrs = []
+    for s in range(TOTAL):
+        x = torch.randn(16, 4, generator=g)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        step_now[0] = s + 1
+        flat_before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        synced = avg.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
+                         + [model[1].running_mean.clone()])
+        outs = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(outs, flat)  # not counted: all_gather is a different call
+        same = all(torch.equal(outs[0], o) for o in outs)
+        if synced:
+            identical_after_sync.append(same)
+            before = [torch.empty_like(flat_before) for _ in range(world)]
+            dist.all_gather(before, flat_before)
+            differ_before_sync.append(not torch.equal(before[0], before[1]))
+    dist.all_reduce = real
+    torch.save({"calls": calls, "sync_steps": avg.sync_steps, "lrs": lrs,
+                "identical": identical_after_sync, "differ": differ_before_sync,
+                "periods": avg.periods}, os.path.join(out, f"r{rank}.pt"))
+    finish()
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["exact", "fp16-delta"])
+def test_local_sgd_averages_exactly_at_the_scheduled_steps(tmp_path, compressed):
+    torch = pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_local_sgd_worker, args=(2, port, str(tmp_path), compressed), nprocs=2, join=True)
+    res = [torch.load(os.path.join(tmp_path, f"r{r}.pt")) for r in range(2)]
+    lrs = [0.02 * lam(0)] + res[0]["lrs"]  # lrs[s]: the lr after s steps
+    expected = ref_schedule(lrs, ALPHA, H_BASE, TOTAL, WARMUP)
+    assert len(expected) >= 8 and expected[-1] == TOTAL
+    assert max(b - a for a, b in zip(expected, expected[1:])) > 10  # the period grew
+    for r in range(2):
+        assert res[r]["sync_steps"] == expected
+        # one all_reduce per averaging (parameters and buffers share one float32 buffer)
+        assert res[r]["calls"] == expected
+        assert all(res[r]["identical"])
+        assert all(res[r]["differ"])  # local steps made the replicas diverge in between
