@@ -15,4 +15,6 @@ from gradcomp._C import (  # noqa: F401
     topk_indices,
 )
 
+from gradcomp import dropcompute  # noqa: E402,F401  (needs no torch)
+
 __version__ = "0.1.0"

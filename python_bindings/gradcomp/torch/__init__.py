@@ -33,8 +33,11 @@ import gradcomp
 from gradcomp import _C
 
 from ._driver import PlanStats, Worker, launch, run_async, run_sync  # noqa: F401
+from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
+from .qsr import QSRAverager  # noqa: E402,F401
 
-__all__ = ["hook", "GradcompState", "dgc_optimizer", "COMPRESSORS"]
+__all__ = ["hook", "GradcompState", "dgc_optimizer", "COMPRESSORS", "DropCompute",
+           "CudaEventClock", "QSRAverager"]
 
 log = logging.getLogger("gradcomp")
 

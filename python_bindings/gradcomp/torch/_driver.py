@@ -15,7 +15,9 @@ backward pass is never blocked.
 """
 from __future__ import annotations
 
+import atexit
 import queue
+import weakref
 import threading
 import time
 from typing import Callable, Optional
@@ -142,6 +144,9 @@ def run_sync(plan, group) -> PlanStats:
         launch(c, group).wait()
 
 
+_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # closed at interpreter exit
+
+
 class Worker:
     """Runs submitted plans one after another on a daemon thread (see the module docstring)."""
 
@@ -150,6 +155,7 @@ class Worker:
         self._q: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _workers.add(self)
 
     def submit(self, plan, result: Callable[[], torch.Tensor],
                done: Optional[Callable[[PlanStats], None]] = None,
@@ -166,7 +172,10 @@ class Worker:
 
     def _loop(self):
         while True:
-            plan, result, done, fut, stream = self._q.get()
+            job = self._q.get()
+            if job is None:
+                return
+            plan, result, done, fut, stream = job
             try:
                 if stream is not None:
                     with torch.cuda.stream(stream):
@@ -176,6 +185,14 @@ class Worker:
                 fut.set_result(value)
             except BaseException as e:  # handed to whoever waits on the future
                 fut.set_exception(e)
+            # drop the references now: an idle thread must not keep the last plan alive
+            job = plan = result = done = fut = stream = value = None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finishes the queued plans and stops the thread."""
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(timeout)
 
     def _run(self, plan, result, done):
         stats = PlanStats()
@@ -187,3 +204,9 @@ class Worker:
         if done is not None:
             done(stats)
         return result()
+
+
+@atexit.register
+def _close_workers() -> None:
+    for w in list(_workers):
+        w.close(timeout=1.0)
