@@ -53,6 +53,7 @@ struct PowerSGDState::Impl {
   Buffer ids;      // RNG tensor ids, group by group (uint32)
   std::vector<k::PsgdGroup> groups;
   std::vector<std::vector<size_t>> members;  // tensor indices per group, in bucket order
+  std::vector<std::vector<void*>> member_grads;  // CPU: the step's gradient of every member
   std::vector<std::vector<int64_t>> shapes;
   int64_t total_numel = 0, max_numel = 0;
   k::PsgdContext ctx;
@@ -147,7 +148,7 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     impl_->groups.push_back(g);
   }
   if (device == Device::kCPU) {
-    if (dtype_ != DType::kFloat32) impl_->scratch.get<float>(static_cast<size_t>(max_member));
+    for (const auto& mem : impl_->members) impl_->member_grads.emplace_back(mem.size(), nullptr);
   } else {
     impl_->scratch.get<float>(
         static_cast<size_t>(std::max(max_member, std::min<int64_t>(kGpuScratchFloats, m_numel_))));
@@ -380,6 +381,7 @@ void PowerSGDPlan::phase_compress() {
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
+    if (!gpu && t.rank > 0) continue;  // the CPU forms M tile by tile in compress_p below
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
     const bool add = t.rank > 0 && cfg.error_feedback;
     if (gpu)
@@ -398,11 +400,17 @@ void PowerSGDPlan::phase_compress() {
       k::cpu::fill_q(grp, cfg.seed, step, !fresh);
   }
   st_.q_ready_ = true;
-  for (const auto& grp : im.groups) {
-    if (gpu)
-      k::cuda::compute_p(grp, im.ctx);
-    else
-      k::cpu::compute_p(grp, im.ctx);
+  if (gpu) {
+    for (const auto& grp : im.groups) k::cuda::compute_p(grp, im.ctx);
+    return;
+  }
+  // CPU: M = grad (+ error) and P = M Q fused per cache-resident tile; fp32 without error
+  // feedback reads the gradient as M directly (no copy).
+  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+    auto& ptrs = im.member_grads[gi];
+    for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
+    k::cpu::compress_p(im.groups[gi], ptrs.data(), st_.dtype_, cfg.error_feedback, direct, im.ctx);
   }
 }
 
@@ -425,11 +433,12 @@ void PowerSGDPlan::phase_project() {
       k::cpu::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
                             cfg.orthogonalization, im.ctx);
   }
-  for (const auto& grp : im.groups) {
+  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
     if (gpu)
-      k::cuda::compute_q(grp, im.ctx);
+      k::cuda::compute_q(im.groups[gi], im.ctx);
     else
-      k::cpu::compute_q(grp, im.ctx);
+      k::cpu::compute_q_tiled(im.groups[gi], im.member_grads[gi].data(), direct, im.ctx);
   }
 }
 
@@ -449,13 +458,8 @@ void PowerSGDPlan::phase_finish() {
     const k::PsgdGroup& grp = im.groups[gi];
     const auto& mem = im.members[gi];
     const int64_t nm = grp.n * grp.m;
-    if (!gpu) {
-      for (int64_t b = 0; b < grp.batch; ++b) {
-        const TensorView& g = grads_[mem[b]];
-        float* out = g.dtype == DType::kFloat32 ? g.as<float>() : scratch;
-        k::cpu::reconstruct(grp, b, out, im.ctx);
-        k::cpu::store_result(out, g.data, g.dtype, nm, ef ? grp.M + b * nm : nullptr);
-      }
+    if (!gpu) {  // per tile: R = P Q^T in cache, grad = R, error = M - grad (one pass)
+      k::cpu::finish(grp, im.member_grads[gi].data(), st_.dtype_, ef, im.ctx);
       continue;
     }
     const int64_t chunk = std::max<int64_t>(

@@ -18,6 +18,13 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements per thread below which a pass stays serial
 constexpr int kMaxThreads = 64;
+// OpenBLAS runs a GEMM with m * n * k <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4 by default) on the
+// calling thread. The fused tiles stay under that, so inside an OpenMP loop every sgemm is serial
+// and OpenBLAS's own thread pool is never woken to compete with the OpenMP threads for the cores.
+constexpr int64_t kBlasSerialMnk = 65536 * 4;
+// A tile is at most this many floats (1 MiB): it stays in L2 between the GEMM and the element-wise
+// work on it.
+constexpr int64_t kTileFloats = 1 << 18;
 
 int threads_for(int64_t work) {
   const int64_t t = std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, work / kGrain));
@@ -165,6 +172,17 @@ void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
   }
 }
 
+// Rows of M per tile: the tile's GEMM (rows x m x r) stays serial in OpenBLAS and in cache.
+int64_t tile_rows(int64_t n, int64_t m, int r) {
+  const int64_t per_tile = std::min<int64_t>(kTileFloats, kBlasSerialMnk / std::max(1, r));
+  return std::clamp<int64_t>(per_tile / std::max<int64_t>(1, m), 1, std::max<int64_t>(1, n));
+}
+
+float* tile_scratch(PsgdContext& ctx, size_t floats) {
+  if (ctx.host_tiles.size() < floats) ctx.host_tiles.resize(floats);  // grows once, then reused
+  return ctx.host_tiles.data();
+}
+
 }  // namespace
 
 void load(const void* g, DType t, int64_t n, float* dst, bool add) {
@@ -248,6 +266,126 @@ void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext&) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(g.n), static_cast<int>(g.m),
               g.r, 1.0f, g.P + b * g.n * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, out,
               static_cast<int>(g.m));
+}
+
+void compress_p(const PsgdGroup& g, const void* const* grads, DType t, bool add, bool direct,
+                PsgdContext&) {
+  if (g.batch == 0 || g.n == 0 || g.m == 0) return;
+  const int64_t nm = g.n * g.m, rows = tile_rows(g.n, g.m, g.r), tiles = (g.n + rows - 1) / rows;
+  const int64_t total = g.batch * tiles;
+  const int T = threads_for(g.batch * nm);
+  with_loader(t, [&](auto L) {
+    using Ld = decltype(L);
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t w = 0; w < total; ++w) {
+      const int64_t b = w / tiles, i0 = (w % tiles) * rows, h = std::min(rows, g.n - i0);
+      const int64_t off = i0 * g.m, len = h * g.m;
+      const float* A;
+      if (direct) {
+        A = static_cast<const float*>(grads[b]) + off;
+      } else {
+        float* Mt = g.M + b * nm + off;
+        const void* src = grads[b];
+        if (add) {
+#pragma omp simd
+          for (int64_t i = 0; i < len; ++i) Mt[i] += Ld::load(src, off + i);
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < len; ++i) Mt[i] = Ld::load(src, off + i);
+        }
+        A = Mt;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(h), g.r,
+                  static_cast<int>(g.m), 1.0f, A, static_cast<int>(g.m), g.Q + b * g.m * g.r, g.r,
+                  0.0f, g.P + b * g.n * g.r + i0 * g.r, g.r);
+    }
+  });
+}
+
+void compute_q_tiled(const PsgdGroup& g, const void* const* grads, bool direct, PsgdContext& ctx) {
+  if (g.batch == 0 || g.m == 0) return;
+  const int64_t nm = g.n * g.m, mr = g.m * g.r, rows = tile_rows(g.n, g.m, g.r);
+  const int64_t tiles = (g.n + rows - 1) / rows;
+  // Q_b (+)= M_b[k-th tile]^T P_b[k-th tile]
+  auto gemm_tile = [&](int64_t b, int64_t k, float* out, float beta) {
+    const int64_t i0 = k * rows, h = std::min(rows, g.n - i0);
+    const float* A = (direct ? static_cast<const float*>(grads[b]) : g.M + b * nm) + i0 * g.m;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
+                static_cast<int>(h), 1.0f, A, static_cast<int>(g.m), g.P + b * g.n * g.r + i0 * g.r,
+                g.r, beta, out, g.r);
+  };
+  const int T = threads_for(g.batch * nm);
+  if (T <= 1 || g.batch >= T || g.n == 0) {  // one member per thread, tiles accumulated in place
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t b = 0; b < g.batch; ++b) {
+      float* Qb = g.Q + b * mr;
+      if (g.n == 0) std::fill(Qb, Qb + mr, 0.0f);
+      for (int64_t k = 0; k < tiles; ++k) gemm_tile(b, k, Qb, k ? 1.0f : 0.0f);
+    }
+    return;
+  }
+  // Few large members: thread u sums a contiguous range of tiles into its own partial Q; the
+  // partials are added in thread order (deterministic for a given thread count).
+  float* part = tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(mr));
+  for (int64_t b = 0; b < g.batch; ++b) {
+    float* Qb = g.Q + b * mr;
+#pragma omp parallel num_threads(T)
+    {
+      const int u = omp_get_thread_num();
+      const int64_t k0 = tiles * u / T, k1 = tiles * (u + 1) / T;
+      float* mine = part + u * mr;
+      if (k0 == k1) std::fill(mine, mine + mr, 0.0f);
+      for (int64_t k = k0; k < k1; ++k) gemm_tile(b, k, mine, k > k0 ? 1.0f : 0.0f);
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < mr; ++i) {
+        float s = part[i];
+        for (int v = 1; v < T; ++v) s += part[v * mr + i];
+        Qb[i] = s;
+      }
+    }
+  }
+}
+
+void finish(const PsgdGroup& g, void* const* grads, DType t, bool ef, PsgdContext& ctx) {
+  if (g.batch == 0 || g.n == 0 || g.m == 0) return;
+  const int64_t nm = g.n * g.m, rows = tile_rows(g.n, g.m, g.r), tiles = (g.n + rows - 1) / rows;
+  const int64_t total = g.batch * tiles;
+  const bool direct = t == DType::kFloat32 && !ef;  // the GEMM writes the gradient itself
+  const int T = threads_for(g.batch * nm);
+  float* scratch =
+      direct ? nullptr : tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(rows * g.m));
+#pragma omp parallel for num_threads(T) schedule(static)
+  for (int64_t w = 0; w < total; ++w) {
+    const int64_t b = w / tiles, i0 = (w % tiles) * rows, h = std::min(rows, g.n - i0);
+    const int64_t off = i0 * g.m, len = h * g.m;
+    float* R = direct ? static_cast<float*>(grads[b]) + off
+                      : scratch + static_cast<int64_t>(omp_get_thread_num()) * rows * g.m;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(h),
+                static_cast<int>(g.m), g.r, 1.0f, g.P + b * g.n * g.r + i0 * g.r, g.r,
+                g.Q + b * g.m * g.r, g.r, 0.0f, R, static_cast<int>(g.m));
+    if (direct) continue;
+    float* E = g.M + b * nm + off;
+    if (t == DType::kFloat32) {
+      float* out = static_cast<float*>(grads[b]) + off;
+      if (ef) {
+#pragma omp simd
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = R[i];
+          out[i] = v;
+          E[i] -= v;
+        }
+      } else {
+        std::memcpy(out, R, static_cast<size_t>(len) * sizeof(float));
+      }
+    } else {
+      void* out = grads[b];
+      for (int64_t i = 0; i < len; ++i) {
+        psgd_store(out, off + i, t, R[i]);
+        if (ef) E[i] -= psgd_load(out, off + i, t);  // the error keeps the store's rounding too
+      }
+    }
+  }
 }
 
 void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
