@@ -410,8 +410,8 @@ void PowerSGDPlan::phase_compress() {
   for (size_t gi = 0; gi < im.groups.size(); ++gi) {
     auto& ptrs = im.member_grads[gi];
     for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
-    k::cpu::compress_p(im.groups[gi], ptrs.data(), st_.dtype_, cfg.error_feedback, direct, im.ctx);
   }
+  k::cpu::compress_p(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct, im.ctx);
 }
 
 // local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
@@ -425,21 +425,17 @@ void PowerSGDPlan::phase_project() {
     k::cuda::divide(P, st_.p_numel_, world, im.stream);
   else
     k::cpu::divide(P, st_.p_numel_, world);
-  for (const auto& grp : im.groups) {
-    if (gpu)
-      k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
-                             cfg.orthogonalization, im.ctx);
-    else
-      k::cpu::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
-                            cfg.orthogonalization, im.ctx);
+  if (!gpu) {  // one parallel region per phase over all groups (see kernels/powersgd.hpp)
+    k::cpu::orthogonalize_groups(im.groups, cfg.orthogonalization_epsilon, cfg.orthogonalization,
+                                 im.ctx);
+    const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+    k::cpu::compute_q_fused(im.groups, im.member_grads, direct, im.ctx);
+    return;
   }
-  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
-  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
-    if (gpu)
-      k::cuda::compute_q(im.groups[gi], im.ctx);
-    else
-      k::cpu::compute_q_tiled(im.groups[gi], im.member_grads[gi].data(), direct, im.ctx);
-  }
+  for (const auto& grp : im.groups)
+    k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
+                           cfg.orthogonalization, im.ctx);
+  for (const auto& grp : im.groups) k::cuda::compute_q(grp, im.ctx);
 }
 
 // local: Q = Q_sum / world; grad = P_hat Q^T; error = M - grad; uncompressed = sum / world.
@@ -452,16 +448,13 @@ void PowerSGDPlan::phase_finish() {
     k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
   else
     k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
-  float* M = static_cast<float*>(im.mbuf.data());
   float* scratch = static_cast<float*>(im.scratch.data());
-  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+  // CPU: per tile, R = P Q^T in cache, grad = R, error = M - grad (one pass, one region).
+  if (!gpu) k::cpu::finish(im.groups, im.member_grads, st_.dtype_, ef, im.ctx);
+  for (size_t gi = 0; gi < im.groups.size() && gpu; ++gi) {
     const k::PsgdGroup& grp = im.groups[gi];
     const auto& mem = im.members[gi];
     const int64_t nm = grp.n * grp.m;
-    if (!gpu) {  // per tile: R = P Q^T in cache, grad = R, error = M - grad (one pass)
-      k::cpu::finish(grp, im.member_grads[gi].data(), st_.dtype_, ef, im.ctx);
-      continue;
-    }
     const int64_t chunk = std::max<int64_t>(
         1, static_cast<int64_t>(im.scratch.capacity() / 4) / std::max<int64_t>(1, nm));
     for (int64_t b0 = 0; b0 < grp.batch; b0 += chunk) {
@@ -474,7 +467,6 @@ void PowerSGDPlan::phase_finish() {
       }
     }
   }
-  (void)M;
   const float* U = static_cast<const float*>(im.pbuf.data()) + st_.p_numel_;
   for (size_t i = 0; i < grads_.size(); ++i) {
     const PowerSGDTensorInfo& t = st_.info_[i];

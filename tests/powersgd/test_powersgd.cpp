@@ -314,12 +314,12 @@ TEST(PowerSGD, WarmStartOffRedrawsQEachStep) {
 }
 
 // Shapes large enough for the CPU's fused tiles: several row tiles per member, one-row tiles
-// (m larger than a tile), a batch group smaller than the thread count (per-thread partial Q
-// sums), and an uneven thread count; two steps so that the error path is exercised too.
+// (m larger than a tile), a batch group, a member of more than one Q chunk (partial sums added
+// in chunk order), and an uneven thread count; two steps so that the error path runs too.
 TEST(PowerSGD, FusedTilesMatchReferenceOnLargeShapes) {
   const int saved = omp_get_max_threads();
   omp_set_num_threads(3);
-  const Shapes shapes = {{600, 500}, {16, 40000}, {300, 400}, {7}, {300, 400}};
+  const Shapes shapes = {{600, 500}, {16, 40000}, {300, 400}, {7}, {300, 400}, {1100, 1000}};
   for (bool ef : {true, false}) {
     PowerSGDConfig c = cfg_rank(4);
     c.error_feedback = ef;
