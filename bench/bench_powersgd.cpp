@@ -12,6 +12,16 @@
 //   BM_powersgd_copy/<model>               memcpy of the model's gradient (frac_of_copy reference)
 // Counters: bytes_per_second (gradient bytes per second), compression_ratio (dense bytes / bytes
 // sent per step), frac_of_copy (bytes_per_second / memcpy bandwidth of the same binary).
+//
+// Threads. Our step runs every GEMM per cache tile inside OpenMP loops, below OpenBLAS's threading
+// threshold, so only OpenMP's threads run. The baseline calls one GEMM per matrix, threaded by
+// OpenBLAS (Debian's default libopenblas0-pthread has its own thread pool, which spins after a
+// call and competes with the OpenMP threads of the element-wise passes on a small machine). For
+// the comparison of the structure alone run both single-threaded:
+//   OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 bench_powersgd --benchmark_filter=step
+// Kernels. Debian's OpenBLAS 0.3.21 picks its kernels by CPUID; on a CPU it does not know (a VM
+// reporting "Intel Xeon Processor") it falls back to the SSE3 "Prescott" kernels. Check with
+// `perf top` (sgemm_kernel_PRESCOTT) and set OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
