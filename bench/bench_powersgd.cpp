@@ -209,9 +209,9 @@ class TorchStyleStep {
   void step(float* bucket, int64_t numel, float world = 1.0f) {
     float* err = error_.data();
 #pragma omp parallel for schedule(static) if (numel > (1 << 16))
-    for (int64_t i = 0; i < numel; ++i) bucket[i] += err[i];                  // 1
-    par_copy(copy_.data(), bucket, numel);                                    // 2
-    int64_t u = 0;                                                            // 3
+    for (int64_t i = 0; i < numel; ++i) bucket[i] += err[i];  // 1
+    par_copy(copy_.data(), bucket, numel);                    // 2
+    int64_t u = 0;                                            // 3
     for (size_t i : uncompressed_) {
       const int64_t n = size(i);
       par_copy(umem_.data() + u, bucket + offsets_[i], n);
@@ -226,23 +226,22 @@ class TorchStyleStep {
       par_copy(bucket + offsets_[i], umem_.data() + u, n);
       u += n;
     }
-    for (auto& gr : groups_) {                                                // 4, 5
+    for (auto& gr : groups_) {  // 4, 5
       float* M = matrices(gr, bucket);
       if (gr.members.size() > 1)
         for (size_t b = 0; b < gr.members.size(); ++b)
           par_copy(M + b * gr.n * gr.m, bucket + offsets_[gr.members[b]], gr.n * gr.m);
       gk::cpu::compute_p(group(gr, M), ctx_);
     }
-    for (auto& gr : groups_)                                                  // 6
-      gk::cpu::orthogonalize(pmem_.data() + gr.p_off, static_cast<int64_t>(gr.members.size()),
-                             gr.n, gr.r, 0.0f, gradcomp::Orthogonalization::kGramSchmidtUnfused,
-                             ctx_);
+    for (auto& gr : groups_)  // 6
+      gk::cpu::orthogonalize(pmem_.data() + gr.p_off, static_cast<int64_t>(gr.members.size()), gr.n,
+                             gr.r, 0.0f, gradcomp::Orthogonalization::kGramSchmidtUnfused, ctx_);
     for (auto& gr : groups_) gk::cpu::compute_q(group(gr, matrices(gr, bucket)), ctx_);  // 7
     float* qm = qmem_.data();
     const int64_t nq = static_cast<int64_t>(qmem_.size());
 #pragma omp parallel for schedule(static) if (nq > (1 << 16))
     for (int64_t i = 0; i < nq; ++i) qm[i] /= world;
-    for (auto& gr : groups_) {                                                // 8, 9
+    for (auto& gr : groups_) {  // 8, 9
       float* M = matrices(gr, bucket);
       const gk::PsgdGroup grp = group(gr, M);
       for (size_t b = 0; b < gr.members.size(); ++b)
@@ -251,7 +250,7 @@ class TorchStyleStep {
         for (size_t b = 0; b < gr.members.size(); ++b)
           par_copy(bucket + offsets_[gr.members[b]], M + b * gr.n * gr.m, gr.n * gr.m);
     }
-    const float* cp = copy_.data();                                           // 10
+    const float* cp = copy_.data();  // 10
 #pragma omp parallel for schedule(static) if (numel > (1 << 16))
     for (int64_t i = 0; i < numel; ++i) err[i] = cp[i] - bucket[i];
   }
@@ -328,7 +327,7 @@ void run_step(benchmark::State& state, bool baseline) {
     while (plan.next()) {
     }  // world 1: each allreduce is the identity
   };
-  step();  // warm-up: Q drawn, pages touched, scratch grown
+  step();          // warm-up: Q drawn, pages touched, scratch grown
   if (baseline) {  // the same statistics as ours (the same collectives would be sent)
     plan.begin(g.views);
     while (plan.next()) {

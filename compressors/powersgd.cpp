@@ -63,7 +63,7 @@ struct PowerSGDState::Impl {
   Buffer plain;    // the whole bucket in fp32 for the steps before start_iter
   Buffer ids;      // RNG tensor ids, group by group (uint32)
   std::vector<k::PsgdGroup> groups;
-  std::vector<std::vector<size_t>> members;  // tensor indices per group, in bucket order
+  std::vector<std::vector<size_t>> members;      // tensor indices per group, in bucket order
   std::vector<std::vector<void*>> member_grads;  // the step's gradient of every member, by group
   std::vector<std::vector<int64_t>> shapes;
   int64_t total_numel = 0, max_numel = 0;
@@ -396,7 +396,7 @@ void PowerSGDPlan::phase_compress() {
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
-    if (!gpu && t.rank > 0) continue;  // the CPU forms M tile by tile in compress_p below
+    if (!gpu && t.rank > 0) continue;    // the CPU forms M tile by tile in compress_p below
     if (t.rank > 0 && direct) continue;  // fp32 without error feedback: the gradient is M
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
     const bool add = t.rank > 0 && cfg.error_feedback;
@@ -423,8 +423,8 @@ void PowerSGDPlan::phase_compress() {
         continue;
       }
       for (int64_t b = 0; b < im.groups[gi].batch; ++b)
-        k::cuda::compute_p(
-            member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])), im.ctx);
+        k::cuda::compute_p(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
+                           im.ctx);
     }
     return;
   }

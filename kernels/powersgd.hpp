@@ -6,14 +6,13 @@
 // matrices stored back to back (strides n*m, n*r, m*r).
 #pragma once
 
-#include "kernels/topk.hpp"  // cpu::first_nonfinite
-
 #include <cstdint>
 #include <vector>
 
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/topk.hpp"  // cpu::first_nonfinite
 
 namespace gradcomp::kernels {
 

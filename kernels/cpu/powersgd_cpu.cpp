@@ -22,8 +22,8 @@ constexpr int kMaxThreads = 64;
 // calling thread. The fused tiles stay under that, so inside an OpenMP loop every sgemm is serial
 // and OpenBLAS's own thread pool is never woken to compete with the OpenMP threads for the cores.
 constexpr int64_t kBlasSerialMnk = 65536 * 4;
-// A tile is at most this many floats (256 KiB): it stays in L2 between the GEMM and the element-wise
-// work on it.
+// A tile is at most this many floats (256 KiB): it stays in L2 between the GEMM and the
+// element-wise work on it.
 constexpr int64_t kTileFloats = 1 << 16;
 
 int threads_for(int64_t work) {
@@ -310,8 +310,8 @@ int64_t chunk_rows(const PsgdGroup& g) {
 void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
                 DType t, bool add, bool direct, PsgdContext& ctx) {
   int64_t work = 0;
-  const int64_t count =
-      build_items(groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
+  const int64_t count = build_items(
+      groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
   const int64_t* items = ctx.host_items.data();
   with_loader(t, [&](auto L) {
     using Ld = decltype(L);
@@ -350,13 +350,14 @@ void orthogonalize_groups(const std::vector<PsgdGroup>& groups, float eps, Ortho
   }
   for (const auto& g : groups) {  // kAuto: Householder for the groups above the MGS limit
     GC_CHECK_ARG(how == Orthogonalization::kAuto || g.r <= kPowerSGDMaxGramSchmidtRank,
-                 "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ",
-                 g.r, " (use Householder)");
+                 "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ", g.r,
+                 " (use Householder)");
     if (g.r > kPowerSGDMaxGramSchmidtRank)
       orthogonalize(g.P, g.batch, g.n, g.r, eps, Orthogonalization::kHouseholder, ctx);
   }
   int64_t work = 0;
-  const int64_t count = build_items(groups, ctx, [](const PsgdGroup& g) { return g.n; }, &work);
+  const int64_t count = build_items(
+      groups, ctx, [](const PsgdGroup& g) { return g.n; }, &work);
   const int64_t* items = ctx.host_items.data();
   int64_t p_work = 0;
   for (const auto& g : groups) p_work += g.batch * g.n * g.r;
@@ -437,8 +438,8 @@ void compute_q_fused(const std::vector<PsgdGroup>& groups,
 void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
             DType t, bool ef, PsgdContext& ctx) {
   int64_t work = 0;
-  const int64_t count =
-      build_items(groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
+  const int64_t count = build_items(
+      groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
   const int64_t* items = ctx.host_items.data();
   const bool direct = t == DType::kFloat32 && !ef;  // the GEMM writes the gradient itself
   const int T = fused_threads(work);
@@ -455,9 +456,9 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
     void* dst = grads[items[4 * w]][b];
     float* R = direct ? static_cast<float*>(dst) + off
                       : scratch + static_cast<int64_t>(omp_get_thread_num()) * tile_max;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(h),
-                static_cast<int>(g.m), g.r, 1.0f, g.P + b * g.n * g.r + i0 * g.r, g.r,
-                g.Q + b * g.m * g.r, g.r, 0.0f, R, static_cast<int>(g.m));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(h), static_cast<int>(g.m),
+                g.r, 1.0f, g.P + b * g.n * g.r + i0 * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, R,
+                static_cast<int>(g.m));
     if (direct) continue;
     float* E = g.M + b * g.n * g.m + off;
     if (t == DType::kFloat32) {
