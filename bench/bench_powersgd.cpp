@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -97,7 +98,8 @@ const Shapes& model(int id) {
 const char* model_name(int id) { return id == 0 ? "resnet50" : "bert_base"; }
 
 struct Grads {
-  std::vector<float> bucket;  // every gradient, back to back
+  std::vector<float> bucket;   // every gradient, back to back
+  std::vector<float> initial;  // the random gradient every benchmark case starts from
   std::vector<gradcomp::TensorView> views;
   std::vector<int64_t> offsets;
   int64_t numel = 0;
@@ -118,6 +120,7 @@ Grads& grads(int id) {
     std::mt19937 rng(id + 1);
     std::uniform_real_distribution<float> d(-1.0f, 1.0f);
     for (auto& x : g->bucket) x = d(rng);
+    g->initial = g->bucket;
     for (size_t i = 0; i < model(id).size(); ++i) {
       const auto& s = model(id)[i];
       g->views.emplace_back(g->bucket.data() + g->offsets[i], s.data(), static_cast<int>(s.size()),
@@ -314,6 +317,8 @@ void run_step(benchmark::State& state, bool baseline) {
   cfg.orthogonalization = Orthogonalization::kGramSchmidt;
   cfg.check_finite = false;  // timed separately; PyTorch's hook does not check either
   Grads& g = grads(id);
+  // A case after another would otherwise start from that case's rank-r results (degenerate P).
+  std::copy(g.initial.begin(), g.initial.end(), g.bucket.begin());
   gradcomp::PowerSGDState st(cfg, model(id));
   gradcomp::PowerSGDPlan plan(st, 1);
   std::unique_ptr<TorchStyleStep> torch_style;
@@ -327,12 +332,25 @@ void run_step(benchmark::State& state, bool baseline) {
     while (plan.next()) {
     }  // world 1: each allreduce is the identity
   };
-  step();          // warm-up: Q drawn, pages touched, scratch grown
-  if (baseline) {  // the same statistics as ours (the same collectives would be sent)
+  if (baseline) {  // same input, fresh states: the baseline must compute what our step computes
+    const std::vector<float> input = g.bucket;
     plan.begin(g.views);
     while (plan.next()) {
+    }  // also gives the statistics (the same collectives would be sent)
+    const std::vector<float> ours = g.bucket;
+    std::copy(input.begin(), input.end(), g.bucket.begin());
+    torch_style->step(g.bucket.data(), g.numel);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ours.size(); ++i) {
+      const double d = static_cast<double>(g.bucket[i]) - ours[i];
+      num += d * d;
+      den += static_cast<double>(ours[i]) * ours[i];
     }
+    const double rel = std::sqrt(num / (den > 0 ? den : 1.0));
+    state.counters["rel_diff_vs_ours"] = rel;
+    if (!(rel < 1e-3)) state.SkipWithError("the baseline step does not compute what ours does");
   }
+  step();  // warm-up: Q drawn, pages touched, scratch grown
   for (auto _ : state) step();
   const double bytes = static_cast<double>(g.numel) * 4;
   state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
