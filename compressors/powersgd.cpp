@@ -19,6 +19,17 @@ namespace k = kernels;
 
 namespace {
 constexpr int kMaxRank = 4096;
+
+// Member b of a group as a batch of one whose M is `M` (the gradient itself in direct mode).
+k::PsgdGroup member_of(const k::PsgdGroup& g, int64_t b, float* M) {
+  k::PsgdGroup one = g;
+  one.batch = 1;
+  one.M = M;
+  one.P = g.P + b * g.n * g.r;
+  one.Q = g.Q + b * g.m * g.r;
+  one.ids = g.ids + b;
+  return one;
+}
 // GPU reconstruction scratch: at most this many floats per strided-batched GEMM (one member at
 // least); bounds the memory for models with many same-shape layers.
 constexpr int64_t kGpuScratchFloats = int64_t{1} << 24;
@@ -52,7 +63,8 @@ struct PowerSGDState::Impl {
   Buffer plain;    // the whole bucket in fp32 for the steps before start_iter
   Buffer ids;      // RNG tensor ids, group by group (uint32)
   std::vector<k::PsgdGroup> groups;
-  std::vector<std::vector<size_t>> members;  // tensor indices per group, in bucket order
+  std::vector<std::vector<size_t>> members;      // tensor indices per group, in bucket order
+  std::vector<std::vector<void*>> member_grads;  // the step's gradient of every member, by group
   std::vector<std::vector<int64_t>> shapes;
   int64_t total_numel = 0, max_numel = 0;
   k::PsgdContext ctx;
@@ -146,9 +158,8 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     max_member = std::max(max_member, t.n * t.m);
     impl_->groups.push_back(g);
   }
-  if (device == Device::kCPU) {
-    if (dtype_ != DType::kFloat32) impl_->scratch.get<float>(static_cast<size_t>(max_member));
-  } else {
+  for (const auto& mem : impl_->members) impl_->member_grads.emplace_back(mem.size(), nullptr);
+  if (device == Device::kCUDA) {
     impl_->scratch.get<float>(
         static_cast<size_t>(std::max(max_member, std::min<int64_t>(kGpuScratchFloats, m_numel_))));
   }
@@ -377,9 +388,16 @@ void PowerSGDPlan::phase_compress() {
   const auto& cfg = st_.cfg_;
   float* M = static_cast<float*>(im.mbuf.data());
   float* U = static_cast<float*>(im.pbuf.data()) + st_.p_numel_;
+  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+    auto& ptrs = im.member_grads[gi];
+    for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
+  }
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
+    if (!gpu && t.rank > 0) continue;    // the CPU forms M tile by tile in compress_p below
+    if (t.rank > 0 && direct) continue;  // fp32 without error feedback: the gradient is M
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
     const bool add = t.rank > 0 && cfg.error_feedback;
     if (gpu)
@@ -398,12 +416,21 @@ void PowerSGDPlan::phase_compress() {
       k::cpu::fill_q(grp, cfg.seed, step, !fresh);
   }
   st_.q_ready_ = true;
-  for (const auto& grp : im.groups) {
-    if (gpu)
-      k::cuda::compute_p(grp, im.ctx);
-    else
-      k::cpu::compute_p(grp, im.ctx);
+  if (gpu) {  // direct: one GEMM per member on its gradient (no copy pass); else strided batch
+    for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+      if (!direct) {
+        k::cuda::compute_p(im.groups[gi], im.ctx);
+        continue;
+      }
+      for (int64_t b = 0; b < im.groups[gi].batch; ++b)
+        k::cuda::compute_p(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
+                           im.ctx);
+    }
+    return;
   }
+  // CPU: M = grad (+ error) and P = M Q fused per cache-resident tile; fp32 without error
+  // feedback reads the gradient as M directly (no copy).
+  k::cpu::compress_p(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct, im.ctx);
 }
 
 // local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
@@ -417,19 +444,25 @@ void PowerSGDPlan::phase_project() {
     k::cuda::divide(P, st_.p_numel_, world, im.stream);
   else
     k::cpu::divide(P, st_.p_numel_, world);
-  for (const auto& grp : im.groups) {
-    if (gpu)
-      k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
-                             cfg.orthogonalization, im.ctx);
-    else
-      k::cpu::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
-                            cfg.orthogonalization, im.ctx);
+  if (!gpu) {  // one parallel region per phase over all groups (see kernels/powersgd.hpp)
+    k::cpu::orthogonalize_groups(im.groups, cfg.orthogonalization_epsilon, cfg.orthogonalization,
+                                 im.ctx);
+    const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+    k::cpu::compute_q_fused(im.groups, im.member_grads, direct, im.ctx);
+    return;
   }
-  for (const auto& grp : im.groups) {
-    if (gpu)
-      k::cuda::compute_q(grp, im.ctx);
-    else
-      k::cpu::compute_q(grp, im.ctx);
+  for (const auto& grp : im.groups)
+    k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
+                           cfg.orthogonalization, im.ctx);
+  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+    if (!direct) {
+      k::cuda::compute_q(im.groups[gi], im.ctx);
+      continue;
+    }
+    for (int64_t b = 0; b < im.groups[gi].batch; ++b)
+      k::cuda::compute_q(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
+                         im.ctx);
   }
 }
 
@@ -443,18 +476,18 @@ void PowerSGDPlan::phase_finish() {
     k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
   else
     k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
-  float* M = static_cast<float*>(im.mbuf.data());
   float* scratch = static_cast<float*>(im.scratch.data());
-  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+  // CPU: per tile, R = P Q^T in cache, grad = R, error = M - grad (one pass, one region).
+  if (!gpu) k::cpu::finish(im.groups, im.member_grads, st_.dtype_, ef, im.ctx);
+  const bool direct = st_.dtype_ == DType::kFloat32 && !ef;
+  for (size_t gi = 0; gi < im.groups.size() && gpu; ++gi) {
     const k::PsgdGroup& grp = im.groups[gi];
     const auto& mem = im.members[gi];
     const int64_t nm = grp.n * grp.m;
-    if (!gpu) {
+    if (direct) {  // as on the CPU: the GEMM writes the gradient, no scratch, no copy pass
       for (int64_t b = 0; b < grp.batch; ++b) {
-        const TensorView& g = grads_[mem[b]];
-        float* out = g.dtype == DType::kFloat32 ? g.as<float>() : scratch;
-        k::cpu::reconstruct(grp, b, out, im.ctx);
-        k::cpu::store_result(out, g.data, g.dtype, nm, ef ? grp.M + b * nm : nullptr);
+        float* g = static_cast<float*>(im.member_grads[gi][b]);
+        k::cuda::reconstruct(member_of(grp, b, g), 0, 1, g, im.ctx);
       }
       continue;
     }
@@ -470,7 +503,6 @@ void PowerSGDPlan::phase_finish() {
       }
     }
   }
-  (void)M;
   const float* U = static_cast<const float*>(im.pbuf.data()) + st_.p_numel_;
   for (size_t i = 0; i < grads_.size(); ++i) {
     const PowerSGDTensorInfo& t = st_.info_[i];

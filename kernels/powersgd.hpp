@@ -6,14 +6,13 @@
 // matrices stored back to back (strides n*m, n*r, m*r).
 #pragma once
 
-#include "kernels/topk.hpp"  // cpu::first_nonfinite
-
 #include <cstdint>
 #include <vector>
 
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/topk.hpp"  // cpu::first_nonfinite
 
 namespace gradcomp::kernels {
 
@@ -39,6 +38,9 @@ struct PsgdContext {
   void* cusolver = nullptr;  ///< cusolverDnHandle_t (CUDA)
   Buffer work, work2, info;  ///< solver / transpose / reconstruction scratch
   std::vector<float> host_work;
+  std::vector<float> host_tiles;    ///< CPU: per-thread tile scratch, partial Q sums
+  std::vector<int64_t> host_items;  ///< CPU: work list of the fused phases
+  std::vector<int64_t> host_slots;  ///< CPU: partial-Q slot of each work item
 };
 
 namespace cpu {
@@ -62,6 +64,31 @@ void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext& ctx);
 /// Orthonormalizes the columns of every n x r matrix of P (batch of them).
 void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
                    PsgdContext& ctx);
+
+// Fused step (what compressors/powersgd.cpp runs on the CPU), over all batch groups of a bucket
+// at once: ONE OpenMP region per phase, work items (row tiles of about 64K floats that stay in
+// cache, or chunks of them) handed out dynamically, so a thread that the OS preempts does not hold
+// the others at a barrier per layer. Every GEMM is a per-tile call small enough to run
+// single-threaded inside OpenBLAS, so OpenBLAS's thread pool never competes with the OpenMP
+// threads. Results do not depend on the thread count or the schedule. grads[g][b] is the gradient
+// of member b of group g (dtype t). `direct` (fp32 without error feedback): the gradient itself is
+// M, nothing is copied.
+/// Per tile: M = float(g) (+ M when add: M holds the error), then P_tile = M_tile Q: one pass over
+/// g and M instead of a load pass plus a GEMM pass. direct: P_tile = g_tile Q.
+void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
+                DType t, bool add, bool direct, PsgdContext& ctx);
+/// Orthonormalizes every P block of every group (fused MGS: one serial MGS per block, blocks
+/// handed out dynamically in one region; other methods: per group, as orthogonalize()).
+void orthogonalize_groups(const std::vector<PsgdGroup>& groups, float eps, Orthogonalization how,
+                          PsgdContext& ctx);
+/// Q = M^T P (M = the gradients when direct): chunks of rows give partial sums, added per member
+/// in chunk order.
+void compute_q_fused(const std::vector<PsgdGroup>& groups,
+                     const std::vector<std::vector<void*>>& grads, bool direct, PsgdContext& ctx);
+/// Per tile: R = P Q^T (in cache), g = dtype(R), and with ef M -= float(g) (M becomes the error):
+/// one pass reading M and writing g and M. Without ef (fp32): the GEMM writes g directly.
+void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
+            DType t, bool ef, PsgdContext& ctx);
 }  // namespace cpu
 
 namespace cuda {

@@ -18,6 +18,13 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements per thread below which a pass stays serial
 constexpr int kMaxThreads = 64;
+// OpenBLAS runs a GEMM with m * n * k <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4 by default) on the
+// calling thread. The fused tiles stay under that, so inside an OpenMP loop every sgemm is serial
+// and OpenBLAS's own thread pool is never woken to compete with the OpenMP threads for the cores.
+constexpr int64_t kBlasSerialMnk = 65536 * 4;
+// A tile is at most this many floats (256 KiB): it stays in L2 between the GEMM and the
+// element-wise work on it.
+constexpr int64_t kTileFloats = 1 << 16;
 
 int threads_for(int64_t work) {
   const int64_t t = std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, work / kGrain));
@@ -165,6 +172,17 @@ void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
   }
 }
 
+// Rows of M per tile: the tile's GEMM (rows x m x r) stays serial in OpenBLAS and in cache.
+int64_t tile_rows(int64_t n, int64_t m, int r) {
+  const int64_t per_tile = std::min<int64_t>(kTileFloats, kBlasSerialMnk / std::max(1, r));
+  return std::clamp<int64_t>(per_tile / std::max<int64_t>(1, m), 1, std::max<int64_t>(1, n));
+}
+
+float* tile_scratch(PsgdContext& ctx, size_t floats) {
+  if (ctx.host_tiles.size() < floats) ctx.host_tiles.resize(floats);  // grows once, then reused
+  return ctx.host_tiles.data();
+}
+
 }  // namespace
 
 void load(const void* g, DType t, int64_t n, float* dst, bool add) {
@@ -248,6 +266,220 @@ void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext&) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(g.n), static_cast<int>(g.m),
               g.r, 1.0f, g.P + b * g.n * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, out,
               static_cast<int>(g.m));
+}
+
+namespace {
+
+// Work items of a fused phase: (group, member, first row, rows), packed as 4 int64 in
+// ctx.host_items (grown once, then reused). rows_of(group) gives the item height.
+template <class RowsOf>
+int64_t build_items(const std::vector<PsgdGroup>& groups, PsgdContext& ctx, RowsOf rows_of,
+                    int64_t* work) {
+  auto& v = ctx.host_items;
+  v.clear();  // keeps the capacity: no allocation after the first step
+  *work = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const PsgdGroup& g = groups[gi];
+    if (g.n == 0 || g.m == 0) continue;
+    const int64_t rows = rows_of(g);
+    for (int64_t b = 0; b < g.batch; ++b)
+      for (int64_t i0 = 0; i0 < g.n; i0 += rows) {
+        v.push_back(static_cast<int64_t>(gi));
+        v.push_back(b);
+        v.push_back(i0);
+        v.push_back(std::min(rows, g.n - i0));
+      }
+    *work += g.batch * g.n * g.m;
+  }
+  return static_cast<int64_t>(v.size() / 4);
+}
+
+int fused_threads(int64_t work) {
+  return work >= 2 * kGrain ? std::min(omp_get_max_threads(), kMaxThreads) : 1;
+}
+
+// Rows of a Q chunk: whole tiles, about kQChunkFloats elements of M.
+constexpr int64_t kQChunkFloats = int64_t{1} << 20;
+int64_t chunk_rows(const PsgdGroup& g) {
+  const int64_t t = tile_rows(g.n, g.m, g.r);
+  return t * std::max<int64_t>(1, kQChunkFloats / std::max<int64_t>(1, t * g.m));
+}
+
+}  // namespace
+
+void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
+                DType t, bool add, bool direct, PsgdContext& ctx) {
+  int64_t work = 0;
+  const int64_t count = build_items(
+      groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
+  const int64_t* items = ctx.host_items.data();
+  with_loader(t, [&](auto L) {
+    using Ld = decltype(L);
+#pragma omp parallel for num_threads(fused_threads(work)) schedule(dynamic, 1)
+    for (int64_t w = 0; w < count; ++w) {
+      const PsgdGroup& g = groups[items[4 * w]];
+      const int64_t b = items[4 * w + 1], i0 = items[4 * w + 2], h = items[4 * w + 3];
+      const int64_t off = i0 * g.m, len = h * g.m;
+      const void* src = grads[items[4 * w]][b];
+      const float* A;
+      if (direct) {
+        A = static_cast<const float*>(src) + off;
+      } else {
+        float* Mt = g.M + b * g.n * g.m + off;
+        if (add) {
+#pragma omp simd
+          for (int64_t i = 0; i < len; ++i) Mt[i] += Ld::load(src, off + i);
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < len; ++i) Mt[i] = Ld::load(src, off + i);
+        }
+        A = Mt;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(h), g.r,
+                  static_cast<int>(g.m), 1.0f, A, static_cast<int>(g.m), g.Q + b * g.m * g.r, g.r,
+                  0.0f, g.P + b * g.n * g.r + i0 * g.r, g.r);
+    }
+  });
+}
+
+void orthogonalize_groups(const std::vector<PsgdGroup>& groups, float eps, Orthogonalization how,
+                          PsgdContext& ctx) {
+  if (how != Orthogonalization::kGramSchmidt && how != Orthogonalization::kAuto) {
+    for (const auto& g : groups) orthogonalize(g.P, g.batch, g.n, g.r, eps, how, ctx);
+    return;
+  }
+  for (const auto& g : groups) {  // kAuto: Householder for the groups above the MGS limit
+    GC_CHECK_ARG(how == Orthogonalization::kAuto || g.r <= kPowerSGDMaxGramSchmidtRank,
+                 "fused Gram-Schmidt supports rank <= ", kPowerSGDMaxGramSchmidtRank, ", got ", g.r,
+                 " (use Householder)");
+    if (g.r > kPowerSGDMaxGramSchmidtRank)
+      orthogonalize(g.P, g.batch, g.n, g.r, eps, Orthogonalization::kHouseholder, ctx);
+  }
+  int64_t work = 0;
+  const int64_t count = build_items(
+      groups, ctx, [](const PsgdGroup& g) { return g.n; }, &work);
+  const int64_t* items = ctx.host_items.data();
+  int64_t p_work = 0;
+  for (const auto& g : groups) p_work += g.batch * g.n * g.r;
+#pragma omp parallel for num_threads(fused_threads(p_work)) schedule(dynamic, 1)
+  for (int64_t w = 0; w < count; ++w) {
+    const PsgdGroup& g = groups[items[4 * w]];
+    float* A = g.P + items[4 * w + 1] * g.n * g.r;
+    if (g.r > kPowerSGDMaxGramSchmidtRank) continue;  // done above
+    if (g.r <= 1)
+      mgs_serial<1>(A, g.n, g.r, eps);
+    else if (g.r <= 2)
+      mgs_serial<2>(A, g.n, g.r, eps);
+    else if (g.r <= 4)
+      mgs_serial<4>(A, g.n, g.r, eps);
+    else if (g.r <= 8)
+      mgs_serial<8>(A, g.n, g.r, eps);
+    else if (g.r <= 16)
+      mgs_serial<16>(A, g.n, g.r, eps);
+    else
+      mgs_serial<32>(A, g.n, g.r, eps);
+  }
+}
+
+void compute_q_fused(const std::vector<PsgdGroup>& groups,
+                     const std::vector<std::vector<void*>>& grads, bool direct, PsgdContext& ctx) {
+  // Partial-sum slots: a member with c > 1 chunks gets c slots of m x r floats.
+  std::vector<int64_t>& items = ctx.host_items;
+  int64_t work = 0;
+  const int64_t count = build_items(groups, ctx, chunk_rows, &work);
+  // Per item: its slot (-1: the member has one chunk, the GEMM writes Q directly).
+  size_t slots = 0;
+  std::vector<int64_t>& slot_of = ctx.host_slots;
+  slot_of.assign(static_cast<size_t>(count), -1);
+  for (int64_t w = 0; w < count; ++w) {
+    const PsgdGroup& g = groups[items[4 * w]];
+    if (chunk_rows(g) < g.n) {
+      slot_of[w] = static_cast<int64_t>(slots);
+      slots += static_cast<size_t>(g.m * g.r);
+    }
+  }
+  float* part = slots ? tile_scratch(ctx, slots) : nullptr;
+  const int64_t* it = items.data();
+  const int T = fused_threads(work);
+#pragma omp parallel num_threads(T)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < count; ++w) {
+      const PsgdGroup& g = groups[it[4 * w]];
+      const int64_t b = it[4 * w + 1], c0 = it[4 * w + 2], ch = it[4 * w + 3];
+      const int64_t rows = tile_rows(g.n, g.m, g.r);
+      float* out = slot_of[w] >= 0 ? part + slot_of[w] : g.Q + b * g.m * g.r;
+      const float* Mb =
+          direct ? static_cast<const float*>(grads[it[4 * w]][b]) : g.M + b * g.n * g.m;
+      for (int64_t i0 = c0; i0 < c0 + ch; i0 += rows) {  // tiles of the chunk, accumulated
+        const int64_t h = std::min(rows, c0 + ch - i0);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
+                    static_cast<int>(h), 1.0f, Mb + i0 * g.m, static_cast<int>(g.m),
+                    g.P + b * g.n * g.r + i0 * g.r, g.r, i0 > c0 ? 1.0f : 0.0f, out, g.r);
+      }
+    }
+    // implicit barrier; then the partial sums of each chunked member, in chunk order
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < count; ++w) {
+      if (slot_of[w] < 0 || it[4 * w + 2] != 0) continue;  // one task per chunked member
+      const PsgdGroup& g = groups[it[4 * w]];
+      const int64_t mr = g.m * g.r, chunks = (g.n + chunk_rows(g) - 1) / chunk_rows(g);
+      float* Qb = g.Q + it[4 * w + 1] * mr;
+      const float* first = part + slot_of[w];  // the member's slots are consecutive
+      for (int64_t i = 0; i < mr; ++i) {
+        float s = first[i];
+        for (int64_t c = 1; c < chunks; ++c) s += first[c * mr + i];
+        Qb[i] = s;
+      }
+    }
+  }
+}
+
+void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
+            DType t, bool ef, PsgdContext& ctx) {
+  int64_t work = 0;
+  const int64_t count = build_items(
+      groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
+  const int64_t* items = ctx.host_items.data();
+  const bool direct = t == DType::kFloat32 && !ef;  // the GEMM writes the gradient itself
+  const int T = fused_threads(work);
+  int64_t tile_max = 0;
+  for (const auto& g : groups)
+    if (g.n > 0 && g.m > 0) tile_max = std::max(tile_max, tile_rows(g.n, g.m, g.r) * g.m);
+  float* scratch =
+      direct ? nullptr : tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(tile_max));
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+  for (int64_t w = 0; w < count; ++w) {
+    const PsgdGroup& g = groups[items[4 * w]];
+    const int64_t b = items[4 * w + 1], i0 = items[4 * w + 2], h = items[4 * w + 3];
+    const int64_t off = i0 * g.m, len = h * g.m;
+    void* dst = grads[items[4 * w]][b];
+    float* R = direct ? static_cast<float*>(dst) + off
+                      : scratch + static_cast<int64_t>(omp_get_thread_num()) * tile_max;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(h), static_cast<int>(g.m),
+                g.r, 1.0f, g.P + b * g.n * g.r + i0 * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, R,
+                static_cast<int>(g.m));
+    if (direct) continue;
+    float* E = g.M + b * g.n * g.m + off;
+    if (t == DType::kFloat32) {
+      float* out = static_cast<float*>(dst) + off;
+      if (ef) {
+#pragma omp simd
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = R[i];
+          out[i] = v;
+          E[i] -= v;
+        }
+      } else {
+        std::memcpy(out, R, static_cast<size_t>(len) * sizeof(float));
+      }
+    } else {
+      for (int64_t i = 0; i < len; ++i) {
+        psgd_store(dst, off + i, t, R[i]);
+        if (ef) E[i] -= psgd_load(dst, off + i, t);  // the error keeps the store's rounding too
+      }
+    }
+  }
 }
 
 void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,

@@ -2,6 +2,7 @@
 // PowerSGD on the CPU: against an independent double-precision reference of Algorithm 1, an SVD
 // (LAPACKE), simulated ranks, the collectives of the plan, bad input and state round trips.
 #include <lapacke.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <memory>
@@ -310,6 +311,52 @@ TEST(PowerSGD, WarmStartOffRedrawsQEachStep) {
     auto q = initial_q(0, step, 0, 15, 2);
     EXPECT_LT(rel_err(b.data[0], ref_step(M, 20, 15, q, 2)), 1e-4) << "step " << step;
   }
+}
+
+// Shapes large enough for the CPU's fused tiles: several row tiles per member, one-row tiles
+// (m larger than a tile), a batch group, a member of more than one Q chunk (partial sums added
+// in chunk order), and an uneven thread count; two steps so that the error path runs too.
+TEST(PowerSGD, FusedTilesMatchReferenceOnLargeShapes) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(3);
+  const Shapes shapes = {{600, 500}, {16, 40000}, {300, 400}, {7}, {300, 400}, {1100, 1000}};
+  for (bool ef : {true, false}) {
+    PowerSGDConfig c = cfg_rank(4);
+    c.error_feedback = ef;
+    PowerSGDState st(c, shapes);
+    std::vector<std::vector<double>> err(shapes.size()), q(shapes.size());
+    for (int step = 0; step < 2; ++step) {
+      Bucket b(shapes, 5 + step);
+      std::vector<std::vector<double>> M(shapes.size());
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        M[i].assign(b.data[i].begin(), b.data[i].end());
+        if (step > 0 && ef && st.tensor(i).rank > 0)
+          for (size_t e = 0; e < M[i].size(); ++e) M[i][e] += err[i][e];
+      }
+      step_ranks({&st}, {&b});
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const auto& t = st.tensor(i);
+        if (t.rank == 0) {
+          EXPECT_LT(rel_err(b.data[i], M[i]), 1e-7) << "uncompressed tensor " << i;
+          continue;
+        }
+        if (step == 0) q[i] = initial_q(0, 0, static_cast<uint32_t>(i), t.m, t.rank);
+        const auto ref = ref_step(M[i], t.n, t.m, q[i], t.rank);
+        EXPECT_LT(rel_err(b.data[i], ref), 1e-4) << "step " << step << " tensor " << i;
+        EXPECT_LT(rel_err(st.q(i), q[i]), 1e-4) << "step " << step << " Q of tensor " << i;
+        err[i].assign(M[i].size(), 0.0);
+        for (size_t e = 0; e < M[i].size(); ++e) err[i][e] = M[i][e] - ref[e];
+        if (ef) {  // the error is M minus exactly what was written to the gradient
+          const auto e_got = st.error(i);
+          double worst = 0;
+          for (size_t e = 0; e < M[i].size(); ++e)
+            worst = std::max(worst, std::fabs(e_got[e] - (M[i][e] - b.data[i][e])));
+          EXPECT_LT(worst, 1e-4) << "step " << step << " error of tensor " << i;
+        }
+      }
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 TEST(PowerSGD, HouseholderForLargeRank) {
