@@ -231,10 +231,7 @@ BENCHMARK(BM_onebit_compress)
         for (int m = 0; m < 3; ++m) b->Args({n, m, 1});
         b->Args({n, 2, 0});  // in place (check_finite off)
       }
-    })
-    ->Unit(benchmark::kMillisecond)
-    ->MinTime(0.3)
-    ->UseRealTime();
+    }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3) -> UseRealTime();
 BENCHMARK(BM_onebit_baseline_compress)
     ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
         -> UseRealTime();

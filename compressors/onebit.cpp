@@ -203,7 +203,11 @@ uint64_t onebit_payload_bytes(const OneBitConfig& cfg, int64_t rows, int64_t col
 // non-temporal). The CUDA backend checks between its two kernels and works in place.
 struct OneBitCompressor::Impl {
   Impl(Device dev, void* s)
-      : e{Buffer(dev, s), Buffer(dev, s)}, scales(dev, s), prev_scales(dev, s), ws(dev), stream(s) {}
+      : e{Buffer(dev, s), Buffer(dev, s)},
+        scales(dev, s),
+        prev_scales(dev, s),
+        ws(dev),
+        stream(s) {}
   Buffer e[2], scales, prev_scales;
   int cur = 0;
   bool lazy = false;

@@ -1,10 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU backend of the 1-bit family. Two passes per compress: the scale pass (reads g and e, writes
-// a few partial sums) and the fused quantize pass (reads g and e, writes e and the packed bits).
-// Both are split across OpenMP threads in contiguous word ranges; full 32-element words go
-// through SSE (compare + movemask packs 4 bits per instruction), partial words through the same
-// scalar math from kernels/onebit_math.h. Partial sums are taken over fixed element groups and
-// combined in a fixed order, so scales do not depend on the thread count.
+// CPU backend of the 1-bit family.
+//  - onebit_compress (the compressor's path): one pass reads g and the lazy error state, writes
+//    the packed bits and x into the state and sums the scale terms (see kernels/onebit.hpp), so a
+//    step moves read g + read e + write e + write bits and nothing else. Work items are fixed
+//    element groups (flat) or (32-row slab, column tile) blocks whose partial sums are combined
+//    in a fixed order, so scales do not depend on the thread count. Full 32-element words go
+//    through SSE (compare + movemask packs 4 bits per instruction), partial or column-wrapping
+//    words through the same scalar math from kernels/onebit_math.h. A state written to another
+//    buffer goes out through non-temporal stores (no read-for-ownership of the target).
+//  - onebit_scales + onebit_quantize: the two-pass form (scale pass, then fused quantize pass that
+//    writes e itself), used by the allreduce plan's worker and server steps.
 #include <omp.h>
 
 #include <algorithm>
@@ -626,9 +631,9 @@ void flat_item(const void* g, const float* in, float* out, int64_t b, int64_t en
     {
       FlatLanes<M> lanes;
       for (; i0 + 32 <= stop; i0 += 32)
-        bits[i0 >> 5] = flat_word_sse<M, HasE, Lazy, NT>(g_word<Load>(g, i0, conv),
-                                                         HasE ? in + i0 : nullptr,
-                                                         HasE ? out + i0 : nullptr, ph, pl, lanes);
+        bits[i0 >> 5] =
+            flat_word_sse<M, HasE, Lazy, NT>(g_word<Load>(g, i0, conv), HasE ? in + i0 : nullptr,
+                                             HasE ? out + i0 : nullptr, ph, pl, lanes);
       lanes.store(a, an, ac);
     }
 #endif
@@ -818,8 +823,8 @@ void compress_t(const void* g, const float* in, float* out, const float* prev,
       const int64_t r0 = std::min(R, 32 * (RB * slab / nslab));
       const int64_t r1 = std::min(R, 32 * (RB * (slab + 1) / nslab));
       const int64_t c0 = t * tile, c1 = std::min(C, c0 + tile);
-      column_item<Load, HasE, Lazy, NT>(g, in, out, C, r0, r1, c0, c1, whole_rows, prev, bits,
-                                        facc, part + 3 * slab * C);
+      column_item<Load, HasE, Lazy, NT>(g, in, out, C, r0, r1, c0, c1, whole_rows, prev, bits, facc,
+                                        part + 3 * slab * C);
     }
 #if GC_ONEBIT_SSE
     if constexpr (NT) _mm_sfence();
@@ -872,7 +877,8 @@ int64_t onebit_compress(const void* g, DType t, const float* state_in, const flo
   if (geo.n == 0) return -1;
   const bool has_e = state_in != nullptr, lazy = has_e && prev_scales != nullptr;
 #if GC_ONEBIT_SSE
-  const bool nt = has_e && state_out != state_in && reinterpret_cast<uintptr_t>(state_out) % 16 == 0;
+  const bool nt =
+      has_e && state_out != state_in && reinterpret_cast<uintptr_t>(state_out) % 16 == 0;
 #else
   const bool nt = false;
 #endif

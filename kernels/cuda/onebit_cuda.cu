@@ -78,8 +78,8 @@ __device__ __forceinline__ float load_x(const void* g, const float* e, const flo
 
 template <class Load, int N, bool HasE>
 __global__ void sign_partial_kernel(const void* g, const float* e, const float* prev, int64_t n,
-                                    int64_t chunk, int64_t spc, bool check,
-                                    unsigned long long* bad, double* part) {
+                                    int64_t chunk, int64_t spc, bool check, unsigned long long* bad,
+                                    double* part) {
   const Geo geo{n, 1, chunk, false};
   using BR = cub::BlockReduce<double, kThreads>;
   __shared__ typename BR::TempStorage tmp;
@@ -117,8 +117,8 @@ __global__ void sign_finalize_kernel(const double* part, int64_t K, int64_t spc,
 /// Few columns (C < 32): block (slab, column) walks its rows; three block reductions.
 template <class Load, bool HasE>
 __global__ void column_narrow_kernel(const void* g, const float* e, const float* prev, int64_t R,
-                                     int64_t C, int64_t nslab, bool check,
-                                     unsigned long long* bad, double* part) {
+                                     int64_t C, int64_t nslab, bool check, unsigned long long* bad,
+                                     double* part) {
   const Geo geo{R * C, C, 32, true};
   using BR = cub::BlockReduce<double, kThreads>;
   __shared__ typename BR::TempStorage tmp;
@@ -150,8 +150,8 @@ __global__ void column_narrow_kernel(const void* g, const float* e, const float*
 /// along the row; the 8 row lanes are combined in a fixed order through shared memory.
 template <class Load, bool HasE>
 __global__ void column_tiled_kernel(const void* g, const float* e, const float* prev, int64_t R,
-                                    int64_t C, int64_t nslab, bool check,
-                                    unsigned long long* bad, double* part) {
+                                    int64_t C, int64_t nslab, bool check, unsigned long long* bad,
+                                    double* part) {
   const Geo geo{R * C, C, 32, true};
   __shared__ double s_sp[8][32], s_sn[8][32], s_cp[8][32];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -375,8 +375,8 @@ bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_
 
 /// The scale pass of x = g + state_error(e, prev) (prev == nullptr: e is the error itself).
 static int64_t scales_impl(const void* g, DType t, const float* e, const float* prev,
-                    const OneBitGeom& geo, int norm, bool check_finite, float* scales,
-                    OneBitWorkspace& ws, void* stream) {
+                           const OneBitGeom& geo, int norm, bool check_finite, float* scales,
+                           OneBitWorkspace& ws, void* stream) {
   if (geo.n == 0) return -1;
   cudaStream_t s = as_stream(stream);
   ws.partials.set_stream(stream);
@@ -453,9 +453,9 @@ static int64_t scales_impl(const void* g, DType t, const float* e, const float* 
 }
 
 /// The bits pass: x = g + state_error(e_in, prev); bits; e_out = x (store_x) or x - decode.
-static void quantize_impl(const void* g, DType t, const float* e_in, const float* prev, float* e_out,
-                   bool store_x, const OneBitGeom& geo, const float* scales, uint32_t* bits,
-                   void* stream) {
+static void quantize_impl(const void* g, DType t, const float* e_in, const float* prev,
+                          float* e_out, bool store_x, const OneBitGeom& geo, const float* scales,
+                          uint32_t* bits, void* stream) {
   if (geo.n == 0) return;
   cudaStream_t s = as_stream(stream);
   const Geo gg = to_geo(geo);

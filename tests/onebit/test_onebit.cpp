@@ -495,7 +495,7 @@ TensorView cpu_view(std::vector<float>& g, Shape s) {
   return TensorView(g.data(), {s.R, s.C}, DType::kFloat32, Device::kCPU);
 }
 
-const Shape kLazyShapes[] = {{1, 1},    {7, 13},    {300, 37},  {33, 31},   {100003, 1},
+const Shape kLazyShapes[] = {{1, 1},     {7, 13},    {300, 37},   {33, 31},   {100003, 1},
                              {64, 2048}, {40, 1056}, {256, 1000}, {3000, 32}, {77, 1}};
 
 }  // namespace
