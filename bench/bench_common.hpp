@@ -28,13 +28,16 @@ inline const std::vector<float>& normal_data(int64_t n) {
 }
 
 /// Bytes per second of a plain memory copy (counting read + write) of n floats, split over the
-/// same OpenMP threads the kernels use: best of 5 runs.
+/// same OpenMP threads the kernels use: best of 5 runs, or of more for small n (up to 64, about
+/// 256 MiB copied in all), so that a thread wake-up delayed by a loaded machine does not
+/// masquerade as the copy bandwidth of a sub-millisecond copy.
 inline double copy_bandwidth(int64_t n) {
   static std::map<int64_t, double> cache;
   if (auto it = cache.find(n); it != cache.end()) return it->second;
   std::vector<float> a(static_cast<size_t>(n), 1.0f), b(static_cast<size_t>(n), 0.0f);
   double best = 1e30;
-  for (int r = 0; r < 5; ++r) {
+  const int64_t reps = std::clamp<int64_t>((int64_t{1} << 26) / std::max<int64_t>(n, 1), 5, 64);
+  for (int64_t r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel
     {

@@ -5,10 +5,11 @@
 // 1-bit Adam does it with tensor ops and packbits).
 //
 // Counters: bytes_per_second counts the bytes a kernel must move (compress: read g and e, write
-// e and bits = 12.125 bytes per fp32 element); frac_of_copy = that bandwidth / the bandwidth of a
-// plain memory copy (read + write bytes per second) measured in this binary, the better of a
-// single memcpy and one memcpy per OpenMP thread; compression_ratio = dense bytes / payload bytes
-// (header and scales included).
+// e and bits = 12.125 bytes per fp32 element; the lazy one-pass state moves exactly these);
+// frac_of_copy = that bandwidth / the bandwidth of a plain memory copy of n floats (read + write
+// bytes per second, one memcpy per OpenMP thread, best of 5) measured by this binary before the
+// timed loop (bench/bench_common.hpp); compression_ratio = dense bytes / payload bytes (header and
+// scales included).
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
@@ -18,11 +19,14 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
 
 using namespace gradcomp;
+using gradcomp::bench::LoopTimer;
 
 namespace {
 
@@ -36,41 +40,32 @@ std::vector<float> data(int64_t n, uint64_t seed) {
   return v;
 }
 
-/// Copy bandwidth in bytes/s (read + write), measured once on 256 MiB.
-double copy_bandwidth() {
-  static const double bw = [] {
-    const size_t bytes = size_t{256} << 20;
-    std::vector<char> a(bytes, 1), b(bytes, 2);
-    double best = 0.0;
-    for (int mode = 0; mode < 2; ++mode)
-      for (int rep = 0; rep < 4; ++rep) {
-        const auto t0 = std::chrono::steady_clock::now();
-        if (mode == 0) {
-          std::memcpy(b.data(), a.data(), bytes);
-        } else {
-#pragma omp parallel
-          {
-            const size_t T = static_cast<size_t>(omp_get_num_threads());
-            const size_t t = static_cast<size_t>(omp_get_thread_num());
-            const size_t lo = bytes * t / T, hi = bytes * (t + 1) / T;
-            std::memcpy(b.data() + lo, a.data() + lo, hi - lo);
-          }
-        }
-        const double s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        best = std::max(best, 2.0 * static_cast<double>(bytes) / s);
-        benchmark::DoNotOptimize(b.data());
-      }
-    return best;
-  }();
-  return bw;
-}
+/// Times every iteration of a loop. frac_of_copy uses the fastest iteration, as
+/// copy_bandwidth() keeps the fastest of its 5 copies: on a shared machine load only ever slows a
+/// run down, so best against best compares the kernels rather than the scheduler (mean-based
+/// values: bytes_per_second and frac_of_copy_mean).
+class IterTimer {
+ public:
+  void start() { t0_ = std::chrono::steady_clock::now(); }
+  void stop() {
+    best_ = std::min(best_,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+  }
+  double best() const { return best_; }
 
-void set_counters(benchmark::State& st, double bytes_per_iter, double ratio) {
-  const double bps = bytes_per_iter * static_cast<double>(st.iterations());
-  st.counters["bytes_per_second"] = benchmark::Counter(bps, benchmark::Counter::kIsRate);
-  st.counters["frac_of_copy"] =
-      benchmark::Counter(bps / copy_bandwidth(), benchmark::Counter::kIsRate);
+ private:
+  std::chrono::steady_clock::time_point t0_;
+  double best_ = 1e30;
+};
+
+/// bytes_per_second and frac_of_copy_mean for `bytes` per iteration over the loop's `seconds`;
+/// frac_of_copy from the fastest iteration.
+void set_counters(benchmark::State& st, double bytes_per_iter, int64_t n, double seconds,
+                  const IterTimer& it, double ratio) {
+  gradcomp::bench::set_bandwidth(st, bytes_per_iter, n, seconds);
+  st.counters["frac_of_copy_mean"] = st.counters["frac_of_copy"];
+  st.counters["frac_of_copy"] = bytes_per_iter / it.best() / gradcomp::bench::copy_bandwidth(n);
+  st.counters["best_ms"] = 1e3 * it.best();
   if (ratio > 0) st.counters["compression_ratio"] = ratio;
 }
 
@@ -94,30 +89,51 @@ void shape_of(int mode, int64_t n, int64_t* R, int64_t* C) {
 void BM_onebit_memcpy(benchmark::State& st) {
   const int64_t n = st.range(0);
   std::vector<float> a = data(n, 1), b(n);
+  gradcomp::bench::copy_bandwidth(n);
+  LoopTimer timer;
+  IterTimer it;
   for (auto _ : st) {
-    std::memcpy(b.data(), a.data(), 4 * n);
+    it.start();
+#pragma omp parallel
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t lo = n * t / T, hi = n * (t + 1) / T;
+      std::memcpy(b.data() + lo, a.data() + lo, (hi - lo) * sizeof(float));
+    }
     benchmark::DoNotOptimize(b.data());
+    it.stop();
   }
-  set_counters(st, 8.0 * n, 0);
+  set_counters(st, 8.0 * n, n, timer.seconds(), it, 0);
 }
 
-/// Fused compress (scale pass + quantize pass). Arg 0: n, arg 1: scaling mode.
+/// Fused compress: one pass over g and the (lazy) error state. Arg 0: n, arg 1: scaling mode,
+/// arg 2: check_finite (1, the default: the state ping-pongs between two buffers so that a
+/// rejected gradient leaves it unchanged; 0: in place).
 void BM_onebit_compress(benchmark::State& st) {
   const int64_t n = st.range(0);
   const int mode = static_cast<int>(st.range(1));
   int64_t R, C;
   shape_of(mode, n, &R, &C);
-  OneBitCompressor comp(cfg_of(mode), R, C);
+  OneBitConfig cfg = cfg_of(mode);
+  cfg.check_finite = st.range(2) != 0;
+  OneBitCompressor comp(cfg, R, C);
   std::vector<float> g = data(n, 2);
   Payload p;
   const TensorView gv(g.data(), {R, C}, DType::kFloat32, Device::kCPU);
   comp.encode(gv, p);  // warm-up: payload buffer allocated
+  gradcomp::bench::copy_bandwidth(n);
+  LoopTimer timer;
+  IterTimer it;
   for (auto _ : st) {
+    it.start();
     comp.encode(gv, p);
     benchmark::DoNotOptimize(p.data());
+    it.stop();
   }
-  st.SetLabel(onebit_scaling_name(static_cast<OneBitScaling>(mode)));
-  set_counters(st, 12.0 * n + n / 8.0, comp.last_stats().compression_ratio());
+  const double secs = timer.seconds();
+  st.SetLabel(std::string(onebit_scaling_name(static_cast<OneBitScaling>(mode))) +
+              (cfg.check_finite ? "" : " in-place"));
+  set_counters(st, 12.0 * n + n / 8.0, n, secs, it, comp.last_stats().compression_ratio());
 }
 
 /// The unfused baseline: x = g + e; scale = ||x||_2 / sqrt(n); signs = x >= 0 (one byte each);
@@ -126,7 +142,11 @@ void BM_onebit_baseline_compress(benchmark::State& st) {
   const int64_t n = st.range(0);
   std::vector<float> g = data(n, 2), e(n, 0.0f), x(n);
   std::vector<uint8_t> signs(n), packed((n + 7) / 8);
+  gradcomp::bench::copy_bandwidth(n);
+  LoopTimer timer;
+  IterTimer it;
   for (auto _ : st) {
+    it.start();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) x[i] = g[i] + e[i];
     double ss = 0.0;
@@ -145,8 +165,9 @@ void BM_onebit_baseline_compress(benchmark::State& st) {
     for (int64_t i = 0; i < n; ++i) e[i] = x[i] - scale * (2.0f * signs[i] - 1.0f);
     benchmark::DoNotOptimize(packed.data());
     benchmark::DoNotOptimize(e.data());
+    it.stop();
   }
-  set_counters(st, 12.0 * n + n / 8.0, 4.0 * n / (64.0 + n / 8.0 + 8.0));
+  set_counters(st, 12.0 * n + n / 8.0, n, timer.seconds(), it, 4.0 * n / (64.0 + n / 8.0 + 8.0));
 }
 
 /// Decompress-accumulate: dense += decode(payload). Bytes: read bits, read and write dense.
@@ -160,12 +181,18 @@ void BM_onebit_decompress_accumulate(benchmark::State& st) {
   Payload p;
   comp.encode(TensorView(g.data(), {R, C}, DType::kFloat32, Device::kCPU), p);
   const TensorView dv(dense.data(), {R, C}, DType::kFloat32, Device::kCPU);
+  gradcomp::bench::copy_bandwidth(n);
+  LoopTimer timer;
+  IterTimer it;
   for (auto _ : st) {
+    it.start();
     comp.decode_add(p.data(), p.size(), dv, 0.125f);
     benchmark::DoNotOptimize(dense.data());
+    it.stop();
   }
+  const double secs = timer.seconds();
   st.SetLabel(onebit_scaling_name(static_cast<OneBitScaling>(mode)));
-  set_counters(st, 8.0 * n + n / 8.0, comp.last_stats().compression_ratio());
+  set_counters(st, 8.0 * n + n / 8.0, n, secs, it, comp.last_stats().compression_ratio());
 }
 
 /// Averaging decode of 8 payloads in one pass over dense.
@@ -185,11 +212,16 @@ void BM_onebit_decode_average8(benchmark::State& st) {
     sz[q] = ps[q].size();
   }
   std::vector<float> dense(n, 0.0f);
+  gradcomp::bench::copy_bandwidth(n);
+  LoopTimer timer;
+  IterTimer it;
   for (auto _ : st) {
+    it.start();
     comp.decode_average(ptr.data(), sz.data(), P, TensorView::cpu(dense.data(), n), 1.0f / P);
     benchmark::DoNotOptimize(dense.data());
+    it.stop();
   }
-  set_counters(st, 8.0 * n + P * n / 8.0, 0);
+  set_counters(st, 8.0 * n + P * n / 8.0, n, timer.seconds(), it, 0);
 }
 
 /// The two-phase compressed allreduce for P = 8 simulated ranks in this process (all local work
@@ -205,12 +237,18 @@ void BM_onebit_plan_p8(benchmark::State& st) {
   std::vector<float> g = data(n, 4), out(n);
   std::vector<Plan*> ps;
   for (auto& p : plans) ps.push_back(p.get());
+  gradcomp::bench::copy_bandwidth(n);
+  LoopTimer timer;
+  IterTimer it;
   for (auto _ : st) {
+    it.start();
     for (auto& p : plans) p->begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n));
     run_plans_in_process(ps);
     benchmark::DoNotOptimize(out.data());
+    it.stop();
   }
-  set_counters(st, 4.0 * P * n, 4.0 * n / static_cast<double>(plans[0]->bytes_sent()));
+  set_counters(st, 4.0 * P * n, n, timer.seconds(), it,
+               4.0 * n / static_cast<double>(plans[0]->bytes_sent()));
 }
 
 constexpr int64_t k1M = 1 << 20, k25M = 25'000'000, k110M = 110'000'000;
@@ -227,10 +265,20 @@ void sizes(benchmark::internal::Benchmark* b, bool modes) {
 
 }  // namespace
 
-BENCHMARK(BM_onebit_memcpy)->Arg(k25M)->Unit(benchmark::kMillisecond)->MinTime(0.3)->UseRealTime();
-BENCHMARK(BM_onebit_compress)->Apply([](auto* b) {
-                               sizes(b, true);
-                             }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3) -> UseRealTime();
+BENCHMARK(BM_onebit_memcpy)
+    ->Arg(k1M)
+    ->Arg(k25M)
+    ->Arg(k110M)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.3)
+    ->UseRealTime();
+BENCHMARK(BM_onebit_compress)
+    ->Apply([](auto* b) {
+      for (int64_t n : {k1M, k25M, k110M}) {
+        for (int m = 0; m < 3; ++m) b->Args({n, m, 1});
+        b->Args({n, 2, 0});  // in place (check_finite off)
+      }
+    }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3) -> UseRealTime();
 BENCHMARK(BM_onebit_baseline_compress)
     ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
         -> UseRealTime();

@@ -192,15 +192,45 @@ uint64_t onebit_payload_bytes(const OneBitConfig& cfg, int64_t rows, int64_t col
 }
 
 // ------------------------------------------------------------------------------------------------
+// State of the compressor (see kernels/onebit.hpp, "one-pass compress"): e[cur] holds the
+// error-feedback memory, either as e itself (lazy == false) or as the previous step's x with that
+// step's scales in prev_scales (lazy == true; the error is x - decode(sign_bit(x))). error() and
+// state_dict() materialize it in place, which changes the representation, not the value.
+// Rejecting a non-finite gradient must leave the state as it was. The CPU pass is a single sweep
+// that meets a NaN only when it gets there, after writing what came before; so on the CPU, with
+// check_finite and error feedback on, the step writes x into the other buffer e[1 - cur] and only
+// a successful step flips cur (one extra n-float buffer; no extra memory traffic: the stores are
+// non-temporal). The CUDA backend checks between its two kernels and works in place.
 struct OneBitCompressor::Impl {
-  Impl(Device dev, void* s) : e(dev, s), scales(dev, s), ws(dev), stream(s) {}
-  Buffer e, scales;
+  Impl(Device dev, void* s)
+      : e{Buffer(dev, s), Buffer(dev, s)},
+        scales(dev, s),
+        prev_scales(dev, s),
+        ws(dev),
+        stream(s) {}
+  Buffer e[2], scales, prev_scales;
+  int cur = 0;
+  bool lazy = false;
+  bool two_buffers = false;
   k::OneBitWorkspace ws;
   void* stream;
   int device_index = 0;
   k::OneBitGeom geo;
   std::vector<const uint32_t*> bit_ptrs;
   std::vector<const float*> scale_ptrs;
+  float* state() { return static_cast<float*>(e[cur].data()); }
+  /// Turns a lazy state into e itself (one pass over e; nothing to do when not lazy).
+  void materialize(Device dev) {
+    if (!lazy) return;
+    if (geo.n > 0) {
+      if (dev == Device::kCUDA)
+        k::cuda::onebit_finalize_error(state(), geo, static_cast<const float*>(prev_scales.data()),
+                                       stream);
+      else
+        k::cpu::onebit_finalize_error(state(), geo, static_cast<const float*>(prev_scales.data()));
+    }
+    lazy = false;
+  }
 };
 
 OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_t cols,
@@ -218,9 +248,12 @@ OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_
   impl_->device_index = device_index;
   impl_->geo = geom_for(cfg_, rows, cols);
   const int64_t n = rows * cols;
-  float* e = impl_->e.get<float>(static_cast<size_t>(n));
+  float* e = impl_->e[0].get<float>(static_cast<size_t>(n));
   device_zero(device, e, n * sizeof(float), stream);
+  impl_->two_buffers = device == Device::kCPU && cfg_.check_finite && cfg_.error_feedback;
+  if (impl_->two_buffers) impl_->e[1].get<float>(static_cast<size_t>(n));
   impl_->scales.get<float>(static_cast<size_t>(impl_->geo.num_scales()) + 1);
+  impl_->prev_scales.get<float>(static_cast<size_t>(impl_->geo.num_scales()) + 1);
   stats_.numel = n;
 }
 
@@ -230,7 +263,10 @@ OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, const TensorView& li
 
 OneBitCompressor::~OneBitCompressor() = default;
 
-const float* OneBitCompressor::error() const { return static_cast<const float*>(impl_->e.data()); }
+const float* OneBitCompressor::error() const {
+  impl_->materialize(device_);
+  return impl_->state();
+}
 
 void OneBitCompressor::encode(const TensorView& g, Payload& out) {
   Impl& s = *impl_;
@@ -241,31 +277,44 @@ void OneBitCompressor::encode(const TensorView& g, Payload& out) {
                  " is a ", g.rows(), " x ", g.cols(), " matrix but the state was built for ", rows_,
                  " x ", cols_, " (column-means groups by column)");
   const k::OneBitGeom& geo = s.geo;
-  float* e = static_cast<float*>(s.e.data());
-  const float* e_in = cfg_.error_feedback ? e : nullptr;
-  float* scales = static_cast<float*>(s.scales.data());
-  const int64_t bad = run_scales(device_, g.data, g.dtype, e_in, geo, norm_of(cfg_.scaling),
-                                 cfg_.check_finite, scales, s.ws, s.stream);
-  GC_CHECK_ARG(bad < 0, "onebit tensor ", cfg_.tensor_id,
-               ": gradient has a non-finite value (NaN or Inf) at index ", bad,
-               "; nothing was changed (disable check_finite to skip this test)");
-  // ---- from here on the state changes ----
+  // The payload is prepared first: the pass writes the bits straight into it. On a rejected
+  // gradient `out` may thus have been resized and partly written; the state is unchanged.
   if (out.bytes.device() != device_) out.bytes = Buffer(device_, s.stream);
   out.bytes.set_stream(s.stream);
-  PayloadHeader& h = out.header;
+  PayloadHeader h;
   fill_header(h, cfg_, geo);
   out.bytes.resize(h.total_bytes(), false);
   uint8_t* base = static_cast<uint8_t*>(out.bytes.data());
   auto* bits = reinterpret_cast<uint32_t*>(base + h.section_offset(1));
+  const bool ef = cfg_.error_feedback;
+  const float* in = ef ? s.state() : nullptr;
+  float* st_out = ef ? static_cast<float*>(s.e[s.two_buffers ? 1 - s.cur : s.cur].data()) : nullptr;
+  const float* prev = s.lazy ? static_cast<const float*>(s.prev_scales.data()) : nullptr;
+  float* scales = static_cast<float*>(s.scales.data());
+  const int64_t bad =
+      device_ == Device::kCUDA
+          ? k::cuda::onebit_compress(g.data, g.dtype, in, prev, st_out, geo, norm_of(cfg_.scaling),
+                                     cfg_.check_finite, scales, bits, s.ws, s.stream)
+          : k::cpu::onebit_compress(g.data, g.dtype, in, prev, st_out, geo, norm_of(cfg_.scaling),
+                                    cfg_.check_finite, scales, bits, s.ws);
+  GC_CHECK_ARG(bad < 0, "onebit tensor ", cfg_.tensor_id,
+               ": gradient has a non-finite value (NaN or Inf) at index ", bad,
+               "; nothing was changed (disable check_finite to skip this test)");
+  // ---- from here on the state changes ----
+  if (ef) {
+    if (s.two_buffers) s.cur = 1 - s.cur;
+    std::swap(s.scales, s.prev_scales);  // the scales just computed describe the stored x
+    s.lazy = true;
+  }
+  const float* sent = static_cast<const float*>((ef ? s.prev_scales : s.scales).data());
   for (int sec = 1; sec <= 2; ++sec) {  // alignment padding: zero, so payloads are reproducible
     const uint64_t pad = PayloadHeader::align(h.section_bytes[sec]) - h.section_bytes[sec];
     if (pad)
       device_zero(device_, base + h.section_offset(sec) + h.section_bytes[sec], pad, s.stream);
   }
-  run_quantize(device_, g.data, g.dtype, e_in, cfg_.error_feedback ? e : nullptr, geo, scales, bits,
-               s.stream);
-  device_copy(base + h.section_offset(2), device_, scales, device_, h.section_bytes[2], s.stream);
-  device_copy(base, device_, &h, Device::kCPU, sizeof(PayloadHeader), s.stream);
+  device_copy(base + h.section_offset(2), device_, sent, device_, h.section_bytes[2], s.stream);
+  out.header = h;
+  device_copy(base, device_, &out.header, Device::kCPU, sizeof(PayloadHeader), s.stream);
 
   stats_.step = step_;
   stats_.numel = n;
@@ -318,7 +367,8 @@ std::vector<uint8_t> OneBitCompressor::state_dict() const {
   w.put<int64_t>(cfg_.chunk_size);
   w.put<uint32_t>(cfg_.tensor_id);
   w.put<int64_t>(step_);
-  w.put_array(impl_->e.data(), device_, rows_ * cols_ * sizeof(float), impl_->stream);
+  impl_->materialize(device_);
+  w.put_array(impl_->state(), device_, rows_ * cols_ * sizeof(float), impl_->stream);
   return w.take();
 }
 
@@ -335,7 +385,8 @@ void OneBitCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   const uint64_t eb = static_cast<uint64_t>(rows_ * cols_) * sizeof(float);
   const uint8_t* e = r.array("error", eb);
   r.finish();
-  device_copy(impl_->e.data(), device_, e, Device::kCPU, eb, impl_->stream);
+  device_copy(impl_->state(), device_, e, Device::kCPU, eb, impl_->stream);
+  impl_->lazy = false;
   step_ = step;
 }
 

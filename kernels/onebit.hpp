@@ -38,7 +38,37 @@ struct OneBitWorkspace {
   OneBitWorkspace& operator=(const OneBitWorkspace&) = delete;
 };
 
+/// The one-pass compress (onebit_compress) and its lazy error-feedback state.
+///
+/// The state buffer holds either the error e itself (prev_scales == nullptr) or, lazily, the
+/// previous step's compensated value x_prev together with that step's scales (prev_scales): the
+/// error it stands for is lazy_error(x_prev, hi_prev, lo_prev) = x_prev - decode(sign_bit(x_prev))
+/// (the transmitted bit is the sign of x, so it need not be kept). A compress step then reads g
+/// and the state once, writes the packed bits and x = g + e into the state, and accumulates the
+/// scales of x on the way: the new error x - decode(bits, scales) cannot be formed before the
+/// per-tensor scales are known, so it is formed by the next step's read (or by
+/// onebit_finalize_error when someone asks for e). Bits and scales do not depend on the scales of
+/// the step, only on x, so they are exactly those of the two-pass form; the error values too
+/// (the same fp32 operations in the same order).
+///
+/// Non-finite input: the return value is the first non-finite index of g (check_finite) or -1.
+/// On a rejection, `state_in` is left unchanged when state_out != state_in (both backends) and,
+/// on CUDA, also in place (the check finishes before anything is written). The CPU pass is one
+/// sweep that cannot know about a NaN ahead of it, so an in-place CPU call that rejects its input
+/// has already overwritten part of the state: the compressor gives the CPU a second buffer when
+/// it checks finiteness (compressors/onebit.cpp).
+///
+/// state_in == nullptr: no error feedback (x = g) and state_out must be nullptr too.
 namespace cpu {
+/// One pass: x = g + e(state_in, prev_scales); bits of x; state_out = x (when not null); scales
+/// of x for the geometry (norm as in onebit_scales). Returns the first non-finite index of g when
+/// check_finite and some scale came out non-finite, else -1 (scales, bits, state_out garbage
+/// then). state_out may equal state_in; if it does not, it is written with non-temporal stores.
+int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
+                        float* state_out, const OneBitGeom& geo, int norm, bool check_finite,
+                        float* scales, uint32_t* bits, OneBitWorkspace& ws);
+/// Materializes a lazy state in place: x := lazy_error(x, hi, lo) with the given scales.
+void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales);
 /// Pass 1: the scales of x = g + e (e == nullptr: x = g) for the geometry; norm is
 /// onebit::kColumnMeans / kL1 / kL2 (columns geometry iff kColumnMeans). When check_finite,
 /// returns the index of the first non-finite element of g, else -1 (scales are then garbage).
@@ -58,6 +88,13 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
 }  // namespace cpu
 
 namespace cuda {
+/// Same contract as cpu::onebit_compress. Two kernels (scale pass, then bits + state pass); with
+/// check_finite the bad index is read back between them, so a rejected call writes nothing, also
+/// in place.
+int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
+                        float* state_out, const OneBitGeom& geo, int norm, bool check_finite,
+                        float* scales, uint32_t* bits, OneBitWorkspace& ws, void* stream);
+void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales, void* stream);
 int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
                       bool check_finite, float* scales, OneBitWorkspace& ws, void* stream);
 void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,

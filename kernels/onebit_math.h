@@ -53,6 +53,12 @@ GC_HD float compensate(float g, float e) { return add_rn(g, e); }
 GC_HD float reconstruct(bool bit, float hi, float lo) { return bit ? hi : lo; }
 /// The new error-feedback memory: what the payload does not carry.
 GC_HD float error_update(float x, float decoded) { return sub_rn(x, decoded); }
+/// Lazy error feedback: a state that holds the previous step's x (not yet corrected) stands for
+/// the error x - decode(encode(x)); the bit is recomputed from x itself (it is sign_bit(x)), so
+/// only the previous reconstruction values (hi, lo) are kept. Same rounding as error_update.
+GC_HD float lazy_error(float x_prev, float hi, float lo) {
+  return error_update(x_prev, reconstruct(sign_bit(x_prev), hi, lo));
+}
 /// Decode step: dense + scale * v (accumulate) or scale * v (overwrite).
 GC_HD float decode_store(float dense, float scale, float v, bool accumulate) {
   const float t = mul_rn(scale, v);

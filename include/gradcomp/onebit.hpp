@@ -63,8 +63,10 @@ struct OneBitConfig {
   /// Sign modes: elements per scale, a positive multiple of 32; 0 = one scale for the tensor.
   /// Must be 0 for kColumnMeans (its groups are the columns).
   int64_t chunk_size = 0;
-  /// Reject a gradient with NaN/Inf (naming the first bad index) before any state changes. The
-  /// check rides on the scale pass: it costs nothing unless a scale comes out non-finite.
+  /// Reject a gradient with NaN/Inf (naming the first bad index) leaving the state unchanged.
+  /// The check rides on the scale sums: it costs no pass unless a scale comes out non-finite. On
+  /// the CPU the one-pass compress then writes the new state into a second buffer (4 bytes per
+  /// element of memory, no extra traffic); with check_finite off it works in place.
   bool check_finite = true;
   uint32_t tensor_id = 0;  ///< written to the payload header
   void validate() const;
@@ -111,7 +113,11 @@ class OneBitCompressor : public Compressor {
   const OneBitConfig& config() const { return cfg_; }
   int64_t rows() const { return rows_; }
   int64_t cols() const { return cols_; }
-  /// The error-feedback memory e (numel floats) on the compressor's device.
+  /// The error-feedback memory e (numel floats) on the compressor's device. Between steps the
+  /// compressor keeps e lazily (the last x and its scales: e = x - decode(sign(x)), formed by the
+  /// next encode's single pass); this call materializes it in place first (one pass over e; the
+  /// value, and every later payload, is the same either way). The pointer is valid until the
+  /// next encode.
   const float* error() const;
 
  private:

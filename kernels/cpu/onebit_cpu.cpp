@@ -1,10 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU backend of the 1-bit family. Two passes per compress: the scale pass (reads g and e, writes
-// a few partial sums) and the fused quantize pass (reads g and e, writes e and the packed bits).
-// Both are split across OpenMP threads in contiguous word ranges; full 32-element words go
-// through SSE (compare + movemask packs 4 bits per instruction), partial words through the same
-// scalar math from kernels/onebit_math.h. Partial sums are taken over fixed element groups and
-// combined in a fixed order, so scales do not depend on the thread count.
+// CPU backend of the 1-bit family.
+//  - onebit_compress (the compressor's path): one pass reads g and the lazy error state, writes
+//    the packed bits and x into the state and sums the scale terms (see kernels/onebit.hpp), so a
+//    step moves read g + read e + write e + write bits and nothing else. Work items are fixed
+//    element groups (flat) or (32-row slab, column tile) blocks whose partial sums are combined
+//    in a fixed order, so scales do not depend on the thread count. Full 32-element words go
+//    through SSE (compare + movemask packs 4 bits per instruction), partial or column-wrapping
+//    words through the same scalar math from kernels/onebit_math.h. A state written to another
+//    buffer goes out through non-temporal stores (no read-for-ownership of the target).
+//  - onebit_scales + onebit_quantize: the two-pass form (scale pass, then fused quantize pass that
+//    writes e itself), used by the allreduce plan's worker and server steps.
 #include <omp.h>
 
 #include <algorithm>
@@ -465,6 +470,382 @@ inline float decoded(uint32_t word, int j, const ScaleCursor& cur) {
   return reconstruct(get_bit(word, static_cast<uint32_t>(j)), hi, lo);
 }
 
+// ---- one-pass compress (lazy error feedback) --------------------------------------------------
+//
+// One sweep per step reads g and the state, writes the packed bits and x = g + e into the state,
+// and sums the scale terms of x. The reductions keep the fixed groups and lane order of the
+// two-pass scale functions above (flat: 8 fp32 lanes per block of kLaneBlock elements folded
+// into double per group of kGroup; columns: fp32 over 32-row blocks folded into double per slab),
+// so the scales do not depend on the thread count.
+
+/// x of one element: g, or g + e with e read from the state (lazily corrected with hi / lo).
+template <bool HasE, bool Lazy>
+inline float x_elem(float gv, const float* in, int64_t i, float phi, float plo) {
+  if constexpr (!HasE) return gv;
+  const float e = Lazy ? lazy_error(in[i], phi, plo) : in[i];
+  return compensate(gv, e);
+}
+
+/// 32 fp32 gradient values of word starting at i0 (converted into conv for fp16 / bf16).
+template <class Load>
+inline const float* g_word(const void* g, int64_t i0, float* conv) {
+  if constexpr (std::is_same_v<Load, F32Load>) {
+    return static_cast<const float*>(g) + i0;
+  } else {
+    for (int j = 0; j < 32; ++j) conv[j] = Load::load(g, i0 + j);
+    return conv;
+  }
+}
+
+/// Adds element x with bit p to lane l of the flat accumulators (mode M).
+template <int M>
+inline void lane_add(float* a, float* an, float* ac, int l, float x, bool p) {
+  if constexpr (M == kColumnMeans) {
+    a[l] += p ? x : 0.0f;
+    an[l] += p ? 0.0f : x;
+    ac[l] += p ? 1.0f : 0.0f;
+  } else {
+    a[l] += norm_term<M>(x);
+  }
+}
+
+#if GC_ONEBIT_SSE
+template <bool HasE, bool Lazy>
+inline __m128 x_vec(const float* g, const float* in, __m128 ph, __m128 pl) {
+  __m128 x = _mm_loadu_ps(g);
+  if constexpr (HasE) {
+    __m128 e = _mm_loadu_ps(in);
+    if constexpr (Lazy) {  // e = x_prev - (x_prev >= 0 ? hi : lo), as lazy_error
+      const __m128 m = _mm_cmpge_ps(e, _mm_setzero_ps());
+      e = _mm_sub_ps(e, _mm_or_ps(_mm_and_ps(m, ph), _mm_andnot_ps(m, pl)));
+    }
+    x = _mm_add_ps(x, e);
+  }
+  return x;
+}
+
+template <bool NT>
+inline void put_vec(float* p, __m128 v) {
+  if constexpr (NT)
+    _mm_stream_ps(p, v);
+  else
+    _mm_storeu_ps(p, v);
+}
+
+/// The 8 fp32 lanes of the flat reductions (a: |x|, x^2 or the non-negative sum; n, c: the
+/// negative sum and the non-negative count of kColumnMeans).
+template <int M>
+struct FlatLanes {
+  __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
+  __m128 n0 = _mm_setzero_ps(), n1 = _mm_setzero_ps();
+  __m128 c0 = _mm_setzero_ps(), c1 = _mm_setzero_ps();
+  inline void add(__m128 x0, __m128 x1, __m128 m0, __m128 m1) {
+    if constexpr (M == kL1) {
+      const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+      a0 = _mm_add_ps(a0, _mm_and_ps(x0, absmask));
+      a1 = _mm_add_ps(a1, _mm_and_ps(x1, absmask));
+    } else if constexpr (M == kL2) {
+      a0 = _mm_add_ps(a0, _mm_mul_ps(x0, x0));
+      a1 = _mm_add_ps(a1, _mm_mul_ps(x1, x1));
+    } else {
+      const __m128 one = _mm_set1_ps(1.0f);
+      a0 = _mm_add_ps(a0, _mm_and_ps(m0, x0));
+      a1 = _mm_add_ps(a1, _mm_and_ps(m1, x1));
+      n0 = _mm_add_ps(n0, _mm_andnot_ps(m0, x0));
+      n1 = _mm_add_ps(n1, _mm_andnot_ps(m1, x1));
+      c0 = _mm_add_ps(c0, _mm_and_ps(m0, one));
+      c1 = _mm_add_ps(c1, _mm_and_ps(m1, one));
+    }
+  }
+  void store(float* a, float* an, float* ac) const {
+    _mm_storeu_ps(a, a0);
+    _mm_storeu_ps(a + 4, a1);
+    if constexpr (M == kColumnMeans) {
+      _mm_storeu_ps(an, n0);
+      _mm_storeu_ps(an + 4, n1);
+      _mm_storeu_ps(ac, c0);
+      _mm_storeu_ps(ac + 4, c1);
+    }
+  }
+};
+
+/// One full word of the flat geometries (constant previous hi / lo).
+template <int M, bool HasE, bool Lazy, bool NT>
+inline uint32_t flat_word_sse(const float* gx, const float* in, float* out, __m128 ph, __m128 pl,
+                              FlatLanes<M>& lanes) {
+  const __m128 zero = _mm_setzero_ps();
+  uint32_t word = 0;
+  for (int j = 0; j < 32; j += 8) {
+    const __m128 x0 = x_vec<HasE, Lazy>(gx + j, HasE ? in + j : nullptr, ph, pl);
+    const __m128 x1 = x_vec<HasE, Lazy>(gx + j + 4, HasE ? in + j + 4 : nullptr, ph, pl);
+    const __m128 m0 = _mm_cmpge_ps(x0, zero), m1 = _mm_cmpge_ps(x1, zero);
+    word |= static_cast<uint32_t>(_mm_movemask_ps(m0) | (_mm_movemask_ps(m1) << 4)) << j;
+    lanes.add(x0, x1, m0, m1);
+    if constexpr (HasE) {
+      put_vec<NT>(out + j, x0);
+      put_vec<NT>(out + j + 4, x1);
+    }
+  }
+  return word;
+}
+
+/// One full word whose 32 elements lie in consecutive columns (previous hi / lo per column;
+/// fp / fn / fc: the fp32 column accumulators at the word's first column).
+template <bool HasE, bool Lazy, bool NT>
+inline uint32_t column_word_sse(const float* gx, const float* in, float* out, const float* phA,
+                                const float* plA, float* fp, float* fn, float* fc) {
+  const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
+  uint32_t word = 0;
+  for (int j = 0; j < 32; j += 4) {
+    const __m128 ph = Lazy ? _mm_loadu_ps(phA + j) : zero;
+    const __m128 pl = Lazy ? _mm_loadu_ps(plA + j) : zero;
+    const __m128 x = x_vec<HasE, Lazy>(gx + j, HasE ? in + j : nullptr, ph, pl);
+    const __m128 m = _mm_cmpge_ps(x, zero);
+    word |= static_cast<uint32_t>(_mm_movemask_ps(m)) << j;
+    _mm_storeu_ps(fp + j, _mm_add_ps(_mm_loadu_ps(fp + j), _mm_and_ps(m, x)));
+    _mm_storeu_ps(fn + j, _mm_add_ps(_mm_loadu_ps(fn + j), _mm_andnot_ps(m, x)));
+    _mm_storeu_ps(fc + j, _mm_add_ps(_mm_loadu_ps(fc + j), _mm_and_ps(m, one)));
+    if constexpr (HasE) put_vec<NT>(out + j, x);
+  }
+  return word;
+}
+#endif
+
+/// Flat item [b, end) (b a multiple of 32; end too unless it is n) with constant previous hi / lo:
+/// bits, state, and the item's sums (res[0] = the norm sum or the non-negative sum, res[1] = the
+/// non-negative count, res[2] = the negative sum).
+template <class Load, int M, bool HasE, bool Lazy, bool NT>
+void flat_item(const void* g, const float* in, float* out, int64_t b, int64_t end, float phi,
+               float plo, uint32_t* bits, double* res) {
+  double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+  [[maybe_unused]] float conv[32];
+#if GC_ONEBIT_SSE
+  const __m128 ph = _mm_set1_ps(phi), pl = _mm_set1_ps(plo);
+#endif
+  for (int64_t i = b; i < end; i += kLaneBlock) {
+    const int64_t stop = std::min(end, i + kLaneBlock);
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, an[8] = {0, 0, 0, 0, 0, 0, 0, 0},
+          ac[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i0 = i;
+#if GC_ONEBIT_SSE
+    {
+      FlatLanes<M> lanes;
+      for (; i0 + 32 <= stop; i0 += 32)
+        bits[i0 >> 5] =
+            flat_word_sse<M, HasE, Lazy, NT>(g_word<Load>(g, i0, conv), HasE ? in + i0 : nullptr,
+                                             HasE ? out + i0 : nullptr, ph, pl, lanes);
+      lanes.store(a, an, ac);
+    }
+#endif
+    for (; i0 < stop; i0 += 32) {  // scalar words (the partial last word with SSE)
+      const int len = static_cast<int>(std::min<int64_t>(32, stop - i0));
+      const int full8 = len / 8 * 8;
+      uint32_t word = 0;
+      for (int j = 0; j < len; ++j) {
+        const int64_t idx = i0 + j;
+        const float x = x_elem<HasE, Lazy>(Load::load(g, idx), in, idx, phi, plo);
+        const bool p = sign_bit(x);
+        word |= static_cast<uint32_t>(p) << j;
+        if constexpr (HasE) out[idx] = x;
+        lane_add<M>(a, an, ac, j < full8 ? j % 8 : 0, x, p);
+      }
+      bits[i0 >> 5] = word;
+    }
+    if constexpr (M == kColumnMeans) {
+      for (int l = 0; l < 8; ++l) {
+        t0 += a[l];
+        t2 += an[l];
+        t1 += ac[l];
+      }
+    } else {
+      double s = 0.0;
+      for (int l = 0; l < 8; ++l) s += a[l];
+      t0 += s;
+    }
+  }
+  res[0] = t0;
+  if constexpr (M == kColumnMeans) {
+    res[1] = t1;
+    res[2] = t2;
+  }
+}
+
+/// Column item: rows [r0, r1) (r0 a multiple of 32) x columns [c0, c1) of a C-column matrix.
+/// whole_rows: c0 = 0, c1 = C and the item is the contiguous range [r0 C, r1 C) (any C); else C
+/// is a multiple of 32 and every row segment is whole, column-contiguous words. facc: 3 (c1 - c0)
+/// floats of scratch; dsum: the slab's [3][C] double sums (this item owns columns [c0, c1)).
+template <class Load, bool HasE, bool Lazy, bool NT>
+void column_item(const void* g, const float* in, float* out, int64_t C, int64_t r0, int64_t r1,
+                 int64_t c0, int64_t c1, bool whole_rows, const float* prev, uint32_t* bits,
+                 float* facc, double* dsum) {
+  const int64_t W = c1 - c0;
+  float* fp = facc;
+  float* fn = facc + W;
+  float* fc = facc + 2 * W;
+  for (int64_t c = c0; c < c1; ++c) dsum[c] = dsum[C + c] = dsum[2 * C + c] = 0.0;
+  [[maybe_unused]] float conv[32];
+  // scalar element (wrapping words, partial last word, no SSE): column c, local index c - c0
+  auto scalar = [&](int64_t idx, int64_t c, uint32_t* word, int j) {
+    const float phi = Lazy ? prev[c] : 0.0f, plo = Lazy ? prev[C + c] : 0.0f;
+    const float x = x_elem<HasE, Lazy>(Load::load(g, idx), in, idx, phi, plo);
+    const bool p = sign_bit(x);
+    *word |= static_cast<uint32_t>(p) << j;
+    if constexpr (HasE) out[idx] = x;
+    fp[c - c0] += p ? x : 0.0f;
+    fn[c - c0] += p ? 0.0f : x;
+    fc[c - c0] += p ? 1.0f : 0.0f;
+  };
+  // one word starting at flat index i0 (column c); len elements
+  auto do_word = [&](int64_t i0, int64_t c, int len) {
+#if GC_ONEBIT_SSE
+    if (len == 32 && c + 32 <= c1) {
+      bits[i0 >> 5] = column_word_sse<HasE, Lazy, NT>(
+          g_word<Load>(g, i0, conv), HasE ? in + i0 : nullptr, HasE ? out + i0 : nullptr,
+          Lazy ? prev + c : nullptr, Lazy ? prev + C + c : nullptr, fp + (c - c0), fn + (c - c0),
+          fc + (c - c0));
+      return;
+    }
+#endif
+    uint32_t word = 0;
+    int64_t cc = c;
+    for (int j = 0; j < len; ++j) {
+      scalar(i0 + j, cc, &word, j);
+      if (++cc == C) cc = 0;
+    }
+    bits[i0 >> 5] = word;
+  };
+  for (int64_t rb = r0; rb < r1; rb += 32) {
+    const int64_t re = std::min(r1, rb + 32);
+    for (int64_t k = 0; k < 3 * W; ++k) facc[k] = 0.0f;
+    if (whole_rows) {
+      const int64_t end = re * C;
+      int64_t c = 0;
+      for (int64_t i0 = rb * C; i0 < end; i0 += 32) {
+        do_word(i0, c, static_cast<int>(std::min<int64_t>(32, end - i0)));
+        c = (c + 32) % C;
+      }
+    } else {
+      for (int64_t r = rb; r < re; ++r)
+        for (int64_t c = c0; c < c1; c += 32) do_word(r * C + c, c, 32);
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      dsum[c] += fp[c - c0];
+      dsum[C + c] += fc[c - c0];
+      dsum[2 * C + c] += fn[c - c0];
+    }
+  }
+}
+
+template <class Load, bool HasE, bool Lazy, bool NT>
+void compress_t(const void* g, const float* in, float* out, const float* prev,
+                const OneBitGeom& geo, int norm, float* scales, uint32_t* bits,
+                OneBitWorkspace& ws) {
+  const int64_t n = geo.n;
+  const int T = threads_for(n);
+  if (!geo.columns) {  // sign modes: items = (chunk, group of kGroup)
+    const int64_t S = geo.chunk, K = geo.num_scales();
+    const int64_t spc = (std::min(S, n) + kGroup - 1) / kGroup;
+    const int64_t items = K * spc;
+    ws.host.resize(static_cast<size_t>(items));
+    double* part = ws.host.data();
+#pragma omp parallel num_threads(T)
+    {
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < items; ++it) {
+        const int64_t k = it / spc, s = it % spc;
+        const int64_t ce = std::min(n, (k + 1) * S);
+        const int64_t b = k * S + s * kGroup, end = std::min(ce, b + kGroup);
+        const float ps = Lazy ? prev[k] : 0.0f;
+        double v = 0.0;
+        if (b < end) {
+          if (norm == kL1)
+            flat_item<Load, kL1, HasE, Lazy, NT>(g, in, out, b, end, ps, -ps, bits, &v);
+          else
+            flat_item<Load, kL2, HasE, Lazy, NT>(g, in, out, b, end, ps, -ps, bits, &v);
+        }
+        part[it] = v;
+      }
+#if GC_ONEBIT_SSE
+      if constexpr (NT) _mm_sfence();
+#endif
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      double sum = 0.0;
+      for (int64_t s = 0; s < spc; ++s) sum += part[k * spc + s];
+      const int64_t len = std::min(n, (k + 1) * S) - k * S;
+      scales[k] = norm == kL1 ? l1_scale(sum, len) : l2_scale(sum, len);
+    }
+    return;
+  }
+  const int64_t C = geo.cols, R = n / C;
+  if (C == 1) {  // one column: flat items of kGroup
+    const int64_t items = (n + kGroup - 1) / kGroup;
+    ws.host.resize(static_cast<size_t>(3 * items));
+    double* part = ws.host.data();
+    const float phi = Lazy ? prev[0] : 0.0f, plo = Lazy ? prev[1] : 0.0f;
+#pragma omp parallel num_threads(T)
+    {
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < items; ++it)
+        flat_item<Load, kColumnMeans, HasE, Lazy, NT>(
+            g, in, out, it * kGroup, std::min(n, (it + 1) * kGroup), phi, plo, bits, part + 3 * it);
+#if GC_ONEBIT_SSE
+      if constexpr (NT) _mm_sfence();
+#endif
+    }
+    double sp = 0, cp = 0, sn = 0;
+    for (int64_t it = 0; it < items; ++it) {
+      sp += part[3 * it];
+      cp += part[3 * it + 1];
+      sn += part[3 * it + 2];
+    }
+    scales[0] = mean_or_zero(sp, cp);
+    scales[1] = mean_or_zero(sn, static_cast<double>(R) - cp);
+    return;
+  }
+  // Items: (slab of whole 32-row blocks, column tile). Tiles of kTile columns when C is a
+  // multiple of 32 (every word then lies in one tile of one row); otherwise one tile of all
+  // columns, so that an item is a contiguous, word-aligned range and no word is shared.
+  const bool whole_rows = C % 32 != 0 || C <= kTile;
+  const int64_t tile = whole_rows ? C : kTile;
+  const int64_t ntile = (C + tile - 1) / tile;
+  const int64_t RB = (R + 31) / 32;
+  const int64_t nslab = std::clamp<int64_t>(std::min(RB, n >> 18), 1, 64);
+  ws.host.resize(static_cast<size_t>(3 * nslab * C));
+  double* part = ws.host.data();  // [slab][3][C]
+  float* facc_all = ws.aux.get<float>(static_cast<size_t>(T) * 3 * tile);
+#pragma omp parallel num_threads(T)
+  {
+    float* facc = facc_all + static_cast<int64_t>(omp_get_thread_num()) * 3 * tile;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < nslab * ntile; ++it) {
+      const int64_t slab = it / ntile, t = it % ntile;
+      const int64_t r0 = std::min(R, 32 * (RB * slab / nslab));
+      const int64_t r1 = std::min(R, 32 * (RB * (slab + 1) / nslab));
+      const int64_t c0 = t * tile, c1 = std::min(C, c0 + tile);
+      column_item<Load, HasE, Lazy, NT>(g, in, out, C, r0, r1, c0, c1, whole_rows, prev, bits, facc,
+                                        part + 3 * slab * C);
+    }
+#if GC_ONEBIT_SSE
+    if constexpr (NT) _mm_sfence();
+#endif
+  }
+  float* hi = scales;
+  float* lo = scales + C;
+#pragma omp parallel for num_threads(threads_for(C* nslab * 8)) schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    double sp = 0, cp = 0, sn = 0;
+    for (int64_t s = 0; s < nslab; ++s) {
+      const double* p = part + 3 * s * C;
+      sp += p[c];
+      cp += p[C + c];
+      sn += p[2 * C + c];
+    }
+    hi[c] = mean_or_zero(sp, cp);
+    lo[c] = mean_or_zero(sn, static_cast<double>(R) - cp);
+  }
+}
+
 }  // namespace
 
 int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
@@ -488,6 +869,67 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
   int64_t bad = -1;
   by_dtype(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
   return bad;
+}
+
+int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
+                        float* state_out, const OneBitGeom& geo, int norm, bool check_finite,
+                        float* scales, uint32_t* bits, OneBitWorkspace& ws) {
+  if (geo.n == 0) return -1;
+  const bool has_e = state_in != nullptr, lazy = has_e && prev_scales != nullptr;
+#if GC_ONEBIT_SSE
+  const bool nt =
+      has_e && state_out != state_in && reinterpret_cast<uintptr_t>(state_out) % 16 == 0;
+#else
+  const bool nt = false;
+#endif
+  by_dtype(t, [&](auto L) {
+    using Load = decltype(L);
+    auto run = [&](auto E, auto Z, auto N) {
+      compress_t<Load, decltype(E)::value, decltype(Z)::value, decltype(N)::value>(
+          g, state_in, state_out, prev_scales, geo, norm, scales, bits, ws);
+    };
+    using Y = std::true_type;
+    using F = std::false_type;
+    if (!has_e)
+      run(F{}, F{}, F{});
+    else if (!lazy)
+      nt ? run(Y{}, F{}, Y{}) : run(Y{}, F{}, F{});
+    else
+      nt ? run(Y{}, Y{}, Y{}) : run(Y{}, Y{}, F{});
+  });
+  if (!check_finite) return -1;
+  bool ok = true;
+  const int64_t K = geo.num_scales();
+  for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
+  if (ok) return -1;
+  int64_t bad = -1;
+  by_dtype(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
+  return bad;
+}
+
+void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales) {
+  const int64_t n = geo.n, W = geo.num_words();
+  if (n == 0) return;
+  const int T = threads_for(n);
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t wb = W * t / T, we = W * (t + 1) / T;
+    ScaleCursor cur(geo, scales, wb);
+    for (int64_t w = wb; w < we; ++w, cur.advance()) {
+      const int64_t i0 = 32 * w;
+      const int len = static_cast<int>(std::min<int64_t>(32, n - i0));
+      float hi, lo;
+      if (cur.constant(&hi, &lo)) {
+        for (int j = 0; j < len; ++j) x[i0 + j] = lazy_error(x[i0 + j], hi, lo);
+      } else {
+        for (int j = 0; j < len; ++j) {
+          cur.element(j, &hi, &lo);
+          x[i0 + j] = lazy_error(x[i0 + j], hi, lo);
+        }
+      }
+    }
+  }
 }
 
 void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,

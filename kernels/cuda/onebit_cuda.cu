@@ -54,20 +54,33 @@ __device__ __forceinline__ void hilo(const Geo& g, const float* scales, int64_t 
   }
 }
 
+/// The error of element i held by a state: e[i] itself, or (prev != nullptr, a lazy state
+/// holding the previous x) lazy_error(e[i], previous hi, previous lo).
+__device__ __forceinline__ float state_error(const float* e, const float* prev, const Geo& geo,
+                                             int64_t i) {
+  const float v = e[i];
+  if (prev == nullptr) return v;
+  float hi, lo;
+  hilo(geo, prev, i, hi, lo);
+  return lazy_error(v, hi, lo);
+}
+
 template <class Load, bool HasE>
-__device__ __forceinline__ float load_x(const void* g, const float* e, int64_t i, bool check,
+__device__ __forceinline__ float load_x(const void* g, const float* e, const float* prev,
+                                        const Geo& geo, int64_t i, bool check,
                                         unsigned long long* bad) {
   const float gv = Load::load(g, i);
   if (check && !is_finite_bits(gv)) atomicMin(bad, static_cast<unsigned long long>(i));
-  return HasE ? compensate(gv, e[i]) : gv;
+  return HasE ? compensate(gv, state_error(e, prev, geo, i)) : gv;
 }
 
 // ---- scales: sign modes -----------------------------------------------------------------------
 
 template <class Load, int N, bool HasE>
-__global__ void sign_partial_kernel(const void* g, const float* e, int64_t n, int64_t chunk,
-                                    int64_t spc, bool check, unsigned long long* bad,
+__global__ void sign_partial_kernel(const void* g, const float* e, const float* prev, int64_t n,
+                                    int64_t chunk, int64_t spc, bool check, unsigned long long* bad,
                                     double* part) {
+  const Geo geo{n, 1, chunk, false};
   using BR = cub::BlockReduce<double, kThreads>;
   __shared__ typename BR::TempStorage tmp;
   const int64_t it = blockIdx.x;
@@ -76,7 +89,7 @@ __global__ void sign_partial_kernel(const void* g, const float* e, int64_t n, in
   const int64_t b = k * chunk + s * kGroupCuda, end = min(ce, b + kGroupCuda);
   float acc = 0.0f;
   for (int64_t i = b + threadIdx.x; i < end; i += kThreads)
-    acc += norm_term<N>(load_x<Load, HasE>(g, e, i, check, bad));
+    acc += norm_term<N>(load_x<Load, HasE>(g, e, prev, geo, i, check, bad));
   const double total = BR(tmp).Sum(static_cast<double>(acc));
   if (threadIdx.x == 0) part[it] = total;
 }
@@ -103,9 +116,10 @@ __global__ void sign_finalize_kernel(const double* part, int64_t K, int64_t spc,
 
 /// Few columns (C < 32): block (slab, column) walks its rows; three block reductions.
 template <class Load, bool HasE>
-__global__ void column_narrow_kernel(const void* g, const float* e, int64_t R, int64_t C,
-                                     int64_t nslab, bool check, unsigned long long* bad,
+__global__ void column_narrow_kernel(const void* g, const float* e, const float* prev, int64_t R,
+                                     int64_t C, int64_t nslab, bool check, unsigned long long* bad,
                                      double* part) {
+  const Geo geo{R * C, C, 32, true};
   using BR = cub::BlockReduce<double, kThreads>;
   __shared__ typename BR::TempStorage tmp;
   const int64_t slab = blockIdx.x, c = blockIdx.y;
@@ -113,7 +127,7 @@ __global__ void column_narrow_kernel(const void* g, const float* e, int64_t R, i
   float sp = 0.0f, sn = 0.0f;
   int cp = 0;
   for (int64_t r = r0 + threadIdx.x; r < r1; r += kThreads) {
-    const float x = load_x<Load, HasE>(g, e, r * C + c, check, bad);
+    const float x = load_x<Load, HasE>(g, e, prev, geo, r * C + c, check, bad);
     const bool p = sign_bit(x);
     sp += p ? x : 0.0f;
     sn += p ? 0.0f : x;
@@ -135,9 +149,10 @@ __global__ void column_narrow_kernel(const void* g, const float* e, int64_t R, i
 /// Many columns (C >= 32): block (32 columns) x (8 row lanes) over a slab of rows, coalesced
 /// along the row; the 8 row lanes are combined in a fixed order through shared memory.
 template <class Load, bool HasE>
-__global__ void column_tiled_kernel(const void* g, const float* e, int64_t R, int64_t C,
-                                    int64_t nslab, bool check, unsigned long long* bad,
+__global__ void column_tiled_kernel(const void* g, const float* e, const float* prev, int64_t R,
+                                    int64_t C, int64_t nslab, bool check, unsigned long long* bad,
                                     double* part) {
+  const Geo geo{R * C, C, 32, true};
   __shared__ double s_sp[8][32], s_sn[8][32], s_cp[8][32];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + tx;
@@ -147,7 +162,7 @@ __global__ void column_tiled_kernel(const void* g, const float* e, int64_t R, in
   int cp = 0;
   if (c < C) {
     for (int64_t r = r0 + ty; r < r1; r += 8) {
-      const float x = load_x<Load, HasE>(g, e, r * C + c, check, bad);
+      const float x = load_x<Load, HasE>(g, e, prev, geo, r * C + c, check, bad);
       const bool p = sign_bit(x);
       sp += p ? x : 0.0f;
       sn += p ? 0.0f : x;
@@ -201,8 +216,11 @@ __device__ __forceinline__ uint32_t spread4(uint32_t b) {
 /// fp32, 16-byte aligned: one warp per group of 128 elements (4 words), float4 per lane.
 /// Lane l holds elements 4l..4l+3; ballot j has bit l = sign of element 4l + j, so word k
 /// (elements 32k..32k+31, lanes 8k..8k+7) interleaves byte k of the four ballots.
-__global__ void quantize_vec4_kernel(const float* g, const float* e_in, float* e_out, Geo geo,
-                                     const float* scales, uint32_t* bits, int64_t groups) {
+/// prev != nullptr: e_in is a lazy state (see state_error). store_x: e_out = x (the lazy state of
+/// the one-pass compress) instead of the error update x - decode (scales unused then).
+__global__ void quantize_vec4_kernel(const float* g, const float* e_in, const float* prev,
+                                     float* e_out, bool store_x, Geo geo, const float* scales,
+                                     uint32_t* bits, int64_t groups) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -210,7 +228,18 @@ __global__ void quantize_vec4_kernel(const float* g, const float* e_in, float* e
     const int64_t i0 = grp * 128 + 4 * lane;
     float4 x = reinterpret_cast<const float4*>(g)[i0 / 4];
     if (e_in) {
-      const float4 ev = reinterpret_cast<const float4*>(e_in)[i0 / 4];
+      float4 ev = reinterpret_cast<const float4*>(e_in)[i0 / 4];
+      if (prev) {
+        float hi, lo;
+        hilo(geo, prev, i0, hi, lo);
+        ev.x = lazy_error(ev.x, hi, lo);
+        hilo(geo, prev, i0 + 1, hi, lo);
+        ev.y = lazy_error(ev.y, hi, lo);
+        hilo(geo, prev, i0 + 2, hi, lo);
+        ev.z = lazy_error(ev.z, hi, lo);
+        hilo(geo, prev, i0 + 3, hi, lo);
+        ev.w = lazy_error(ev.w, hi, lo);
+      }
       x.x = compensate(x.x, ev.x);
       x.y = compensate(x.y, ev.y);
       x.z = compensate(x.z, ev.z);
@@ -224,7 +253,9 @@ __global__ void quantize_vec4_kernel(const float* g, const float* e_in, float* e
       bits[grp * 4 + lane] = spread4(v0 >> sh) | (spread4(v1 >> sh) << 1) |
                              (spread4(v2 >> sh) << 2) | (spread4(v3 >> sh) << 3);
     }
-    if (e_out) {
+    if (e_out && store_x) {
+      reinterpret_cast<float4*>(e_out)[i0 / 4] = x;
+    } else if (e_out) {
       float4 d;
       if (geo.columns) {
         int64_t c = i0 % geo.cols;
@@ -256,9 +287,9 @@ __global__ void quantize_vec4_kernel(const float* g, const float* e_in, float* e
 
 /// Any dtype / alignment: one warp per 32-element word, one ballot.
 template <class Load>
-__global__ void quantize_word_kernel(const void* g, const float* e_in, float* e_out, Geo geo,
-                                     const float* scales, uint32_t* bits, int64_t w_begin,
-                                     int64_t w_end) {
+__global__ void quantize_word_kernel(const void* g, const float* e_in, const float* prev,
+                                     float* e_out, bool store_x, Geo geo, const float* scales,
+                                     uint32_t* bits, int64_t w_begin, int64_t w_end) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -268,16 +299,29 @@ __global__ void quantize_word_kernel(const void* g, const float* e_in, float* e_
     float x = 0.0f;
     if (valid) {
       const float gv = Load::load(g, i);
-      x = e_in ? compensate(gv, e_in[i]) : gv;
+      x = e_in ? compensate(gv, state_error(e_in, prev, geo, i)) : gv;
     }
     const bool b = valid && sign_bit(x);
     const uint32_t word = __ballot_sync(kFull, b);
     if (lane == 0) bits[w] = word;
-    if (valid && e_out) {
+    if (valid && e_out && store_x) {
+      e_out[i] = x;
+    } else if (valid && e_out) {
       float hi, lo;
       hilo(geo, scales, i, hi, lo);
       e_out[i] = error_update(x, reconstruct(b, hi, lo));
     }
+  }
+}
+
+/// Materializes a lazy state in place: x = lazy_error(x, hi, lo).
+__global__ void finalize_error_kernel(float* x, Geo geo, const float* scales) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < geo.n;
+       i += stride) {
+    float hi, lo;
+    hilo(geo, scales, i, hi, lo);
+    x[i] = lazy_error(x[i], hi, lo);
   }
 }
 
@@ -329,8 +373,10 @@ bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_
 
 }  // namespace
 
-int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
-                      bool check_finite, float* scales, OneBitWorkspace& ws, void* stream) {
+/// The scale pass of x = g + state_error(e, prev) (prev == nullptr: e is the error itself).
+static int64_t scales_impl(const void* g, DType t, const float* e, const float* prev,
+                           const OneBitGeom& geo, int norm, bool check_finite, float* scales,
+                           OneBitWorkspace& ws, void* stream) {
   if (geo.n == 0) return -1;
   cudaStream_t s = as_stream(stream);
   ws.partials.set_stream(stream);
@@ -353,19 +399,19 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
         const dim3 grid(static_cast<unsigned>(nslab), static_cast<unsigned>(C));
         if (e)
           column_narrow_kernel<Load, true>
-              <<<grid, kThreads, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+              <<<grid, kThreads, 0, s>>>(g, e, prev, R, C, nslab, check_finite, bad, part);
         else
           column_narrow_kernel<Load, false>
-              <<<grid, kThreads, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+              <<<grid, kThreads, 0, s>>>(g, e, prev, R, C, nslab, check_finite, bad, part);
       } else {
         const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(nslab));
         const dim3 block(32, 8);
         if (e)
           column_tiled_kernel<Load, true>
-              <<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+              <<<grid, block, 0, s>>>(g, e, prev, R, C, nslab, check_finite, bad, part);
         else
           column_tiled_kernel<Load, false>
-              <<<grid, block, 0, s>>>(g, e, R, C, nslab, check_finite, bad, part);
+              <<<grid, block, 0, s>>>(g, e, prev, R, C, nslab, check_finite, bad, part);
       }
       GC_CUDA_CHECK_LAUNCH();
       column_finalize_kernel<<<static_cast<unsigned>((C + 127) / 128), 128, 0, s>>>(part, R, C,
@@ -381,7 +427,7 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
     const unsigned grid = static_cast<unsigned>(items);
     auto launch = [&](auto Nc, auto HasEc) {
       sign_partial_kernel<Load, decltype(Nc)::value, decltype(HasEc)::value>
-          <<<grid, kThreads, 0, s>>>(g, e, n, S, spc, check_finite, bad, part);
+          <<<grid, kThreads, 0, s>>>(g, e, prev, n, S, spc, check_finite, bad, part);
     };
     using L1 = std::integral_constant<int, kL1>;
     using L2 = std::integral_constant<int, kL2>;
@@ -406,8 +452,10 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
   return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
 }
 
-void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
-                     const float* scales, uint32_t* bits, void* stream) {
+/// The bits pass: x = g + state_error(e_in, prev); bits; e_out = x (store_x) or x - decode.
+static void quantize_impl(const void* g, DType t, const float* e_in, const float* prev,
+                          float* e_out, bool store_x, const OneBitGeom& geo, const float* scales,
+                          uint32_t* bits, void* stream) {
   if (geo.n == 0) return;
   cudaStream_t s = as_stream(stream);
   const Geo gg = to_geo(geo);
@@ -417,7 +465,7 @@ void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, co
     const int64_t groups = geo.n / 128;
     if (groups > 0) {
       quantize_vec4_kernel<<<grid_for(groups, kThreads / 32), kThreads, 0, s>>>(
-          static_cast<const float*>(g), e_in, e_out, gg, scales, bits, groups);
+          static_cast<const float*>(g), e_in, prev, e_out, store_x, gg, scales, bits, groups);
       GC_CUDA_CHECK_LAUNCH();
     }
     w_begin = 4 * groups;
@@ -425,10 +473,40 @@ void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, co
   if (w_begin < W) {
     by_dtype(t, [&](auto L) {
       quantize_word_kernel<decltype(L)><<<grid_for(W - w_begin, kThreads / 32), kThreads, 0, s>>>(
-          g, e_in, e_out, gg, scales, bits, w_begin, W);
+          g, e_in, prev, e_out, store_x, gg, scales, bits, w_begin, W);
     });
     GC_CUDA_CHECK_LAUNCH();
   }
+}
+
+int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
+                      bool check_finite, float* scales, OneBitWorkspace& ws, void* stream) {
+  return scales_impl(g, t, e, nullptr, geo, norm, check_finite, scales, ws, stream);
+}
+
+void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
+                     const float* scales, uint32_t* bits, void* stream) {
+  quantize_impl(g, t, e_in, nullptr, e_out, false, geo, scales, bits, stream);
+}
+
+int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
+                        float* state_out, const OneBitGeom& geo, int norm, bool check_finite,
+                        float* scales, uint32_t* bits, OneBitWorkspace& ws, void* stream) {
+  if (geo.n == 0) return -1;
+  const float* prev = state_in ? prev_scales : nullptr;
+  // The scale pass reads the bad index back (when checking) before anything is written.
+  const int64_t bad =
+      scales_impl(g, t, state_in, prev, geo, norm, check_finite, scales, ws, stream);
+  if (bad >= 0) return bad;
+  quantize_impl(g, t, state_in, prev, state_out, true, geo, scales, bits, stream);
+  return -1;
+}
+
+void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales, void* stream) {
+  if (geo.n == 0) return;
+  finalize_error_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, as_stream(stream)>>>(
+      x, to_geo(geo), scales);
+  GC_CUDA_CHECK_LAUNCH();
 }
 
 void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,

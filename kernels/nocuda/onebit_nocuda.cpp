@@ -13,6 +13,13 @@ void onebit_quantize(const void*, DType, const float*, float*, const OneBitGeom&
                      uint32_t*, void*) {
   throw_not_built_with_cuda("1-bit quantization of a CUDA tensor");
 }
+int64_t onebit_compress(const void*, DType, const float*, const float*, float*, const OneBitGeom&,
+                        int, bool, float*, uint32_t*, OneBitWorkspace&, void*) {
+  throw_not_built_with_cuda("1-bit compression of a CUDA tensor");
+}
+void onebit_finalize_error(float*, const OneBitGeom&, const float*, void*) {
+  throw_not_built_with_cuda("1-bit error feedback of a CUDA tensor");
+}
 void onebit_decode(const uint32_t*, const float*, const OneBitGeom&, float, bool, float*, void*) {
   throw_not_built_with_cuda("1-bit decode into a CUDA tensor");
 }

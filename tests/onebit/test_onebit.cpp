@@ -2,6 +2,7 @@
 // The 1-bit family on the CPU: bits, scales, error feedback and decode against scalar references;
 // payload format and exact compression ratio; bad input; state round trips.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -482,4 +483,109 @@ TEST(OneBitState, MismatchRejectedAndStateUnchanged) {
   longer.push_back(0);
   EXPECT_THROW(b.load_state_dict(longer.data(), longer.size()), InvalidArgument);
   EXPECT_EQ(b.state_dict(), b0);
+}
+
+// ---- the one-pass compress and its lazy error-feedback state ----------------------------------
+
+namespace {
+
+std::vector<uint8_t> bytes_of(const Payload& p) { return {p.data(), p.data() + p.size()}; }
+
+TensorView cpu_view(std::vector<float>& g, Shape s) {
+  return TensorView(g.data(), {s.R, s.C}, DType::kFloat32, Device::kCPU);
+}
+
+const Shape kLazyShapes[] = {{1, 1},     {7, 13},    {300, 37},   {33, 31},   {100003, 1},
+                             {64, 2048}, {40, 1056}, {256, 1000}, {3000, 32}, {77, 1}};
+
+}  // namespace
+
+TEST(OneBitLazy, LazyStateGivesTheSamePayloadsAndErrorAsMaterializedState) {
+  // A keeps its error lazily (x and the previous scales) across steps; B is asked for its error
+  // after every step, which materializes it, so B's next step starts from e itself. Both must
+  // send the same bytes and end with the same error, with check_finite on (two buffers) and off
+  // (in place).
+  for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1, OneBitScaling::kSignL2})
+    for (bool check : {true, false})
+      for (Shape s : kLazyShapes) {
+        OneBitConfig cfg = make_cfg(sc, sc == OneBitScaling::kSignL2 ? 96 : 0);
+        cfg.check_finite = check;
+        SCOPED_TRACE(label(cfg, s) + (check ? " check" : " in place"));
+        OneBitCompressor a(cfg, s.R, s.C), b(cfg, s.R, s.C);
+        Payload pa, pb;
+        for (int t = 0; t < 4; ++t) {
+          std::vector<float> g = heavy_tailed(s.R * s.C, 40 + t);
+          a.encode(cpu_view(g, s), pa);
+          b.encode(cpu_view(g, s), pb);
+          ASSERT_EQ(bytes_of(pa), bytes_of(pb)) << "step " << t;
+          (void)b.error();
+        }
+        ASSERT_EQ(0, std::memcmp(a.error(), b.error(), 4 * s.R * s.C));
+      }
+}
+
+TEST(OneBitLazy, RejectionOfALazyStateLeavesItUnchanged) {
+  // The NaN sits near the end, so the CPU pass has swept (and, with one buffer, would have
+  // overwritten) almost the whole state before it is seen.
+  for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1, OneBitScaling::kSignL2})
+    for (Shape s : {Shape{2000, 300}, Shape{300001, 1}}) {
+      const int64_t n = s.R * s.C;
+      SCOPED_TRACE(label(make_cfg(sc), s));
+      OneBitCompressor a(make_cfg(sc), s.R, s.C), b(make_cfg(sc), s.R, s.C);
+      Payload pa, pb;
+      for (int t = 0; t < 2; ++t) {
+        std::vector<float> g = normal(n, 60 + t);
+        a.encode(cpu_view(g, s), pa);
+        b.encode(cpu_view(g, s), pb);
+      }
+      std::vector<float> bad = normal(n, 70);
+      bad[n - 3] = std::numeric_limits<float>::infinity();
+      expect_throw_with<InvalidArgument>([&] { a.encode(cpu_view(bad, s), pa); },
+                                         "index " + std::to_string(n - 3));
+      EXPECT_EQ(a.step(), 2);
+      std::vector<float> g = normal(n, 80);
+      a.encode(cpu_view(g, s), pa);
+      b.encode(cpu_view(g, s), pb);
+      ASSERT_EQ(bytes_of(pa), bytes_of(pb));
+      ASSERT_EQ(a.state_dict(), b.state_dict());
+    }
+}
+
+TEST(OneBitLazy, PayloadsDoNotDependOnTheThreadCount) {
+  const int saved = omp_get_max_threads();
+  for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1})
+    for (Shape s : {Shape{600, 1000}, Shape{512, 2048}, Shape{700001, 1}}) {
+      SCOPED_TRACE(label(make_cfg(sc), s));
+      std::vector<std::vector<uint8_t>> sent[2];
+      for (int threads : {1, 3}) {
+        omp_set_num_threads(threads);
+        OneBitCompressor c(make_cfg(sc), s.R, s.C);
+        Payload p;
+        for (int t = 0; t < 2; ++t) {
+          std::vector<float> g = normal(s.R * s.C, 90 + t);
+          c.encode(cpu_view(g, s), p);
+          sent[threads == 3].push_back(bytes_of(p));
+        }
+      }
+      omp_set_num_threads(saved);
+      ASSERT_EQ(sent[0], sent[1]);
+    }
+}
+
+TEST(OneBitLazy, StateRoundTripOfALazyStateContinuesIdentically) {
+  for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL2}) {
+    const Shape s{50, 70};
+    OneBitCompressor a(make_cfg(sc), s.R, s.C), b(make_cfg(sc), s.R, s.C);
+    Payload pa, pb;
+    std::vector<float> g = normal(s.R * s.C, 1);
+    a.encode(cpu_view(g, s), pa);
+    const auto st = a.state_dict();  // taken from a lazy state
+    b.load_state_dict(st.data(), st.size());
+    for (int t = 0; t < 3; ++t) {
+      g = normal(s.R * s.C, 2 + t);
+      a.encode(cpu_view(g, s), pa);
+      b.encode(cpu_view(g, s), pb);
+      ASSERT_EQ(bytes_of(pa), bytes_of(pb)) << "step " << t;
+    }
+  }
 }

@@ -246,6 +246,41 @@ TEST(OneBitCuda, BadInputRejectedAndStateUnchanged) {
   EXPECT_EQ(0, std::memcmp(out.data(), back.data(), 4 * n));
 }
 
+TEST(OneBitCuda, LazyStateMatchesMaterializedStateAndRejectsInPlace) {
+  GC_REQUIRE_GPU();
+  // A keeps its error lazily across steps; B materializes it (error()) after every step. Both
+  // must send the same bytes; then A rejects an Inf (checked before the in-place write) and both
+  // continue identically.
+  const int dev = gradcomp::cuda::current_device();
+  for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1, OneBitScaling::kSignL2})
+    for (Shape s : {Shape{300, 37}, Shape{64, 2048}, Shape{100003, 1}}) {
+      const int64_t n = s.R * s.C;
+      SCOPED_TRACE(std::string(onebit_scaling_name(sc)) + " " + std::to_string(s.R) + "x" +
+                   std::to_string(s.C));
+      OneBitCompressor a(make_cfg(sc), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
+      OneBitCompressor b(make_cfg(sc), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
+      DevBuf dg(4 * n);
+      const TensorView gv(dg.p, {s.R, s.C}, DType::kFloat32, Device::kCUDA, dev);
+      Payload pa(Device::kCUDA), pb(Device::kCUDA);
+      for (int t = 0; t < 5; ++t) {
+        std::vector<float> g = heavy_tailed(n, 20 + t);
+        if (t == 3) {
+          g[n - 2] = std::numeric_limits<float>::infinity();
+          dg.upload(g.data(), 4 * n);
+          EXPECT_THROW(a.encode(gv, pa), InvalidArgument);
+          EXPECT_EQ(a.step(), 3);
+          g[n - 2] = 0.5f;
+        }
+        dg.upload(g.data(), 4 * n);
+        a.encode(gv, pa);
+        b.encode(gv, pb);
+        ASSERT_EQ(download_payload(pa), download_payload(pb)) << "step " << t;
+        (void)b.error();
+      }
+      EXPECT_EQ(a.state_dict(), b.state_dict());
+    }
+}
+
 namespace {
 /// Executes plans whose buffers are on the device: collectives by device-to-device copies.
 void run_device_plans(const std::vector<OneBitAllreducePlan*>& ps) {
