@@ -28,29 +28,36 @@ inline const std::vector<float>& normal_data(int64_t n) {
 }
 
 /// Bytes per second of a plain memory copy (counting read + write) of n floats, split over the
-/// same OpenMP threads the kernels use: best of 5 runs, or of more for small n (up to 64, about
-/// 256 MiB copied in all), so that a thread wake-up delayed by a loaded machine does not
-/// masquerade as the copy bandwidth of a sub-millisecond copy.
-inline double copy_bandwidth(int64_t n) {
-  static std::map<int64_t, double> cache;
-  if (auto it = cache.find(n); it != cache.end()) return it->second;
-  std::vector<float> a(static_cast<size_t>(n), 1.0f), b(static_cast<size_t>(n), 0.0f);
+/// Bytes per second of a plain memory copy (counting read + write) of n floats, split over the
+/// same OpenMP threads the kernels use, measured now: best of `reps` runs (default: 5, or more for
+/// small n, up to 64 and about 256 MiB copied in all, so that a delayed thread wake-up does not
+/// pass for the bandwidth of a sub-millisecond copy). Call it right after a benchmark's timed
+/// loop: the ratio then compares two measurements taken under the same machine load.
+inline double copy_bandwidth(int64_t n, int64_t reps = 0) {
+  static std::map<int64_t, std::pair<std::vector<float>, std::vector<float>>> buffers;
+  auto& ab = buffers[n];
+  if (ab.first.empty()) {
+    ab.first.assign(static_cast<size_t>(n), 1.0f);
+    ab.second.assign(static_cast<size_t>(n), 0.0f);
+  }
+  const float* a = ab.first.data();
+  float* b = ab.second.data();
+  if (reps <= 0) reps = std::clamp<int64_t>((int64_t{1} << 26) / std::max<int64_t>(n, 1), 5, 64);
   double best = 1e30;
-  const int64_t reps = std::clamp<int64_t>((int64_t{1} << 26) / std::max<int64_t>(n, 1), 5, 64);
   for (int64_t r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel
     {
       const int t = omp_get_thread_num(), T = omp_get_num_threads();
       const int64_t lo = n * t / T, hi = n * (t + 1) / T;
-      std::memcpy(b.data() + lo, a.data() + lo, (hi - lo) * sizeof(float));
+      std::memcpy(b + lo, a + lo, (hi - lo) * sizeof(float));
     }
-    benchmark::DoNotOptimize(b.data());
+    benchmark::DoNotOptimize(b);
     benchmark::ClobberMemory();
     const auto t1 = std::chrono::steady_clock::now();
     best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
   }
-  return cache[n] = 2.0 * n * sizeof(float) / best;
+  return 2.0 * n * sizeof(float) / best;
 }
 
 /// Wall-clock seconds of the timed loop, for counters that need the elapsed time itself.

@@ -13,10 +13,7 @@ using gradcomp::bench::set_bandwidth;
 
 namespace {
 
-int64_t arg_n(const benchmark::State& st) {
-  gradcomp::bench::copy_bandwidth(st.range(0));  // measured once per size, outside timed loops
-  return st.range(0);
-}
+int64_t arg_n(const benchmark::State& st) { return st.range(0); }
 double arg_density(const benchmark::State& st) { return st.range(1) * 1e-4; }
 
 void select_bench(benchmark::State& st, SelectMethod m) {
