@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "gradcomp/macros.hpp"
+#include "gradcomp/tensor.hpp"
 
 namespace gradcomp {
 
@@ -93,6 +94,19 @@ struct BF16Load {
     return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
   }
 };
+
+/// Calls f(Loader{}) with the loader of storage dtype t (F32Load, F16Load or BF16Load): the one
+/// place where a kernel's dtype switch is written (host code; the loaders themselves run anywhere).
+///
+/// Example:  gradcomp::with_loader(g.dtype, [&](auto L) { kernel<decltype(L)>(g.data, n); });
+template <class F>
+void with_loader(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: f(F32Load{}); return;
+    case DType::kFloat16: f(F16Load{}); return;
+    case DType::kBFloat16: f(BF16Load{}); return;
+  }
+}
 
 /// |x| as ordered bits: for finite floats, a > b  <=>  abs_bits(a) > abs_bits(b).
 GC_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7fffffffu; }

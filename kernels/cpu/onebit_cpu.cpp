@@ -51,20 +51,6 @@ inline int threads_for(int64_t work) {
       std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
 }
 
-template <class F>
-void by_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      f(F32Load{});
-      return;
-    case DType::kFloat16:
-      f(F16Load{});
-      return;
-    case DType::kBFloat16:
-      f(BF16Load{});
-      return;
-  }
-}
 
 template <class Load>
 inline float xval(const void* g, const float* e, int64_t i) {
@@ -851,7 +837,7 @@ void compress_t(const void* g, const float* in, float* out, const float* prev,
 int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
                       bool check_finite, float* scales, OneBitWorkspace& ws) {
   if (geo.n == 0) return -1;
-  by_dtype(t, [&](auto L) {
+  with_loader(t, [&](auto L) {
     using Load = decltype(L);
     if (geo.columns)
       e ? column_scales<Load, true>(g, e, geo, scales, ws)
@@ -867,7 +853,7 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
   for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
   if (ok) return -1;
   int64_t bad = -1;
-  by_dtype(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
+  with_loader(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
   return bad;
 }
 
@@ -882,7 +868,7 @@ int64_t onebit_compress(const void* g, DType t, const float* state_in, const flo
 #else
   const bool nt = false;
 #endif
-  by_dtype(t, [&](auto L) {
+  with_loader(t, [&](auto L) {
     using Load = decltype(L);
     auto run = [&](auto E, auto Z, auto N) {
       compress_t<Load, decltype(E)::value, decltype(Z)::value, decltype(N)::value>(
@@ -903,7 +889,7 @@ int64_t onebit_compress(const void* g, DType t, const float* state_in, const flo
   for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
   if (ok) return -1;
   int64_t bad = -1;
-  by_dtype(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
+  with_loader(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
   return bad;
 }
 
@@ -935,7 +921,7 @@ void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales)
 void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
                      const float* scales, uint32_t* bits) {
   if (geo.n == 0) return;
-  by_dtype(t, [&](auto L) { quantize_t<decltype(L)>(g, e_in, e_out, geo, scales, bits); });
+  with_loader(t, [&](auto L) { quantize_t<decltype(L)>(g, e_in, e_out, geo, scales, bits); });
 }
 
 void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,

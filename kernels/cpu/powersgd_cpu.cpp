@@ -31,20 +31,6 @@ int threads_for(int64_t work) {
   return static_cast<int>(std::min<int64_t>(t, kMaxThreads));
 }
 
-template <class F>
-void with_loader(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      f(F32Load{});
-      return;
-    case DType::kFloat16:
-      f(F16Load{});
-      return;
-    case DType::kBFloat16:
-      f(BF16Load{});
-      return;
-  }
-}
 
 // One fused MGS pass over rows [b, e) of A: finish column j-1 (if j > 0), accumulate sums of j.
 template <int R, bool Full, bool Update, bool First>

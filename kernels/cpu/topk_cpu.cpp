@@ -316,14 +316,6 @@ void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nester
   }
 }
 
-template <class F>
-void by_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(F32Load{}); return;
-    case DType::kFloat16: f(F16Load{}); return;
-    case DType::kBFloat16: f(BF16Load{}); return;
-  }
-}
 
 inline void store_value(void* values, DType vt, int64_t j, float x) {
   switch (vt) {
@@ -348,19 +340,19 @@ int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, c
 
 int64_t first_nonfinite(const void* g, DType t, int64_t n) {
   int64_t r = -1;
-  by_dtype(t, [&](auto L) { r = first_nonfinite_t<decltype(L)>(g, n); });
+  with_loader(t, [&](auto L) { r = first_nonfinite_t<decltype(L)>(g, n); });
   return r;
 }
 
 double sum_squares(const void* g, DType t, int64_t n) {
   double r = 0;
-  by_dtype(t, [&](auto L) { r = sum_squares_t<decltype(L)>(g, n); });
+  with_loader(t, [&](auto L) { r = sum_squares_t<decltype(L)>(g, n); });
   return r;
 }
 
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
                     float* u, float* v) {
-  by_dtype(t, [&](auto L) { dgc_accumulate_t<decltype(L)>(g, n, coef, momentum, nesterov, u, v); });
+  with_loader(t, [&](auto L) { dgc_accumulate_t<decltype(L)>(g, n, coef, momentum, nesterov, u, v); });
 }
 
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt) {
@@ -382,7 +374,7 @@ void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out) {
 
 void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
                  float* dense) {
-  by_dtype(vt, [&](auto L) {
+  with_loader(vt, [&](auto L) {
     using Load = decltype(L);
     for (int64_t j = 0; j < k; ++j) dense[idx[j]] += scale * Load::load(values, j);
   });

@@ -354,20 +354,6 @@ unsigned grid_for(int64_t work_items, int64_t per_block) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{1} << 20)));
 }
 
-template <class F>
-void by_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      f(F32Load{});
-      return;
-    case DType::kFloat16:
-      f(F16Load{});
-      return;
-    case DType::kBFloat16:
-      f(BF16Load{});
-      return;
-  }
-}
 
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -387,7 +373,7 @@ static int64_t scales_impl(const void* g, DType t, const float* e, const float* 
     GC_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof(unsigned long long), s));
   }
   const int64_t n = geo.n;
-  by_dtype(t, [&](auto L) {
+  with_loader(t, [&](auto L) {
     using Load = decltype(L);
     if (geo.columns) {
       const int64_t C = geo.cols, R = n / C;
@@ -471,7 +457,7 @@ static void quantize_impl(const void* g, DType t, const float* e_in, const float
     w_begin = 4 * groups;
   }
   if (w_begin < W) {
-    by_dtype(t, [&](auto L) {
+    with_loader(t, [&](auto L) {
       quantize_word_kernel<decltype(L)><<<grid_for(W - w_begin, kThreads / 32), kThreads, 0, s>>>(
           g, e_in, prev, e_out, store_x, gg, scales, bits, w_begin, W);
     });

@@ -74,29 +74,14 @@ void bind_plans(nb::module_& m) {
          const std::string& method, double momentum, bool nesterov, bool momentum_masking,
          double clip_norm, std::vector<double> warmup_ratios, int64_t warmup_steps,
          const std::string& value_dtype, bool error_feedback, bool check_finite, uint64_t seed,
-         uint32_t tensor_id, const std::string& route, double latency_s, double bandwidth_Bps,
+         uint32_t tensor_id, double sample_rate, const std::string& route, double latency_s,
+         double bandwidth_Bps,
          const std::string& grad_dtype, const std::string& device, int device_index,
          uintptr_t stream) {
-        TopKConfig c;
-        c.ratio = ratio;
-        if (method == "exact")
-          c.select.method = SelectMethod::kExact;
-        else if (method == "sampled")
-          c.select.method = SelectMethod::kSampled;
-        else
-          throw InvalidArgument("unknown selection method '" + method +
-                                "' (expected exact or sampled)");
-        c.momentum = momentum;
-        c.nesterov = nesterov;
-        c.momentum_masking = momentum_masking;
-        c.clip_norm = clip_norm;
-        c.warmup_ratios = std::move(warmup_ratios);
-        c.warmup_steps = warmup_steps;
-        c.value_dtype = parse_dtype(value_dtype);
-        c.error_feedback = error_feedback;
-        c.check_finite = check_finite;
-        c.seed = seed;
-        c.tensor_id = tensor_id;
+        const TopKConfig c = topk_config(ratio, method, sample_rate, momentum, nesterov,
+                                         momentum_masking, clip_norm, std::move(warmup_ratios),
+                                         warmup_steps, value_dtype, error_feedback, check_finite,
+                                         seed, tensor_id);
         TopKPlanOptions o;
         o.route = parse_route(route);
         GC_CHECK_ARG(latency_s >= 0 && bandwidth_Bps > 0, "cost model needs latency_s >= 0 and "
@@ -113,7 +98,7 @@ void bind_plans(nb::module_& m) {
       nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
       nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
       nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
-      nb::arg("route") = "auto", nb::arg("latency_s") = 20e-6, nb::arg("bandwidth_Bps") = 5e9,
+      nb::arg("sample_rate") = 0.01, nb::arg("route") = "auto", nb::arg("latency_s") = 20e-6, nb::arg("bandwidth_Bps") = 5e9,
       nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
       nb::arg("stream") = 0);
   bind_begin(topk);

@@ -6,12 +6,6 @@ namespace {
 
 using ByteArray = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
 
-SelectMethod parse_method(const std::string& s) {
-  if (s == "exact") return SelectMethod::kExact;
-  if (s == "sampled") return SelectMethod::kSampled;
-  throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
-}
-
 void bind_topk(nb::module_& m) {
   nb::class_<TopKCompressor>(m, "TopKCompressor",
                              "Top-k / Deep Gradient Compression state for one tensor.\n\n"
@@ -26,21 +20,10 @@ void bind_topk(nb::module_& m) {
              const std::string& value_dtype, bool error_feedback, bool check_finite,
              uint64_t seed, uint32_t tensor_id, double sample_rate, const std::string& grad_dtype,
              const std::string& device, int device_index, uintptr_t stream) {
-            TopKConfig c;
-            c.ratio = ratio;
-            c.select.method = parse_method(method);
-            c.select.sample_rate = sample_rate;
-            c.momentum = momentum;
-            c.nesterov = nesterov;
-            c.momentum_masking = momentum_masking;
-            c.clip_norm = clip_norm;
-            c.warmup_ratios = std::move(warmup_ratios);
-            c.warmup_steps = warmup_steps;
-            c.value_dtype = parse_dtype(value_dtype);
-            c.error_feedback = error_feedback;
-            c.check_finite = check_finite;
-            c.seed = seed;
-            c.tensor_id = tensor_id;
+            const TopKConfig c = topk_config(ratio, method, sample_rate, momentum, nesterov,
+                                             momentum_masking, clip_norm, std::move(warmup_ratios),
+                                             warmup_steps, value_dtype, error_feedback,
+                                             check_finite, seed, tensor_id);
             new (self) TopKCompressor(c, numel, parse_dtype(grad_dtype), parse_device(device),
                                       device_index, reinterpret_cast<void*>(stream));
           },

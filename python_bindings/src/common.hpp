@@ -64,6 +64,38 @@ inline Device parse_device(const std::string& s) {
   throw InvalidArgument("unknown device '" + s + "' (expected cpu or cuda)");
 }
 
+inline SelectMethod parse_method(const std::string& s) {
+  if (s == "exact") return SelectMethod::kExact;
+  if (s == "sampled") return SelectMethod::kSampled;
+  throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
+}
+
+/// The top-k configuration from the keyword arguments shared by TopKCompressor and
+/// TopKAllreducePlan.
+inline TopKConfig topk_config(double ratio, const std::string& method, double sample_rate,
+                              double momentum, bool nesterov, bool momentum_masking,
+                              double clip_norm, std::vector<double> warmup_ratios,
+                              int64_t warmup_steps, const std::string& value_dtype,
+                              bool error_feedback, bool check_finite, uint64_t seed,
+                              uint32_t tensor_id) {
+  TopKConfig c;
+  c.ratio = ratio;
+  c.select.method = parse_method(method);
+  c.select.sample_rate = sample_rate;
+  c.momentum = momentum;
+  c.nesterov = nesterov;
+  c.momentum_masking = momentum_masking;
+  c.clip_norm = clip_norm;
+  c.warmup_ratios = std::move(warmup_ratios);
+  c.warmup_steps = warmup_steps;
+  c.value_dtype = parse_dtype(value_dtype);
+  c.error_feedback = error_feedback;
+  c.check_finite = check_finite;
+  c.seed = seed;
+  c.tensor_id = tensor_id;
+  return c;
+}
+
 inline nb::dict stats_dict(const CompressionStats& s) {
   nb::dict d;
   d["step"] = s.step;

@@ -118,7 +118,7 @@ class _TopK(_Family):
     defaults = dict(ratio=0.001, method="sampled", momentum=0.0, nesterov=False,
                     momentum_masking=True, clip_norm=0.0, warmup_ratios=(), warmup_steps=0,
                     value_dtype="float32", error_feedback=True, check_finite=True, seed=0,
-                    route="auto", latency_s=20e-6, bandwidth_Bps=5e9)
+                    sample_rate=0.01, route="auto", latency_s=20e-6, bandwidth_Bps=5e9)
 
     def validate(self, opts):
         super().validate(opts)
