@@ -106,6 +106,8 @@ void with_loader(DType t, F&& f) {
     case DType::kFloat16: f(F16Load{}); return;
     case DType::kBFloat16: f(BF16Load{}); return;
   }
+  throw InvalidArgument(detail::cat("unsupported dtype code ", static_cast<int>(t),
+                                    " (expected fp32, fp16 or bf16)"));
 }
 
 /// |x| as ordered bits: for finite floats, a > b  <=>  abs_bits(a) > abs_bits(b).

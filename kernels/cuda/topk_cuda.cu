@@ -99,6 +99,117 @@ int grid_for(int64_t m, int64_t per_block, int64_t cap) {
 
 constexpr int64_t kMaxGrid = 1 << 16;  // for element-wise grid-stride kernels
 
+// ------------------------------------------------------------------------------------------------
+// Radix select on a "source": element i of x, or element list[i] of x when a candidate list is
+// given (ascending, so positions in the source order like indices in x).
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+struct Src {
+  const float* x;
+  const uint32_t* list;  // null: the identity
+  uint32_t m;            // elements in the source
+  __device__ __forceinline__ uint32_t pos(int64_t i) const {
+    return list ? list[i] : static_cast<uint32_t>(i);
+  }
+  __device__ __forceinline__ uint32_t bits(int64_t i) const { return abs_bits(x[pos(i)]); }
+};
+
+/// Device-side state of one radix select; written by the digit-search kernel, read by the passes.
+struct RadixState {
+  uint32_t prefix;     // known high bits of T (the k-th largest magnitude); all 31 at the end
+  uint32_t need;       // elements still to take from the bucket `prefix` (ties to take at the end)
+  uint32_t in_bucket;  // elements in the bucket `prefix`
+  uint32_t filtered;   // 1 when pass 1 writes the level-0 bucket's positions to the filter list
+  uint32_t nfilt;      // length of the filter list
+};
+
+/// Histogram pass of level L. L = 0: digit a >> 20 of all elements. L = 1: digit (a >> 9) & 2047
+/// of the bucket (a >> 20) == prefix, also appending its positions to `filt` when filtered.
+/// L = 2: digit a & 511 of the bucket (a >> 9) == prefix, read from `filt` when filtered.
+template <int L>
+__global__ void __launch_bounds__(kThreads)
+    radix_hist_kernel(Src src, RadixState* st, uint32_t* hist, uint32_t* filt) {
+  __shared__ uint32_t sh[kBins];
+  for (int d = threadIdx.x; d < kBins; d += kThreads) sh[d] = 0;
+  __syncthreads();
+  const int64_t m = src.m;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  if constexpr (L == 0) {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < m; i += stride)
+      atomicAdd(&sh[src.bits(i) >> 20], 1u);
+  } else if constexpr (L == 1) {
+    const uint32_t p = st->prefix;
+    const bool filter = st->filtered != 0;
+    const unsigned lane = threadIdx.x & 31u;
+    // block-uniform loop so that whole warps take part in the ballot
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < m; base += stride) {
+      const int64_t i = base + threadIdx.x;
+      bool hit = false;
+      uint32_t a = 0;
+      if (i < m) {
+        a = src.bits(i);
+        hit = (a >> 20) == p;
+      }
+      if (hit) atomicAdd(&sh[(a >> 9) & (kBins - 1)], 1u);
+      if (filter) {
+        const unsigned mask = __ballot_sync(0xffffffffu, hit);
+        if (mask != 0) {
+          const int leader = __ffs(mask) - 1;
+          uint32_t slot = 0;
+          if (lane == static_cast<unsigned>(leader)) slot = atomicAdd(&st->nfilt, __popc(mask));
+          slot = __shfl_sync(0xffffffffu, slot, leader);
+          if (hit) filt[slot + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint32_t>(i);
+        }
+      }
+    }
+  } else {
+    const uint32_t p = st->prefix;
+    if (st->filtered != 0) {
+      const int64_t nf = st->nfilt;
+      for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < nf;
+           j += stride) {
+        const uint32_t a = src.bits(filt[j]);
+        if ((a >> 9) == p) atomicAdd(&sh[a & 511u], 1u);
+      }
+    } else {
+      for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < m;
+           i += stride) {
+        const uint32_t a = src.bits(i);
+        if ((a >> 9) == p) atomicAdd(&sh[a & 511u], 1u);
+      }
+    }
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < kBins; d += kThreads)
+    if (sh[d] != 0) atomicAdd(&hist[d], sh[d]);
+}
+
+/// Digit search of level L (one block): walks the histogram from the top digit down to the digit
+/// d where the running count reaches `need`, then narrows the state to that bucket.
+template <int L>
+__global__ void __launch_bounds__(kThreads)
+    radix_choose_kernel(const uint32_t* hist, RadixState* st, uint32_t k, uint32_t filter_cap) {
+  using Scan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const uint32_t need = L == 0 ? k : st->need;
+  uint32_t cnt[kScanItems], incl[kScanItems];
+  // rank r = t * kScanItems + j counts from the top digit: digit kBins - 1 - r
+  for (int j = 0; j < kScanItems; ++j) cnt[j] = hist[kBins - 1 - (threadIdx.x * kScanItems + j)];
+  Scan(tmp).InclusiveSum(cnt, incl);
+  __syncthreads();  // every thread has read st->need before the one writer below changes it
+  for (int j = 0; j < kScanItems; ++j) {
+    const uint32_t excl = incl[j] - cnt[j];
+    if (excl < need && need <= incl[j]) {  // exactly one digit satisfies this
+      const uint32_t d = kBins - 1 - (threadIdx.x * kScanItems + j);
+      constexpr int dbits = L == 2 ? 9 : 11;
+      st->prefix = L == 0 ? d : ((st->prefix << dbits) | d);
+      st->need = need - excl;
+      st->in_bucket = cnt[j];
+      if (L == 0) st->filtered = cnt[j] <= filter_cap ? 1u : 0u;
+    }
+  }
+}
 
 /// Per-block counts over chunk b of kChunk elements, packed as (above << 32) | ties.
 /// kTies: above = |x| > T, ties = |x| == T. Otherwise: above = |x| >= T, ties = 0.
