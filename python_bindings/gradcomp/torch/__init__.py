@@ -398,6 +398,11 @@ class GradcompState:
         dt = _dtype_name(buf)
         layout = self._layout(bucket)
         b = self.buckets.get(idx)
+        if b is not None and b.layout != layout and not COMPRESSORS[self.compressor].stateful:
+            # plain and cast plans hold no state: follow DDP's bucket rebuild with a new plan
+            # (they compress from iteration 0, before the rebuild)
+            b = None
+            del self.buckets[idx]
         if b is None and idx in self._pending:
             p = self._pending[idx]
             if p["numel"] != buf.numel() or p["dtype"] != dt:
