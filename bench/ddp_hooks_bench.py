@@ -57,6 +57,7 @@ CONFIGS = [
     ("ours-fp16", "fp16", {}),
     ("torch-powersgd-r1", "torch-powersgd", {"rank": 1}),
     ("ours-powersgd-r1", "powersgd", {"rank": 1}),
+    ("ours-powersgd-r1-nocheck", "powersgd", {"rank": 1, "check_finite": False}),
     ("torch-powersgd-r4", "torch-powersgd", {"rank": 4}),
     ("ours-powersgd-r4", "powersgd", {"rank": 4}),
     ("ours-topk-0.001", "topk", {"ratio": 0.001}),
@@ -103,6 +104,17 @@ def torch_psgd_bytes(model: torch.nn.Module, r: int, min_rate: float) -> int:
     return total
 
 
+def _torch_psgd_waited(state, bucket):
+    """torch's powerSGD_hook, waited for inside the hook. Unwaited, on torch 1.13 + gloo it
+    aborted (gloo "op.preamble.length <= op.nbytes") or hung from about 1M parameters on 4
+    ranks: it issues its P and Q allreduces from completion callbacks on gloo's threads. With
+    the model in one bucket (the default here) the bucket is ready only at the end of backward,
+    where DDP waits for the future anyway, so waiting here costs no overlap."""
+    fut = ps.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
 def _setup(kind, opts, model):
     """Registers the hook of one configuration; returns the gradcomp state or None."""
     if kind == "ddp":
@@ -116,7 +128,7 @@ def _setup(kind, opts, model):
                               min_compression_rate=PSGD["min_compression_rate"],
                               use_error_feedback=PSGD["use_error_feedback"],
                               warm_start=PSGD["warm_start"], random_seed=0)
-        model.register_comm_hook(st, ps.powerSGD_hook)
+        model.register_comm_hook(st, _torch_psgd_waited)
         return None
     import gradcomp.torch as gt
     o = dict(opts)
@@ -143,7 +155,7 @@ def _worker(rank, world, port, args, out_q):
     results = {}
     for rnd, (name, kind, opts) in order:
         torch.manual_seed(0)
-        model = DDP(Net(args.width, args.layers))
+        model = DDP(Net(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb)
         state = _setup(kind, opts, model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         n_params = sum(p.numel() for p in model.parameters())
@@ -250,7 +262,8 @@ def _table(rows):
            "bytes/step", "bytes source", "vs PyTorch counterpart", "hook local ms/step")
     out.append(hdr)
     counterpart = {"ours-allreduce": "ddp", "ours-fp16": "torch-fp16",
-                   "ours-powersgd-r1": "torch-powersgd-r1", "ours-powersgd-r4": "torch-powersgd-r4"}
+                   "ours-powersgd-r1": "torch-powersgd-r1",
+                  "ours-powersgd-r1-nocheck": "torch-powersgd-r1", "ours-powersgd-r4": "torch-powersgd-r4"}
     for r in rows:
         sps = 1.0 / r["median_s"]
         vs = f"{base['median_s'] / r['median_s']:.2f}x" if base else "-"
@@ -272,6 +285,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--bucket-cap-mb", type=float, default=1024.0,
+                    help="DDP bucket cap; the default puts the model in one bucket, so that "
+                         "waiting for torch's powerSGD_hook inside the hook costs no overlap")
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed steps")
     ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
@@ -333,7 +349,12 @@ def main():
                 f"oversubscribe the cores.\n")
         f.write(f"- Model: {args.layers} x Linear({args.width}, {args.width}) with ReLU, "
                 f"{n_params:,} parameters ({n_params * 4 / 1e6:.0f} MB fp32 gradient), batch "
-                f"{args.batch} per rank, MSE loss, SGD lr 1e-3; DDP default buckets (25 MB).\n")
+                f"{args.batch} per rank, MSE loss, SGD lr 1e-3; DDP bucket_cap_mb "
+                f"{args.bucket_cap_mb:g} (one bucket, ready at the end of backward). torch's "
+                f"powerSGD_hook is waited for inside the hook: unwaited, torch 1.13 + gloo "
+                f"aborted (gloo size mismatch) or hung on this model, as it issues its P and Q "
+                f"allreduces from gloo's completion threads; with one bucket DDP waits at that "
+                f"point anyway.\n")
         f.write(f"- Per configuration: {args.warmup} warm-up steps, then {args.steps} timed steps; "
                 f"{args.rounds} rounds (round 2 in reverse order), the better round kept. Step time "
                 f"= slowest rank; steps/s = 1 / median step time. Wall time {wall:.0f} s.\n")
