@@ -98,7 +98,10 @@ void bind(nb::module_& m) {
       .def(
           "begin",
           [](OneBitAllreducePlan& p, const AnyArray& grad, const AnyArray& out, uintptr_t stream) {
-            p.begin(to_view(grad, stream, "gradient"), to_view(out, stream, "output"));
+            const TensorView g = to_view(grad, stream, "gradient");
+            const TensorView o = to_view(out, stream, "output");
+            nb::gil_scoped_release nogil;
+            p.begin(g, o);
           },
           nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
           "Starts a step; `out` (fp32, not aliasing grad) receives the average.")
@@ -168,6 +171,7 @@ void bind(nb::module_& m) {
             std::vector<TensorView> v;
             v.reserve(grads.size());
             for (const auto& g : grads) v.push_back(to_view(g, stream, "gradient"));
+            nb::gil_scoped_release nogil;  // begin() reads every gradient (finite check)
             p.begin(v);
           },
           nb::arg("grads"), nb::arg("stream") = 0,

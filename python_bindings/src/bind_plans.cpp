@@ -29,7 +29,11 @@ template <class P>
 void bind_begin(nb::class_<P, Plan>& c) {
   c.def(
       "begin",
-      [](P& p, const AnyArray& grad, uintptr_t stream) { p.begin(to_view(grad, stream, "gradient")); },
+      [](P& p, const AnyArray& grad, uintptr_t stream) {
+        const TensorView g = to_view(grad, stream, "gradient");
+        nb::gil_scoped_release nogil;  // a stateful begin may read the whole gradient
+        p.begin(g);
+      },
       nb::arg("grad"), nb::arg("stream") = 0,
       "Binds this step's gradient bucket; the average is written back into it when next() "
       "returns None.");

@@ -278,3 +278,29 @@ def _wrong_world(rank, world, out_dir):
 
 def test_wrong_process_group_size_on_load():
     run(_wrong_world, 2, tmpdir())
+
+
+# ---- stateless hooks across DDP's bucket rebuild ------------------------------------------------
+def _rebuild(rank, world, out_dir):
+    data = make_data(rank, 4)
+    for name in ("allreduce", "fp16"):
+        torch.manual_seed(0)
+        # torch 1.13 puts this model in one bucket in iteration 0 and rebuilds it into two
+        # (the input layer gets a first bucket of its own, capped at 1 MB)
+        model = DDP(Net(d_hidden=2048))
+        state, hook = gt.hook(name)  # start_iter 0: compresses before the rebuild
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
+        sizes = []
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sizes.append(sorted(b.numel for b in state.buckets.values()))
+        assert sizes[0] != sizes[-1], (name, sizes)  # the layout did change
+        assert len(sizes[-1]) > 1, sizes
+        assert params_equal_across_ranks(model)
+
+
+def test_stateless_hooks_follow_ddp_bucket_rebuild():
+    run(_rebuild, 2, tmpdir())

@@ -398,6 +398,11 @@ class GradcompState:
         dt = _dtype_name(buf)
         layout = self._layout(bucket)
         b = self.buckets.get(idx)
+        if b is not None and b.layout != layout and not COMPRESSORS[self.compressor].stateful:
+            # plain and cast plans hold no state: follow DDP's bucket rebuild with a new plan
+            # (they compress from iteration 0, before the rebuild)
+            b = None
+            del self.buckets[idx]
         if b is None and idx in self._pending:
             p = self._pending[idx]
             if p["numel"] != buf.numel() or p["dtype"] != dt:
@@ -498,7 +503,10 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
     dense = buf.numel() * buf.element_size()
     state._iteration(it)
 
+    begin_s = [0.0]
+
     def done(stats: PlanStats):
+        stats.local_seconds += begin_s[0]  # begin() (e.g. PowerSGD's finite check) is local work
         state._record(it, idx, dense, stats, last)
 
     if it < state.start_iter:
@@ -510,7 +518,9 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
         view, b, permuted = state._resolve(bucket)
         plan = b.plan
         b.steps += 1
+    t0 = time.perf_counter()
     fam.begin(plan, view)
+    begin_s[0] = time.perf_counter() - t0
 
     def result():
         fam.result(plan, view)

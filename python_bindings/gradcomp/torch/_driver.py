@@ -12,6 +12,13 @@ interleave them differently, which deadlocks. So :class:`Worker` runs all plans 
 thread, bucket after bucket in the order DDP hands them over (the same on every rank), over a
 process group of its own. The hook returns at once with a future the worker completes: the
 backward pass is never blocked.
+
+Threads. OpenMP's thread count (``torch.set_num_threads``, which sets it through the libgomp
+that gradcomp shares with torch) is per thread: a new thread starts from the process default
+(all cores unless OMP_NUM_THREADS is set), not from the caller's setting. The worker therefore
+applies the thread count of the main thread to itself before each plan; without it, 4 ranks on
+2 cores with ``torch.set_num_threads(1)`` ran our kernels with 2 spinning OpenMP threads per rank,
+100x slower.
 """
 from __future__ import annotations
 
@@ -152,6 +159,7 @@ class Worker:
 
     def __init__(self, group, name: str = "gradcomp-comm"):
         self.group = group
+        self.num_threads = torch.get_num_threads()  # see "Threads" in the module docstring
         self._q: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -162,6 +170,8 @@ class Worker:
                device: Optional[torch.device] = None) -> torch.futures.Future:
         """Queues a begun plan; the future's value is ``result()`` once the plan finished."""
         stream = None
+        if threading.current_thread() is threading.main_thread():
+            self.num_threads = torch.get_num_threads()  # the user may have changed it
         if device is not None and device.type == "cuda":
             fut = torch.futures.Future(devices=[device])
             stream = torch.cuda.current_stream(device)
@@ -171,12 +181,16 @@ class Worker:
         return fut
 
     def _loop(self):
+        threads = None
         while True:
             job = self._q.get()
             if job is None:
                 return
             plan, result, done, fut, stream = job
             try:
+                if threads != self.num_threads:
+                    threads = self.num_threads
+                    torch.set_num_threads(threads)
                 if stream is not None:
                     with torch.cuda.stream(stream):
                         value = self._run(plan, result, done)

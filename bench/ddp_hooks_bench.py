@@ -1,0 +1,377 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDP training of a communication-bound model on CPU ranks with gloo: plain DDP, PyTorch's own
+communication hooks (fp16_compress_hook, powerSGD_hook) and gradcomp's hooks.
+
+Every rank is a process on 127.0.0.1 (torch.multiprocessing, gloo, one intra-op thread each).
+The model is a stack of wide Linear layers (tens of millions of parameters) fed a tiny batch, so
+a step is dominated by the gradient allreduce. All configurations run in the same processes one
+after another (a fresh DDP model, hook and optimizer each), so they see the same machine; with
+``--rounds 2`` the list runs twice, the second time in reverse order, and each configuration
+keeps its best round (the machine may be shared).
+
+Per configuration: ``--warmup`` steps (covering DDP's bucket rebuild and the hooks' plain
+start iterations), then ``--steps`` timed steps. Step time = the slowest rank's time for that
+step (forward, backward with the hook's communication, optimizer step); steps/s = 1 / median step
+time; mean step time also reported.
+
+Bytes per step = bytes handed to collectives by one rank per step (not ring traffic):
+- gradcomp hooks: measured, ``state.history[i]["bytes_sent"]`` averaged over the timed steps;
+- plain DDP and PyTorch's hooks: computed (marked "analytic"): plain n*4, fp16 n*2, PowerSGD
+  sum over compressed matrices (rows + cols) * r * 4 plus 4 bytes per uncompressed element
+  (1-D tensors, and matrices where rows*cols <= min_compression_rate * (rows+cols) * r), the
+  same rule as torch's powerSGD_hook.
+
+Usage::
+
+    python bench/ddp_hooks_bench.py                 # writes bench/results/ddp_hooks_cpu_<date>.*
+    python bench/ddp_hooks_bench.py --quick         # a short smoke run, nothing written
+    python bench/ddp_hooks_bench.py --only ours-powersgd-r1,torch-powersgd-r1 --profile
+"""
+import argparse
+import csv
+import datetime
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# (name, kind, options); kind: "ddp", "torch-fp16", "torch-powersgd", or a gradcomp compressor
+CONFIGS = [
+    ("ddp", "ddp", {}),
+    ("ours-allreduce", "allreduce", {}),
+    ("torch-fp16", "torch-fp16", {}),
+    ("ours-fp16", "fp16", {}),
+    ("torch-powersgd-r1", "torch-powersgd", {"rank": 1}),
+    ("ours-powersgd-r1", "powersgd", {"rank": 1}),
+    ("ours-powersgd-r1-nocheck", "powersgd", {"rank": 1, "check_finite": False}),
+    ("torch-powersgd-r4", "torch-powersgd", {"rank": 4}),
+    ("ours-powersgd-r4", "powersgd", {"rank": 4}),
+    ("ours-topk-0.001", "topk", {"ratio": 0.001}),
+    ("ours-topk-0.01", "topk", {"ratio": 0.01}),
+    ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
+    ("ours-onebit", "onebit", {}),
+]
+PSGD = dict(start_iter=2, min_compression_rate=2.0, use_error_feedback=True, warm_start=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Net(torch.nn.Module):
+    """`layers` Linear(width, width) layers with ReLU between them."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for i, l in enumerate(self.layers):
+            x = l(x)
+            if i + 1 < len(self.layers):
+                x = torch.relu(x)
+        return x
+
+
+def torch_psgd_bytes(model: torch.nn.Module, r: int, min_rate: float) -> int:
+    """Bytes powerSGD_hook hands to allreduce per step (torch 1.13's compression rule)."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() <= 1:
+            total += p.numel() * 4
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        if n * m > (n + m) * r * min_rate:
+            total += (n + m) * r * 4
+        else:
+            total += n * m * 4
+    return total
+
+
+def _torch_psgd_waited(state, bucket):
+    """torch's powerSGD_hook, waited for inside the hook. Unwaited, on torch 1.13 + gloo it
+    aborted (gloo "op.preamble.length <= op.nbytes") or hung from about 1M parameters on 4
+    ranks: it issues its P and Q allreduces from completion callbacks on gloo's threads. With
+    the model in one bucket (the default here) the bucket is ready only at the end of backward,
+    where DDP waits for the future anyway, so waiting here costs no overlap."""
+    fut = ps.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+def _setup(kind, opts, model):
+    """Registers the hook of one configuration; returns the gradcomp state or None."""
+    if kind == "ddp":
+        return None
+    if kind == "torch-fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if kind == "torch-powersgd":
+        st = ps.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
+                              start_powerSGD_iter=PSGD["start_iter"],
+                              min_compression_rate=PSGD["min_compression_rate"],
+                              use_error_feedback=PSGD["use_error_feedback"],
+                              warm_start=PSGD["warm_start"], random_seed=0)
+        model.register_comm_hook(st, _torch_psgd_waited)
+        return None
+    import gradcomp.torch as gt
+    o = dict(opts)
+    if kind == "powersgd":
+        o.update(PSGD)
+    state, hook = gt.hook(kind, model=model, **o)
+    model.register_comm_hook(state, hook)
+    return state
+
+
+def _worker(rank, world, port, args, out_q):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    names = [c[0] for c in CONFIGS]
+    chosen = [c for c in CONFIGS if not args.only or c[0] in args.only.split(",")]
+    order = []
+    for rnd in range(args.rounds):
+        order += [(rnd, c) for c in (chosen if rnd % 2 == 0 else chosen[::-1])]
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    results = {}
+    for rnd, (name, kind, opts) in order:
+        torch.manual_seed(0)
+        model = DDP(Net(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb)
+        state = _setup(kind, opts, model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        n_params = sum(p.numel() for p in model.parameters())
+        times = []
+        prof = None
+        dist.barrier()
+        for step in range(args.warmup + args.steps):
+            if args.profile and step == args.warmup and rank == 0:
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.disable()
+            import pstats
+            print(f"\n== profile rank 0, {name} ==", flush=True)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        t = torch.tensor(times[args.warmup:], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step: the slowest rank
+        step_times = t.tolist()
+        hist = None
+        if state is not None:
+            hs = [h for h in state.history if h["iter"] >= args.warmup]
+            hs = [h for h in hs if h["iter"] < args.warmup + args.steps]
+            hist = {
+                "bytes": statistics.mean(h["bytes_sent"] for h in hs),
+                "dense": statistics.mean(h["dense_bytes"] for h in hs),
+                "local_s": statistics.mean(h["local_seconds"] for h in hs),
+            }
+            if state._worker is not None:
+                state._worker.close()
+        if kind == "ddp" or kind == "torch-fp16":
+            nbytes = n_params * (2 if kind == "torch-fp16" else 4)
+            source = "analytic"
+        elif kind == "torch-powersgd":
+            nbytes = torch_psgd_bytes(model.module, opts["rank"], PSGD["min_compression_rate"])
+            source = "analytic"
+        else:
+            nbytes = hist["bytes"]
+            source = "measured"
+        med = statistics.median(step_times)
+        mean = statistics.mean(step_times)
+        prev = results.get(name)
+        if prev is None or med < prev["median_s"]:
+            results[name] = {"name": name, "median_s": med, "mean_s": mean, "min_s": min(step_times),
+                             "bytes": nbytes, "bytes_source": source, "params": n_params,
+                             "local_s": hist["local_s"] if hist else None, "round": rnd,
+                             "all_rounds": (prev["all_rounds"] if prev else []) + [med]}
+        else:
+            prev["all_rounds"].append(med)
+        if rank == 0:
+            print(f"  [{rnd}] {name:20s} median {1e3 * med:8.1f} ms  mean {1e3 * mean:8.1f} ms"
+                  f"  bytes/step {nbytes:,.0f}"
+                  + (f"  hook local {1e3 * hist['local_s']:.1f} ms" if hist else ""), flush=True)
+        del model, opt, state
+    dist.barrier()
+    if rank == 0:
+        out_q.put([results[n] for n in names if n in results])
+    dist.destroy_process_group()
+
+
+class LoadSampler(threading.Thread):
+    """Samples the 1-minute load average every few seconds while the benchmark runs."""
+
+    def __init__(self, every=5.0):
+        super().__init__(daemon=True)
+        self.every, self.samples, self._halt = every, [], threading.Event()
+
+    def run(self):
+        while not self._halt.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._halt.wait(self.every)
+
+    def stop(self):
+        self._halt.set()
+        self.join()
+
+
+def _git(*a):
+    try:
+        return subprocess.check_output(["git", *a], cwd=ROOT, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def _fmt_bytes(b):
+    for unit, div in (("MB", 1e6), ("kB", 1e3)):
+        if b >= div:
+            return f"{b / div:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _table(rows):
+    by = {r["name"]: r for r in rows}
+    base = by.get("ddp")
+    out = []
+    hdr = ("config", "steps/s", "ms/step (median)", "ms/step (mean)", "vs plain DDP",
+           "bytes/step", "bytes source", "vs PyTorch counterpart", "hook local ms/step")
+    out.append(hdr)
+    counterpart = {"ours-allreduce": "ddp", "ours-fp16": "torch-fp16",
+                   "ours-powersgd-r1": "torch-powersgd-r1",
+                  "ours-powersgd-r1-nocheck": "torch-powersgd-r1", "ours-powersgd-r4": "torch-powersgd-r4"}
+    for r in rows:
+        sps = 1.0 / r["median_s"]
+        vs = f"{base['median_s'] / r['median_s']:.2f}x" if base else "-"
+        c = by.get(counterpart.get(r["name"], ""))
+        vc = f"{c['median_s'] / r['median_s']:.2f}x vs {c['name']}" if c else "-"
+        loc = f"{1e3 * r['local_s']:.1f}" if r["local_s"] is not None else "-"
+        out.append((r["name"], f"{sps:.2f}", f"{1e3 * r['median_s']:.1f}",
+                    f"{1e3 * r['mean_s']:.1f}", vs, _fmt_bytes(r["bytes"]), r["bytes_source"], vc,
+                    loc))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--bucket-cap-mb", type=float, default=1024.0,
+                    help="DDP bucket cap; the default puts the model in one bucket, so that "
+                         "waiting for torch's powerSGD_hook inside the hook costs no overlap")
+    ap.add_argument("--only", default="", help="comma-separated config names")
+    ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed steps")
+    ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 3, 3, 1
+
+    # one OpenMP thread per rank everywhere, also in threads the ranks start later (gloo's
+    # callback threads run PyTorch's hook continuations; a new thread starts from this default)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    load_before = os.getloadavg()
+    sampler = LoadSampler()
+    sampler.start()
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.spawn(_worker, args=(args.world, free_port(), args, q), nprocs=args.world, join=True)
+    rows = q.get()
+    wall = time.time() - t0
+    sampler.stop()
+    load = sampler.samples or [os.getloadavg()[0]]
+
+    table = _table(rows)
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
+    for j, r in enumerate(table):
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"wall {wall:.0f} s; load average (1 min) during the run: min {min(load):.2f}, "
+          f"mean {statistics.mean(load):.2f}, max {max(load):.2f}")
+    if args.quick:
+        return
+
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"ddp_hooks_cpu_{date}")
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "steps_per_s", "median_ms", "mean_ms", "min_ms", "bytes_per_step",
+                    "bytes_source", "hook_local_ms", "rounds_median_ms"])
+        for r in rows:
+            w.writerow([r["name"], f"{1 / r['median_s']:.4f}", f"{1e3 * r['median_s']:.2f}",
+                        f"{1e3 * r['mean_s']:.2f}", f"{1e3 * r['min_s']:.2f}", f"{r['bytes']:.0f}",
+                        r["bytes_source"],
+                        "" if r["local_s"] is None else f"{1e3 * r['local_s']:.2f}",
+                        " ".join(f"{1e3 * m:.1f}" for m in r["all_rounds"])])
+    commit = _git("rev-parse", "--short", "HEAD")
+    dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    n_params = rows[0]["params"]
+    with open(stem + ".md", "w") as f:
+        f.write(f"# DDP communication hooks, {args.world} CPU ranks (gloo, loopback)\n\n")
+        f.write(f"- Date: {date}. Code: commit {commit}{dirty} (branch {_git('rev-parse', '--abbrev-ref', 'HEAD')}). "
+                f"torch {torch.__version__}, Python {platform.python_version()}.\n")
+        f.write(f"- Machine: {os.cpu_count()}-core VM ({platform.processor() or platform.machine()}), "
+                f"shared with other jobs; 1-minute load average during the run: min {min(load):.2f}, "
+                f"mean {statistics.mean(load):.2f}, max {max(load):.2f} (before: "
+                f"{load_before[0]:.2f}). {args.world} ranks, 1 intra-op thread each, so they "
+                f"oversubscribe the cores.\n")
+        f.write(f"- Model: {args.layers} x Linear({args.width}, {args.width}) with ReLU, "
+                f"{n_params:,} parameters ({n_params * 4 / 1e6:.0f} MB fp32 gradient), batch "
+                f"{args.batch} per rank, MSE loss, SGD lr 1e-3; DDP bucket_cap_mb "
+                f"{args.bucket_cap_mb:g} (one bucket, ready at the end of backward). torch's "
+                f"powerSGD_hook is waited for inside the hook: unwaited, torch 1.13 + gloo "
+                f"aborted (gloo size mismatch) or hung on this model, as it issues its P and Q "
+                f"allreduces from gloo's completion threads; with one bucket DDP waits at that "
+                f"point anyway.\n")
+        f.write(f"- Per configuration: {args.warmup} warm-up steps, then {args.steps} timed steps; "
+                f"{args.rounds} rounds (round 2 in reverse order), the better round kept. Step time "
+                f"= slowest rank; steps/s = 1 / median step time. Wall time {wall:.0f} s.\n")
+        f.write("- PowerSGD (both): start iteration 2, warm start, error feedback, "
+                "min_compression_rate 2. Bytes/step: bytes one rank hands to collectives per step; "
+                "ours measured from `state.history`, plain DDP and PyTorch's hooks computed "
+                "(\"analytic\": n*4, n*2, sum (rows+cols)*r*4 + 4 * uncompressed elements).\n")
+        f.write(f"- Command: `python bench/ddp_hooks_bench.py {' '.join(sys.argv[1:])}`\n\n")
+        f.write("| " + " | ".join(table[0]) + " |\n")
+        f.write("|" + "---|" * len(table[0]) + "\n")
+        for r in table[1:]:
+            f.write("| " + " | ".join(r) + " |\n")
+        f.write("\nMedian ms/step of each round: "
+                + "; ".join(f"{r['name']} {' / '.join(f'{1e3 * m:.0f}' for m in r['all_rounds'])}"
+                            for r in rows) + "\n")
+    print(f"wrote {stem}.md and {stem}.csv")
+
+
+if __name__ == "__main__":
+    main()
