@@ -420,6 +420,11 @@ void PowerSGDPlan::phase_compress() {
     else
       k::cpu::load(g.data, g.dtype, g.numel, dst, add);
   }
+  // CPU with check_finite: Q as it was, restored if the step is rejected below (Q is small).
+  const bool check = !gpu && cfg.check_finite;
+  const bool q_ready_before = st_.q_ready_;
+  if (check && st_.q_numel_ > 0)
+    std::memcpy(im.qsave.data(), im.qbuf.data(), static_cast<size_t>(st_.q_numel_) * 4);
   // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
@@ -430,11 +435,6 @@ void PowerSGDPlan::phase_compress() {
     else
       k::cpu::fill_q(grp, cfg.seed, step, !fresh);
   }
-  // CPU with check_finite: Q as it was, restored if the step is rejected below (Q is small).
-  const bool check = !gpu && cfg.check_finite;
-  const bool q_ready_before = st_.q_ready_;
-  if (check && st_.q_numel_ > 0)
-    std::memcpy(im.qsave.data(), im.qbuf.data(), static_cast<size_t>(st_.q_numel_) * 4);
   st_.q_ready_ = true;
   if (gpu) {  // direct: one GEMM per member on its gradient (no copy pass); else strided batch
     for (size_t gi = 0; gi < im.groups.size(); ++gi) {

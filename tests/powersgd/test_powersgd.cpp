@@ -628,9 +628,11 @@ void run_step(PowerSGDPlan& p, std::vector<TensorView> g) {
 TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
   const Shapes shapes = {{16, 12}, {16}, {24, 10}};
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
-    for (bool ef : {true, false}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      const bool ef = mode != 1;
       PowerSGDConfig c = cfg_rank(2);
       c.error_feedback = ef;
+      c.warm_start = mode != 2;  // mode 2: Q re-drawn every step (a rejection must restore it)
       PowerSGDState st(c, shapes, dt);
       PowerSGDPlan plan(st, 1);
       ASSERT_EQ(st.tensor(0).rank, 2);
@@ -677,7 +679,7 @@ TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
                             {2, 3 * 10 + 5, std::nanf(""), "NaN under a zero Q row"},
                             {2, 17 * 10 + 5, INFINITY, "Inf under a zero Q row"}};
       for (const Case& k : cases) {
-        SCOPED_TRACE(std::string(k.what) + " dtype " + dtype_name(dt) + (ef ? " ef" : " no ef"));
+        SCOPED_TRACE(std::string(k.what) + " dtype " + dtype_name(dt) + " mode " + std::to_string(mode));
         Bucket g(shapes, 11);
         for (int64_t i = 0; i < 24; ++i) g.data[2][i * 10 + 5] = 0.0f;
         g.data[k.tensor][k.index] = k.value;
