@@ -343,6 +343,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       return std::nullopt;
     case Phase::kStart: {
       if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
+        if (!gpu && st_.cfg_.check_finite) reject_nonfinite();  // (CUDA: checked in begin())
         if (im.total_numel == 0) return done(false);
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
@@ -460,13 +461,23 @@ void PowerSGDPlan::phase_compress() {
   // (overflow) is not rejected, as before.
   const float* pu = static_cast<const float*>(im.pbuf.data());
   if (k::cpu::first_nonfinite(pu, DType::kFloat32, st_.p_numel_ + st_.u_numel_) < 0) return;
+  try {
+    reject_nonfinite();
+  } catch (...) {
+    if (st_.q_numel_ > 0)
+      std::memcpy(im.qbuf.data(), im.qsave.data(), static_cast<size_t>(st_.q_numel_) * 4);
+    st_.q_ready_ = q_ready_before;
+    throw;
+  }
+}
+
+// CPU: scans the gradients in bucket order; on the first non-finite value makes the plan idle and
+// throws InvalidArgument naming the tensor and the index. Changes no state of the bucket.
+void PowerSGDPlan::reject_nonfinite() {
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const int64_t bad = k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
     if (bad < 0) continue;
-    if (st_.q_numel_ > 0)
-      std::memcpy(im.qbuf.data(), im.qsave.data(), static_cast<size_t>(st_.q_numel_) * 4);
-    st_.q_ready_ = q_ready_before;
     const std::string what = g.describe();
     grads_.clear();
     issued_.clear();

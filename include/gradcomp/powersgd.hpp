@@ -185,6 +185,7 @@ class PowerSGDPlan : public BucketPlan {
   void phase_compress();
   void phase_project();
   void phase_finish();
+  void reject_nonfinite();
   PowerSGDState& st_;
   int world_;
   Phase phase_ = Phase::kIdle;

@@ -728,5 +728,27 @@ TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
     }
 }
 
+// Steps before start_iter (plain allreduce) reject a NaN/Inf too, changing nothing.
+TEST(PowerSGDPlan, NonFiniteRejectedInPlainSteps) {
+  const Shapes shapes = {{16, 12}, {16}};
+  PowerSGDConfig c = cfg_rank(2);
+  c.start_iter = 2;
+  PowerSGDState st(c, shapes);
+  PowerSGDPlan plan(st, 1);
+  Bucket b(shapes, 3);
+  run_step(plan, b.views());
+  const auto before = st.state_dict();
+  b.data[1][4] = INFINITY;
+  try {
+    run_step(plan, b.views());
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("index 4 "), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(st.state_dict(), before);
+  EXPECT_EQ(st.step(), 1);
+}
+
 }  // namespace
 }  // namespace gradcomp::test
