@@ -90,7 +90,8 @@ void compute_q_fused(const std::vector<PsgdGroup>& groups,
                      const std::vector<std::vector<void*>>& grads, DType t, bool ef, bool direct,
                      PsgdContext& ctx);
 /// Per tile: R = P Q^T (in cache), M = error + float(g), g = dtype(R), and with ef
-/// error = M - float(g): one pass reading g and the error and writing both. Without ef (fp32): the GEMM writes g directly.
+/// error = M - float(g): one pass reading g and the error and writing both. Without ef (fp32): the
+/// GEMM writes g directly.
 void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
             DType t, bool ef, PsgdContext& ctx);
 }  // namespace cpu

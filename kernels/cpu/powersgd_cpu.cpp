@@ -31,7 +31,6 @@ int threads_for(int64_t work) {
   return static_cast<int>(std::min<int64_t>(t, kMaxThreads));
 }
 
-
 // One fused MGS pass over rows [b, e) of A: finish column j-1 (if j > 0), accumulate sums of j.
 template <int R, bool Full, bool Update, bool First>
 void mgs_rows(float* A, int64_t b, int64_t e, int r, int j, const float* scale, const float* coef,
@@ -309,8 +308,9 @@ void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vec
   const int64_t* items = ctx.host_items.data();
   const int T = fused_threads(work);
   const int64_t tile_max = add && !direct ? max_tile_floats(groups) : 0;
-  float* scratch =
-      tile_max ? tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(tile_max)) : nullptr;
+  float* scratch = tile_max
+                       ? tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(tile_max))
+                       : nullptr;
   with_loader(t, [&](auto L) {
     using Ld = decltype(L);
 #pragma omp parallel for num_threads(T) schedule(dynamic, 1)
@@ -410,46 +410,46 @@ void compute_q_fused(const std::vector<PsgdGroup>& groups,
   with_loader(t, [&](auto L) {
     using Ld = decltype(L);
 #pragma omp parallel num_threads(T)
-  {
+    {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < count; ++w) {
-      const PsgdGroup& g = groups[it[4 * w]];
-      const int64_t b = it[4 * w + 1], c0 = it[4 * w + 2], ch = it[4 * w + 3];
-      const int64_t rows = tile_rows(g.n, g.m, g.r);
-      float* out = slot_of[w] >= 0 ? part + slot_of[w] : g.Q + b * g.m * g.r;
-      const void* src = grads[it[4 * w]][b];
-      const float* Mb = direct ? static_cast<const float*>(src) : g.M + b * g.n * g.m;
-      float* Mt = recompute ? tiles + static_cast<int64_t>(omp_get_thread_num()) * tile_max
-                            : nullptr;
-      for (int64_t i0 = c0; i0 < c0 + ch; i0 += rows) {  // tiles of the chunk, accumulated
-        const int64_t h = std::min(rows, c0 + ch - i0);
-        const float* A = Mb + i0 * g.m;
-        if (recompute) {
-          const int64_t off = i0 * g.m, len = h * g.m;
+      for (int64_t w = 0; w < count; ++w) {
+        const PsgdGroup& g = groups[it[4 * w]];
+        const int64_t b = it[4 * w + 1], c0 = it[4 * w + 2], ch = it[4 * w + 3];
+        const int64_t rows = tile_rows(g.n, g.m, g.r);
+        float* out = slot_of[w] >= 0 ? part + slot_of[w] : g.Q + b * g.m * g.r;
+        const void* src = grads[it[4 * w]][b];
+        const float* Mb = direct ? static_cast<const float*>(src) : g.M + b * g.n * g.m;
+        float* Mt =
+            recompute ? tiles + static_cast<int64_t>(omp_get_thread_num()) * tile_max : nullptr;
+        for (int64_t i0 = c0; i0 < c0 + ch; i0 += rows) {  // tiles of the chunk, accumulated
+          const int64_t h = std::min(rows, c0 + ch - i0);
+          const float* A = Mb + i0 * g.m;
+          if (recompute) {
+            const int64_t off = i0 * g.m, len = h * g.m;
 #pragma omp simd
-          for (int64_t i = 0; i < len; ++i) Mt[i] = A[i] + Ld::load(src, off + i);
-          A = Mt;
+            for (int64_t i = 0; i < len; ++i) Mt[i] = A[i] + Ld::load(src, off + i);
+            A = Mt;
+          }
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
+                      static_cast<int>(h), 1.0f, A, static_cast<int>(g.m),
+                      g.P + b * g.n * g.r + i0 * g.r, g.r, i0 > c0 ? 1.0f : 0.0f, out, g.r);
         }
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
-                    static_cast<int>(h), 1.0f, A, static_cast<int>(g.m),
-                    g.P + b * g.n * g.r + i0 * g.r, g.r, i0 > c0 ? 1.0f : 0.0f, out, g.r);
       }
-    }
-    // implicit barrier; then the partial sums of each chunked member, in chunk order
+      // implicit barrier; then the partial sums of each chunked member, in chunk order
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < count; ++w) {
-      if (slot_of[w] < 0 || it[4 * w + 2] != 0) continue;  // one task per chunked member
-      const PsgdGroup& g = groups[it[4 * w]];
-      const int64_t mr = g.m * g.r, chunks = (g.n + chunk_rows(g) - 1) / chunk_rows(g);
-      float* Qb = g.Q + it[4 * w + 1] * mr;
-      const float* first = part + slot_of[w];  // the member's slots are consecutive
-      for (int64_t i = 0; i < mr; ++i) {
-        float s = first[i];
-        for (int64_t c = 1; c < chunks; ++c) s += first[c * mr + i];
-        Qb[i] = s;
+      for (int64_t w = 0; w < count; ++w) {
+        if (slot_of[w] < 0 || it[4 * w + 2] != 0) continue;  // one task per chunked member
+        const PsgdGroup& g = groups[it[4 * w]];
+        const int64_t mr = g.m * g.r, chunks = (g.n + chunk_rows(g) - 1) / chunk_rows(g);
+        float* Qb = g.Q + it[4 * w + 1] * mr;
+        const float* first = part + slot_of[w];  // the member's slots are consecutive
+        for (int64_t i = 0; i < mr; ++i) {
+          float s = first[i];
+          for (int64_t c = 1; c < chunks; ++c) s += first[c * mr + i];
+          Qb[i] = s;
+        }
       }
     }
-  }
   });
 }
 

@@ -648,12 +648,11 @@ TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
           if (dt != DType::kFloat32) {
             half[i].resize(src[i].size());
             for (size_t j = 0; j < src[i].size(); ++j)
-              half[i][j] = dt == DType::kFloat16 ? float_to_half(src[i][j])
-                                                 : float_to_bf16(src[i][j]);
+              half[i][j] =
+                  dt == DType::kFloat16 ? float_to_half(src[i][j]) : float_to_bf16(src[i][j]);
             p = half[i].data();
           }
-          v.emplace_back(p, shapes[i].data(), static_cast<int>(shapes[i].size()), dt,
-                         Device::kCPU);
+          v.emplace_back(p, shapes[i].data(), static_cast<int>(shapes[i].size()), dt, Device::kCPU);
         }
         return v;
       };
@@ -679,7 +678,8 @@ TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
                             {2, 3 * 10 + 5, std::nanf(""), "NaN under a zero Q row"},
                             {2, 17 * 10 + 5, INFINITY, "Inf under a zero Q row"}};
       for (const Case& k : cases) {
-        SCOPED_TRACE(std::string(k.what) + " dtype " + dtype_name(dt) + " mode " + std::to_string(mode));
+        SCOPED_TRACE(std::string(k.what) + " dtype " + dtype_name(dt) + " mode " +
+                     std::to_string(mode));
         Bucket g(shapes, 11);
         for (int64_t i = 0; i < 24; ++i) g.data[2][i * 10 + 5] = 0.0f;
         g.data[k.tensor][k.index] = k.value;
