@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <tuple>
 
@@ -55,10 +56,20 @@ void PowerSGDConfig::validate() const {
 
 struct PowerSGDState::Impl {
   Impl(Device d, void* s)
-      : mbuf(d, s), pbuf(d, s), qbuf(d, s), scratch(d, s), plain(d, s), ids(d, s), ctx(d, s) {}
-  Buffer mbuf;     // M = grad + error; holds the error between steps (error feedback)
+      : mbuf(d, s),
+        pbuf(d, s),
+        qbuf(d, s),
+        qsave(Device::kCPU),
+        scratch(d, s),
+        plain(d, s),
+        ids(d, s),
+        ctx(d, s) {}
+  // The error between steps (error feedback). CPU: M = grad + error is formed per tile and never
+  // stored, the error is written in the last phase only. CUDA: holds M during a step.
+  Buffer mbuf;
   Buffer pbuf;     // [P of every compressed tensor | uncompressed pack]
   Buffer qbuf;     // Q of every compressed tensor (persists with warm start)
+  Buffer qsave;    // CPU with check_finite: Q before the step's fill_q, restored on rejection
   Buffer scratch;  // reconstruction P Q^T when it cannot go straight into the gradient
   Buffer plain;    // the whole bucket in fp32 for the steps before start_iter
   Buffer ids;      // RNG tensor ids, group by group (uint32)
@@ -163,6 +174,8 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     impl_->scratch.get<float>(
         static_cast<size_t>(std::max(max_member, std::min<int64_t>(kGpuScratchFloats, m_numel_))));
   }
+  if (device == Device::kCPU && cfg_.check_finite)
+    impl_->qsave.get<float>(static_cast<size_t>(q_numel_));
   if (cfg_.start_iter > 0) impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel));
   stats_.rank_used.assign(info_.size(), 0);
 }
@@ -264,7 +277,9 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
     }
     GC_CHECK_ARG(g.numel == 0 || g.data != nullptr, "PowerSGD: tensor ", i, " has null data");
   }
-  if (st_.cfg_.check_finite) {
+  // CPU: the finiteness check rides on P and the uncompressed pack in the first next() phase
+  // (phase_compress): no extra pass over the bucket. CUDA: one scan here.
+  if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) {
     for (size_t i = 0; i < grads.size(); ++i) {
       const TensorView& g = grads[i];
       const int64_t bad = g.is_cuda()
@@ -328,6 +343,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       return std::nullopt;
     case Phase::kStart: {
       if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
+        if (!gpu && st_.cfg_.check_finite) reject_nonfinite();  // (CUDA: checked in begin())
         if (im.total_numel == 0) return done(false);
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
@@ -405,6 +421,11 @@ void PowerSGDPlan::phase_compress() {
     else
       k::cpu::load(g.data, g.dtype, g.numel, dst, add);
   }
+  // CPU with check_finite: Q as it was, restored if the step is rejected below (Q is small).
+  const bool check = !gpu && cfg.check_finite;
+  const bool q_ready_before = st_.q_ready_;
+  if (check && st_.q_numel_ > 0)
+    std::memcpy(im.qsave.data(), im.qbuf.data(), static_cast<size_t>(st_.q_numel_) * 4);
   // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
@@ -431,6 +452,39 @@ void PowerSGDPlan::phase_compress() {
   // CPU: M = grad (+ error) and P = M Q fused per cache-resident tile; fp32 without error
   // feedback reads the gradient as M directly (no copy).
   k::cpu::compress_p(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct, im.ctx);
+  if (!check) return;
+  // A NaN/Inf in M = grad + error makes its row of P non-finite (NaN * 0 and Inf * 0 are NaN, so
+  // even a zero Q row cannot hide it); an uncompressed one lands in the pack as it is. So P and
+  // the pack (small) are tested, and the bucket is scanned only to name the first bad index.
+  // compress_p wrote no state (the error is not stored before finish()), Q is restored: the
+  // rejection leaves the state exactly as before the step. A non-finite P from a finite gradient
+  // (overflow) is not rejected, as before.
+  const float* pu = static_cast<const float*>(im.pbuf.data());
+  if (k::cpu::first_nonfinite(pu, DType::kFloat32, st_.p_numel_ + st_.u_numel_) < 0) return;
+  try {
+    reject_nonfinite();
+  } catch (...) {
+    if (st_.q_numel_ > 0)
+      std::memcpy(im.qbuf.data(), im.qsave.data(), static_cast<size_t>(st_.q_numel_) * 4);
+    st_.q_ready_ = q_ready_before;
+    throw;
+  }
+}
+
+// CPU: scans the gradients in bucket order; on the first non-finite value makes the plan idle and
+// throws InvalidArgument naming the tensor and the index. Changes no state of the bucket.
+void PowerSGDPlan::reject_nonfinite() {
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const TensorView& g = grads_[i];
+    const int64_t bad = k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
+    if (bad < 0) continue;
+    const std::string what = g.describe();
+    grads_.clear();
+    issued_.clear();
+    phase_ = Phase::kIdle;
+    GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " (", what, ") holds a non-finite value at index ",
+                 bad, " (check_finite rejects NaN/Inf before any state changes)");
+  }
 }
 
 // local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
@@ -448,7 +502,8 @@ void PowerSGDPlan::phase_project() {
     k::cpu::orthogonalize_groups(im.groups, cfg.orthogonalization_epsilon, cfg.orthogonalization,
                                  im.ctx);
     const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
-    k::cpu::compute_q_fused(im.groups, im.member_grads, direct, im.ctx);
+    k::cpu::compute_q_fused(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct,
+                            im.ctx);
     return;
   }
   for (const auto& grp : im.groups)

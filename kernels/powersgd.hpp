@@ -73,20 +73,25 @@ void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogo
 // threads. Results do not depend on the thread count or the schedule. grads[g][b] is the gradient
 // of member b of group g (dtype t). `direct` (fp32 without error feedback): the gradient itself is
 // M, nothing is copied.
-/// Per tile: M = float(g) (+ M when add: M holds the error), then P_tile = M_tile Q: one pass over
-/// g and M instead of a load pass plus a GEMM pass. direct: P_tile = g_tile Q.
+/// Per tile: M = float(g) (+ error when add), then P_tile = M_tile Q: one pass over g (and the
+/// error) instead of a load pass plus a GEMM pass. direct: P_tile = g_tile Q. With add the sum is
+/// formed in a per-thread tile in cache and the error buffer (g.M) is NOT written: the state stays
+/// as it was until finish(), so a step can still be rejected after this phase (a NaN/Inf in the
+/// gradient shows up as a non-finite row of P: NaN * 0 and Inf * 0 are NaN).
 void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
                 DType t, bool add, bool direct, PsgdContext& ctx);
 /// Orthonormalizes every P block of every group (fused MGS: one serial MGS per block, blocks
 /// handed out dynamically in one region; other methods: per group, as orthogonalize()).
 void orthogonalize_groups(const std::vector<PsgdGroup>& groups, float eps, Orthogonalization how,
                           PsgdContext& ctx);
-/// Q = M^T P (M = the gradients when direct): chunks of rows give partial sums, added per member
-/// in chunk order.
+/// Q = M^T P (M = the gradients when direct; with ef M = error + float(g) formed per tile again,
+/// bitwise as in compress_p): chunks of rows give partial sums, added per member in chunk order.
 void compute_q_fused(const std::vector<PsgdGroup>& groups,
-                     const std::vector<std::vector<void*>>& grads, bool direct, PsgdContext& ctx);
-/// Per tile: R = P Q^T (in cache), g = dtype(R), and with ef M -= float(g) (M becomes the error):
-/// one pass reading M and writing g and M. Without ef (fp32): the GEMM writes g directly.
+                     const std::vector<std::vector<void*>>& grads, DType t, bool ef, bool direct,
+                     PsgdContext& ctx);
+/// Per tile: R = P Q^T (in cache), M = error + float(g), g = dtype(R), and with ef
+/// error = M - float(g): one pass reading g and the error and writing both. Without ef (fp32): the
+/// GEMM writes g directly.
 void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
             DType t, bool ef, PsgdContext& ctx);
 }  // namespace cpu

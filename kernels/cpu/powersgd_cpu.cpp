@@ -31,7 +31,6 @@ int threads_for(int64_t work) {
   return static_cast<int>(std::min<int64_t>(t, kMaxThreads));
 }
 
-
 // One fused MGS pass over rows [b, e) of A: finish column j-1 (if j > 0), accumulate sums of j.
 template <int R, bool Full, bool Update, bool First>
 void mgs_rows(float* A, int64_t b, int64_t e, int r, int j, const float* scale, const float* coef,
@@ -162,6 +161,14 @@ void householder(float* P, int64_t batch, int64_t n, int r, PsgdContext& ctx) {
 int64_t tile_rows(int64_t n, int64_t m, int r) {
   const int64_t per_tile = std::min<int64_t>(kTileFloats, kBlasSerialMnk / std::max(1, r));
   return std::clamp<int64_t>(per_tile / std::max<int64_t>(1, m), 1, std::max<int64_t>(1, n));
+}
+
+// Largest tile (floats) over the groups.
+int64_t max_tile_floats(const std::vector<PsgdGroup>& groups) {
+  int64_t tile_max = 0;
+  for (const auto& g : groups)
+    if (g.n > 0 && g.m > 0) tile_max = std::max(tile_max, tile_rows(g.n, g.m, g.r) * g.m);
+  return tile_max;
 }
 
 float* tile_scratch(PsgdContext& ctx, size_t floats) {
@@ -299,9 +306,14 @@ void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vec
   const int64_t count = build_items(
       groups, ctx, [](const PsgdGroup& g) { return tile_rows(g.n, g.m, g.r); }, &work);
   const int64_t* items = ctx.host_items.data();
+  const int T = fused_threads(work);
+  const int64_t tile_max = add && !direct ? max_tile_floats(groups) : 0;
+  float* scratch = tile_max
+                       ? tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(tile_max))
+                       : nullptr;
   with_loader(t, [&](auto L) {
     using Ld = decltype(L);
-#pragma omp parallel for num_threads(fused_threads(work)) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
     for (int64_t w = 0; w < count; ++w) {
       const PsgdGroup& g = groups[items[4 * w]];
       const int64_t b = items[4 * w + 1], i0 = items[4 * w + 2], h = items[4 * w + 3];
@@ -310,15 +322,16 @@ void compress_p(const std::vector<PsgdGroup>& groups, const std::vector<std::vec
       const float* A;
       if (direct) {
         A = static_cast<const float*>(src) + off;
+      } else if (add) {  // M = error + g in this thread's tile; the error itself is not written
+        const float* E = g.M + b * g.n * g.m + off;
+        float* Mt = scratch + static_cast<int64_t>(omp_get_thread_num()) * tile_max;
+#pragma omp simd
+        for (int64_t i = 0; i < len; ++i) Mt[i] = E[i] + Ld::load(src, off + i);
+        A = Mt;
       } else {
-        float* Mt = g.M + b * g.n * g.m + off;
-        if (add) {
+        float* Mt = g.M + b * g.n * g.m + off;  // no error feedback: M is scratch, not state
 #pragma omp simd
-          for (int64_t i = 0; i < len; ++i) Mt[i] += Ld::load(src, off + i);
-        } else {
-#pragma omp simd
-          for (int64_t i = 0; i < len; ++i) Mt[i] = Ld::load(src, off + i);
-        }
+        for (int64_t i = 0; i < len; ++i) Mt[i] = Ld::load(src, off + i);
         A = Mt;
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(h), g.r,
@@ -368,7 +381,8 @@ void orthogonalize_groups(const std::vector<PsgdGroup>& groups, float eps, Ortho
 }
 
 void compute_q_fused(const std::vector<PsgdGroup>& groups,
-                     const std::vector<std::vector<void*>>& grads, bool direct, PsgdContext& ctx) {
+                     const std::vector<std::vector<void*>>& grads, DType t, bool ef, bool direct,
+                     PsgdContext& ctx) {
   // Partial-sum slots: a member with c > 1 chunks gets c slots of m x r floats.
   std::vector<int64_t>& items = ctx.host_items;
   int64_t work = 0;
@@ -384,41 +398,59 @@ void compute_q_fused(const std::vector<PsgdGroup>& groups,
       slots += static_cast<size_t>(g.m * g.r);
     }
   }
-  float* part = slots ? tile_scratch(ctx, slots) : nullptr;
-  const int64_t* it = items.data();
   const int T = fused_threads(work);
+  // With error feedback M = error + g is formed again per tile (in this thread's tile scratch,
+  // after the partial-sum slots): the error buffer is only written in finish().
+  const bool recompute = ef && !direct;
+  const int64_t tile_max = recompute ? max_tile_floats(groups) : 0;
+  const size_t need = slots + static_cast<size_t>(T) * static_cast<size_t>(tile_max);
+  float* part = need ? tile_scratch(ctx, need) : nullptr;
+  float* tiles = part ? part + slots : nullptr;
+  const int64_t* it = items.data();
+  with_loader(t, [&](auto L) {
+    using Ld = decltype(L);
 #pragma omp parallel num_threads(T)
-  {
+    {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < count; ++w) {
-      const PsgdGroup& g = groups[it[4 * w]];
-      const int64_t b = it[4 * w + 1], c0 = it[4 * w + 2], ch = it[4 * w + 3];
-      const int64_t rows = tile_rows(g.n, g.m, g.r);
-      float* out = slot_of[w] >= 0 ? part + slot_of[w] : g.Q + b * g.m * g.r;
-      const float* Mb =
-          direct ? static_cast<const float*>(grads[it[4 * w]][b]) : g.M + b * g.n * g.m;
-      for (int64_t i0 = c0; i0 < c0 + ch; i0 += rows) {  // tiles of the chunk, accumulated
-        const int64_t h = std::min(rows, c0 + ch - i0);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
-                    static_cast<int>(h), 1.0f, Mb + i0 * g.m, static_cast<int>(g.m),
-                    g.P + b * g.n * g.r + i0 * g.r, g.r, i0 > c0 ? 1.0f : 0.0f, out, g.r);
+      for (int64_t w = 0; w < count; ++w) {
+        const PsgdGroup& g = groups[it[4 * w]];
+        const int64_t b = it[4 * w + 1], c0 = it[4 * w + 2], ch = it[4 * w + 3];
+        const int64_t rows = tile_rows(g.n, g.m, g.r);
+        float* out = slot_of[w] >= 0 ? part + slot_of[w] : g.Q + b * g.m * g.r;
+        const void* src = grads[it[4 * w]][b];
+        const float* Mb = direct ? static_cast<const float*>(src) : g.M + b * g.n * g.m;
+        float* Mt =
+            recompute ? tiles + static_cast<int64_t>(omp_get_thread_num()) * tile_max : nullptr;
+        for (int64_t i0 = c0; i0 < c0 + ch; i0 += rows) {  // tiles of the chunk, accumulated
+          const int64_t h = std::min(rows, c0 + ch - i0);
+          const float* A = Mb + i0 * g.m;
+          if (recompute) {
+            const int64_t off = i0 * g.m, len = h * g.m;
+#pragma omp simd
+            for (int64_t i = 0; i < len; ++i) Mt[i] = A[i] + Ld::load(src, off + i);
+            A = Mt;
+          }
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(g.m), g.r,
+                      static_cast<int>(h), 1.0f, A, static_cast<int>(g.m),
+                      g.P + b * g.n * g.r + i0 * g.r, g.r, i0 > c0 ? 1.0f : 0.0f, out, g.r);
+        }
+      }
+      // implicit barrier; then the partial sums of each chunked member, in chunk order
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < count; ++w) {
+        if (slot_of[w] < 0 || it[4 * w + 2] != 0) continue;  // one task per chunked member
+        const PsgdGroup& g = groups[it[4 * w]];
+        const int64_t mr = g.m * g.r, chunks = (g.n + chunk_rows(g) - 1) / chunk_rows(g);
+        float* Qb = g.Q + it[4 * w + 1] * mr;
+        const float* first = part + slot_of[w];  // the member's slots are consecutive
+        for (int64_t i = 0; i < mr; ++i) {
+          float s = first[i];
+          for (int64_t c = 1; c < chunks; ++c) s += first[c * mr + i];
+          Qb[i] = s;
+        }
       }
     }
-    // implicit barrier; then the partial sums of each chunked member, in chunk order
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < count; ++w) {
-      if (slot_of[w] < 0 || it[4 * w + 2] != 0) continue;  // one task per chunked member
-      const PsgdGroup& g = groups[it[4 * w]];
-      const int64_t mr = g.m * g.r, chunks = (g.n + chunk_rows(g) - 1) / chunk_rows(g);
-      float* Qb = g.Q + it[4 * w + 1] * mr;
-      const float* first = part + slot_of[w];  // the member's slots are consecutive
-      for (int64_t i = 0; i < mr; ++i) {
-        float s = first[i];
-        for (int64_t c = 1; c < chunks; ++c) s += first[c * mr + i];
-        Qb[i] = s;
-      }
-    }
-  }
+  });
 }
 
 void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
@@ -429,9 +461,7 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
   const int64_t* items = ctx.host_items.data();
   const bool direct = t == DType::kFloat32 && !ef;  // the GEMM writes the gradient itself
   const int T = fused_threads(work);
-  int64_t tile_max = 0;
-  for (const auto& g : groups)
-    if (g.n > 0 && g.m > 0) tile_max = std::max(tile_max, tile_rows(g.n, g.m, g.r) * g.m);
+  const int64_t tile_max = max_tile_floats(groups);
   float* scratch =
       direct ? nullptr : tile_scratch(ctx, static_cast<size_t>(T) * static_cast<size_t>(tile_max));
 #pragma omp parallel for num_threads(T) schedule(dynamic, 1)
@@ -449,20 +479,22 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
     float* E = g.M + b * g.n * g.m + off;
     if (t == DType::kFloat32) {
       float* out = static_cast<float*>(dst) + off;
-      if (ef) {
+      if (ef) {  // E holds the old error: error = (error + g) - result, M never stored
 #pragma omp simd
         for (int64_t i = 0; i < len; ++i) {
           const float v = R[i];
+          const float m = E[i] + out[i];
           out[i] = v;
-          E[i] -= v;
+          E[i] = m - v;
         }
       } else {
         std::memcpy(out, R, static_cast<size_t>(len) * sizeof(float));
       }
     } else {
       for (int64_t i = 0; i < len; ++i) {
+        const float m = ef ? E[i] + psgd_load(dst, off + i, t) : 0.0f;  // M = error + g
         psgd_store(dst, off + i, t, R[i]);
-        if (ef) E[i] -= psgd_load(dst, off + i, t);  // the error keeps the store's rounding too
+        if (ef) E[i] = m - psgd_load(dst, off + i, t);  // the error keeps the store's rounding too
       }
     }
   }

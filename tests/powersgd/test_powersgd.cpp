@@ -543,23 +543,31 @@ TEST(PowerSGDBad, RejectsBadConfigAndInputLeavingStateUnchanged) {
     w[0] = TensorView(b.data[0].data(), {16, 12}, DType::kFloat32, Device::kCUDA);
     expect_rejected(w, "device");
   }
+  // The finiteness check runs in the first next() phase on the CPU (see check_finite): a step =
+  // begin() + next() until the first collective.
+  auto start_step = [](PowerSGDPlan& p, std::vector<TensorView> g) {
+    p.begin(g);
+    return p.next();
+  };
   b.data[1][7] = std::nanf("");
   try {
-    plan.begin(b.views());
+    start_step(plan, b.views());
     ADD_FAILURE() << "NaN accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("index 7"), std::string::npos) << e.what();
   }
+  EXPECT_EQ(st.state_dict(), before);
+  EXPECT_THROW(plan.next(), InvalidArgument) << "a rejected step leaves the plan idle";
   b.data[1][7] = 0.0f;
   b.data[0][100] = INFINITY;
-  EXPECT_THROW(plan.begin(b.views()), InvalidArgument);
+  EXPECT_THROW(start_step(plan, b.views()), InvalidArgument);
   EXPECT_EQ(st.state_dict(), before);
   // check_finite off: accepted (the NaN policy is the caller's).
   PowerSGDConfig c = cfg_rank(2);
   c.check_finite = false;
   PowerSGDState st2(c, shapes);
   PowerSGDPlan plan2(st2, 1);
-  EXPECT_NO_THROW(plan2.begin(b.views()));
+  EXPECT_NO_THROW(start_step(plan2, b.views()));
   // next() before begin(); begin() while a step is in progress.
   PowerSGDPlan idle(st, 1);
   EXPECT_THROW(idle.next(), InvalidArgument);
@@ -598,6 +606,148 @@ TEST(PowerSGDState, StateDictRoundTrip) {
   std::vector<uint8_t> junk(bytes.size(), 0xAB);
   EXPECT_THROW(b.load_state_dict(junk.data(), junk.size()), InvalidArgument);
   EXPECT_EQ(b.state_dict(), b_before);
+}
+
+}  // namespace
+}  // namespace gradcomp::test
+
+namespace gradcomp::test {
+namespace {
+
+// Runs one single-rank step to completion; throws what the plan throws.
+void run_step(PowerSGDPlan& p, std::vector<TensorView> g) {
+  p.begin(g);
+  while (p.next()) {
+  }
+}
+
+// A NaN/Inf in an uncompressed tensor, in a compressed tensor, and in a compressed tensor at a
+// column whose row of Q is exactly zero (P gets NaN * 0 = NaN there), for every gradient dtype and
+// with/without error feedback: rejected with the tensor and the first bad index, error, Q, step
+// and stats as they were, and the plan usable again afterwards.
+TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
+  const Shapes shapes = {{16, 12}, {16}, {24, 10}};
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (int mode = 0; mode < 3; ++mode) {
+      const bool ef = mode != 1;
+      PowerSGDConfig c = cfg_rank(2);
+      c.error_feedback = ef;
+      c.warm_start = mode != 2;  // mode 2: Q re-drawn every step (a rejection must restore it)
+      PowerSGDState st(c, shapes, dt);
+      PowerSGDPlan plan(st, 1);
+      ASSERT_EQ(st.tensor(0).rank, 2);
+      ASSERT_EQ(st.tensor(1).rank, 0);
+      // Gradients in dtype dt; column 5 of tensor 2 is zero in the first step, so Q's row 5 is 0.
+      std::vector<std::vector<uint16_t>> half(shapes.size());
+      std::vector<std::vector<float>> f32(shapes.size());
+      auto views = [&](const std::vector<std::vector<float>>& src) {
+        std::vector<TensorView> v;
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          f32[i] = src[i];
+          void* p = f32[i].data();
+          if (dt != DType::kFloat32) {
+            half[i].resize(src[i].size());
+            for (size_t j = 0; j < src[i].size(); ++j)
+              half[i][j] =
+                  dt == DType::kFloat16 ? float_to_half(src[i][j]) : float_to_bf16(src[i][j]);
+            p = half[i].data();
+          }
+          v.emplace_back(p, shapes[i].data(), static_cast<int>(shapes[i].size()), dt, Device::kCPU);
+        }
+        return v;
+      };
+      Bucket b(shapes, 7);
+      for (int64_t i = 0; i < 24; ++i) b.data[2][i * 10 + 5] = 0.0f;
+      run_step(plan, views(b.data));
+      const std::vector<float> q2 = st.q(2);
+      ASSERT_EQ(q2.size(), 20u);
+      ASSERT_EQ(q2[5 * 2], 0.0f);
+      ASSERT_EQ(q2[5 * 2 + 1], 0.0f);
+      const auto before = st.state_dict();
+      const int64_t step_before = st.step();
+      const int64_t stats_step = st.last_stats().step;
+      struct Case {
+        size_t tensor;
+        int64_t index;
+        float value;
+        const char* what;
+      };
+      const Case cases[] = {{1, 9, std::nanf(""), "uncompressed NaN"},
+                            {1, 0, -INFINITY, "uncompressed -Inf"},
+                            {0, 37, std::nanf(""), "compressed NaN"},
+                            {2, 3 * 10 + 5, std::nanf(""), "NaN under a zero Q row"},
+                            {2, 17 * 10 + 5, INFINITY, "Inf under a zero Q row"}};
+      for (const Case& k : cases) {
+        SCOPED_TRACE(std::string(k.what) + " dtype " + dtype_name(dt) + " mode " +
+                     std::to_string(mode));
+        Bucket g(shapes, 11);
+        for (int64_t i = 0; i < 24; ++i) g.data[2][i * 10 + 5] = 0.0f;
+        g.data[k.tensor][k.index] = k.value;
+        g.data[k.tensor][k.index + 1] = std::nanf("");  // a later one: the first is named
+        try {
+          run_step(plan, views(g.data));
+          ADD_FAILURE() << "accepted";
+        } catch (const InvalidArgument& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(msg.find("tensor " + std::to_string(k.tensor)), std::string::npos) << msg;
+          EXPECT_NE(msg.find("index " + std::to_string(k.index) + " "), std::string::npos) << msg;
+        }
+        EXPECT_EQ(st.state_dict(), before);
+        EXPECT_EQ(st.step(), step_before);
+        EXPECT_EQ(st.last_stats().step, stats_step);
+        EXPECT_EQ(st.q(2), q2);
+        EXPECT_THROW(plan.next(), InvalidArgument) << "the plan is idle after a rejection";
+      }
+      // The last element of a compressed tensor alone.
+      {
+        Bucket g(shapes, 11);
+        g.data[0][191] = INFINITY;
+        try {
+          run_step(plan, views(g.data));
+          ADD_FAILURE() << "accepted";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("index 191 "), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(st.state_dict(), before);
+      }
+      // Still usable, and a rejected step changed nothing: the next good step equals the one of
+      // a twin state that never saw the bad gradients.
+      PowerSGDState twin(c, shapes, dt);
+      PowerSGDPlan tplan(twin, 1);
+      run_step(tplan, views(b.data));
+      Bucket ok(shapes, 12);
+      run_step(plan, views(ok.data));
+      const auto out = f32;
+      const auto outh = half;
+      run_step(tplan, views(ok.data));
+      EXPECT_EQ(st.state_dict(), twin.state_dict());
+      if (dt == DType::kFloat32)
+        EXPECT_EQ(out, f32);
+      else
+        EXPECT_EQ(outh, half);
+    }
+}
+
+// Steps before start_iter (plain allreduce) reject a NaN/Inf too, changing nothing.
+TEST(PowerSGDPlan, NonFiniteRejectedInPlainSteps) {
+  const Shapes shapes = {{16, 12}, {16}};
+  PowerSGDConfig c = cfg_rank(2);
+  c.start_iter = 2;
+  PowerSGDState st(c, shapes);
+  PowerSGDPlan plan(st, 1);
+  Bucket b(shapes, 3);
+  run_step(plan, b.views());
+  const auto before = st.state_dict();
+  b.data[1][4] = INFINITY;
+  try {
+    run_step(plan, b.views());
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("index 4 "), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(st.state_dict(), before);
+  EXPECT_EQ(st.step(), 1);
 }
 
 }  // namespace
