@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "gradcomp/comm.hpp"
+#include "model_shapes.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
@@ -85,35 +86,8 @@ struct OneBitBench : BenchPlan {
   std::vector<float> out_;
 };
 
-using Shapes = std::vector<std::vector<int64_t>>;
-
-/// ResNet-50 (torchvision) parameter tensors in order: conv weights with BatchNorm weight and
-/// bias, the bottleneck stages [3, 4, 6, 3] with downsample convs, fc 1000 x 2048 and its bias
-/// (25,557,032 elements).
-Shapes resnet50() {
-  Shapes s;
-  auto conv_bn = [&](int64_t out, int64_t in, int64_t k) {
-    s.push_back({out, in, k, k});
-    s.push_back({out});
-    s.push_back({out});
-  };
-  conv_bn(64, 3, 7);
-  int64_t in = 64;
-  const int blocks[4] = {3, 4, 6, 3};
-  for (int stage = 0; stage < 4; ++stage) {
-    const int64_t w = 64 << stage;
-    for (int b = 0; b < blocks[stage]; ++b) {
-      conv_bn(w, in, 1);
-      conv_bn(w, w, 3);
-      conv_bn(4 * w, w, 1);
-      if (b == 0) conv_bn(4 * w, in, 1);  // downsample
-      in = 4 * w;
-    }
-  }
-  s.push_back({1000, 2048});
-  s.push_back({1000});
-  return s;
-}
+using gradcomp::bench::Shapes;
+using gradcomp::bench::resnet50;
 
 /// n elements laid out as ResNet-50's tensors (repeated if n is larger): every tensor that fits
 /// whole, then the rest R as an R / 2048 x 2048 matrix (a shortened fc layer) and a 1-D tail of
