@@ -7,10 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 build=${BUILD_DIR:-build-bench}
+have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 # With a GPU: CUDA for this GPU's architecture only. Without one the CUDA benchmarks cannot run,
 # so the CPU-only build is made (much faster); GRADCOMP_CUDA=ON forces CUDA.
 if [ -z "${GRADCOMP_CUDA:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if have_gpu; then
     GRADCOMP_CUDA=AUTO
     archs=${CUDA_ARCHS:-native}
   else
@@ -23,6 +24,10 @@ cmake --build "$build" -j "${JOBS:-2}"
 filter=${1:-.}
 for b in "$build"/bench/bench_*; do
   [ -x "$b" ] || continue
+  if [[ "$b" == *cuda* ]] && ! have_gpu; then
+    echo "== $(basename "$b"): skipped, no GPU"
+    continue
+  fi
   echo "== $(basename "$b")"
   "$b" --benchmark_filter="$filter" --benchmark_counters_tabular=true 2>&1 \
     | grep -v -e '^\*\*\*WARNING\*\*\* Library was built as DEBUG' || true
