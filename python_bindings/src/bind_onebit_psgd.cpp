@@ -29,9 +29,9 @@ Orthogonalization parse_orth(const std::string& s) {
 }
 
 void bind(nb::module_& m) {
-  nb::class_<OneBitCompressor>(m, "OneBitCompressor",
-                               "1-bit SGD / scaled sign with error feedback for one tensor.")
-      .def(
+  nb::class_<OneBitCompressor> onebit(m, "OneBitCompressor",
+                               "1-bit SGD / scaled sign with error feedback for one tensor.");
+  onebit.def(
           "__init__",
           [](OneBitCompressor* self, int64_t rows, int64_t cols, const std::string& scaling,
              bool error_feedback, int64_t chunk_size, bool check_finite, uint32_t tensor_id,
@@ -51,31 +51,8 @@ void bind(nb::module_& m) {
           nb::arg("error_feedback") = true, nb::arg("chunk_size") = 0,
           nb::arg("check_finite") = true, nb::arg("tensor_id") = 0,
           nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
-          nb::arg("device_index") = 0, nb::arg("stream") = 0)
-      .def(
-          "encode",
-          [](OneBitCompressor& c, const AnyArray& g, Payload* out, uintptr_t stream) {
-            const TensorView v = to_view(g, stream, "gradient");
-            nb::gil_scoped_release nogil;
-            c.encode(v, *out);
-          },
-          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0)
-      .def(
-          "decode_add",
-          [](OneBitCompressor& c, const nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>& payload,
-             const AnyArray& dense, float scale, uintptr_t stream) {
-            const TensorView d = to_view(dense, stream, "output");
-            nb::gil_scoped_release nogil;
-            c.decode_add(payload.data(), payload.shape(0), d, scale);
-          },
-          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0)
-      .def("state_dict", [](const OneBitCompressor& c) { return to_bytes(c.state_dict()); })
-      .def("load_state_dict",
-           [](OneBitCompressor& c, nb::bytes b) {
-             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
-           })
-      .def_prop_ro("step", &OneBitCompressor::step)
-      .def_prop_ro("last_stats", [](const OneBitCompressor& c) { return stats_dict(c.last_stats()); });
+          nb::arg("device_index") = 0, nb::arg("stream") = 0);
+  def_compressor_methods(onebit);
 
   nb::class_<OneBitAllreducePlan, Plan>(m, "OneBitAllreducePlan",
                                         "1-bit Adam's two-phase compressed allreduce (one rank).")

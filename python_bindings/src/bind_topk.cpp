@@ -4,15 +4,13 @@
 namespace gradcomp::py {
 namespace {
 
-using ByteArray = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
-
 void bind_topk(nb::module_& m) {
-  nb::class_<TopKCompressor>(m, "TopKCompressor",
+  nb::class_<TopKCompressor> topk(m, "TopKCompressor",
                              "Top-k / Deep Gradient Compression state for one tensor.\n\n"
                              "Example:\n"
                              "    c = gradcomp.TopKCompressor(grad.numel(), ratio=0.001, momentum=0.9)\n"
-                             "    p = c.encode(grad); c.decode_add(p.array(), out, 1.0)")
-      .def(
+                             "    p = c.encode(grad); c.decode_add(p.array(), out, 1.0)");
+  topk.def(
           "__init__",
           [](TopKCompressor* self, int64_t numel, double ratio, const std::string& method,
              double momentum, bool nesterov, bool momentum_masking, double clip_norm,
@@ -34,42 +32,12 @@ void bind_topk(nb::module_& m) {
           nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
           nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
           nb::arg("sample_rate") = 0.01, nb::arg("grad_dtype") = "float32",
-          nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0)
-      .def(
-          "encode",
-          [](TopKCompressor& c, const AnyArray& g, Payload* out, uintptr_t stream) {
-            const TensorView v = to_view(g, stream, "gradient");
-            nb::gil_scoped_release nogil;
-            c.encode(v, *out);
-          },
-          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
-          "Compresses grad into out (updates residual and momentum, advances the step).")
-      .def(
-          "decode_add",
-          [](TopKCompressor& c, const ByteArray& payload, const AnyArray& dense, float scale,
-             uintptr_t stream) {
-            const TensorView d = to_view(dense, stream, "output");
-            nb::gil_scoped_release nogil;
-            c.decode_add(payload.data(), payload.shape(0), d, scale);
-          },
-          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0,
-          "dense += scale * decode(payload); the payload is validated first.")
-      .def("state_dict",
-           [](const TopKCompressor& c) {
-             auto b = c.state_dict();
-             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
-           })
-      .def("load_state_dict",
-           [](TopKCompressor& c, nb::bytes b) {
-             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
-           })
-      .def_prop_ro("step", &TopKCompressor::step)
-      .def_prop_ro("numel", &TopKCompressor::numel)
-      .def_prop_ro("last_stats", [](const TopKCompressor& c) { return stats_dict(c.last_stats()); });
+          nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+  def_compressor_methods(topk);
 
-  nb::class_<RandomKCompressor>(m, "RandomKCompressor",
-                                "Random-k with error feedback; indices from the shared RNG.")
-      .def(
+  nb::class_<RandomKCompressor> randomk(m, "RandomKCompressor",
+                                "Random-k with error feedback; indices from the shared RNG.");
+  randomk.def(
           "__init__",
           [](RandomKCompressor* self, int64_t numel, double ratio, const std::string& value_dtype,
              bool error_feedback, bool check_finite, uint64_t seed, uint32_t tensor_id,
@@ -89,36 +57,8 @@ void bind_topk(nb::module_& m) {
           nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
           nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
           nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
-          nb::arg("device_index") = 0, nb::arg("stream") = 0)
-      .def(
-          "encode",
-          [](RandomKCompressor& c, const AnyArray& g, Payload* out, uintptr_t stream) {
-            const TensorView v = to_view(g, stream, "gradient");
-            nb::gil_scoped_release nogil;
-            c.encode(v, *out);
-          },
-          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0)
-      .def(
-          "decode_add",
-          [](RandomKCompressor& c, const ByteArray& payload, const AnyArray& dense, float scale,
-             uintptr_t stream) {
-            const TensorView d = to_view(dense, stream, "output");
-            nb::gil_scoped_release nogil;
-            c.decode_add(payload.data(), payload.shape(0), d, scale);
-          },
-          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0)
-      .def("state_dict",
-           [](const RandomKCompressor& c) {
-             auto b = c.state_dict();
-             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
-           })
-      .def("load_state_dict",
-           [](RandomKCompressor& c, nb::bytes b) {
-             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
-           })
-      .def_prop_ro("step", &RandomKCompressor::step)
-      .def_prop_ro("last_stats",
-                   [](const RandomKCompressor& c) { return stats_dict(c.last_stats()); });
+          nb::arg("device_index") = 0, nb::arg("stream") = 0);
+  def_compressor_methods(randomk);
 
   m.def(
       "topk_indices",

@@ -107,6 +107,43 @@ inline nb::dict stats_dict(const CompressionStats& s) {
   return d;
 }
 
+/// The methods every single-payload compressor (gradcomp::Compressor) has in Python: encode,
+/// decode_add (GIL released), state_dict / load_state_dict (bytes), step, numel, last_stats.
+template <class C>
+void def_compressor_methods(nb::class_<C>& cls) {
+  using ByteArray = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
+  cls.def(
+         "encode",
+         [](C& c, const AnyArray& g, Payload* out, uintptr_t stream) {
+           const TensorView v = to_view(g, stream, "gradient");
+           nb::gil_scoped_release nogil;
+           c.encode(v, *out);
+         },
+         nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
+         "Compresses grad into out (updates the error-feedback state, advances the step).")
+      .def(
+          "decode_add",
+          [](C& c, const ByteArray& payload, const AnyArray& dense, float scale, uintptr_t stream) {
+            const TensorView d = to_view(dense, stream, "output");
+            nb::gil_scoped_release nogil;
+            c.decode_add(payload.data(), payload.shape(0), d, scale);
+          },
+          nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0,
+          "dense += scale * decode(payload); the payload is validated first.")
+      .def("state_dict",
+           [](const C& c) {
+             const auto b = c.state_dict();
+             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def("load_state_dict",
+           [](C& c, nb::bytes b) {
+             c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+           })
+      .def_prop_ro("step", [](const C& c) { return c.step(); })
+      .def_prop_ro("numel", [](const C& c) { return c.numel(); })
+      .def_prop_ro("last_stats", [](const C& c) { return stats_dict(c.last_stats()); });
+}
+
 /// Each bind_*.cpp registers its binder; module.cpp runs them all (no central list to edit).
 using Binder = std::function<void(nb::module_&)>;
 inline std::vector<std::pair<int, Binder>>& binders() {
