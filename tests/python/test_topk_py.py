@@ -97,3 +97,24 @@ def test_randomk_same_seed_same_payload():
     a.encode(x, pa)
     b.encode(x, pb)
     np.testing.assert_array_equal(pa.array(), pb.array())
+
+
+def test_onebit_compressor_binding_round_trip():
+    from gradcomp import _C
+
+    n = 1000
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    c = _C.OneBitCompressor(n, 1, scaling="sign_l1")
+    p = gradcomp.Payload()
+    c.encode(x, p)
+    out = np.zeros(n, np.float32)
+    c.decode_add(p.array(), out)
+    scale = np.abs(x).mean()  # ||x||_1 / n, one scale for the tensor
+    np.testing.assert_allclose(out, np.where(x >= 0, scale, -scale), rtol=1e-5)
+    assert c.step == 1 and c.numel == n
+    assert c.last_stats["payload_bytes"] == p.nbytes
+    c2 = _C.OneBitCompressor(n, 1, scaling="sign_l1")
+    c2.load_state_dict(c.state_dict())
+    assert c2.step == 1
+    with pytest.raises(ValueError, match="scaling"):
+        _C.OneBitCompressor(n, 1, scaling="sign_l3")
