@@ -32,7 +32,7 @@ import torch.distributed as dist
 import gradcomp
 from gradcomp import _C
 
-from ._driver import PlanStats, Worker, launch, run_async, run_sync  # noqa: F401
+from ._driver import PlanStats, Worker, launch, run_sync  # noqa: F401
 from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 

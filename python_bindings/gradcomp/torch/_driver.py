@@ -109,38 +109,6 @@ def _step(plan, stats: PlanStats):
     return c
 
 
-def run_async(plan, group, result: Callable[[], torch.Tensor],
-              stats: Optional[PlanStats] = None,
-              done: Optional[Callable[[PlanStats], None]] = None) -> torch.futures.Future:
-    """Runs ``plan`` (already begun) over ``group``; the future's value is ``result()``.
-
-    The first local phase runs now (it reads the gradient); later phases run in the completion
-    callbacks of the collectives.
-    """
-    stats = stats if stats is not None else PlanStats()
-
-    def finish():
-        if done is not None:
-            done(stats)
-        return result()
-
-    c = _step(plan, stats)
-    if c is None:
-        fut = torch.futures.Future()
-        fut.set_result(finish())
-        return fut
-
-    def cont(fut):
-        fut.wait()  # propagates a failed collective
-        while True:
-            nxt = _step(plan, stats)
-            if nxt is None:
-                return finish()
-            launch(nxt, group).wait()
-
-    return launch(c, group).then(cont)
-
-
 def run_sync(plan, group) -> PlanStats:
     """Runs a begun plan to completion, blocking (for tools and tests)."""
     stats = PlanStats()
