@@ -316,11 +316,7 @@ void OneBitCompressor::encode(const TensorView& g, Payload& out) {
   out.header = h;
   device_copy(base, device_, &out.header, Device::kCPU, sizeof(PayloadHeader), s.stream);
 
-  stats_.step = step_;
-  stats_.numel = n;
-  stats_.count = n;
-  stats_.dense_bytes = static_cast<uint64_t>(n) * dtype_size(g.dtype);
-  stats_.payload_bytes = h.total_bytes();
+  stats_.record(step_, n, n, g.dtype, h.total_bytes());
   ++step_;
 }
 

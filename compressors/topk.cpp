@@ -248,11 +248,7 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   }
   write_header(out, device_, s.stream);
 
-  stats_.step = step_;
-  stats_.numel = n;
-  stats_.count = c;
-  stats_.dense_bytes = static_cast<uint64_t>(n) * dtype_size(g.dtype);
-  stats_.payload_bytes = h.total_bytes();
+  stats_.record(step_, n, c, g.dtype, h.total_bytes());
   ++step_;
 }
 
@@ -418,11 +414,7 @@ void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   else
     k::cpu::gather_and_clear(v, nullptr, idx, kk, values, cfg_.value_dtype);
   write_header(out, device_, s.stream);
-  stats_.step = step_;
-  stats_.numel = n;
-  stats_.count = kk;
-  stats_.dense_bytes = static_cast<uint64_t>(n) * dtype_size(g.dtype);
-  stats_.payload_bytes = h.total_bytes();
+  stats_.record(step_, n, kk, g.dtype, h.total_bytes());
   ++step_;
 }
 

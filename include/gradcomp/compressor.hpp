@@ -34,6 +34,14 @@ struct CompressionStats {
   double compression_ratio() const {
     return payload_bytes ? static_cast<double>(dense_bytes) / static_cast<double>(payload_bytes) : 0.0;
   }
+  /// Records one encode of a `grad_dtype` tensor of `n` elements that sent `sent` of them.
+  void record(int64_t at_step, int64_t n, int64_t sent, DType grad_dtype, uint64_t payload) {
+    step = at_step;
+    numel = n;
+    count = sent;
+    dense_bytes = static_cast<uint64_t>(n) * static_cast<uint64_t>(dtype_size(grad_dtype));
+    payload_bytes = payload;
+  }
 };
 
 /// Every compressor must:

@@ -184,6 +184,24 @@ void flat_split_sum(const void* g, const float* e, int64_t b, int64_t end, doubl
   out[2] = sn;
 }
 
+/// Column-means finish: per column, the slab partials (sum of non-negatives, their count, sum of
+/// negatives) added in slab order, then hi = mean of the non-negatives, lo = mean of the negatives.
+void finish_column_means(const double* part, int64_t nslab, int64_t C, int64_t R, float* hi,
+                         float* lo) {
+#pragma omp parallel for num_threads(threads_for(C* nslab * 8)) schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    double sp = 0, cp = 0, sn = 0;
+    for (int64_t s = 0; s < nslab; ++s) {
+      const double* p = part + 3 * s * C;
+      sp += p[c];
+      cp += p[C + c];
+      sn += p[2 * C + c];
+    }
+    hi[c] = mean_or_zero(sp, cp);
+    lo[c] = mean_or_zero(sn, static_cast<double>(R) - cp);
+  }
+}
+
 template <class Load, bool HasE>
 void sign_scales(const void* g, const float* e, const OneBitGeom& geo, int norm, float* scales,
                  OneBitWorkspace& ws) {
@@ -293,18 +311,7 @@ void column_scales(const void* g, const float* e, const OneBitGeom& geo, float* 
       out[2 * C + c0 + c] = sn[c];
     }
   }
-#pragma omp parallel for num_threads(threads_for(C* nslab * 8)) schedule(static)
-  for (int64_t c = 0; c < C; ++c) {
-    double sp = 0, cp = 0, sn = 0;
-    for (int64_t s = 0; s < nslab; ++s) {
-      const double* p = part + 3 * s * C;
-      sp += p[c];
-      cp += p[C + c];
-      sn += p[2 * C + c];
-    }
-    hi[c] = mean_or_zero(sp, cp);
-    lo[c] = mean_or_zero(sn, static_cast<double>(R) - cp);
-  }
+  finish_column_means(part, nslab, C, R, hi, lo);
 }
 
 // ---- pass 2 and decode: per-word helpers ------------------------------------------------------
@@ -818,18 +825,7 @@ void compress_t(const void* g, const float* in, float* out, const float* prev,
   }
   float* hi = scales;
   float* lo = scales + C;
-#pragma omp parallel for num_threads(threads_for(C* nslab * 8)) schedule(static)
-  for (int64_t c = 0; c < C; ++c) {
-    double sp = 0, cp = 0, sn = 0;
-    for (int64_t s = 0; s < nslab; ++s) {
-      const double* p = part + 3 * s * C;
-      sp += p[c];
-      cp += p[C + c];
-      sn += p[2 * C + c];
-    }
-    hi[c] = mean_or_zero(sp, cp);
-    lo[c] = mean_or_zero(sn, static_cast<double>(R) - cp);
-  }
+  finish_column_means(part, nslab, C, R, hi, lo);
 }
 
 }  // namespace

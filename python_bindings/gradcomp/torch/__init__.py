@@ -159,20 +159,22 @@ class _RandomK(_Family):
                                        tensor_id=tensor_id, **o)
 
 
-class _OneBitPlan:
-    """The two-phase 1-bit plan writes the average into a separate fp32 buffer; copy it back."""
+class _Held:
+    """A plan with what it needs beside it: the object whose state is checkpointed (the plan
+    itself for 1-bit, the PowerSGDState for PowerSGD) and, for 1-bit, the fp32 buffer the
+    two-phase plan writes the average into (copied back into the bucket by result())."""
 
-    def __init__(self, plan, out: torch.Tensor):
-        self.plan, self.out = plan, out
+    def __init__(self, plan, state=None, out: Optional[torch.Tensor] = None):
+        self.plan, self.state, self.out = plan, (state if state is not None else plan), out
 
     def next(self):
         return self.plan.next()
 
     def state_dict(self):
-        return self.plan.state_dict()
+        return self.state.state_dict()
 
     def load_state_dict(self, b):
-        self.plan.load_state_dict(b)
+        self.state.load_state_dict(b)
 
 
 class _OneBit(_Family):
@@ -188,7 +190,7 @@ class _OneBit(_Family):
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         plan = _C.OneBitAllreducePlan(buf.numel(), world, rank, device=dev, device_index=idx,
                                       stream=_stream_of(buf), **o)
-        return _OneBitPlan(plan, torch.empty(buf.numel(), dtype=torch.float32, device=buf.device))
+        return _Held(plan, out=torch.empty(buf.numel(), dtype=torch.float32, device=buf.device))
 
     def begin(self, plan, bucket):
         buf = bucket.buffer()
@@ -198,23 +200,6 @@ class _OneBit(_Family):
         buf = bucket.buffer()
         buf.copy_(plan.out)
         return buf
-
-
-class _PowerSGDPlan:
-    """PowerSGD keeps its state (error, Q) apart from the per-step plan."""
-
-    def __init__(self, state, world: int):
-        self.state = state
-        self.plan = _C.PowerSGDPlan(state, world)
-
-    def next(self):
-        return self.plan.next()
-
-    def state_dict(self):
-        return self.state.state_dict()
-
-    def load_state_dict(self, b):
-        self.state.load_state_dict(b)
 
 
 class _PowerSGD(_Family):
@@ -239,7 +224,7 @@ class _PowerSGD(_Family):
         shapes = [list(g.shape) if g.dim() > 0 else [1] for g in grads]
         st = _C.PowerSGDState(shapes, grad_dtype=_dtype_name(buf), device=dev, device_index=idx,
                               stream=_stream_of(buf), first_tensor_id=tensor_id * 65536, **o)
-        return _PowerSGDPlan(st, world)
+        return _Held(_C.PowerSGDPlan(st, world), state=st)
 
     def begin(self, plan, bucket):
         grads = [g.reshape(-1) if g.dim() == 0 else g for g in bucket.gradients()]
