@@ -5,11 +5,13 @@
 #include "gradcomp/onebit.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/state_io.hpp"
 #include "kernels/onebit.hpp"
 #include "kernels/onebit_math.h"
+#include "kernels/topk.hpp"  // dgc_accumulate and first_nonfinite: the plan's momentum
 
 namespace gradcomp {
 
@@ -36,6 +38,8 @@ void OneBitConfig::validate() const {
                "chunk_size applies to the sign modes only; kColumnMeans groups by column (got "
                "chunk_size ",
                chunk_size, ")");
+  GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
+               "momentum must be in [0, 1), got ", momentum);
 }
 
 int64_t onebit_effective_chunk(const OneBitConfig& cfg, int64_t n) {
@@ -237,6 +241,8 @@ OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_
                                    DType grad_dtype, Device device, int device_index, void* stream)
     : cfg_(cfg), rows_(rows), cols_(cols), grad_dtype_(grad_dtype), device_(device) {
   cfg_.validate();
+  GC_CHECK_ARG(cfg_.momentum == 0.0, "OneBitCompressor: momentum applies to the allreduce plan "
+               "only (apply the optimizer's momentum instead), got ", cfg_.momentum);
   GC_CHECK_ARG(rows >= 0 && cols >= 0, "rows and cols must be >= 0, got ", rows, " x ", cols);
   GC_CHECK_ARG(rows == 0 || cols <= (int64_t{1} << 40) / rows, "tensor of ", rows, " x ", cols,
                " elements is too large");
@@ -398,10 +404,13 @@ struct OneBitAllreducePlan::Impl {
         avg(dev, s),
         gsend(dev, s),
         grecv(dev, s),
+        u(dev, s),
         ws(dev),
+        sws(dev),
         stream(s) {}
-  Buffer we, se, scales, bits, send, recv, avg, gsend, grecv;
+  Buffer we, se, scales, bits, send, recv, avg, gsend, grecv, u;
   k::OneBitWorkspace ws;
+  k::SelectWorkspace sws;
   void* stream;
   int device_index = 0;
   TensorView grad, out;
@@ -416,9 +425,6 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   GC_CHECK_ARG(cfg_.scaling != OneBitScaling::kColumnMeans,
                "the 1-bit allreduce plan uses a sign scaling (kSignL1 or kSignL2), got ",
                onebit_scaling_name(cfg_.scaling));
-  GC_CHECK_ARG(cfg_.chunk_size == 0,
-               "the 1-bit allreduce plan scales per server chunk; chunk_size must be 0, got ",
-               cfg_.chunk_size);
   GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "numel must be in [0, 2^40], got ",
                numel);
   GC_CHECK_ARG(world >= 1, "world size must be >= 1, got ", world);
@@ -427,6 +433,15 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
     throw_not_built_with_cuda("OneBitAllreducePlan on CUDA");
   const int64_t words = k::onebit::num_words(numel);
   words_per_chunk_ = (words + world - 1) / world;
+  if (cfg_.chunk_size > 0) {  // chunks hold whole scale blocks
+    const int64_t wb = cfg_.chunk_size / 32;
+    words_per_chunk_ = (words_per_chunk_ + wb - 1) / wb * wb;
+    scale_block_ = cfg_.chunk_size;
+  } else {
+    scale_block_ = std::max<int64_t>(32, chunk_elems());
+  }
+  scales_per_chunk_ = (chunk_elems() + scale_block_ - 1) / scale_block_;
+  if (chunk_elems() == 0) scales_per_chunk_ = 1;
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->device_index = device_index;
   Impl& s = *impl_;
@@ -434,7 +449,9 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   const size_t ce = static_cast<size_t>(chunk_elems());
   device_zero(device, s.we.get<float>(static_cast<size_t>(numel)), numel * sizeof(float), stream);
   device_zero(device, s.se.get<float>(ce), ce * sizeof(float), stream);
-  s.scales.get<float>(P + 1);
+  if (cfg_.momentum > 0.0)
+    device_zero(device, s.u.get<float>(static_cast<size_t>(numel)), numel * sizeof(float), stream);
+  s.scales.get<float>(P * static_cast<size_t>(scales_per_chunk_) + 1);
   s.bits.get<uint32_t>(static_cast<size_t>(words) + 1);
   s.send.get<uint8_t>(P * B);
   s.recv.get<uint8_t>(P * B);
@@ -450,6 +467,9 @@ OneBitAllreducePlan::~OneBitAllreducePlan() = default;
 const float* OneBitAllreducePlan::worker_error() const {
   return static_cast<const float*>(impl_->we.data());
 }
+const float* OneBitAllreducePlan::momentum_buffer() const {
+  return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u.data()) : nullptr;
+}
 const float* OneBitAllreducePlan::server_error() const {
   return static_cast<const float*>(impl_->se.data());
 }
@@ -463,14 +483,41 @@ void OneBitAllreducePlan::begin(const TensorView& grad, const TensorView& out) {
   check_dense(out, numel_, device_, "onebit-allreduce");
   GC_CHECK_ARG(numel_ == 0 || out.data != grad.data,
                "onebit-allreduce: out must not alias grad (grad is read after out is written)");
-  const k::OneBitGeom geo = sign_geom(numel_, chunk_elems());
-  const float* e_in = cfg_.error_feedback ? static_cast<const float*>(s.we.data()) : nullptr;
-  const int64_t bad =
-      run_scales(device_, grad.data, grad.dtype, e_in, geo, norm_of(cfg_.scaling),
-                 cfg_.check_finite, static_cast<float*>(s.scales.data()), s.ws, s.stream);
-  GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
-               ": gradient has a non-finite value (NaN or Inf) at index ", bad,
-               "; nothing was changed");
+  const k::OneBitGeom geo = sign_geom(numel_, scale_block_);
+  auto* scales = static_cast<float*>(s.scales.data());
+  if (cfg_.momentum > 0.0) {
+    // u = m u + g and x = u + e, written into the worker-error buffer (x is compressed in
+    // place by next()). The finiteness check runs first: a rejected step changes nothing.
+    if (cfg_.check_finite) {
+      const int64_t bad = device_ == Device::kCUDA
+                              ? k::cuda::first_nonfinite(grad.data, grad.dtype, numel_, s.sws,
+                                                         s.stream)
+                              : k::cpu::first_nonfinite(grad.data, grad.dtype, numel_);
+      GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                   ": gradient has a non-finite value (NaN or Inf) at index ", bad,
+                   "; nothing was changed");
+    }
+    float* x = static_cast<float*>(s.we.data());
+    float* u = static_cast<float*>(s.u.data());
+    if (!cfg_.error_feedback) device_zero(device_, x, numel_ * sizeof(float), s.stream);
+    const auto m = static_cast<float>(cfg_.momentum);
+    if (numel_ > 0) {
+      if (device_ == Device::kCUDA)
+        k::cuda::dgc_accumulate(grad.data, grad.dtype, numel_, 1.0f, m, false, u, x, s.stream);
+      else
+        k::cpu::dgc_accumulate(grad.data, grad.dtype, numel_, 1.0f, m, false, u, x);
+    }
+    run_scales(device_, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling), false, scales,
+               s.ws, s.stream);
+  } else {
+    const float* e_in = cfg_.error_feedback ? static_cast<const float*>(s.we.data()) : nullptr;
+    const int64_t bad = run_scales(device_, grad.data, grad.dtype, e_in, geo,
+                                   norm_of(cfg_.scaling), cfg_.check_finite, scales, s.ws,
+                                   s.stream);
+    GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                 ": gradient has a non-finite value (NaN or Inf) at index ", bad,
+                 "; nothing was changed");
+  }
   s.grad = grad;
   s.out = out;
   phase_ = 1;
@@ -480,6 +527,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
   Impl& s = *impl_;
   const size_t P = static_cast<size_t>(world_), B = block_bytes();
   const int64_t W = words_per_chunk_, CE = chunk_elems(), words = k::onebit::num_words(numel_);
+  const int64_t S = scale_block_, NB = scales_per_chunk_;
   auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
   Collective c;
   c.device = device_;
@@ -488,22 +536,28 @@ std::optional<Collective> OneBitAllreducePlan::next() {
   c.type = ElemType::kU8;
   c.count = B;
   switch (phase_) {
-    case 1: {  // (1) worker compress + split into P blocks
-      const k::OneBitGeom geo = sign_geom(numel_, CE);
+    case 1: {  // (1) worker compress (one scale per block of S) + split into P blocks
+      const k::OneBitGeom geo = sign_geom(numel_, S);
       float* we = static_cast<float*>(s.we.data());
       const bool ef = cfg_.error_feedback;
       auto* bits = static_cast<uint32_t*>(s.bits.data());
-      run_quantize(device_, s.grad.data, s.grad.dtype, ef ? we : nullptr, ef ? we : nullptr, geo,
-                   static_cast<const float*>(s.scales.data()), bits, s.stream);
+      const auto* scales = static_cast<const float*>(s.scales.data());
+      if (cfg_.momentum > 0.0)  // begin() formed x = u + e in `we`
+        run_quantize(device_, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo, scales, bits,
+                     s.stream);
+      else
+        run_quantize(device_, s.grad.data, s.grad.dtype, ef ? we : nullptr, ef ? we : nullptr,
+                     geo, scales, bits, s.stream);
       auto* send = static_cast<uint8_t*>(s.send.data());
       device_zero(device_, send, P * B, s.stream);
-      const int64_t K = geo.num_scales();  // chunks holding elements (<= P)
+      const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
+      const int64_t total_scales = geo.num_scales();
       for (int64_t q = 0; q < K; ++q) {
         uint8_t* blk = send + q * B;
-        device_copy(blk, device_, static_cast<const float*>(s.scales.data()) + q, device_, 4,
-                    s.stream);
+        const int64_t s0 = q * NB, s1 = std::min(total_scales, s0 + NB);
+        device_copy(blk, device_, scales + s0, device_, 4 * (s1 - s0), s.stream);
         const int64_t w0 = q * W, w1 = std::min(words, w0 + W);
-        device_copy(blk + 4, device_, bits + w0, device_, 4 * (w1 - w0), s.stream);
+        device_copy(blk + 4 * NB, device_, bits + w0, device_, 4 * (w1 - w0), s.stream);
       }
       c.kind = CollectiveKind::kAllToAll;
       c.send = send;
@@ -520,9 +574,9 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         const auto* recv = static_cast<const uint8_t*>(s.recv.data());
         for (size_t q = 0; q < P; ++q) {
           s.scale_ptrs[q] = reinterpret_cast<const float*>(recv + q * B);
-          s.bit_ptrs[q] = reinterpret_cast<const uint32_t*>(recv + q * B + 4);
+          s.bit_ptrs[q] = reinterpret_cast<const uint32_t*>(recv + q * B + 4 * NB);
         }
-        const k::OneBitGeom geo = sign_geom(L, CE);
+        const k::OneBitGeom geo = sign_geom(L, S);
         float* avg = static_cast<float*>(s.avg.data());
         run_decode_average(device_, s.bit_ptrs.data(), s.scale_ptrs.data(), world_, geo,
                            1.0f / static_cast<float>(world_), false, avg, s.ws, s.stream);
@@ -531,7 +585,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         run_scales(device_, avg, DType::kFloat32, se, geo, norm_of(cfg_.scaling), false, scale,
                    s.ws, s.stream);
         run_quantize(device_, avg, DType::kFloat32, se, se, geo, scale,
-                     reinterpret_cast<uint32_t*>(gsend + 4), s.stream);
+                     reinterpret_cast<uint32_t*>(gsend + 4 * NB), s.stream);
       }
       c.kind = CollectiveKind::kAllgather;
       c.send = gsend;
@@ -546,12 +600,11 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       for (size_t q = 0; q < P; ++q) {
         const int64_t L = chunk_len(static_cast<int64_t>(q));
         if (L == 0) continue;
-        const uint32_t* bits = reinterpret_cast<const uint32_t*>(grecv + q * B + 4);
+        const uint32_t* bits = reinterpret_cast<const uint32_t*>(grecv + q * B + 4 * NB);
         const float* scale = reinterpret_cast<const float*>(grecv + q * B);
-        run_decode_average(device_, &bits, &scale, 1, sign_geom(L, CE), 1.0f, false,
+        run_decode_average(device_, &bits, &scale, 1, sign_geom(L, S), 1.0f, false,
                            out + static_cast<int64_t>(q) * CE, s.ws, s.stream);
       }
-      (void)W;
       phase_ = 0;
       ++step_;
       return std::nullopt;
@@ -570,9 +623,13 @@ std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
   w.put<int32_t>(rank_);
   w.put<uint8_t>(static_cast<uint8_t>(cfg_.scaling));
   w.put<uint8_t>(cfg_.error_feedback);
+  w.put<int64_t>(cfg_.chunk_size);
+  w.put<uint8_t>(cfg_.momentum > 0.0);
   w.put<int64_t>(step_);
   w.put_array(impl_->we.data(), device_, numel_ * sizeof(float), impl_->stream);
   w.put_array(impl_->se.data(), device_, chunk_elems() * sizeof(float), impl_->stream);
+  if (cfg_.momentum > 0.0)
+    w.put_array(impl_->u.data(), device_, numel_ * sizeof(float), impl_->stream);
   return w.take();
 }
 
@@ -584,13 +641,17 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<int32_t>("rank", rank_);
   r.expect<uint8_t>("scaling", static_cast<uint8_t>(cfg_.scaling));
   r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
+  r.expect<int64_t>("chunk_size", cfg_.chunk_size);
+  r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
   const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);
   const uint8_t* we = r.array("worker_error", wb);
   const uint8_t* se = r.array("server_error", sb);
+  const uint8_t* u = cfg_.momentum > 0.0 ? r.array("momentum", wb) : nullptr;
   r.finish();
+  if (u) device_copy(impl_->u.data(), device_, u, Device::kCPU, wb, impl_->stream);
   device_copy(impl_->we.data(), device_, we, Device::kCPU, wb, impl_->stream);
   device_copy(impl_->se.data(), device_, se, Device::kCPU, sb, impl_->stream);
   step_ = step;

@@ -69,6 +69,11 @@ struct OneBitConfig {
   /// element of memory, no extra traffic); with check_finite off it works in place.
   bool check_finite = true;
   uint32_t tensor_id = 0;  ///< written to the payload header
+  /// OneBitAllreducePlan only (0 for the compressor): momentum m in [0, 1) applied before
+  /// compression. Each rank keeps u = m u + g and compresses x = u + worker_error, so the plan
+  /// returns the average momentum and the optimizer must apply none (plain SGD): as in 1-bit
+  /// Adam, the smoother momentum loses far less to the sign than the raw gradient does.
+  double momentum = 0.0;
   void validate() const;
 };
 
@@ -132,17 +137,23 @@ class OneBitCompressor : public Compressor {
 };
 
 /// 1-bit Adam's compressed allreduce (Tang et al. 2021) as a plan, for one rank of `world`:
-///  (1) x = g + worker_error is compressed (scaled sign, one scale per server chunk) and its bits
-///      are split into P chunks of W = ceil(ceil(n / 32) / P) words (32-element aligned; the last
-///      chunks are padded with zero bits, an empty chunk has scale 0). Send block p =
-///      [scale_p (fp32) | W words of bits]: B = 4 (W + 1) bytes.
+///  (1) x = g + worker_error (with cfg.momentum m: u = m u + g, x = u + worker_error) is
+///      compressed (scaled sign, one scale per block of S elements) and
+///      its bits are split into P server chunks of W words, W = the smallest multiple of S / 32
+///      with 32 W P >= n (chunks hold whole blocks; the last chunks are padded with zero bits and
+///      an empty block has scale 0). Each chunk holds NB = 32 W / S blocks. Send block p =
+///      [NB scales of chunk p (fp32) | W words of bits]: B = 4 (NB + W) bytes.
 ///  (2) all-to-all (ElemType::kU8, B bytes per rank): rank r receives chunk r from every rank.
 ///  (3) rank r decodes the P blocks, sums them in rank order, multiplies by 1/P, adds
-///      server_error and recompresses its chunk with one scale (server error feedback).
+///      server_error and recompresses its chunk with the same blocks (server error feedback).
 ///  (4) allgather (ElemType::kU8, B bytes per rank) of the recompressed blocks.
 ///  (5) every rank decodes all P blocks into `out`: bitwise the same result on every rank.
-/// Uses cfg.scaling kSignL1 or kSignL2 (cfg.chunk_size must be 0: the chunks are the server
-/// chunks), error_feedback (worker and server), check_finite.
+/// S is cfg.chunk_size (a positive multiple of 32), or 0: one scale per server chunk (the form
+/// of the 1-bit Adam paper). One scale for a whole chunk lets layers of very different gradient
+/// magnitude share it: the small-gradient layers then get steps far above their own size and the
+/// large ones far below, which error feedback cannot repair (see docs/onebit.md); the hook
+/// therefore uses S = 256 by default (0.125 bit of scale per element). Uses cfg.scaling kSignL1
+/// or kSignL2, error_feedback (worker and server), check_finite.
 ///
 /// Example (one rank; a driver executes the collectives):
 ///   gradcomp::OneBitAllreducePlan plan(cfg, n, world, rank);
@@ -159,13 +170,22 @@ class OneBitAllreducePlan : public BucketPlan {
   void begin(const TensorView& grad, const TensorView& out);
   std::optional<Collective> next() override;
   std::string name() const override { return "onebit-allreduce"; }
-  /// Elements per server chunk (32 W) and bytes per block (4 (W + 1)).
+  /// Elements per server chunk (32 W), elements per scale (S; = chunk_elems() when
+  /// cfg.chunk_size is 0), scales per chunk (NB) and bytes per block (4 (NB + W)).
   int64_t chunk_elems() const { return 32 * words_per_chunk_; }
-  size_t block_bytes() const { return static_cast<size_t>(4 * (words_per_chunk_ + 1)); }
+  int64_t scale_block() const { return scale_block_; }
+  int64_t scales_per_chunk() const { return scales_per_chunk_; }
+  size_t block_bytes() const {
+    return static_cast<size_t>(4 * (words_per_chunk_ + scales_per_chunk_));
+  }
   int64_t numel() const override { return numel_; }
   int64_t step() const { return step_; }
+  Device device() const { return device_; }
   /// Worker error (numel floats) and server error (chunk_elems() floats, for this rank's chunk).
+  /// With momentum and error feedback off, worker_error() holds the last compressed x instead.
   const float* worker_error() const;
+  /// The momentum u (numel floats; null when cfg.momentum == 0).
+  const float* momentum_buffer() const;
   const float* server_error() const;
   /// Bytes this rank sends per step (all-to-all + allgather), for compression-ratio reports.
   uint64_t bytes_sent() const { return block_bytes() * static_cast<uint64_t>(world_ + 1); }
@@ -181,6 +201,8 @@ class OneBitAllreducePlan : public BucketPlan {
   int world_, rank_;
   Device device_;
   int64_t words_per_chunk_ = 0;
+  int64_t scale_block_ = 32;
+  int64_t scales_per_chunk_ = 1;
   int64_t step_ = 0;
   int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
 };

@@ -60,18 +60,25 @@ void bind(nb::module_& m) {
           "__init__",
           [](OneBitAllreducePlan* self, int64_t numel, int world, int rank,
              const std::string& scaling, bool error_feedback, bool check_finite,
-             const std::string& device, int device_index, uintptr_t stream) {
+             int64_t block_size, double momentum, const std::string& device,
+             int device_index, uintptr_t stream) {
             OneBitConfig c;
             c.scaling = parse_scaling(scaling);
             c.error_feedback = error_feedback;
             c.check_finite = check_finite;
+            c.chunk_size = block_size;
+            c.momentum = momentum;
             new (self) OneBitAllreducePlan(c, numel, world, rank, parse_device(device),
                                            device_index, reinterpret_cast<void*>(stream));
           },
           nb::arg("numel"), nb::arg("world"), nb::arg("rank"), nb::kw_only(),
           nb::arg("scaling") = "sign_l1", nb::arg("error_feedback") = true,
-          nb::arg("check_finite") = true, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
-          nb::arg("stream") = 0)
+          nb::arg("check_finite") = true, nb::arg("block_size") = 0, nb::arg("momentum") = 0.0,
+          nb::arg("device") = "cpu",
+          nb::arg("device_index") = 0, nb::arg("stream") = 0,
+          "block_size: elements per scale (a positive multiple of 32), 0 = one scale per server "
+          "chunk (the 1-bit Adam paper's form). momentum: each rank compresses its momentum "
+          "u = m u + g (the optimizer then applies none).")
       .def(
           "begin",
           [](OneBitAllreducePlan& p, const AnyArray& grad, const AnyArray& out, uintptr_t stream) {
@@ -85,6 +92,19 @@ void bind(nb::module_& m) {
       .def_prop_ro("numel", &OneBitAllreducePlan::numel)
       .def_prop_ro("step", &OneBitAllreducePlan::step)
       .def_prop_ro("bytes_sent", &OneBitAllreducePlan::bytes_sent)
+      .def_prop_ro("block_size", &OneBitAllreducePlan::scale_block)
+      .def(
+          "worker_error",
+          [](const OneBitAllreducePlan& p) {
+            return host_copy(p.worker_error(), p.numel(), p.device());
+          },
+          "A copy (NumPy, fp32) of the worker error-feedback memory, for diagnostics.")
+      .def(
+          "server_error",
+          [](const OneBitAllreducePlan& p) {
+            return host_copy(p.server_error(), p.chunk_elems(), p.device());
+          },
+          "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats).")
       .def("state_dict", [](const OneBitAllreducePlan& p) { return to_bytes(p.state_dict()); })
       .def("load_state_dict", [](OneBitAllreducePlan& p, nb::bytes b) {
         p.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());

@@ -18,10 +18,12 @@ using namespace gradcomp::test;
 
 namespace {
 
-OneBitConfig plan_cfg(OneBitScaling s = OneBitScaling::kSignL2, bool ef = true) {
+OneBitConfig plan_cfg(OneBitScaling s = OneBitScaling::kSignL2, bool ef = true,
+                      int64_t block = 0) {
   OneBitConfig c;
   c.scaling = s;
   c.error_feedback = ef;
+  c.chunk_size = block;
   return c;
 }
 
@@ -54,11 +56,13 @@ double norm_scale(const std::vector<float>& x, int64_t b, int64_t e, OneBitScali
   return s == OneBitScaling::kSignL1 ? acc / len : std::sqrt(acc / len);
 }
 
-/// One step of the algorithm written from its description, no error feedback state carried in.
+/// One step of the algorithm written from its description, no error feedback state carried in:
+/// one scale per block of `block` elements (0: per server chunk of 32 ceil(ceil(n/32) / P)).
+/// Server chunks hold whole blocks, so blocks start at multiples of `block` everywhere.
 std::vector<float> reference_step(const std::vector<std::vector<float>>& g, int64_t n,
-                                  OneBitScaling s) {
+                                  OneBitScaling s, int64_t block = 0) {
   const int P = static_cast<int>(g.size());
-  const int64_t W = ((n + 31) / 32 + P - 1) / P, CE = 32 * W;
+  const int64_t CE = block > 0 ? block : 32 * (((n + 31) / 32 + P - 1) / P);
   std::vector<std::vector<float>> d(P, std::vector<float>(n));
   for (int p = 0; p < P; ++p)
     for (int64_t b = 0; b < n; b += CE) {
@@ -101,19 +105,41 @@ TEST(OneBitPlan, AsksForAllToAllThenAllgatherOfEqualBlocks) {
   }
 }
 
+TEST(OneBitPlan, BlockScalesRoundChunksToWholeBlocks) {
+  // n = 1000 -> 32 words; blocks of 256 elements = 8 words. P = 3: 11 words per chunk rounded up
+  // to 16 (two blocks), so B = 4 (2 + 16). A state made with another block size is rejected.
+  Sim sim(plan_cfg(OneBitScaling::kSignL1, true, 256), 3, 1000);
+  EXPECT_EQ(sim.plans[0]->chunk_elems(), 512);
+  EXPECT_EQ(sim.plans[0]->scales_per_chunk(), 2);
+  EXPECT_EQ(sim.plans[0]->scale_block(), 256);
+  std::vector<std::vector<float>> g(3);
+  for (int r = 0; r < 3; ++r) g[r] = normal(1000, r + 5);
+  const auto log = sim.step(g);
+  ASSERT_EQ(log.size(), 2u);
+  EXPECT_EQ(log[0].count, size_t(4 * (2 + 16)));
+  EXPECT_EQ(log[1].count, size_t(4 * (2 + 16)));
+  OneBitAllreducePlan other(plan_cfg(OneBitScaling::kSignL1, true, 128), 1000, 3, 0);
+  const auto st = sim.plans[0]->state_dict();
+  const auto before = other.state_dict();
+  EXPECT_THROW(other.load_state_dict(st.data(), st.size()), InvalidArgument);
+  EXPECT_EQ(other.state_dict(), before);
+}
+
 TEST(OneBitPlan, FirstStepMatchesScalarReferenceAndRanksAgreeBitwise) {
   for (auto sc : {OneBitScaling::kSignL1, OneBitScaling::kSignL2})
+    for (int64_t block : {0, 32, 256, 4096})
     for (int P : {1, 2, 3, 8})
       for (int64_t n :
            {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000}, int64_t{100003}}) {
-        SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n));
-        Sim sim(plan_cfg(sc), P, n);
+        SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n) + " block " +
+                     std::to_string(block));
+        Sim sim(plan_cfg(sc, true, block), P, n);
         std::vector<std::vector<float>> g(P);
         for (int r = 0; r < P; ++r) g[r] = normal(n, 10 * r + 1);
         sim.step(g);
         for (int r = 1; r < P; ++r)
           ASSERT_EQ(0, std::memcmp(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
-        const auto want = reference_step(g, n, sc);
+        const auto want = reference_step(g, n, sc, block);
         int64_t sign_flips = 0;
         for (int64_t i = 0; i < n; ++i) {
           if (std::signbit(want[i]) != std::signbit(sim.out[0][i])) {
@@ -213,7 +239,9 @@ TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(OneBitScaling::kColumnMeans), n, 2, 0),
                InvalidArgument);
   OneBitConfig chunked = plan_cfg();
-  chunked.chunk_size = 64;
+  chunked.chunk_size = 48;  // blocks of scales are whole words of bits
+  EXPECT_THROW(OneBitAllreducePlan(chunked, n, 2, 0), InvalidArgument);
+  chunked.chunk_size = -32;
   EXPECT_THROW(OneBitAllreducePlan(chunked, n, 2, 0), InvalidArgument);
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 2, 2), InvalidArgument);
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 0, 0), InvalidArgument);
@@ -250,4 +278,60 @@ TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   EXPECT_THROW(plan.load_state_dict(st.data(), st.size()), InvalidArgument);
   run_plans_in_process({&plan});
   EXPECT_EQ(plan.step(), 2);
+}
+
+TEST(OneBitPlan, MomentumCompressesTheVelocityAndKeepsItInTheState) {
+  // With momentum m the plan must behave as a plan without momentum fed u_t = m u_{t-1} + g_t
+  // (computed here in double), on every rank, over several steps and sizes.
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{33}, int64_t{1000}, int64_t{100003}}) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const int P = 3;
+    OneBitConfig mc = plan_cfg(OneBitScaling::kSignL1, true, 256);
+    mc.momentum = 0.9;
+    Sim with(mc, P, n), without(plan_cfg(OneBitScaling::kSignL1, true, 256), P, n);
+    std::vector<std::vector<double>> u(P, std::vector<double>(n, 0.0));
+    for (int t = 0; t < 6; ++t) {
+      std::vector<std::vector<float>> g(P), uf(P);
+      for (int r = 0; r < P; ++r) {
+        g[r] = normal(n, 50 * t + r);
+        uf[r].resize(n);
+        for (int64_t i = 0; i < n; ++i) {
+          u[r][i] = 0.9 * u[r][i] + g[r][i];
+          uf[r][i] = static_cast<float>(u[r][i]);
+        }
+      }
+      with.step(g);
+      without.step(uf);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(with.out[0][i], without.out[0][i], 1e-4 * (1 + std::fabs(without.out[0][i])))
+            << "step " << t << " i " << i;
+      for (int r = 1; r < P; ++r)
+        ASSERT_EQ(0, std::memcmp(with.out[0].data(), with.out[r].data(), 4 * n));
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(with.plans[1]->momentum_buffer()[i], u[1][i], 1e-4 * (1 + std::fabs(u[1][i])));
+    }
+    // NaN: rejected in begin(), momentum and errors untouched
+    if (n > 0) {
+      std::vector<float> g = normal(n, 7), out(n);
+      g[n / 2] = std::numeric_limits<float>::infinity();
+      const auto st = with.plans[0]->state_dict();
+      EXPECT_THROW(with.plans[0]->begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n)),
+                   InvalidArgument);
+      EXPECT_EQ(with.plans[0]->state_dict(), st);
+    }
+    // the momentum travels with the state; a state without it is rejected
+    OneBitAllreducePlan back(mc, n, P, 0);
+    const auto st = with.plans[0]->state_dict();
+    back.load_state_dict(st.data(), st.size());
+    EXPECT_EQ(back.state_dict(), st);
+    const auto plain = without.plans[0]->state_dict();
+    EXPECT_THROW(back.load_state_dict(plain.data(), plain.size()), InvalidArgument);
+    EXPECT_EQ(back.state_dict(), st);
+  }
+  OneBitConfig bad = plan_cfg();
+  bad.momentum = 1.0;
+  EXPECT_THROW(OneBitAllreducePlan(bad, 10, 1, 0), InvalidArgument);
+  OneBitConfig comp_cfg;
+  comp_cfg.momentum = 0.5;
+  EXPECT_THROW(OneBitCompressor(comp_cfg, 10), InvalidArgument);  // plan-only option
 }
