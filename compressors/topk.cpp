@@ -32,9 +32,8 @@ static void check_ratio(double r, const char* what) {
   GC_CHECK_ARG(std::isfinite(r) && r > 0.0 && r <= 1.0, what, " must be in (0, 1], got ", r);
 }
 
-void TopKConfig::validate() const {
+void SparsifyConfig::validate() const {
   check_ratio(ratio, "ratio");
-  select.validate();
   GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
                "momentum must be in [0, 1), got ", momentum);
   GC_CHECK_ARG(std::isfinite(clip_norm) && clip_norm >= 0.0, "clip_norm must be >= 0, got ",
@@ -46,17 +45,17 @@ void TopKConfig::validate() const {
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
 }
 
-double TopKConfig::ratio_at(int64_t step) const {
+void TopKConfig::validate() const {
+  SparsifyConfig::validate();
+  select.validate();
+}
+
+double SparsifyConfig::ratio_at(int64_t step) const {
   if (!warmup_ratios.empty() && warmup_steps > 0) {
     const int64_t stage = step / warmup_steps;
     if (stage < static_cast<int64_t>(warmup_ratios.size())) return warmup_ratios[stage];
   }
   return ratio;
-}
-
-void RandomKConfig::validate() const {
-  check_ratio(ratio, "ratio");
-  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
 }
 
 int64_t topk_count(double ratio, int64_t n) {
@@ -143,12 +142,89 @@ void prepare_payload(Payload& out, Device dev, void* stream) {
   out.bytes.set_stream(stream);
 }
 
+/// DGC's state around the selection, shared by top-k and random-k: the residual v and the
+/// corrected momentum u (allocated only with momentum), and the two steps that surround choosing
+/// the indices: accumulate (clip, momentum correction, residual) and take (gather the chosen
+/// values, clear them from v, and from u with masking).
+class SparsifyState {
+ public:
+  SparsifyState(const SparsifyConfig& cfg, int64_t n, Device dev, void* stream)
+      : cfg_(cfg), n_(n), dev_(dev), stream_(stream), u_(dev, stream), v_(dev, stream) {
+    device_zero(dev, v_.get<float>(static_cast<size_t>(n)), n * sizeof(float), stream);
+    if (cfg_.momentum > 0.0)
+      device_zero(dev, u_.get<float>(static_cast<size_t>(n)), n * sizeof(float), stream);
+  }
+  float* v() { return static_cast<float*>(v_.data()); }
+  const float* v() const { return static_cast<const float*>(v_.data()); }
+  float* u() { return cfg_.momentum > 0.0 ? static_cast<float*>(u_.data()) : nullptr; }
+  const float* u() const { return cfg_.momentum > 0.0 ? static_cast<const float*>(u_.data()) : nullptr; }
+
+  /// v += (momentum-corrected) coef * g, coef from local clipping; v zeroed first without EF.
+  void accumulate(const TensorView& g, k::SelectWorkspace& ws) {
+    const bool cuda = dev_ == Device::kCUDA;
+    float coef = 1.0f;
+    if (cfg_.clip_norm > 0.0 && n_ > 0) {
+      const double ss = cuda ? k::cuda::sum_squares(g.data, g.dtype, n_, ws, stream_)
+                             : k::cpu::sum_squares(g.data, g.dtype, n_);
+      coef = k::clip_coefficient(std::sqrt(ss), cfg_.clip_norm);
+    }
+    if (!cfg_.error_feedback) device_zero(dev_, v(), n_ * sizeof(float), stream_);
+    if (n_ == 0) return;
+    const float m = static_cast<float>(cfg_.momentum);
+    if (cuda)
+      k::cuda::dgc_accumulate(g.data, g.dtype, n_, coef, m, cfg_.nesterov, u(), v(), stream_);
+    else
+      k::cpu::dgc_accumulate(g.data, g.dtype, n_, coef, m, cfg_.nesterov, u(), v());
+  }
+
+  /// values[j] = v[idx[j]] in the value dtype; v[idx] = 0 and, with masking, u[idx] = 0.
+  void take(const uint32_t* idx, int64_t c, void* values) {
+    float* mask_u = cfg_.momentum_masking ? u() : nullptr;
+    if (dev_ == Device::kCUDA)
+      k::cuda::gather_and_clear(v(), mask_u, idx, c, values, cfg_.value_dtype, stream_);
+    else
+      k::cpu::gather_and_clear(v(), mask_u, idx, c, values, cfg_.value_dtype);
+  }
+
+  void save(detail::StateWriter& w) const {
+    w.put<uint8_t>(cfg_.momentum > 0.0);
+    w.put<uint32_t>(cfg_.tensor_id);
+    w.put_array(v(), dev_, n_ * sizeof(float), stream_);
+    if (u()) w.put_array(u(), dev_, n_ * sizeof(float), stream_);
+  }
+  /// Reads (and checks) what save() wrote; apply() the result once the whole state is checked.
+  struct Saved {
+    const uint8_t* v;
+    const uint8_t* u;
+  };
+  Saved read(detail::StateReader& r) const {
+    r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
+    r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
+    Saved sv{r.array("residual", n_ * sizeof(float)), nullptr};
+    if (u()) sv.u = r.array("momentum", n_ * sizeof(float));
+    return sv;
+  }
+  void apply(const Saved& sv) {
+    device_copy(v(), dev_, sv.v, Device::kCPU, n_ * sizeof(float), stream_);
+    if (sv.u) device_copy(u(), dev_, sv.u, Device::kCPU, n_ * sizeof(float), stream_);
+  }
+
+ private:
+  const SparsifyConfig cfg_;  // a copy: the base part of the owner's config
+  int64_t n_;
+  Device dev_;
+  void* stream_;
+  Buffer u_, v_;
+};
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
 struct TopKCompressor::Impl {
-  Impl(Device dev, void* s) : u(dev, s), v(dev, s), idx(dev, s), host_idx(Device::kCPU), ws(dev), stream(s) {}
-  Buffer u, v, idx, host_idx;
+  Impl(const SparsifyConfig& cfg, int64_t n, Device dev, void* s)
+      : dgc(cfg, n, dev, s), idx(dev, s), host_idx(Device::kCPU), ws(dev), stream(s) {}
+  SparsifyState dgc;
+  Buffer idx, host_idx;
   k::SelectWorkspace ws;
   void* stream;
   int device_index = 0;
@@ -163,23 +239,15 @@ TopKCompressor::TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_
                " elements; indices are uint32 (split the tensor)");
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");
   if (device == Device::kCUDA && !built_with_cuda()) throw_not_built_with_cuda("TopKCompressor on CUDA");
-  impl_ = std::make_unique<Impl>(device, stream);
+  impl_ = std::make_unique<Impl>(cfg_, numel, device, stream);
   impl_->device_index = device_index;
-  float* v = impl_->v.get<float>(static_cast<size_t>(numel));
-  device_zero(device, v, numel * sizeof(float), stream);
-  if (cfg_.momentum > 0.0) {
-    float* u = impl_->u.get<float>(static_cast<size_t>(numel));
-    device_zero(device, u, numel * sizeof(float), stream);
-  }
   stats_.numel = numel;
 }
 
 TopKCompressor::~TopKCompressor() = default;
 
-const float* TopKCompressor::residual() const { return static_cast<const float*>(impl_->v.data()); }
-const float* TopKCompressor::momentum_buffer() const {
-  return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u.data()) : nullptr;
-}
+const float* TopKCompressor::residual() const { return impl_->dgc.v(); }
+const float* TopKCompressor::momentum_buffer() const { return impl_->dgc.u(); }
 
 void TopKCompressor::encode(const TensorView& g, Payload& out) {
   Impl& s = *impl_;
@@ -188,22 +256,8 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   // ---- from here on the state changes ----
   const bool cuda = device_ == Device::kCUDA;
   const int64_t n = numel_;
-  float* v = static_cast<float*>(s.v.data());
-  float* u = cfg_.momentum > 0.0 ? static_cast<float*>(s.u.data()) : nullptr;
-  float coef = 1.0f;
-  if (cfg_.clip_norm > 0.0 && n > 0) {
-    const double ss = cuda ? k::cuda::sum_squares(g.data, g.dtype, n, s.ws, s.stream)
-                           : k::cpu::sum_squares(g.data, g.dtype, n);
-    coef = k::clip_coefficient(std::sqrt(ss), cfg_.clip_norm);
-  }
-  if (!cfg_.error_feedback) device_zero(device_, v, n * sizeof(float), s.stream);
-  const float m = static_cast<float>(cfg_.momentum);
-  if (n > 0) {
-    if (cuda)
-      k::cuda::dgc_accumulate(g.data, g.dtype, n, coef, m, cfg_.nesterov, u, v, s.stream);
-    else
-      k::cpu::dgc_accumulate(g.data, g.dtype, n, coef, m, cfg_.nesterov, u, v);
-  }
+  s.dgc.accumulate(g, s.ws);
+  float* v = s.dgc.v();
   const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
@@ -235,15 +289,13 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   out.bytes.resize(h.total_bytes(), false);
   uint8_t* base = static_cast<uint8_t*>(out.bytes.data());
   void* values = base + h.section_offset(1);
-  float* mask_u = cfg_.momentum_masking ? u : nullptr;
+  s.dgc.take(idx, c, values);
   if (cuda) {
-    k::cuda::gather_and_clear(v, mask_u, idx, c, values, cfg_.value_dtype, s.stream);
     if (coding == IndexCoding::kBitmap)
       k::cuda::indices_to_bitmap(idx, c, n, base + h.section_offset(0), s.stream);
     else
       device_copy(base + h.section_offset(0), device_, idx, device_, ibytes, s.stream);
   } else {
-    k::cpu::gather_and_clear(v, mask_u, idx, c, values, cfg_.value_dtype);
     encode_indices(idx, h.count, h.numel, coding, base + h.section_offset(0));
   }
   write_header(out, device_, s.stream);
@@ -313,35 +365,28 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
 std::vector<uint8_t> TopKCompressor::state_dict() const {
   detail::StateWriter w("topk");
   w.put<int64_t>(numel_);
-  w.put<uint8_t>(cfg_.momentum > 0.0);
-  w.put<uint32_t>(cfg_.tensor_id);
   w.put<int64_t>(step_);
-  w.put_array(impl_->v.data(), device_, numel_ * sizeof(float), impl_->stream);
-  if (cfg_.momentum > 0.0)
-    w.put_array(impl_->u.data(), device_, numel_ * sizeof(float), impl_->stream);
+  impl_->dgc.save(w);
   return w.take();
 }
 
 void TopKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   detail::StateReader r(data, nbytes, "topk");
   r.expect<int64_t>("numel", numel_);
-  r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
-  r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
-  const uint8_t* v = r.array("residual", numel_ * sizeof(float));
-  const uint8_t* u = cfg_.momentum > 0.0 ? r.array("momentum", numel_ * sizeof(float)) : nullptr;
+  const auto saved = impl_->dgc.read(r);
   r.finish();
-  // all checks passed: now overwrite
-  device_copy(impl_->v.data(), device_, v, Device::kCPU, numel_ * sizeof(float), impl_->stream);
-  if (u) device_copy(impl_->u.data(), device_, u, Device::kCPU, numel_ * sizeof(float), impl_->stream);
+  impl_->dgc.apply(saved);  // all checks passed: now overwrite
   step_ = step;
 }
 
 // ------------------------------------------------------------------------------------------------
 struct RandomKCompressor::Impl {
-  Impl(Device dev, void* s) : v(dev, s), idx(dev, s), ws(dev), stream(s) {}
-  Buffer v, idx;
+  Impl(const SparsifyConfig& cfg, int64_t n, Device dev, void* s)
+      : dgc(cfg, n, dev, s), idx(dev, s), ws(dev), stream(s) {}
+  SparsifyState dgc;
+  Buffer idx;
   k::SelectWorkspace ws;
   void* stream;
   int device_index = 0;
@@ -355,21 +400,18 @@ RandomKCompressor::RandomKCompressor(const RandomKConfig& cfg, int64_t numel, DT
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");
   if (device == Device::kCUDA && !built_with_cuda())
     throw_not_built_with_cuda("RandomKCompressor on CUDA");
-  impl_ = std::make_unique<Impl>(device, stream);
+  impl_ = std::make_unique<Impl>(cfg_, numel, device, stream);
   impl_->device_index = device_index;
-  float* v = impl_->v.get<float>(static_cast<size_t>(numel));
-  device_zero(device, v, numel * sizeof(float), stream);
   stats_.numel = numel;
 }
 
 RandomKCompressor::~RandomKCompressor() = default;
 
-const float* RandomKCompressor::residual() const {
-  return static_cast<const float*>(impl_->v.data());
-}
+const float* RandomKCompressor::residual() const { return impl_->dgc.v(); }
+const float* RandomKCompressor::momentum_buffer() const { return impl_->dgc.u(); }
 
 int64_t RandomKCompressor::indices_at(int64_t step, uint32_t* out) const {
-  const int64_t kk = topk_count(cfg_.ratio, numel_);
+  const int64_t kk = topk_count(cfg_.ratio_at(step), numel_);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step), cfg_.tensor_id};
   if (device_ == Device::kCUDA)
     k::cuda::randomk_indices(numel_, kk, key, out, impl_->stream);
@@ -382,17 +424,9 @@ void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   Impl& s = *impl_;
   check_grad(g, numel_, device_, s.device_index, cfg_.tensor_id, "randomk");
   if (cfg_.check_finite) check_finite(g, cfg_.tensor_id, "randomk", s.ws);
-  const bool cuda = device_ == Device::kCUDA;
   const int64_t n = numel_;
-  float* v = static_cast<float*>(s.v.data());
-  if (!cfg_.error_feedback) device_zero(device_, v, n * sizeof(float), s.stream);
-  if (n > 0) {
-    if (cuda)
-      k::cuda::dgc_accumulate(g.data, g.dtype, n, 1.0f, 0.0f, false, nullptr, v, s.stream);
-    else
-      k::cpu::dgc_accumulate(g.data, g.dtype, n, 1.0f, 0.0f, false, nullptr, v);
-  }
-  const int64_t kk = topk_count(cfg_.ratio, n);
+  s.dgc.accumulate(g, s.ws);
+  const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
   indices_at(step_, idx);
 
@@ -409,10 +443,7 @@ void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   h.section_bytes[1] = static_cast<uint64_t>(kk) * dtype_size(cfg_.value_dtype);
   out.bytes.resize(h.total_bytes(), false);
   void* values = static_cast<uint8_t*>(out.bytes.data()) + h.section_offset(1);
-  if (cuda)
-    k::cuda::gather_and_clear(v, nullptr, idx, kk, values, cfg_.value_dtype, s.stream);
-  else
-    k::cpu::gather_and_clear(v, nullptr, idx, kk, values, cfg_.value_dtype);
+  s.dgc.take(idx, kk, values);
   write_header(out, device_, s.stream);
   stats_.record(step_, n, kk, g.dtype, h.total_bytes());
   ++step_;
@@ -427,9 +458,9 @@ void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const Ten
                    payload_kind_name(PayloadKind(h.kind)));
   GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
                    " elements, the output has ", numel_);
-  const int64_t kk = topk_count(cfg_.ratio, numel_);
+  const int64_t kk = topk_count(cfg_.ratio_at(static_cast<int64_t>(h.aux)), numel_);
   GC_CHECK_PAYLOAD(h.count == static_cast<uint64_t>(kk), "payload has ", h.count,
-                   " values, this configuration sends ", kk);
+                   " values, this configuration sends ", kk, " at step ", h.aux);
   GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload is for tensor ", h.tensor_id,
                    ", this compressor is tensor ", cfg_.tensor_id);
   GC_CHECK_PAYLOAD(h.index_coding == uint8_t(IndexCoding::kNone) && h.section_bytes[0] == 0 &&
@@ -451,21 +482,19 @@ void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const Ten
 std::vector<uint8_t> RandomKCompressor::state_dict() const {
   detail::StateWriter w("randomk");
   w.put<int64_t>(numel_);
-  w.put<uint32_t>(cfg_.tensor_id);
   w.put<int64_t>(step_);
-  w.put_array(impl_->v.data(), device_, numel_ * sizeof(float), impl_->stream);
+  impl_->dgc.save(w);
   return w.take();
 }
 
 void RandomKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   detail::StateReader r(data, nbytes, "randomk");
   r.expect<int64_t>("numel", numel_);
-  r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
-  const uint8_t* v = r.array("residual", numel_ * sizeof(float));
+  const auto saved = impl_->dgc.read(r);
   r.finish();
-  device_copy(impl_->v.data(), device_, v, Device::kCPU, numel_ * sizeof(float), impl_->stream);
+  impl_->dgc.apply(saved);
   step_ = step;
 }
 

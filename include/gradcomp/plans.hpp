@@ -158,7 +158,7 @@ class TopKAllreducePlan : public GradientPlan {
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
 /// are summed (rank-ordered allreduce in the value dtype) and decoded once with scale 1/P.
 ///
-/// Example:  gradcomp::RandomKAllreducePlan plan({.ratio = 0.01}, n, comm.size());
+/// Example:  gradcomp::RandomKAllreducePlan plan(gradcomp::RandomKConfig{}, n, comm.size());
 class RandomKAllreducePlan : public GradientPlan {
  public:
   RandomKAllreducePlan(const RandomKConfig& cfg, int64_t numel, int world,

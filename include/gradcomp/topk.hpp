@@ -52,9 +52,18 @@ struct SelectOptions {
 int64_t topk_indices(const TensorView& x, int64_t k, const SelectOptions& opt, const RngKey& key,
                      uint32_t* out);
 
-struct TopKConfig {
+/// What top-k and random-k share (Deep Gradient Compression, Lin et al. 2018): the density
+/// (with DGC's warm-up), residual accumulation (error feedback), momentum correction with factor
+/// masking, local clipping, and the value dtype.
+///
+/// Momentum correction. With error feedback a sparsifier sends each element rarely (random-k at
+/// density d: about once every 1/d steps) carrying the sum of its unsent gradients. An optimizer
+/// with momentum then multiplies that burst by 1/(1 - m) again and again: error-feedback random-k
+/// at 1% under SGD with momentum 0.9 diverged (issue 17). With momentum > 0 the compressor
+/// accumulates the velocity u = m u + g locally (v += u, Nesterov: v += g + m u), sends from v,
+/// and clears u where it sent (masking); the optimizer must then apply no momentum of its own.
+struct SparsifyConfig {
   double ratio = 0.001;  ///< density (fraction of elements sent) after warm-up, in (0, 1]
-  SelectOptions select;
   double momentum = 0.0;         ///< DGC momentum correction factor m in [0, 1); 0 = off
   bool nesterov = false;         ///< Nesterov form of the correction
   bool momentum_masking = true;  ///< clear the momentum where an element was sent
@@ -76,6 +85,11 @@ struct TopKConfig {
   void validate() const;
   /// Density used at a step (warm-up aware).
   double ratio_at(int64_t step) const;
+};
+
+struct TopKConfig : SparsifyConfig {
+  SelectOptions select;
+  void validate() const;
 };
 
 /// Number of elements sent for a density: ceil(ratio * n), at least 1 when n > 0.
@@ -114,20 +128,17 @@ class TopKCompressor : public Compressor {
   CompressionStats stats_;
 };
 
-struct RandomKConfig {
-  double ratio = 0.01;  ///< density, in (0, 1]
-  DType value_dtype = DType::kFloat32;
-  bool error_feedback = true;
-  bool check_finite = true;
-  uint64_t seed = 0;
-  uint32_t tensor_id = 0;
-  void validate() const;
+/// Random-k: the same options as top-k (SparsifyConfig), density 1% by default.
+struct RandomKConfig : SparsifyConfig {
+  RandomKConfig() { ratio = 0.01; }
 };
 
 /// Random-k with error feedback: the k indices come from the shared counter-based RNG keyed by
 /// (seed, step, tensor id) - one uniform draw in each of k equal strata of [0, n) - so every rank
 /// picks the same indices and only values are sent. The values of all ranks can be summed
-/// directly (allreduce) before one decode.
+/// directly (allreduce) before one decode. Momentum correction, masking, clipping and warm-up as
+/// for top-k (SparsifyConfig): without momentum correction, use an optimizer without momentum
+/// (error-feedback random-k under SGD with momentum 0.9 diverges).
 class RandomKCompressor : public Compressor {
  public:
   RandomKCompressor(const RandomKConfig& cfg, int64_t numel, DType grad_dtype = DType::kFloat32,
@@ -146,6 +157,9 @@ class RandomKCompressor : public Compressor {
   /// Indices used at a step (ascending), into `out` (capacity k) on the compressor's device.
   int64_t indices_at(int64_t step, uint32_t* out) const;
   const float* residual() const;
+  /// The corrected momentum u (null when momentum == 0), on the compressor's device.
+  const float* momentum_buffer() const;
+  const RandomKConfig& config() const { return cfg_; }
 
  private:
   struct Impl;

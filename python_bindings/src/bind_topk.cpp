@@ -36,24 +36,26 @@ void bind_topk(nb::module_& m) {
   def_compressor_methods(topk);
 
   nb::class_<RandomKCompressor> randomk(m, "RandomKCompressor",
-                                "Random-k with error feedback; indices from the shared RNG.");
+                                "Random-k with error feedback; indices from the shared RNG. DGC's momentum "
+                                "correction, masking, clipping and warm-up as for top-k.");
   randomk.def(
           "__init__",
-          [](RandomKCompressor* self, int64_t numel, double ratio, const std::string& value_dtype,
-             bool error_feedback, bool check_finite, uint64_t seed, uint32_t tensor_id,
-             const std::string& grad_dtype, const std::string& device, int device_index,
-             uintptr_t stream) {
-            RandomKConfig c;
-            c.ratio = ratio;
-            c.value_dtype = parse_dtype(value_dtype);
-            c.error_feedback = error_feedback;
-            c.check_finite = check_finite;
-            c.seed = seed;
-            c.tensor_id = tensor_id;
+          [](RandomKCompressor* self, int64_t numel, double ratio, double momentum,
+             bool nesterov, bool momentum_masking, double clip_norm,
+             std::vector<double> warmup_ratios, int64_t warmup_steps,
+             const std::string& value_dtype, bool error_feedback, bool check_finite,
+             uint64_t seed, uint32_t tensor_id, const std::string& grad_dtype,
+             const std::string& device, int device_index, uintptr_t stream) {
+            const auto c = sparsify_config<RandomKConfig>(
+                ratio, momentum, nesterov, momentum_masking, clip_norm, std::move(warmup_ratios),
+                warmup_steps, value_dtype, error_feedback, check_finite, seed, tensor_id);
             new (self) RandomKCompressor(c, numel, parse_dtype(grad_dtype), parse_device(device),
                                          device_index, reinterpret_cast<void*>(stream));
           },
           nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.01,
+          nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
+          nb::arg("momentum_masking") = true, nb::arg("clip_norm") = 0.0,
+          nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
           nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
           nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
           nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",

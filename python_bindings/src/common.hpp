@@ -70,18 +70,15 @@ inline SelectMethod parse_method(const std::string& s) {
   throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
 }
 
-/// The top-k configuration from the keyword arguments shared by TopKCompressor and
-/// TopKAllreducePlan.
-inline TopKConfig topk_config(double ratio, const std::string& method, double sample_rate,
-                              double momentum, bool nesterov, bool momentum_masking,
-                              double clip_norm, std::vector<double> warmup_ratios,
-                              int64_t warmup_steps, const std::string& value_dtype,
-                              bool error_feedback, bool check_finite, uint64_t seed,
-                              uint32_t tensor_id) {
-  TopKConfig c;
+/// The options top-k and random-k share (SparsifyConfig) from the keyword arguments of their
+/// compressors and plans.
+template <class C>
+C sparsify_config(double ratio, double momentum, bool nesterov, bool momentum_masking,
+                  double clip_norm, std::vector<double> warmup_ratios, int64_t warmup_steps,
+                  const std::string& value_dtype, bool error_feedback, bool check_finite,
+                  uint64_t seed, uint32_t tensor_id) {
+  C c;
   c.ratio = ratio;
-  c.select.method = parse_method(method);
-  c.select.sample_rate = sample_rate;
   c.momentum = momentum;
   c.nesterov = nesterov;
   c.momentum_masking = momentum_masking;
@@ -93,6 +90,23 @@ inline TopKConfig topk_config(double ratio, const std::string& method, double sa
   c.check_finite = check_finite;
   c.seed = seed;
   c.tensor_id = tensor_id;
+  return c;
+}
+
+/// The top-k configuration from the keyword arguments shared by TopKCompressor and
+/// TopKAllreducePlan.
+inline TopKConfig topk_config(double ratio, const std::string& method, double sample_rate,
+                              double momentum, bool nesterov, bool momentum_masking,
+                              double clip_norm, std::vector<double> warmup_ratios,
+                              int64_t warmup_steps, const std::string& value_dtype,
+                              bool error_feedback, bool check_finite, uint64_t seed,
+                              uint32_t tensor_id) {
+  TopKConfig c = sparsify_config<TopKConfig>(ratio, momentum, nesterov, momentum_masking,
+                                             clip_norm, std::move(warmup_ratios), warmup_steps,
+                                             value_dtype, error_feedback, check_finite, seed,
+                                             tensor_id);
+  c.select.method = parse_method(method);
+  c.select.sample_rate = sample_rate;
   return c;
 }
 
@@ -142,6 +156,15 @@ void def_compressor_methods(nb::class_<C>& cls) {
       .def_prop_ro("step", [](const C& c) { return c.step(); })
       .def_prop_ro("numel", [](const C& c) { return c.numel(); })
       .def_prop_ro("last_stats", [](const C& c) { return stats_dict(c.last_stats()); });
+}
+
+/// A NumPy array owning a host copy of n floats on `dev` (for diagnostics: an explicit copy).
+inline nb::object host_copy(const float* src, int64_t n, Device dev) {
+  auto* v = new std::vector<float>(static_cast<size_t>(n));
+  if (n > 0) device_copy(v->data(), Device::kCPU, src, dev, v->size() * sizeof(float), nullptr);
+  nb::capsule owner(v, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  size_t shape[1] = {v->size()};
+  return nb::cast(nb::ndarray<nb::numpy, float>(v->data(), 1, shape, owner));
 }
 
 /// Each bind_*.cpp registers its binder; module.cpp runs them all (no central list to edit).

@@ -125,13 +125,16 @@ TEST(TopKSelect, RejectsBadK) {
 namespace {
 
 /// Scalar reference of one DGC step (Lin et al. 2018), written independently of the kernels.
+/// Top-k picks the exact top-k of v; random-k passes the step's indices (chosen by the shared
+/// RNG, tested on their own below).
 struct DgcReference {
-  TopKConfig cfg;
+  SparsifyConfig cfg;
   std::vector<double> u, v;
   int64_t step = 0;
-  DgcReference(const TopKConfig& c, int64_t n) : cfg(c), u(n, 0.0), v(n, 0.0) {}
+  DgcReference(const SparsifyConfig& c, int64_t n) : cfg(c), u(n, 0.0), v(n, 0.0) {}
   /// Returns the dense vector that was sent this step.
-  std::vector<double> step_once(const std::vector<float>& g) {
+  std::vector<double> step_once(const std::vector<float>& g,
+                                const std::vector<uint32_t>* chosen = nullptr) {
     const int64_t n = static_cast<int64_t>(g.size());
     double norm = 0;
     for (float x : g) norm += double(x) * x;
@@ -153,7 +156,7 @@ struct DgcReference {
     }
     const int64_t k = topk_count(cfg.ratio_at(step), n);
     std::vector<float> vf(v.begin(), v.end());
-    std::vector<uint32_t> idx(reference_topk(vf, k));
+    std::vector<uint32_t> idx(chosen ? *chosen : reference_topk(vf, k));
     std::vector<double> sent(n, 0.0);
     for (uint32_t i : idx) {
       sent[i] = v[i];
@@ -358,6 +361,72 @@ TEST(RandomK, SameSeedSameIndicesAcrossIndependentStates) {
   a.indices_at(0, i0.data());
   a.indices_at(1, i1.data());
   EXPECT_NE(i0, i1);
+}
+
+TEST(RandomK, MomentumCorrectionMaskingClippingWarmupMatchScalarReference) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1023}, int64_t{100003}})
+    for (bool nesterov : {false, true})
+      for (bool masking : {true, false}) {
+        SCOPED_TRACE("n " + std::to_string(n) + " nesterov " + std::to_string(nesterov) +
+                     " masking " + std::to_string(masking));
+        RandomKConfig cfg;
+        cfg.ratio = 0.01;
+        cfg.momentum = 0.9;
+        cfg.nesterov = nesterov;
+        cfg.momentum_masking = masking;
+        cfg.clip_norm = 3.0;
+        cfg.warmup_ratios = {0.25, 0.05};
+        cfg.warmup_steps = 2;
+        RandomKCompressor comp(cfg, n);
+        DgcReference ref(cfg, n);
+        Payload p;
+        for (int s = 0; s < 12; ++s) {
+          auto g = normal(n, 300 + s);
+          comp.encode(TensorView::cpu(g.data(), n), p);
+          std::vector<uint32_t> idx(static_cast<size_t>(topk_count(cfg.ratio_at(s), n)));
+          EXPECT_EQ(comp.indices_at(s, idx.data()), int64_t(idx.size()));
+          const auto sent = ref.step_once(g, &idx);
+          std::vector<float> got(n, 0.0f);
+          comp.decode_add(p.data(), p.size(), TensorView::cpu(got.data(), n));
+          EXPECT_EQ(comp.last_stats().count, int64_t(idx.size()));
+          for (int64_t i = 0; i < n; ++i) {
+            ASSERT_NEAR(got[i], sent[i], 1e-4 * (1 + std::fabs(sent[i]))) << "step " << s;
+            ASSERT_NEAR(comp.residual()[i], ref.v[i], 1e-4 * (1 + std::fabs(ref.v[i])));
+            ASSERT_NEAR(comp.momentum_buffer()[i], ref.u[i], 1e-4 * (1 + std::fabs(ref.u[i])));
+          }
+        }
+        // the momentum travels with the state: a restored copy continues identically
+        RandomKCompressor back(cfg, n);
+        const auto st = comp.state_dict();
+        back.load_state_dict(st.data(), st.size());
+        auto g = normal(n, 999);
+        Payload pa, pb;
+        comp.encode(TensorView::cpu(g.data(), n), pa);
+        back.encode(TensorView::cpu(g.data(), n), pb);
+        EXPECT_EQ(pa.size(), pb.size());
+        EXPECT_EQ(0, std::memcmp(pa.data(), pb.data(), pa.size()));
+        // a state without momentum does not load into one with momentum (and changes nothing)
+        RandomKConfig plain_cfg = cfg;
+        plain_cfg.momentum = 0.0;
+        RandomKCompressor plain(plain_cfg, n);
+        const auto ps = plain.state_dict();
+        EXPECT_THROW(back.load_state_dict(ps.data(), ps.size()), InvalidArgument);
+        EXPECT_EQ(back.state_dict(), comp.state_dict());
+      }
+}
+
+TEST(RandomK, BadMomentumOptionsRejected) {
+  RandomKConfig cfg;
+  cfg.momentum = 1.0;
+  EXPECT_THROW(RandomKCompressor(cfg, 10), InvalidArgument);
+  cfg.momentum = -0.1;
+  EXPECT_THROW(RandomKCompressor(cfg, 10), InvalidArgument);
+  cfg.momentum = 0.9;
+  cfg.clip_norm = -1;
+  EXPECT_THROW(RandomKCompressor(cfg, 10), InvalidArgument);
+  cfg.clip_norm = 0;
+  cfg.warmup_ratios = {0.5};
+  EXPECT_THROW(RandomKCompressor(cfg, 10), InvalidArgument);  // warmup_steps missing
 }
 
 TEST(RandomK, UnbiasedCoverageAndConservation) {
