@@ -140,8 +140,11 @@ class _TopK(_Family):
 class _RandomK(_Family):
     name = "randomk"
     stateful = True
-    defaults = dict(ratio=0.01, value_dtype="float32", error_feedback=True, check_finite=True,
-                    seed=0)
+    # momentum > 0: DGC's momentum correction and masking (use dgc_optimizer: no optimizer
+    # momentum). Error-feedback random-k under an optimizer with momentum diverges (issue 17).
+    defaults = dict(ratio=0.01, momentum=0.0, nesterov=False, momentum_masking=True,
+                    clip_norm=0.0, warmup_ratios=(), warmup_steps=0, value_dtype="float32",
+                    error_feedback=True, check_finite=True, seed=0)
 
     def validate(self, opts):
         super().validate(opts)
@@ -154,6 +157,7 @@ class _RandomK(_Family):
         dev, idx = _device_of(buf)
         o = dict(self.defaults)
         o.update(opts)
+        o["warmup_ratios"] = list(o["warmup_ratios"])
         return _C.RandomKAllreducePlan(buf.numel(), world, grad_dtype=_dtype_name(buf), device=dev,
                                        device_index=idx, stream=_stream_of(buf),
                                        tensor_id=tensor_id, **o)
@@ -180,7 +184,13 @@ class _Held:
 class _OneBit(_Family):
     name = "onebit"
     stateful = True
-    defaults = dict(scaling="sign_l1", error_feedback=True, check_finite=True)
+    # block_size: elements per scale. One scale per server chunk (block_size=0, the 1-bit Adam
+    # paper's form) lets layers of very different gradient size share a scale and collapsed
+    # training (issue 16); 256 costs 0.125 bit per element.
+    # momentum > 0: each rank compresses its momentum u = m u + g (use dgc_optimizer: the
+    # optimizer applies none); the smoother momentum loses far less to the sign.
+    defaults = dict(scaling="sign_l1", error_feedback=True, check_finite=True, block_size=256,
+                    momentum=0.0)
 
     def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
