@@ -73,11 +73,19 @@ class _Family:
     stateful = False
     defaults: Dict[str, Any] = {}
 
-    def validate(self, opts: Dict[str, Any]) -> None:
+    def validate(self, opts: Dict[str, Any], world: int = 1, group=None) -> None:
+        """Refuses unknown options, then builds this compressor's plan for a small CPU bucket
+        from the options: the bindings parse them into the C++ configuration, whose validate()
+        applies the rules of the real first compressed step. One copy of the rules, in C++, and
+        an option added to a plan's constructor is checked here with no change."""
         unknown = set(opts) - set(self.defaults)
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for compressor {self.name!r}; "
                              f"known: {sorted(self.defaults)}")
+        try:
+            self.make(opts, _ProbeBucket(), world, 0, group)
+        except TypeError as e:  # nanobind: an option of the wrong type
+            raise ValueError(f"invalid option for compressor {self.name!r}: {e}") from e
 
     def make(self, opts, bucket, world: int, tensor_id: int, group=None):
         raise NotImplementedError
@@ -88,6 +96,19 @@ class _Family:
 
     def result(self, plan, bucket) -> torch.Tensor:
         return bucket.buffer()
+
+
+class _ProbeBucket:
+    """The bucket _Family.validate() builds a plan for: one 8 x 8 fp32 CPU tensor."""
+
+    def __init__(self):
+        self._grad = torch.zeros(8, 8)
+
+    def buffer(self):
+        return self._grad.view(-1)
+
+    def gradients(self):
+        return [self._grad]
 
 
 class _Allreduce(_Family):
@@ -120,12 +141,6 @@ class _TopK(_Family):
                     value_dtype="float32", error_feedback=True, check_finite=True, seed=0,
                     sample_rate=0.01, route="auto", latency_s=20e-6, bandwidth_Bps=5e9)
 
-    def validate(self, opts):
-        super().validate(opts)
-        r = opts.get("ratio", self.defaults["ratio"])
-        if not (0.0 < float(r) <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {r}")
-
     def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
@@ -142,12 +157,6 @@ class _RandomK(_Family):
     stateful = True
     defaults = dict(ratio=0.01, value_dtype="float32", error_feedback=True, check_finite=True,
                     seed=0)
-
-    def validate(self, opts):
-        super().validate(opts)
-        r = opts.get("ratio", self.defaults["ratio"])
-        if not (0.0 < float(r) <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {r}")
 
     def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
@@ -208,12 +217,6 @@ class _PowerSGD(_Family):
     defaults = dict(rank=1, min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
                     orthogonalization_epsilon=0.0, seed=0, orthogonalization="auto",
                     check_finite=True)
-
-    def validate(self, opts):
-        super().validate(opts)
-        r = opts.get("rank", self.defaults["rank"])
-        if isinstance(r, bool) or int(r) != r or int(r) < 1:
-            raise ValueError(f"rank must be an integer >= 1, got {r}")
 
     def make(self, opts, bucket, world, tensor_id, group=None):
         grads = bucket.gradients()
@@ -291,7 +294,8 @@ class GradcompState:
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
-        fam.validate(options)
+        live = dist.is_available() and dist.is_initialized()
+        fam.validate(options, dist.get_world_size(process_group) if live else 1, process_group)
         self.compressor = compressor
         self.options = dict(options)
         self.process_group = process_group
@@ -307,7 +311,7 @@ class GradcompState:
         self._param_index = None
         self._local_keys: Dict[int, int] = {}
         self._worker: Optional[Worker] = None
-        if dist.is_available() and dist.is_initialized() and not lazy:
+        if live and not lazy:
             self._make_worker()
         if model is not None:
             self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -529,7 +533,8 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
         state, h = gradcomp.torch.hook("powersgd", rank=4)
         model.register_comm_hook(state, h)
 
-    Raises ValueError for an unknown compressor name or option, ratio outside (0, 1], rank < 1.
+    Every option is checked here, by the rules the C++ configuration applies: ValueError for an
+    unknown compressor, option or value (ratio outside (0, 1], rank < 1, an unknown scaling, ...).
     """
     return GradcompState(compressor, process_group, start_iter, log_every, model, **options), _hook
 
