@@ -1,11 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The DDP hooks under failure (issue 11): bad options are refused when the hook is made."""
+"""The DDP hooks under failure (issue 11): bad options are refused when the hook is made, and a
+worker-thread error reaches the user with its own type and message."""
 import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
 import gradcomp.torch as gt  # noqa: E402
+from gradcomp.torch._driver import Worker  # noqa: E402
+
+from ddp_util import Net, make_data, params_equal_across_ranks, run  # noqa: E402
 
 # ---- options are validated by gt.hook(), with the C++ rules ------------------------------------
 BAD_OPTIONS = [
@@ -70,3 +76,41 @@ def test_good_options_are_accepted(name, opts):
     assert state.options == opts
 
 
+
+
+# ---- worker-thread errors keep their type and message ------------------------------------------
+class _Failing:
+    def next(self):
+        raise ValueError("bad gradient at index 7")
+
+
+def test_worker_future_raises_the_original_exception():
+    w = Worker(None)
+    fut = w.submit(_Failing(), lambda: torch.zeros(1))
+    with pytest.raises(ValueError, match="bad gradient at index 7"):
+        fut.wait()
+    w.close()
+
+
+def _nan_step(rank, world):
+    data = make_data(rank, 3)
+    for name, opts in (("topk", dict(ratio=0.1)), ("powersgd", dict(rank=2))):
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state, hook = gt.hook(name, start_iter=0, **opts)
+        model.register_comm_hook(state, hook)
+        x, y = data[0]
+        bad = x.clone()
+        bad[0, 0] = math.nan
+        with pytest.raises(ValueError, match="non-finite"):
+            torch.nn.functional.mse_loss(model(bad), y).backward()
+        # DDP finished its step (the error was raised after it): the next step trains
+        for x, y in data[1:]:
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        assert params_equal_across_ranks(model)
+
+
+def test_ddp_backward_raises_the_workers_exception_and_ddp_stays_usable():
+    run(_nan_step, 2)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import gradcomp
 from gradcomp import _C
 
-from ._driver import PlanStats, Worker, launch, run_sync  # noqa: F401
+from ._driver import AfterBackward, PlanStats, Worker, launch, run_sync  # noqa: F401
 from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 
@@ -518,7 +518,8 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
         return buf
 
     worker = state._worker or state._make_worker()
-    fut = worker.submit(plan, result, done, buf.device)
+    # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
+    fut = worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf))
     if last:
         state.iter += 1
     return fut
@@ -535,6 +536,8 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
 
     Every option is checked here, by the rules the C++ configuration applies: ValueError for an
     unknown compressor, option or value (ratio outside (0, 1], rank < 1, an unknown scaling, ...).
+    An error in a step is raised by ``loss.backward()`` with its own type and message, after DDP
+    finished the step (so the next one can run).
     """
     return GradcompState(compressor, process_group, start_iter, log_every, model, **options), _hook
 

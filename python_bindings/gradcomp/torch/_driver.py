@@ -19,6 +19,13 @@ that gradcomp shares with torch) is per thread: a new thread starts from the pro
 applies the thread count of the main thread to itself before each plan; without it, 4 ranks on
 2 cores with ``torch.set_num_threads(1)`` ran our kernels with 2 spinning OpenMP threads per rank,
 100x slower.
+
+Errors. A plan's error completes its future with the exception (``fut.wait()`` raises it, type
+and message intact). Inside a backward pass that would reach no one intact: DDP casts the value
+of a failed hook future to a Tensor ("Unable to cast <message> to Tensor") and stops mid-step, so
+the next step fails too. There the future completes with the bucket's own gradient and the error
+is raised from an autograd final callback queued behind DDP's (:class:`AfterBackward`):
+``loss.backward()`` raises the original exception and DDP can run its next step.
 """
 from __future__ import annotations
 
@@ -119,6 +126,38 @@ def run_sync(plan, group) -> PlanStats:
         launch(c, group).wait()
 
 
+class AfterBackward:
+    """Where a plan run for a hook inside a backward pass puts its error (see "Errors" in the
+    module docstring): the future's value is then `value` (the bucket's own gradient) and the
+    error is raised by an autograd final callback that runs after every callback queued during
+    the backward pass, DDP's finalize among them."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value) -> None:
+        self.value, self.error = value, None
+
+    @classmethod
+    def arm(cls, value) -> Optional["AfterBackward"]:
+        """A new one if a backward pass is running (None otherwise: errors go to the future)."""
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        if engine is None:
+            return None
+        a = cls(value)
+        try:
+            # queued now, this runs among the final callbacks, before or after DDP's; the
+            # callback it queues runs after all of them
+            engine.queue_callback(lambda: engine.queue_callback(a._raise))
+        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+            return None
+        return a
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+
 _workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # closed at interpreter exit
 
 
@@ -135,8 +174,11 @@ class Worker:
 
     def submit(self, plan, result: Callable[[], torch.Tensor],
                done: Optional[Callable[[PlanStats], None]] = None,
-               device: Optional[torch.device] = None) -> torch.futures.Future:
-        """Queues a begun plan; the future's value is ``result()`` once the plan finished."""
+               device: Optional[torch.device] = None,
+               after_backward: Optional[AfterBackward] = None) -> torch.futures.Future:
+        """Queues a begun plan; the future's value is ``result()`` once the plan finished. An
+        error completes the future with the exception, or, with `after_backward`, with
+        ``after_backward.value`` and the error stored there."""
         stream = None
         if threading.current_thread() is threading.main_thread():
             self.num_threads = torch.get_num_threads()  # the user may have changed it
@@ -145,7 +187,7 @@ class Worker:
             stream = torch.cuda.current_stream(device)
         else:
             fut = torch.futures.Future()
-        self._q.put((plan, result, done, fut, stream))
+        self._q.put((plan, result, done, fut, stream, after_backward))
         return fut
 
     def _loop(self):
@@ -154,7 +196,7 @@ class Worker:
             job = self._q.get()
             if job is None:
                 return
-            plan, result, done, fut, stream = job
+            plan, result, done, fut, stream, after = job
             try:
                 if threads != self.num_threads:
                     threads = self.num_threads
@@ -165,10 +207,16 @@ class Worker:
                 else:
                     value = self._run(plan, result, done)
                 fut.set_result(value)
-            except BaseException as e:  # handed to whoever waits on the future
-                fut.set_exception(e)
+            except BaseException as e:  # handed to whoever waits on the future, type intact
+                if not isinstance(e, Exception):  # a Future carries Exceptions only
+                    e = RuntimeError(f"gradcomp worker interrupted: {e!r}")
+                if after is not None:
+                    after.error = e
+                    fut.set_result(after.value)
+                else:
+                    fut.set_exception(e)
             # drop the references now: an idle thread must not keep the last plan alive
-            job = plan = result = done = fut = stream = value = None
+            job = plan = result = done = fut = stream = value = after = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Finishes the queued plans and stops the thread."""
