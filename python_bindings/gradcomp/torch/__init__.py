@@ -22,7 +22,9 @@ Momentum. With ``momentum > 0`` the top-k hook applies DGC's momentum correction
 optimizer must then not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
 :func:`dgc_optimizer`).
 """
+import datetime
 import logging
+import math
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -32,7 +34,8 @@ import torch.distributed as dist
 import gradcomp
 from gradcomp import _C
 
-from ._driver import AfterBackward, PlanStats, Worker, launch, run_sync  # noqa: F401
+from ._driver import (AfterBackward, PlanStats, Worker, group_ranks, group_timeout,  # noqa: F401
+                      launch, run_sync)
 from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 
@@ -289,13 +292,14 @@ class GradcompState:
     """
 
     def __init__(self, compressor: str, process_group=None, start_iter: Optional[int] = None,
-                 log_every: int = 0, model=None, **options):
+                 log_every: int = 0, model=None, timeout=None, **options):
         lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
         live = dist.is_available() and dist.is_initialized()
         fam.validate(options, dist.get_world_size(process_group) if live else 1, process_group)
+        self.timeout = _as_timeout(timeout)
         self.compressor = compressor
         self.options = dict(options)
         self.process_group = process_group
@@ -322,11 +326,14 @@ class GradcompState:
         collective, so it happens here, when every rank builds its hook, not inside backward."""
         if self._worker is None:
             pg = self.process_group
-            if pg is None:
-                ranks = list(range(dist.get_world_size()))
-            else:
-                ranks = sorted(dist.distributed_c10d._pg_group_ranks[pg].keys())
-            own = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+            # the user's timeout: torch's default (30 minutes) would let a hung peer hang us
+            timeout = self.timeout or group_timeout(pg)
+            if timeout is None:
+                log.warning("gradcomp: this torch does not expose the process group's timeout; "
+                            "the hook's collectives use torch's default (pass timeout= to "
+                            "gradcomp.torch.hook)")
+            kw = {} if timeout is None else {"timeout": timeout}
+            own = dist.new_group(ranks=group_ranks(pg), backend=dist.get_backend(pg), **kw)
             self._worker = Worker(own)
         return self._worker
 
@@ -475,12 +482,12 @@ class GradcompState:
 
     def __getstate__(self):
         return {"compressor": self.compressor, "options": self.options,
-                "log_every": self.log_every, "sd": self.state_dict()}
+                "log_every": self.log_every, "timeout": self.timeout, "sd": self.state_dict()}
     # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
         self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
-                      _lazy=True, **d["options"])
+                      d.get("timeout"), _lazy=True, **d["options"])
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
@@ -526,7 +533,8 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
-         log_every: int = 0, model=None, **options) -> Tuple["GradcompState", Any]:
+         log_every: int = 0, model=None, timeout=None,
+         **options) -> Tuple["GradcompState", Any]:
     """Returns ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     Example::
@@ -534,12 +542,31 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
         state, h = gradcomp.torch.hook("powersgd", rank=4)
         model.register_comm_hook(state, h)
 
+    ``timeout`` (a ``datetime.timedelta`` or seconds) bounds each of the hook's collectives; by
+    default the process group's own, e.g. ``init_process_group(timeout=...)``. A peer that hangs
+    longer makes ``backward()`` raise.
+
     Every option is checked here, by the rules the C++ configuration applies: ValueError for an
     unknown compressor, option or value (ratio outside (0, 1], rank < 1, an unknown scaling, ...).
     An error in a step is raised by ``loss.backward()`` with its own type and message, after DDP
     finished the step (so the next one can run).
     """
-    return GradcompState(compressor, process_group, start_iter, log_every, model, **options), _hook
+    return GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
+                         **options), _hook
+
+
+def _as_timeout(t) -> Optional[datetime.timedelta]:
+    if t is None:
+        return None
+    if isinstance(t, datetime.timedelta):
+        seconds = t.total_seconds()
+    elif isinstance(t, (int, float)) and not isinstance(t, bool):
+        seconds = float(t)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {t!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be positive and finite, got {t!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 def dgc_optimizer(params, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.SGD:

@@ -25,16 +25,19 @@ and message intact). Inside a backward pass that would reach no one intact: DDP 
 of a failed hook future to a Tensor ("Unable to cast <message> to Tensor") and stops mid-step, so
 the next step fails too. There the future completes with the bucket's own gradient and the error
 is raised from an autograd final callback queued behind DDP's (:class:`AfterBackward`):
-``loss.backward()`` raises the original exception and DDP can run its next step.
+``loss.backward()`` raises the original exception and DDP can run its next step. A failed
+collective (e.g. a peer that passed the process group's timeout) leaves the worker's group
+unusable: later plans fail at once instead of waiting for the timeout again, bucket by bucket.
 """
 from __future__ import annotations
 
 import atexit
+import datetime
 import queue
 import weakref
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -48,6 +51,46 @@ _TORCH_TYPES = {
     "uint32": None,
     "int64": None,
 }
+
+
+# ---- torch.distributed across versions: public API where there is one -------------------------
+def group_ranks(group) -> List[int]:
+    """Global ranks of `group` (None: every rank), in group-rank order."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    if hasattr(dist, "get_process_group_ranks"):  # torch >= 1.13
+        return list(dist.get_process_group_ranks(group))
+    ranks = dist.distributed_c10d._pg_group_ranks[group]  # {global: group rank}
+    return sorted(ranks, key=ranks.get)
+
+
+def global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (None: the default group)."""
+    if group is None:
+        return rank
+    if hasattr(dist, "get_global_rank"):  # torch >= 1.13
+        return dist.get_global_rank(group, rank)
+    return dist.distributed_c10d._get_global_rank(group, rank)
+
+
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """The timeout `group` (None: the default group) was made with, e.g. by
+    ``init_process_group(timeout=...)``; None where this torch does not expose it. torch has no
+    public getter: 1.13 keeps it in the gloo/NCCL group's options, 2.x in its backends'."""
+    pg = dist.group.WORLD if group is None else group
+    backends = [pg]
+    get_backend = getattr(pg, "_get_backend", None)  # torch 2.x: backends behind a ProcessGroup
+    if get_backend is not None:
+        for dev in ("cpu", "cuda"):
+            try:
+                backends.append(get_backend(torch.device(dev)))
+            except (RuntimeError, ValueError, TypeError):
+                pass
+    for b in backends:
+        t = getattr(getattr(b, "options", None), "_timeout", None)
+        if isinstance(t, datetime.timedelta):
+            return t
+    return None
 
 
 def _tensor(view, type_name: str) -> torch.Tensor:
@@ -98,7 +141,7 @@ def launch(c, group) -> torch.futures.Future:
     elif kind == "broadcast":
         if dist.get_rank(group) == c.root:
             recv.copy_(send)
-        src = c.root if group is None else dist.distributed_c10d._get_global_rank(group, c.root)
+        src = global_rank(group, c.root)
         work = dist.broadcast(recv, src=src, group=group, async_op=True)
     else:  # pragma: no cover - the C++ vocabulary is closed
         raise RuntimeError(f"unknown collective {kind!r}")
@@ -168,6 +211,7 @@ class Worker:
         self.group = group
         self.num_threads = torch.get_num_threads()  # see "Threads" in the module docstring
         self._q: "queue.Queue" = queue.Queue()
+        self._failed: Optional[BaseException] = None  # a collective failed: the group is unusable
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _workers.add(self)
@@ -225,12 +269,19 @@ class Worker:
             self._thread.join(timeout)
 
     def _run(self, plan, result, done):
+        if self._failed is not None:
+            raise RuntimeError(f"gradcomp: an earlier collective of this hook failed, its process "
+                               f"group is unusable: {self._failed}") from self._failed
         stats = PlanStats()
         while True:
             c = _step(plan, stats)
             if c is None:
                 break
-            launch(c, self.group).wait()
+            try:
+                launch(c, self.group).wait()
+            except Exception as e:
+                self._failed = e
+                raise
         if done is not None:
             done(stats)
         return result()
