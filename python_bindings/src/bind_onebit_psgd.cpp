@@ -81,14 +81,16 @@ void bind(nb::module_& m) {
           "u = m u + g (the optimizer then applies none).")
       .def(
           "begin",
-          [](OneBitAllreducePlan& p, const AnyArray& grad, const AnyArray& out, uintptr_t stream) {
-            const TensorView g = to_view(grad, stream, "gradient");
-            const TensorView o = to_view(out, stream, "output");
-            nb::gil_scoped_release nogil;
-            p.begin(g, o);
+          [](nb::pointer_and_handle<OneBitAllreducePlan> self, nb::handle grad, nb::handle out,
+             uintptr_t stream) {
+            const AnyArray ga = take_array(grad, Access::kRead, "grad");
+            const AnyArray oa = take_array(out, Access::kWrite, "out");
+            const TensorView g = to_view(ga, stream, "grad"), o = to_view(oa, stream, "out");
+            begin_holding(self.h, nb::make_tuple(ga, oa), [&] { self.p->begin(g, o); });
           },
           nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
-          "Starts a step; `out` (fp32, not aliasing grad) receives the average.")
+          "Starts a step; `out` (fp32, not aliasing grad) receives the average. The plan holds "
+          "both arrays until next() returns None." GC_ARRAY_RULE)
       .def_prop_ro("numel", &OneBitAllreducePlan::numel)
       .def_prop_ro("step", &OneBitAllreducePlan::step)
       .def_prop_ro("bytes_sent", &OneBitAllreducePlan::bytes_sent)
@@ -164,15 +166,21 @@ void bind(nb::module_& m) {
            nb::keep_alive<1, 2>())
       .def(
           "begin",
-          [](PowerSGDPlan& p, const std::vector<AnyArray>& grads, uintptr_t stream) {
+          [](nb::pointer_and_handle<PowerSGDPlan> self, nb::sequence grads, uintptr_t stream) {
             std::vector<TensorView> v;
-            v.reserve(grads.size());
-            for (const auto& g : grads) v.push_back(to_view(g, stream, "gradient"));
-            nb::gil_scoped_release nogil;  // begin() reads every gradient (finite check)
-            p.begin(v);
+            nb::list held;
+            for (nb::handle g : grads) {
+              const std::string what = detail::cat("grads[", v.size(), "]");
+              const AnyArray a = take_array(g, Access::kWrite, what.c_str());
+              v.push_back(to_view(a, stream, what.c_str()));
+              held.append(a);
+            }
+            // GIL released: begin() reads every gradient (finite check)
+            begin_holding(self.h, nb::tuple(held), [&] { self.p->begin(v); });
           },
           nb::arg("grads"), nb::arg("stream") = 0,
-          "Binds the bucket's gradients (in the state's order); written in place.");
+          "Binds the bucket's gradients (a sequence, in the state's order); written in place. "
+          "The plan holds them until next() returns None." GC_ARRAY_RULE);
 }
 
 Register reg(30, bind);

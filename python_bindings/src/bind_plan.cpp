@@ -71,14 +71,22 @@ void bind_plan(nb::module_& m) {
       .def("recv", [](const Collective& c) { return buffer_view(c, c.recv, recv_elems(c)); },
            "Zero-copy view of the receive buffer.");
 
-  nb::class_<Plan>(m, "Plan", "A compressed allreduce as a step machine (see gradcomp/plan.hpp).")
+  // dynamic_attr (inherited by every plan class): the __dict__ that holds a step's arrays
+  nb::class_<Plan>(m, "Plan", "A compressed allreduce as a step machine (see gradcomp/plan.hpp).",
+                   nb::dynamic_attr())
       .def(
           "next",
-          [](Plan& p) -> std::optional<Collective> {
-            nb::gil_scoped_release nogil;
-            return p.next();
+          [](nb::pointer_and_handle<Plan> self) -> std::optional<Collective> {
+            std::optional<Collective> c;
+            {
+              nb::gil_scoped_release nogil;
+              c = self.p->next();
+            }
+            if (!c) nb::setattr(self.h, kStepArrays, nb::none());  // the step's arrays are free
+            return c;
           },
-          "Runs the next local phase; returns the next Collective, or None when done.")
+          "Runs the next local phase; returns the next Collective, or None when done (the plan "
+          "then lets go of the arrays given to begin()).")
       .def_prop_ro("name", &Plan::name);
 }
 

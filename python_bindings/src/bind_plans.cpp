@@ -29,14 +29,15 @@ template <class P>
 void bind_begin(nb::class_<P, Plan>& c) {
   c.def(
       "begin",
-      [](P& p, const AnyArray& grad, uintptr_t stream) {
-        const TensorView g = to_view(grad, stream, "gradient");
-        nb::gil_scoped_release nogil;  // a stateful begin may read the whole gradient
-        p.begin(g);
+      [](nb::pointer_and_handle<P> self, nb::handle grad, uintptr_t stream) {
+        const AnyArray a = take_array(grad, Access::kWrite, "grad");
+        const TensorView g = to_view(a, stream, "grad");
+        // GIL released: a stateful begin may read the whole gradient
+        begin_holding(self.h, nb::make_tuple(a), [&] { self.p->begin(g); });
       },
       nb::arg("grad"), nb::arg("stream") = 0,
       "Binds this step's gradient bucket; the average is written back into it when next() "
-      "returns None.");
+      "returns None. The plan holds grad until then." GC_ARRAY_RULE);
   c.def_prop_ro("numel", &P::numel);
 }
 

@@ -64,9 +64,9 @@ void bind_topk(nb::module_& m) {
 
   m.def(
       "topk_indices",
-      [](const AnyArray& x, int64_t k, const std::string& method, uint64_t seed, uint64_t step,
+      [](nb::handle x, int64_t k, const std::string& method, uint64_t seed, uint64_t step,
          uint32_t tensor_id) {
-        const TensorView v = to_view(x, 0, "x");
+        const TensorView v = to_view(take_array(x, Access::kRead, "x"), 0, "x");
         GC_CHECK_ARG(v.device == Device::kCPU, "topk_indices from Python takes CPU arrays");
         GC_CHECK_ARG(k >= 0 && k <= v.numel, "k must be in [0, n] = [0, ", v.numel, "], got ", k);
         auto* out = new std::vector<uint32_t>(static_cast<size_t>(k));
@@ -87,7 +87,7 @@ void bind_topk(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("k"), nb::arg("method") = "exact", nb::arg("seed") = 0,
       nb::arg("step") = 0, nb::arg("tensor_id") = 0,
-      "Indices (ascending) of the k largest |x| of a float32 CPU array.");
+      "Indices (ascending) of the k largest |x| of a float32 CPU array." GC_ARRAY_RULE);
 }
 
 Register reg(10, bind_topk);

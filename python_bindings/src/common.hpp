@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -17,7 +18,77 @@
 namespace gradcomp::py {
 namespace nb = nanobind;
 
-using AnyArray = nb::ndarray<nb::c_contig>;
+/// An array argument as the caller passed it: any dtype, device and layout. Arguments are taken
+/// with take_array(), never as an nb::ndarray<...> parameter with constraints: nanobind meets an
+/// unmet constraint (c_contig, a dtype) by converting, i.e. by handing C++ a temporary copy, and a
+/// write into that copy, or a plan that keeps its pointer past the call, is lost or freed.
+using AnyArray = nb::ndarray<>;
+
+/// The rule for array arguments, appended to the docstrings of the bindings that take arrays.
+#define GC_ARRAY_RULE                                                                          \
+  "\n\nArrays (NumPy, torch or anything with DLPack or the buffer protocol) are used in place, " \
+  "never copied or converted: every array must be C-contiguous and aligned to its element "      \
+  "size (ValueError otherwise: pass np.ascontiguousarray(x) or x.contiguous()), and an array "   \
+  "gradcomp writes into must be writable (a read-only one is a ValueError)."
+
+enum class Access { kRead, kWrite };
+
+/// The array argument `h` (named `what` in errors) under GC_ARRAY_RULE: TypeError when it is no
+/// array, ValueError when it is read-only but written (kWrite), not C-contiguous or misaligned.
+inline AnyArray take_array(nb::handle h, Access access, const char* what) {
+  AnyArray a;
+  if (!nb::try_cast(h, a, /*convert=*/false)) {
+    nb::ndarray<nb::ro> ro;
+    if (!nb::try_cast(h, ro, /*convert=*/false))
+      throw nb::type_error(detail::cat(what, ": expected an array that shares its memory through "
+                                       "DLPack or the buffer protocol (NumPy, torch; native byte "
+                                       "order), got ", nb::inst_name(h).c_str()).c_str());
+    GC_CHECK_ARG(access == Access::kRead, what,
+                 " is read-only, but gradcomp writes into it: pass a writable array");
+    a = AnyArray(ro);
+  }
+  int64_t numel = 1;
+  for (size_t i = 0; i < a.ndim(); ++i) numel *= static_cast<int64_t>(a.shape(i));
+  bool contiguous = true;
+  for (int64_t i = static_cast<int64_t>(a.ndim()) - 1, expect = 1; i >= 0 && numel > 1; --i) {
+    contiguous &= a.shape(i) == 1 || a.stride(i) == expect;
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+  if (!contiguous) {
+    std::string shape, strides;
+    for (size_t i = 0; i < a.ndim(); ++i) {
+      shape += detail::cat(i ? ", " : "", a.shape(i));
+      strides += detail::cat(i ? ", " : "", a.stride(i));
+    }
+    throw InvalidArgument(detail::cat(
+        what, " is not C-contiguous (shape [", shape, "], strides [", strides,
+        "] in elements); gradcomp uses arrays in place and never copies one: pass "
+        "np.ascontiguousarray(x) or x.contiguous() (and copy an output back yourself)"));
+  }
+  const size_t elem = std::max<size_t>(1, a.dtype().bits / 8);
+  GC_CHECK_ARG(numel == 0 || reinterpret_cast<uintptr_t>(a.data()) % elem == 0, what,
+               " is not aligned to its element size (", elem, " bytes)");
+  return a;
+}
+
+/// The arrays of a plan's step, kept alive on the Python plan object (Plan is bound with
+/// nb::dynamic_attr()) from begin() until next() returns None: the C++ plan keeps raw pointers
+/// to them, and the caller may drop its last reference right after begin().
+inline constexpr const char* kStepArrays = "_gradcomp_step_arrays";
+
+/// Runs `begin` (the C++ plan's begin(), with the GIL released) holding `arrays` (a tuple) for
+/// the step. While it runs, and after it throws, the previous step's arrays are held too: a
+/// failed begin() may leave the plan bound to either.
+template <class F>
+void begin_holding(nb::handle plan, nb::object arrays, F&& begin) {
+  nb::setattr(plan, kStepArrays,
+              nb::make_tuple(nb::getattr(plan, kStepArrays, nb::none()), arrays));
+  {
+    nb::gil_scoped_release nogil;
+    begin();
+  }
+  nb::setattr(plan, kStepArrays, arrays);
+}
 
 /// Views a contiguous array as a TensorView. `stream` is a cudaStream_t as an integer (torch:
 /// torch.cuda.current_stream().cuda_stream); 0 = the legacy default stream.
@@ -125,25 +196,35 @@ inline nb::dict stats_dict(const CompressionStats& s) {
 /// decode_add (GIL released), state_dict / load_state_dict (bytes), step, numel, last_stats.
 template <class C>
 void def_compressor_methods(nb::class_<C>& cls) {
-  using ByteArray = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
   cls.def(
          "encode",
-         [](C& c, const AnyArray& g, Payload* out, uintptr_t stream) {
-           const TensorView v = to_view(g, stream, "gradient");
+         [](C& c, nb::handle g, Payload* out, uintptr_t stream) {
+           const TensorView v = to_view(take_array(g, Access::kRead, "grad"), stream, "grad");
            nb::gil_scoped_release nogil;
            c.encode(v, *out);
          },
          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
-         "Compresses grad into out (updates the error-feedback state, advances the step).")
+         "Compresses grad into out (updates the error-feedback state, advances the step). grad "
+         "is only read (read-only arrays are fine)." GC_ARRAY_RULE)
       .def(
           "decode_add",
-          [](C& c, const ByteArray& payload, const AnyArray& dense, float scale, uintptr_t stream) {
-            const TensorView d = to_view(dense, stream, "output");
+          [](C& c, nb::handle payload, nb::handle dense, float scale, uintptr_t stream) {
+            const AnyArray p = take_array(payload, Access::kRead, "payload");
+            GC_CHECK_ARG(p.ndim() == 1 && p.dtype() == nb::dtype<uint8_t>(),
+                         "payload must be a 1-D uint8 array (Payload.array()), got ", p.ndim(),
+                         "-D with dtype code ", int(p.dtype().code), ", ", int(p.dtype().bits),
+                         " bits");
+            GC_CHECK_ARG(reinterpret_cast<uintptr_t>(p.data()) % 8 == 0,
+                         "payload must start at an 8-byte aligned address (its sections are "
+                         "8-byte aligned)");
+            const TensorView d = to_view(take_array(dense, Access::kWrite, "dense"), stream, "dense");
             nb::gil_scoped_release nogil;
-            c.decode_add(payload.data(), payload.shape(0), d, scale);
+            c.decode_add(p.data(), p.shape(0), d, scale);
           },
           nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0,
-          "dense += scale * decode(payload); the payload is validated first.")
+          "dense += scale * decode(payload); the payload (1-D uint8, 8-byte aligned, e.g. "
+          "Payload.array() or bytes) is validated first, dense (fp32) is written in place."
+          GC_ARRAY_RULE)
       .def("state_dict",
            [](const C& c) {
              const auto b = c.state_dict();

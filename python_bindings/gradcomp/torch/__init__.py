@@ -22,7 +22,9 @@ Momentum. With ``momentum > 0`` the top-k hook applies DGC's momentum correction
 optimizer must then not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
 :func:`dgc_optimizer`).
 """
+import datetime
 import logging
+import math
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -32,7 +34,8 @@ import torch.distributed as dist
 import gradcomp
 from gradcomp import _C
 
-from ._driver import PlanStats, Worker, launch, run_sync  # noqa: F401
+from ._driver import (AfterBackward, PlanStats, Worker, group_ranks, group_timeout,  # noqa: F401
+                      launch, run_sync)
 from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 
@@ -73,11 +76,19 @@ class _Family:
     stateful = False
     defaults: Dict[str, Any] = {}
 
-    def validate(self, opts: Dict[str, Any]) -> None:
+    def validate(self, opts: Dict[str, Any], world: int = 1, group=None) -> None:
+        """Refuses unknown options, then builds this compressor's plan for a small CPU bucket
+        from the options: the bindings parse them into the C++ configuration, whose validate()
+        applies the rules of the real first compressed step. One copy of the rules, in C++, and
+        an option added to a plan's constructor is checked here with no change."""
         unknown = set(opts) - set(self.defaults)
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for compressor {self.name!r}; "
                              f"known: {sorted(self.defaults)}")
+        try:
+            self.make(opts, _ProbeBucket(), world, 0, group)
+        except TypeError as e:  # nanobind: an option of the wrong type
+            raise ValueError(f"invalid option for compressor {self.name!r}: {e}") from e
 
     def make(self, opts, bucket, world: int, tensor_id: int, group=None):
         raise NotImplementedError
@@ -88,6 +99,19 @@ class _Family:
 
     def result(self, plan, bucket) -> torch.Tensor:
         return bucket.buffer()
+
+
+class _ProbeBucket:
+    """The bucket _Family.validate() builds a plan for: one 8 x 8 fp32 CPU tensor."""
+
+    def __init__(self):
+        self._grad = torch.zeros(8, 8)
+
+    def buffer(self):
+        return self._grad.view(-1)
+
+    def gradients(self):
+        return [self._grad]
 
 
 class _Allreduce(_Family):
@@ -120,12 +144,6 @@ class _TopK(_Family):
                     value_dtype="float32", error_feedback=True, check_finite=True, seed=0,
                     sample_rate=0.01, route="auto", latency_s=20e-6, bandwidth_Bps=5e9)
 
-    def validate(self, opts):
-        super().validate(opts)
-        r = opts.get("ratio", self.defaults["ratio"])
-        if not (0.0 < float(r) <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {r}")
-
     def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
@@ -145,12 +163,6 @@ class _RandomK(_Family):
     defaults = dict(ratio=0.01, momentum=0.0, nesterov=False, momentum_masking=True,
                     clip_norm=0.0, warmup_ratios=(), warmup_steps=0, value_dtype="float32",
                     error_feedback=True, check_finite=True, seed=0)
-
-    def validate(self, opts):
-        super().validate(opts)
-        r = opts.get("ratio", self.defaults["ratio"])
-        if not (0.0 < float(r) <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {r}")
 
     def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
@@ -218,12 +230,6 @@ class _PowerSGD(_Family):
     defaults = dict(rank=1, min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
                     orthogonalization_epsilon=0.0, seed=0, orthogonalization="auto",
                     check_finite=True)
-
-    def validate(self, opts):
-        super().validate(opts)
-        r = opts.get("rank", self.defaults["rank"])
-        if isinstance(r, bool) or int(r) != r or int(r) < 1:
-            raise ValueError(f"rank must be an integer >= 1, got {r}")
 
     def make(self, opts, bucket, world, tensor_id, group=None):
         grads = bucket.gradients()
@@ -296,12 +302,14 @@ class GradcompState:
     """
 
     def __init__(self, compressor: str, process_group=None, start_iter: Optional[int] = None,
-                 log_every: int = 0, model=None, **options):
+                 log_every: int = 0, model=None, timeout=None, **options):
         lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
-        fam.validate(options)
+        live = dist.is_available() and dist.is_initialized()
+        fam.validate(options, dist.get_world_size(process_group) if live else 1, process_group)
+        self.timeout = _as_timeout(timeout)
         self.compressor = compressor
         self.options = dict(options)
         self.process_group = process_group
@@ -317,7 +325,7 @@ class GradcompState:
         self._param_index = None
         self._local_keys: Dict[int, int] = {}
         self._worker: Optional[Worker] = None
-        if dist.is_available() and dist.is_initialized() and not lazy:
+        if live and not lazy:
             self._make_worker()
         if model is not None:
             self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -328,11 +336,14 @@ class GradcompState:
         collective, so it happens here, when every rank builds its hook, not inside backward."""
         if self._worker is None:
             pg = self.process_group
-            if pg is None:
-                ranks = list(range(dist.get_world_size()))
-            else:
-                ranks = sorted(dist.distributed_c10d._pg_group_ranks[pg].keys())
-            own = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+            # the user's timeout: torch's default (30 minutes) would let a hung peer hang us
+            timeout = self.timeout or group_timeout(pg)
+            if timeout is None:
+                log.warning("gradcomp: this torch does not expose the process group's timeout; "
+                            "the hook's collectives use torch's default (pass timeout= to "
+                            "gradcomp.torch.hook)")
+            kw = {} if timeout is None else {"timeout": timeout}
+            own = dist.new_group(ranks=group_ranks(pg), backend=dist.get_backend(pg), **kw)
             self._worker = Worker(own)
         return self._worker
 
@@ -481,12 +492,12 @@ class GradcompState:
 
     def __getstate__(self):
         return {"compressor": self.compressor, "options": self.options,
-                "log_every": self.log_every, "sd": self.state_dict()}
+                "log_every": self.log_every, "timeout": self.timeout, "sd": self.state_dict()}
     # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
         self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
-                      _lazy=True, **d["options"])
+                      d.get("timeout"), _lazy=True, **d["options"])
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
@@ -524,14 +535,16 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
         return buf
 
     worker = state._worker or state._make_worker()
-    fut = worker.submit(plan, result, done, buf.device)
+    # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
+    fut = worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf))
     if last:
         state.iter += 1
     return fut
 
 
 def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
-         log_every: int = 0, model=None, **options) -> Tuple["GradcompState", Any]:
+         log_every: int = 0, model=None, timeout=None,
+         **options) -> Tuple["GradcompState", Any]:
     """Returns ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     Example::
@@ -539,9 +552,31 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
         state, h = gradcomp.torch.hook("powersgd", rank=4)
         model.register_comm_hook(state, h)
 
-    Raises ValueError for an unknown compressor name or option, ratio outside (0, 1], rank < 1.
+    ``timeout`` (a ``datetime.timedelta`` or seconds) bounds each of the hook's collectives; by
+    default the process group's own, e.g. ``init_process_group(timeout=...)``. A peer that hangs
+    longer makes ``backward()`` raise.
+
+    Every option is checked here, by the rules the C++ configuration applies: ValueError for an
+    unknown compressor, option or value (ratio outside (0, 1], rank < 1, an unknown scaling, ...).
+    An error in a step is raised by ``loss.backward()`` with its own type and message, after DDP
+    finished the step (so the next one can run).
     """
-    return GradcompState(compressor, process_group, start_iter, log_every, model, **options), _hook
+    return GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
+                         **options), _hook
+
+
+def _as_timeout(t) -> Optional[datetime.timedelta]:
+    if t is None:
+        return None
+    if isinstance(t, datetime.timedelta):
+        seconds = t.total_seconds()
+    elif isinstance(t, (int, float)) and not isinstance(t, bool):
+        seconds = float(t)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {t!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be positive and finite, got {t!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 def dgc_optimizer(params, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.SGD:

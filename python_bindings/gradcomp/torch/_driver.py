@@ -19,15 +19,25 @@ that gradcomp shares with torch) is per thread: a new thread starts from the pro
 applies the thread count of the main thread to itself before each plan; without it, 4 ranks on
 2 cores with ``torch.set_num_threads(1)`` ran our kernels with 2 spinning OpenMP threads per rank,
 100x slower.
+
+Errors. A plan's error completes its future with the exception (``fut.wait()`` raises it, type
+and message intact). Inside a backward pass that would reach no one intact: DDP casts the value
+of a failed hook future to a Tensor ("Unable to cast <message> to Tensor") and stops mid-step, so
+the next step fails too. There the future completes with the bucket's own gradient and the error
+is raised from an autograd final callback queued behind DDP's (:class:`AfterBackward`):
+``loss.backward()`` raises the original exception and DDP can run its next step. A failed
+collective (e.g. a peer that passed the process group's timeout) leaves the worker's group
+unusable: later plans fail at once instead of waiting for the timeout again, bucket by bucket.
 """
 from __future__ import annotations
 
 import atexit
+import datetime
 import queue
 import weakref
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -41,6 +51,46 @@ _TORCH_TYPES = {
     "uint32": None,
     "int64": None,
 }
+
+
+# ---- torch.distributed across versions: public API where there is one -------------------------
+def group_ranks(group) -> List[int]:
+    """Global ranks of `group` (None: every rank), in group-rank order."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    if hasattr(dist, "get_process_group_ranks"):  # torch >= 1.13
+        return list(dist.get_process_group_ranks(group))
+    ranks = dist.distributed_c10d._pg_group_ranks[group]  # {global: group rank}
+    return sorted(ranks, key=ranks.get)
+
+
+def global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (None: the default group)."""
+    if group is None:
+        return rank
+    if hasattr(dist, "get_global_rank"):  # torch >= 1.13
+        return dist.get_global_rank(group, rank)
+    return dist.distributed_c10d._get_global_rank(group, rank)
+
+
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """The timeout `group` (None: the default group) was made with, e.g. by
+    ``init_process_group(timeout=...)``; None where this torch does not expose it. torch has no
+    public getter: 1.13 keeps it in the gloo/NCCL group's options, 2.x in its backends'."""
+    pg = dist.group.WORLD if group is None else group
+    backends = [pg]
+    get_backend = getattr(pg, "_get_backend", None)  # torch 2.x: backends behind a ProcessGroup
+    if get_backend is not None:
+        for dev in ("cpu", "cuda"):
+            try:
+                backends.append(get_backend(torch.device(dev)))
+            except (RuntimeError, ValueError, TypeError):
+                pass
+    for b in backends:
+        t = getattr(getattr(b, "options", None), "_timeout", None)
+        if isinstance(t, datetime.timedelta):
+            return t
+    return None
 
 
 def _tensor(view, type_name: str) -> torch.Tensor:
@@ -91,7 +141,7 @@ def launch(c, group) -> torch.futures.Future:
     elif kind == "broadcast":
         if dist.get_rank(group) == c.root:
             recv.copy_(send)
-        src = c.root if group is None else dist.distributed_c10d._get_global_rank(group, c.root)
+        src = global_rank(group, c.root)
         work = dist.broadcast(recv, src=src, group=group, async_op=True)
     else:  # pragma: no cover - the C++ vocabulary is closed
         raise RuntimeError(f"unknown collective {kind!r}")
@@ -119,6 +169,38 @@ def run_sync(plan, group) -> PlanStats:
         launch(c, group).wait()
 
 
+class AfterBackward:
+    """Where a plan run for a hook inside a backward pass puts its error (see "Errors" in the
+    module docstring): the future's value is then `value` (the bucket's own gradient) and the
+    error is raised by an autograd final callback that runs after every callback queued during
+    the backward pass, DDP's finalize among them."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value) -> None:
+        self.value, self.error = value, None
+
+    @classmethod
+    def arm(cls, value) -> Optional["AfterBackward"]:
+        """A new one if a backward pass is running (None otherwise: errors go to the future)."""
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        if engine is None:
+            return None
+        a = cls(value)
+        try:
+            # queued now, this runs among the final callbacks, before or after DDP's; the
+            # callback it queues runs after all of them
+            engine.queue_callback(lambda: engine.queue_callback(a._raise))
+        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+            return None
+        return a
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+
 _workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # closed at interpreter exit
 
 
@@ -129,14 +211,18 @@ class Worker:
         self.group = group
         self.num_threads = torch.get_num_threads()  # see "Threads" in the module docstring
         self._q: "queue.Queue" = queue.Queue()
+        self._failed: Optional[BaseException] = None  # a collective failed: the group is unusable
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _workers.add(self)
 
     def submit(self, plan, result: Callable[[], torch.Tensor],
                done: Optional[Callable[[PlanStats], None]] = None,
-               device: Optional[torch.device] = None) -> torch.futures.Future:
-        """Queues a begun plan; the future's value is ``result()`` once the plan finished."""
+               device: Optional[torch.device] = None,
+               after_backward: Optional[AfterBackward] = None) -> torch.futures.Future:
+        """Queues a begun plan; the future's value is ``result()`` once the plan finished. An
+        error completes the future with the exception, or, with `after_backward`, with
+        ``after_backward.value`` and the error stored there."""
         stream = None
         if threading.current_thread() is threading.main_thread():
             self.num_threads = torch.get_num_threads()  # the user may have changed it
@@ -145,7 +231,7 @@ class Worker:
             stream = torch.cuda.current_stream(device)
         else:
             fut = torch.futures.Future()
-        self._q.put((plan, result, done, fut, stream))
+        self._q.put((plan, result, done, fut, stream, after_backward))
         return fut
 
     def _loop(self):
@@ -154,7 +240,7 @@ class Worker:
             job = self._q.get()
             if job is None:
                 return
-            plan, result, done, fut, stream = job
+            plan, result, done, fut, stream, after = job
             try:
                 if threads != self.num_threads:
                     threads = self.num_threads
@@ -165,10 +251,16 @@ class Worker:
                 else:
                     value = self._run(plan, result, done)
                 fut.set_result(value)
-            except BaseException as e:  # handed to whoever waits on the future
-                fut.set_exception(e)
+            except BaseException as e:  # handed to whoever waits on the future, type intact
+                if not isinstance(e, Exception):  # a Future carries Exceptions only
+                    e = RuntimeError(f"gradcomp worker interrupted: {e!r}")
+                if after is not None:
+                    after.error = e
+                    fut.set_result(after.value)
+                else:
+                    fut.set_exception(e)
             # drop the references now: an idle thread must not keep the last plan alive
-            job = plan = result = done = fut = stream = value = None
+            job = plan = result = done = fut = stream = value = after = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Finishes the queued plans and stops the thread."""
@@ -177,12 +269,19 @@ class Worker:
             self._thread.join(timeout)
 
     def _run(self, plan, result, done):
+        if self._failed is not None:
+            raise RuntimeError(f"gradcomp: an earlier collective of this hook failed, its process "
+                               f"group is unusable: {self._failed}") from self._failed
         stats = PlanStats()
         while True:
             c = _step(plan, stats)
             if c is None:
                 break
-            launch(c, self.group).wait()
+            try:
+                launch(c, self.group).wait()
+            except Exception as e:
+                self._failed = e
+                raise
         if done is not None:
             done(stats)
         return result()
