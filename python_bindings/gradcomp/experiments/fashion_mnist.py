@@ -109,6 +109,7 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "randomk10": ("randomk", dict(ratio=0.1), False),
     "randomk10-mc": ("randomk", dict(ratio=0.1, momentum=0.9), True),
     "onebit": ("onebit", {}, False),
+    "onebit-mc": ("onebit", dict(momentum=0.9), True),
     "powersgd": ("powersgd", dict(rank=4), False),
 }
 

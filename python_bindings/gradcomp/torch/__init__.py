@@ -580,8 +580,10 @@ def _as_timeout(t) -> Optional[datetime.timedelta]:
 
 
 def dgc_optimizer(params, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.SGD:
-    """SGD without momentum, for use with the top-k hook's DGC momentum correction (the hook
-    already accumulates momentum before compression; applying it again would square it)."""
+    """SGD without momentum, for hooks that apply momentum themselves: ``topk`` and
+    ``randomk`` with ``momentum=m`` (DGC's momentum correction) and ``onebit`` with
+    ``momentum=m`` (each rank compresses its momentum). The hook already accumulates momentum
+    before compression; applying it again in the optimizer would square it."""
     if kwargs.get("momentum", 0.0):
         raise ValueError("with DGC momentum correction the optimizer must not apply momentum; "
                          "set momentum on the hook instead")

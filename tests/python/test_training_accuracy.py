@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Accuracy regressions on a real dataset (issues 16 and 17): each compressing hook trains the
+Fashion-MNIST CNN on 2 gloo ranks at the learning rate plain DDP uses (SGD, lr 0.05, momentum
+0.9 in the optimizer or, with momentum compression, in the hook) and must end within a margin of
+plain DDP's test accuracy. Before the fix the 1-bit hook (one scale per server chunk) ended at
+chance (10%); test_old_onebit_form_is_what_collapsed keeps that measurement.
+
+Setting: 300 steps of 2 x 32 samples from 20k training images, 2k test images; runs are
+deterministic (fixed seed and data order, one thread per rank). Measured on the 2-core machine
+(2026-11-23, torch 1.13): plain 87.45%; fp16 85.70, bf16 86.90, top-k 0.1% 86.15, 1-bit with
+momentum compression 76.15; the old 1-bit form 10.70. Margins: 4 points for the cast and
+top-k hooks (2x the largest gap seen), 15 for 1-bit, whose short-run gap (11.3 points) is larger
+than after a full epoch on 4 ranks (1.4 points, experiments/results/); a collapse (77 points)
+fails every margin. Error-feedback random-k at 1% diverges in this setting with or without
+momentum correction (issue 17, still open), so it has no accuracy test here yet."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradcomp.experiments import fashion_mnist as fm  # noqa: E402
+
+STEPS = 300
+MARGIN = {"onebit:momentum=0.9": 15.0, "fp16": 4.0, "bf16": 4.0, "topk": 4.0}  # points
+
+
+def _run(cfg: str, seed: int = 0):
+    args = dict(config=cfg, seed=seed, lr=0.05, momentum=0.9, batch=32, epochs=1, steps=STEPS,
+                model="cnn", train_subset=20000, test_subset=2000, log_every=50)
+    return fm.run_config(args, world=2)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run("plain")
+
+
+@pytest.mark.parametrize("cfg", sorted(MARGIN))
+def test_hook_accuracy_within_margin_of_plain_ddp(plain, cfg):
+    r = _run(cfg)
+    print(f"\n{cfg}: {100 * r['accuracy']:.2f}% vs plain {100 * plain['accuracy']:.2f}% "
+          f"after {r['steps']} steps, bytes/step {r['bytes_sent_per_step']}")
+    assert plain["accuracy"] > 0.70, f"plain DDP itself did not train: {plain['accuracy']}"
+    assert r["steps"] == STEPS
+    assert 100 * r["accuracy"] >= 100 * plain["accuracy"] - MARGIN[cfg], \
+        f"{cfg}: {100 * r['accuracy']:.2f}% vs plain {100 * plain['accuracy']:.2f}%"
+
+
+def test_old_onebit_form_is_what_collapsed():
+    """The measurement behind issue 16: one scale per server chunk (block_size=0) without
+    momentum compression ends near chance in the same setting; the fix is what makes the
+    difference, not the setting."""
+    r = _run("onebit:block_size=0")
+    print(f"\nonebit block_size=0: {100 * r['accuracy']:.2f}%")
+    assert r["accuracy"] < 0.5
+
+
+# ---- the IDX loader ------------------------------------------------------------------------
+def _write(path, data: bytes):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_idx_loader_reads_and_rejects_bad_files(tmp_path):
+    import struct
+
+    import numpy as np
+
+    good = struct.pack(">HBBIII", 0, 8, 3, 2, 28, 28) + bytes(range(256)) * 6 + bytes(32)
+    _write(tmp_path / "ok", good)
+    a = fm.load_idx(str(tmp_path / "ok"))
+    assert a.shape == (2, 28, 28) and a.dtype == np.uint8 and a[0, 0, 5] == 5
+    _write(tmp_path / "trunc", good[:-1])
+    with pytest.raises(ValueError, match="truncated"):
+        fm.load_idx(str(tmp_path / "trunc"))
+    _write(tmp_path / "long", good + b"\0")
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        fm.load_idx(str(tmp_path / "long"))
+    _write(tmp_path / "magic", b"\x01" + good[1:])
+    with pytest.raises(ValueError, match="not an unsigned-byte IDX"):
+        fm.load_idx(str(tmp_path / "magic"))
+    _write(tmp_path / "short", b"\0\0")
+    with pytest.raises(ValueError, match="too short"):
+        fm.load_idx(str(tmp_path / "short"))
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+        fm.load_idx(str(tmp_path / "missing"))
+
+
+def test_split_rejects_mismatched_labels(tmp_path):
+    import gzip
+    import struct
+
+    imgs = struct.pack(">HBBIII", 0, 8, 3, 3, 28, 28) + bytes(3 * 784)
+    labs = struct.pack(">HBBI", 0, 8, 1, 2) + bytes(2)
+    for name, data in [("t10k-images-idx3-ubyte", imgs), ("t10k-labels-idx1-ubyte", labs)]:
+        with gzip.open(tmp_path / (name + ".gz"), "wb") as f:
+            f.write(data)
+    with pytest.raises(ValueError, match="3 images but labels"):
+        fm.load_split("test", str(tmp_path))
+
+
+def test_dataset_is_installed():
+    """CI installs Debian's dataset-fashion-mnist (scripts/apt-packages.txt)."""
+    x, y = fm.load_split("test")
+    assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,)
+    assert abs(float(x.mean())) < 0.1  # normalised
+    assert os.path.isdir(fm.DEFAULT_DIR)
