@@ -10,7 +10,7 @@ deterministic (fixed seed and data order, one thread per rank). Measured on the 
 (2026-11-23, torch 1.13): plain 87.45%; fp16 85.70, bf16 86.90, top-k 0.1% 86.15, 1-bit with
 momentum compression 76.15; the old 1-bit form 10.70. Margins: 4 points for the cast and
 top-k hooks (2x the largest gap seen), 15 for 1-bit, whose short-run gap (11.3 points) is larger
-than after a full epoch on 4 ranks (1.4 points, experiments/results/); a collapse (77 points)
+than after a full epoch on 4 ranks (1.4 and 6.3 points on two seeds, experiments/results/); a collapse (77 points)
 fails every margin. Error-feedback random-k at 1% diverges in this setting with or without
 momentum correction (issue 17, still open), so it has no accuracy test here yet."""
 import os
