@@ -379,7 +379,7 @@ void OneBitCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const uint64_t eb = static_cast<uint64_t>(rows_ * cols_) * sizeof(float);
-  const uint8_t* e = r.array("error", eb);
+  const uint8_t* e = r.finite_array("error", eb);
   r.finish();
   device_copy(impl_->state(), device_, e, Device::kCPU, eb, impl_->stream);
   impl_->lazy = false;
@@ -588,8 +588,8 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
   const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);
-  const uint8_t* we = r.array("worker_error", wb);
-  const uint8_t* se = r.array("server_error", sb);
+  const uint8_t* we = r.finite_array("worker_error", wb);
+  const uint8_t* se = r.finite_array("server_error", sb);
   r.finish();
   device_copy(impl_->we.data(), device_, we, Device::kCPU, wb, impl_->stream);
   device_copy(impl_->se.data(), device_, se, Device::kCPU, sb, impl_->stream);

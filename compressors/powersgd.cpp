@@ -234,8 +234,8 @@ void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const auto qr = r.get<uint8_t>("q_ready");
   GC_CHECK_ARG(qr <= 1, "state_dict: bad q_ready flag ", int(qr));
-  const uint8_t* err = r.array("error", cfg_.error_feedback ? m_numel_ * 4 : 0);
-  const uint8_t* q = r.array("Q", qr ? q_numel_ * 4 : 0);
+  const uint8_t* err = r.finite_array("error", cfg_.error_feedback ? m_numel_ * 4 : 0);
+  const uint8_t* q = r.finite_array("Q", qr ? q_numel_ * 4 : 0);
   r.finish();
   // Everything checked: now change the state.
   if (cfg_.error_feedback && m_numel_ > 0)

@@ -329,8 +329,9 @@ void TopKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
-  const uint8_t* v = r.array("residual", numel_ * sizeof(float));
-  const uint8_t* u = cfg_.momentum > 0.0 ? r.array("momentum", numel_ * sizeof(float)) : nullptr;
+  const uint8_t* v = r.finite_array("residual", numel_ * sizeof(float));
+  const uint8_t* u =
+      cfg_.momentum > 0.0 ? r.finite_array("momentum", numel_ * sizeof(float)) : nullptr;
   r.finish();
   // all checks passed: now overwrite
   device_copy(impl_->v.data(), device_, v, Device::kCPU, numel_ * sizeof(float), impl_->stream);
@@ -463,7 +464,7 @@ void RandomKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
-  const uint8_t* v = r.array("residual", numel_ * sizeof(float));
+  const uint8_t* v = r.finite_array("residual", numel_ * sizeof(float));
   r.finish();
   device_copy(impl_->v.data(), device_, v, Device::kCPU, numel_ * sizeof(float), impl_->stream);
   step_ = step;

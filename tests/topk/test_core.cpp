@@ -253,7 +253,13 @@ TEST(StateIo, RoundTripAndMismatch) {
   EXPECT_THROW(detail::StateReader(bytes.data(), bytes.size(), "other"), InvalidArgument);
   detail::StateReader r2(bytes.data(), bytes.size(), "demo");
   EXPECT_THROW(r2.expect<int64_t>("n", 41), InvalidArgument);
-  detail::StateReader r3(bytes.data(), bytes.size() - 2, "demo");
+  // a truncated state fails its checksum; a short one with a valid checksum fails at the field
+  EXPECT_THROW(detail::StateReader(bytes.data(), bytes.size() - 2, "demo"), InvalidArgument);
+  detail::StateWriter ws("demo");
+  ws.put<int64_t>(42);
+  ws.put<uint64_t>(sizeof arr);
+  const auto short_bytes = ws.take();
+  detail::StateReader r3(short_bytes.data(), short_bytes.size(), "demo");
   r3.get<int64_t>("n");
   EXPECT_THROW(r3.array("arr", sizeof arr), InvalidArgument);
 }
