@@ -338,6 +338,8 @@ void OneBitCompressor::decode_average(const void* const* payloads, const size_t*
   for (int p = 0; p < count; ++p) {
     const PayloadHeader h = read_header(payloads[p], nbytes[p], device_, s.stream);
     const k::OneBitGeom gp = parse_onebit(h, n);
+    GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload ", p, " is for tensor ", h.tensor_id,
+                     ", this compressor is tensor ", cfg_.tensor_id);
     if (p == 0) {
       geo = gp;
     } else {
