@@ -344,6 +344,8 @@ void OneBitCompressor::decode_average(const void* const* payloads, const size_t*
   for (int p = 0; p < count; ++p) {
     const PayloadHeader h = read_header(payloads[p], nbytes[p], device_, s.stream);
     const k::OneBitGeom gp = parse_onebit(h, n);
+    GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload ", p, " is for tensor ", h.tensor_id,
+                     ", this compressor is tensor ", cfg_.tensor_id);
     if (p == 0) {
       geo = gp;
     } else {
@@ -385,7 +387,7 @@ void OneBitCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   const auto step = r.get<int64_t>("step");
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const uint64_t eb = static_cast<uint64_t>(rows_ * cols_) * sizeof(float);
-  const uint8_t* e = r.array("error", eb);
+  const uint8_t* e = r.finite_array("error", eb);
   r.finish();
   device_copy(impl_->state(), device_, e, Device::kCPU, eb, impl_->stream);
   impl_->lazy = false;
@@ -647,9 +649,9 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
   const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);
-  const uint8_t* we = r.array("worker_error", wb);
-  const uint8_t* se = r.array("server_error", sb);
-  const uint8_t* u = cfg_.momentum > 0.0 ? r.array("momentum", wb) : nullptr;
+  const uint8_t* we = r.finite_array("worker_error", wb);
+  const uint8_t* se = r.finite_array("server_error", sb);
+  const uint8_t* u = cfg_.momentum > 0.0 ? r.finite_array("momentum", wb) : nullptr;
   r.finish();
   if (u) device_copy(impl_->u.data(), device_, u, Device::kCPU, wb, impl_->stream);
   device_copy(impl_->we.data(), device_, we, Device::kCPU, wb, impl_->stream);

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "core/state_io.hpp"
@@ -30,6 +32,27 @@ k::PsgdGroup member_of(const k::PsgdGroup& g, int64_t b, float* M) {
   one.Q = g.Q + b * g.m * g.r;
   one.ids = g.ids + b;
   return one;
+}
+// Element count of tensor i of shape s, checked before anything is allocated: dimensions >= 0,
+// and the tensor together with the `before` elements of the tensors ahead of it within
+// kPowerSGDMaxBucketNumel (every partial product stays below 2^64, so nothing overflows).
+int64_t checked_numel(const std::vector<int64_t>& s, size_t i, int64_t before) {
+  constexpr int64_t kMax = kPowerSGDMaxBucketNumel;
+  int64_t numel = 1;
+  for (int64_t d : s) {
+    GC_CHECK_ARG(d >= 0, "tensor ", i, " has a negative dimension ", d);
+    if (d <= kMax && (d == 0 || numel <= kMax / d)) {
+      numel *= d;
+      continue;
+    }
+    std::string shape;
+    for (int64_t e : s) shape += (shape.empty() ? "[" : ", ") + std::to_string(e);
+    GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " of shape ", shape, "] exceeds ", kMax,
+                 " elements in a dimension or in total (the bound kPowerSGDMaxBucketNumel)");
+  }
+  GC_CHECK_ARG(numel <= kMax - before, "PowerSGD: the bucket holds more than ", kMax,
+               " elements at tensor ", i, " (the bound kPowerSGDMaxBucketNumel)");
+  return numel;
 }
 // GPU reconstruction scratch: at most this many floats per strided-batched GEMM (one member at
 // least); bounds the memory for models with many same-shape layers.
@@ -104,18 +127,15 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     const auto& s = shapes[i];
     GC_CHECK_ARG(s.size() <= static_cast<size_t>(TensorView::kMaxDims), "tensor ", i, " has ",
                  s.size(), " dimensions, at most ", TensorView::kMaxDims, " are supported");
-    int64_t numel = 1;
-    for (int64_t d : s) {
-      GC_CHECK_ARG(d >= 0, "tensor ", i, " has a negative dimension ", d);
-      numel *= d;
-    }
+    const int64_t numel = checked_numel(s, i, impl_->total_numel);
     PowerSGDTensorInfo& t = info_[i];
     t.n = s.empty() ? 1 : s[0];
     t.m = t.n > 0 ? numel / t.n : 0;
     impl_->total_numel += numel;
     impl_->max_numel = std::max(impl_->max_numel, numel);
     const int r = static_cast<int>(std::min<int64_t>({cfg_.rank, t.n, t.m}));
-    const bool compress = s.size() >= 2 && r >= 1 &&
+    constexpr int64_t kBlasMax = std::numeric_limits<int>::max();  // BLAS/LAPACK take int sizes
+    const bool compress = s.size() >= 2 && r >= 1 && t.n <= kBlasMax && t.m <= kBlasMax &&
                           static_cast<double>(t.n + t.m) * r * cfg_.min_compression_rate <
                               static_cast<double>(t.n) * static_cast<double>(t.m);
     if (compress) {
@@ -234,8 +254,8 @@ void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
   const auto qr = r.get<uint8_t>("q_ready");
   GC_CHECK_ARG(qr <= 1, "state_dict: bad q_ready flag ", int(qr));
-  const uint8_t* err = r.array("error", cfg_.error_feedback ? m_numel_ * 4 : 0);
-  const uint8_t* q = r.array("Q", qr ? q_numel_ * 4 : 0);
+  const uint8_t* err = r.finite_array("error", cfg_.error_feedback ? m_numel_ * 4 : 0);
+  const uint8_t* q = r.finite_array("Q", qr ? q_numel_ * 4 : 0);
   r.finish();
   // Everything checked: now change the state.
   if (cfg_.error_feedback && m_numel_ > 0)

@@ -200,8 +200,8 @@ class SparsifyState {
   Saved read(detail::StateReader& r) const {
     r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
     r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
-    Saved sv{r.array("residual", n_ * sizeof(float)), nullptr};
-    if (u()) sv.u = r.array("momentum", n_ * sizeof(float));
+    Saved sv{r.finite_array("residual", n_ * sizeof(float)), nullptr};
+    if (u()) sv.u = r.finite_array("momentum", n_ * sizeof(float));
     return sv;
   }
   void apply(const Saved& sv) {
@@ -313,6 +313,8 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
                    payload_kind_name(PayloadKind(h.kind)));
   GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
                    " elements, the output has ", numel_);
+  GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload is for tensor ", h.tensor_id,
+                   ", this compressor is tensor ", cfg_.tensor_id);
   GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
                    "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
                    dtype_size(DType(h.value_dtype)));

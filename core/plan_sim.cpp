@@ -20,9 +20,15 @@ const char* collective_name(CollectiveKind k) {
 
 namespace {
 
+// memcpy for buffers that may be empty: an empty std::vector or collective buffer may be null, and
+// memcpy's pointers must be valid even for 0 bytes.
+void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
+
 void sum_into(std::vector<uint8_t>& acc, const void* src, size_t count, ElemType t, bool first) {
   if (first) {
-    std::memcpy(acc.data(), src, count * elem_size(t));
+    copy_bytes(acc.data(), src, count * elem_size(t));
     return;
   }
   switch (t) {
@@ -89,13 +95,13 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
       case CollectiveKind::kAllreduceSum: {
         std::vector<uint8_t> acc(bytes);
         for (size_t r = 0; r < P; ++r) sum_into(acc, cs[r]->send, c0.count, c0.type, r == 0);
-        for (size_t r = 0; r < P; ++r) std::memcpy(cs[r]->recv, acc.data(), bytes);
+        for (size_t r = 0; r < P; ++r) copy_bytes(cs[r]->recv, acc.data(), bytes);
         break;
       }
       case CollectiveKind::kAllgather: {
         std::vector<uint8_t> all(bytes * P);
-        for (size_t r = 0; r < P; ++r) std::memcpy(all.data() + r * bytes, cs[r]->send, bytes);
-        for (size_t r = 0; r < P; ++r) std::memcpy(cs[r]->recv, all.data(), bytes * P);
+        for (size_t r = 0; r < P; ++r) copy_bytes(all.data() + r * bytes, cs[r]->send, bytes);
+        for (size_t r = 0; r < P; ++r) copy_bytes(cs[r]->recv, all.data(), bytes * P);
         break;
       }
       case CollectiveKind::kAllToAll: {
@@ -106,7 +112,7 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
         }
         for (size_t dst = 0; dst < P; ++dst)
           for (size_t src = 0; src < P; ++src)
-            std::memcpy(static_cast<uint8_t*>(cs[dst]->recv) + src * bytes,
+            copy_bytes(static_cast<uint8_t*>(cs[dst]->recv) + src * bytes,
                         sends[src].data() + dst * bytes, bytes);
         break;
       }
@@ -115,7 +121,7 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
                      " out of range");
         std::vector<uint8_t> b(static_cast<const uint8_t*>(cs[c0.root]->send),
                                static_cast<const uint8_t*>(cs[c0.root]->send) + bytes);
-        for (size_t r = 0; r < P; ++r) std::memcpy(cs[r]->recv, b.data(), bytes);
+        for (size_t r = 0; r < P; ++r) copy_bytes(cs[r]->recv, b.data(), bytes);
         break;
       }
     }

@@ -1,20 +1,30 @@
 // SPDX-License-Identifier: Apache-2.0
-// Byte (de)serialisation of compressor state: a tagged header, then fields in order. Readers
-// check every length before copying, and a mismatch is an InvalidArgument naming the field.
+// Byte (de)serialisation of compressor state: a tagged header, then fields in order, then a
+// checksum. Readers check every length before copying, and a mismatch is an InvalidArgument naming
+// the field.
+//
+// Layout (version 2, host byte order): magic u32 | version u32 | kind (u64 length + bytes) |
+// the compressor's fields | CRC-32C u32 of every byte before it. StateReader verifies magic,
+// version and checksum before it hands out a single field, so a checkpoint damaged anywhere (a
+// flipped byte, a truncation, an append) is rejected before the compressor looks at it; and
+// finite_array() rejects NaN/Inf in arrays that hold gradient-like values (a state saved with
+// check_finite off, or made by hand). Version 1 (no checksum) is not read.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "core/crc32c.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/runtime.hpp"
 
 namespace gradcomp::detail {
 
 inline constexpr uint32_t kStateMagic = 0x53434347u;  // "GCCS"
-inline constexpr uint32_t kStateVersion = 1;
+inline constexpr uint32_t kStateVersion = 2;           // 2: CRC-32C trailer
 
 class StateWriter {
  public:
@@ -39,7 +49,11 @@ class StateWriter {
     buf_.resize(off + bytes);
     device_copy(buf_.data() + off, Device::kCPU, p, dev, bytes, stream);
   }
-  std::vector<uint8_t> take() { return std::move(buf_); }
+  /// The finished state: appends the checksum (call once, last).
+  std::vector<uint8_t> take() {
+    put<uint32_t>(crc32c(buf_.data(), buf_.size()));
+    return std::move(buf_);
+  }
 
  private:
   std::vector<uint8_t> buf_;
@@ -53,7 +67,15 @@ class StateReader {
                  "state_dict: not a gradcomp state (bad magic)");
     const auto ver = get<uint32_t>("version");
     GC_CHECK_ARG(ver == kStateVersion, "state_dict: version ", ver, ", this build reads ",
-                 kStateVersion);
+                 kStateVersion, ver < kStateVersion ? " (saved by an older gradcomp)" : "");
+    GC_CHECK_ARG(n_ - pos_ >= sizeof(uint32_t), "state_dict: truncated before the checksum");
+    n_ -= sizeof(uint32_t);  // fields end where the checksum starts
+    uint32_t stored;
+    std::memcpy(&stored, p_ + n_, sizeof stored);
+    const uint32_t computed = crc32c(p_, n_);
+    GC_CHECK_ARG(stored == computed, "state_dict: checksum mismatch (stored 0x", std::hex, stored,
+                 ", computed 0x", computed, std::dec, " over ", n_,
+                 " bytes): the state is corrupt or truncated; nothing was loaded");
     const std::string got = get_string("kind");
     GC_CHECK_ARG(got == kind, "state_dict: saved by a '", got, "' compressor, loading into '",
                  kind, "'");
@@ -88,6 +110,20 @@ class StateReader {
     GC_CHECK_ARG(len <= n_ - pos_, "state_dict: truncated in array '", field, "'");
     const uint8_t* r = p_ + pos_;
     pos_ += len;
+    return r;
+  }
+  /// array() of fp32 values that must all be finite (residuals, momenta, errors, factors): NaN or
+  /// Inf is an InvalidArgument naming the field and the first bad element.
+  const uint8_t* finite_array(const char* field, uint64_t bytes) {
+    GC_CHECK_ARG(bytes % sizeof(float) == 0, "state_dict: array '", field, "' of ", bytes,
+                 " bytes is not fp32");
+    const uint8_t* r = array(field, bytes);
+    for (uint64_t i = 0; i < bytes / sizeof(float); ++i) {
+      float x;
+      std::memcpy(&x, r + i * sizeof(float), sizeof x);
+      GC_CHECK_ARG(std::isfinite(x), "state_dict: array '", field, "' holds a non-finite value (",
+                   x, ") at element ", i, "; nothing was loaded");
+    }
     return r;
   }
   void finish() {

@@ -26,7 +26,8 @@ TensorView::TensorView(void* d, const int64_t* dims, int nd, DType t, Device dev
   for (int i = 0; i < nd; ++i) {
     GC_CHECK_ARG(dims[i] >= 0, "tensor dimension ", i, " is negative (", dims[i], ")");
     shape[i] = dims[i];
-    n *= dims[i];
+    GC_CHECK_ARG(!__builtin_mul_overflow(n, dims[i], &n), "tensor shape overflows int64 at dimension ",
+                 i, " (", dims[i], ")");
   }
   if (nd == 0) {
     ndim = 1;

@@ -76,7 +76,9 @@ void encode_indices(const uint32_t* idx, uint64_t count, uint64_t numel, IndexCo
                     uint8_t* out) {
   switch (coding) {
     case IndexCoding::kNone: return;
-    case IndexCoding::kRaw32: std::memcpy(out, idx, 4 * count); return;
+    case IndexCoding::kRaw32:
+      if (count > 0) std::memcpy(out, idx, 4 * count);  // empty: out and idx may be null
+      return;
     case IndexCoding::kBitmap:
       std::memset(out, 0, (numel + 7) / 8);
       for (uint64_t i = 0; i < count; ++i) out[idx[i] >> 3] |= uint8_t(1u << (idx[i] & 7));
@@ -106,7 +108,7 @@ void decode_indices(const uint8_t* in, uint64_t in_bytes, IndexCoding coding, ui
     case IndexCoding::kRaw32: {
       GC_CHECK_PAYLOAD(in_bytes == 4 * count, "raw index section has ", in_bytes,
                        " bytes, expected 4 * ", count);
-      std::memcpy(idx_out, in, 4 * count);
+      if (count > 0) std::memcpy(idx_out, in, 4 * count);
       for (uint64_t i = 0; i < count; ++i) {
         GC_CHECK_PAYLOAD(idx_out[i] < numel, "index ", idx_out[i], " at position ", i,
                          " is out of range [0, ", numel, ")");

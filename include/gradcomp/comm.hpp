@@ -163,8 +163,16 @@ struct MpiOptions {
 /// (exited, hung, killed) produces BackendError after the timeout. MPI cannot cancel a pending
 /// collective, so afterwards this communicator is broken (every call throws) and the process
 /// should leave: MPI_Finalize may block on the dead peer, so call MPI_Abort or _exit.
-/// With OpenMPI, a peer that exits without MPI_Finalize makes mpirun kill the job unless it runs
-/// with `--mca orte_allowed_exit_without_sync 1`; a peer that finalizes early is always survived.
+/// With OpenMPI (tested with 4.1), mpirun ends the whole job when a process exits without
+/// MPI_Finalize or dies, so the survivors never see their BackendError, unless it runs with
+///   mpirun --mca orte_allowed_exit_without_sync 1 --mca orte_abort_on_non_zero_status 0
+///          --mca orte_enable_recovery 1 ...        (one command line)
+/// orte_allowed_exit_without_sync 1 covers a peer that exits with status 0; a peer killed by a
+/// signal (SIGKILL, the OOM killer) or exiting non-zero also needs orte_abort_on_non_zero_status 0;
+/// and without orte_enable_recovery 1 mpirun then never returns, even after every process has
+/// exited. With these flags mpirun's exit status is 0 whatever the processes return: take the
+/// verdict from the ranks (tests/comm/test_comm_mpi_fail.cpp and run_mpi_fail.cmake test both
+/// cases under -np 2 and 4). A peer that finalizes early is always survived.
 ///
 /// Example:
 ///   gradcomp::mpi_init();  // or MPI_Init yourself

@@ -54,6 +54,12 @@ enum class Orthogonalization : uint8_t {
 
 inline constexpr int kPowerSGDMaxGramSchmidtRank = 32;
 
+/// At most this many elements in one bucket (2^32: 16 GiB of fp32 in each per-bucket buffer;
+/// every dimension is bounded by it too). Larger shapes, and shapes whose element count overflows
+/// int64, are an InvalidArgument from the PowerSGDState constructor before anything is allocated.
+/// Within the bound, memory the machine cannot provide is std::bad_alloc (Python: MemoryError).
+inline constexpr int64_t kPowerSGDMaxBucketNumel = int64_t{1} << 32;
+
 struct PowerSGDConfig {
   /// Target rank r (PyTorch: matrix_approximation_rank), >= 1. A tensor whose matrix view has
   /// min(n, m) < r is compressed at rank min(n, m) (clamped, reported in the statistics).

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU backend of the communication layer's local work (OpenMP over elements; every element is
 // summed in rank order, so the result does not depend on the thread count).
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/reduce.hpp"
 #include "kernels/reduce_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define GC_HAVE_F16C_PATH 1
 #endif
@@ -19,19 +21,35 @@ namespace {
 // bits of the scalar twins: the hardware conversions round to nearest even like float_to_half /
 // half_to_float, fp32 division and addition are the same IEEE operations, and a group of 8 that
 // holds a NaN is redone by the scalar code (the hardware keeps NaN payloads, the twin does not).
+// F16C read from CPUID leaf 1 (ECX bit 29): clang before 16 does not know "f16c" as a
+// __builtin_cpu_supports feature; "avx" also checks that the OS saves the AVX registers.
 bool have_f16c() {
-  static const bool ok = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+  }();
   return ok;
 }
 
-/// d[i] = float_to_half(scaled(load(src, i), div)) for i in [0, n), src fp32 or fp16.
-__attribute__((target("avx,f16c"))) void to_half_f16c(const void* src, bool src_half, uint16_t* d,
-                                                      int64_t n, float div) {
+// The AVX work sits in target("avx,f16c") functions over a range of 8-element groups, called from
+// the OpenMP loop in for_groups_of_8: clang does not give the function it outlines for an omp
+// region the target attribute of the function around it, so no intrinsic may sit inside the
+// pragma. Each range ends at a multiple of 8; the tail (< 8 elements) is done by the scalar twin.
+template <class Range>
+void for_groups_of_8(int64_t n8, const Range& range) {
+  constexpr int64_t kBlock = int64_t{1} << 13;  // elements per loop iteration, a multiple of 8
+  const int64_t blocks = (n8 + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n8 > (1 << 15))
+  for (int64_t b = 0; b < blocks; ++b) range(b * kBlock, std::min(n8, (b + 1) * kBlock));
+}
+
+/// d[i] = float_to_half(scaled(load(src, i), div)) for i in [lo, hi), src fp32 or fp16.
+__attribute__((target("avx,f16c"))) void to_half_f16c_range(const void* src, bool src_half,
+                                                            uint16_t* d, int64_t lo, int64_t hi,
+                                                            float div) {
   const __m256 vdiv = _mm256_set1_ps(div);
   const bool divide = div != 1.0f;
-  const int64_t n8 = n / 8 * 8;
-#pragma omp parallel for schedule(static) if (n > (1 << 15))
-  for (int64_t i = 0; i < n8; i += 8) {
+  for (int64_t i = lo; i < hi; i += 8) {
     __m256 x = src_half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
                               static_cast<const uint16_t*>(src) + i)))
                         : _mm256_loadu_ps(static_cast<const float*>(src) + i);
@@ -44,18 +62,23 @@ __attribute__((target("avx,f16c"))) void to_half_f16c(const void* src, bool src_
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+}
+
+void to_half_f16c(const void* src, bool src_half, uint16_t* d, int64_t n, float div) {
+  const int64_t n8 = n / 8 * 8;
+  for_groups_of_8(n8, [&](int64_t lo, int64_t hi) {
+    to_half_f16c_range(src, src_half, d, lo, hi, div);
+  });
   for (int64_t j = n8; j < n; ++j)
     d[j] = float_to_half(scaled(src_half ? F16Load::load(src, j) : F32Load::load(src, j), div));
 }
 
 /// d[i] = scaled(half_to_float(src[i]), div) (fp16 -> fp32; exact conversion, then IEEE division).
-__attribute__((target("avx,f16c"))) void from_half_f16c(const uint16_t* src, float* d, int64_t n,
-                                                        float div) {
+__attribute__((target("avx,f16c"))) void from_half_f16c_range(const uint16_t* src, float* d,
+                                                              int64_t lo, int64_t hi, float div) {
   const __m256 vdiv = _mm256_set1_ps(div);
   const bool divide = div != 1.0f;
-  const int64_t n8 = n / 8 * 8;
-#pragma omp parallel for schedule(static) if (n > (1 << 15))
-  for (int64_t i = 0; i < n8; i += 8) {
+  for (int64_t i = lo; i < hi; i += 8) {
     __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     if (divide) x = _mm256_div_ps(x, vdiv);
     if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {  // (the hardware quiets sNaN)
@@ -64,20 +87,25 @@ __attribute__((target("avx,f16c"))) void from_half_f16c(const uint16_t* src, flo
     }
     _mm256_storeu_ps(d + i, x);
   }
+}
+
+void from_half_f16c(const uint16_t* src, float* d, int64_t n, float div) {
+  const int64_t n8 = n / 8 * 8;
+  for_groups_of_8(n8, [&](int64_t lo, int64_t hi) { from_half_f16c_range(src, d, lo, hi, div); });
   for (int64_t j = n8; j < n; ++j) d[j] = scaled(half_to_float(src[j]), div);
 }
 
-/// The rank-ordered fp16 sum of reduce_blocks (rounding to fp16 after every addition).
-__attribute__((target("avx,f16c"))) void reduce_half_f16c(const uint16_t* b, size_t nb, int64_t n,
-                                                          size_t stride, uint16_t* d) {
-  const int64_t n8 = n / 8 * 8;
-  auto scalar = [&](int64_t i) {
-    uint16_t acc = b[i];
-    for (size_t r = 1; r < nb; ++r) acc = add_f16(acc, b[r * stride + i]);
-    d[i] = acc;
-  };
-#pragma omp parallel for schedule(static) if (n > (1 << 15))
-  for (int64_t i = 0; i < n8; i += 8) {
+/// Element i of the rank-ordered fp16 sum of reduce_blocks (rounded to fp16 after every addition).
+void reduce_half_scalar(const uint16_t* b, size_t nb, size_t stride, uint16_t* d, int64_t i) {
+  uint16_t acc = b[i];
+  for (size_t r = 1; r < nb; ++r) acc = add_f16(acc, b[r * stride + i]);
+  d[i] = acc;
+}
+
+__attribute__((target("avx,f16c"))) void reduce_half_f16c_range(const uint16_t* b, size_t nb,
+                                                                size_t stride, uint16_t* d,
+                                                                int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; i += 8) {
     __m128i acc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
     bool nan = false;
     for (size_t r = 1; r < nb; ++r) {
@@ -88,12 +116,19 @@ __attribute__((target("avx,f16c"))) void reduce_half_f16c(const uint16_t* b, siz
       acc = _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
     if (nan) {
-      for (int64_t j = i; j < i + 8; ++j) scalar(j);
+      for (int64_t j = i; j < i + 8; ++j) reduce_half_scalar(b, nb, stride, d, j);
       continue;
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), acc);
   }
-  for (int64_t j = n8; j < n; ++j) scalar(j);
+}
+
+void reduce_half_f16c(const uint16_t* b, size_t nb, int64_t n, size_t stride, uint16_t* d) {
+  const int64_t n8 = n / 8 * 8;
+  for_groups_of_8(n8, [&](int64_t lo, int64_t hi) {
+    reduce_half_f16c_range(b, nb, stride, d, lo, hi);
+  });
+  for (int64_t j = n8; j < n; ++j) reduce_half_scalar(b, nb, stride, d, j);
 }
 #endif
 

@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // A rank that leaves early makes the others raise BackendError within the timeout instead of
-// hanging. Run under mpirun (-np 2 and 4) with --mca orte_allowed_exit_without_sync 1, so that
-// OpenMPI lets the job go on when a process exits without MPI_Finalize. Not a GoogleTest: the
-// job's processes leave through _exit (a broken MPI communicator cannot be finalised safely),
-// and the exit status is the verdict (0 = every survivor raised in time).
+// hanging. The last rank leaves by _exit(0) without MPI_Finalize, or with argument `kill` dies by
+// SIGKILL (as under the OOM killer). Run by run_mpi_fail.cmake under mpirun -np 2 and 4 with the
+// flags that include/gradcomp/comm.hpp documents; without them mpirun kills the survivors (or, with
+// only some, never returns). Not a GoogleTest: the job's processes leave through _exit (a broken
+// MPI communicator cannot be finalised safely); each survivor prints "ok" or "FAIL" and exits 0
+// when it raised in time, and the script counts the "ok" lines.
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -35,6 +39,7 @@ int main(int argc, char** argv) {
   comm.barrier();
   if (me == P - 1) {
     std::fflush(stdout);
+    if (argc > 1 && std::strcmp(argv[1], "kill") == 0) kill(getpid(), SIGKILL);
     _exit(0);  // leaves without a word: no finalize, no further collectives
   }
   usleep(200 * 1000);

@@ -37,6 +37,9 @@ uint16_t bf16_reference(float f) {
 }  // namespace
 
 TEST(Numeric, HalfMatchesCompilerFloat16) {
+#ifndef __FLT16_MAX__  // the compiler has no _Float16 here (clang < 15 on x86-64): no reference
+  GTEST_SKIP() << "this compiler has no _Float16 for this target";
+#else
   std::mt19937 rng(1);
   std::vector<float> cases = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.0f, 65520.0f, 1e-8f,
                               5.96e-8f, 2.98e-8f, 6.1e-5f, 6.09e-5f, 3.14159f,
@@ -55,6 +58,7 @@ TEST(Numeric, HalfMatchesCompilerFloat16) {
     ASSERT_EQ(half_to_float(rb), static_cast<float>(ref)) << "bits=" << rb;
   }
   EXPECT_TRUE(std::isnan(half_to_float(float_to_half(std::nanf("")))));
+#endif
 }
 
 TEST(Numeric, AllHalfBitPatternsRoundTrip) {
@@ -253,7 +257,13 @@ TEST(StateIo, RoundTripAndMismatch) {
   EXPECT_THROW(detail::StateReader(bytes.data(), bytes.size(), "other"), InvalidArgument);
   detail::StateReader r2(bytes.data(), bytes.size(), "demo");
   EXPECT_THROW(r2.expect<int64_t>("n", 41), InvalidArgument);
-  detail::StateReader r3(bytes.data(), bytes.size() - 2, "demo");
+  // a truncated state fails its checksum; a short one with a valid checksum fails at the field
+  EXPECT_THROW(detail::StateReader(bytes.data(), bytes.size() - 2, "demo"), InvalidArgument);
+  detail::StateWriter ws("demo");
+  ws.put<int64_t>(42);
+  ws.put<uint64_t>(sizeof arr);
+  const auto short_bytes = ws.take();
+  detail::StateReader r3(short_bytes.data(), short_bytes.size(), "demo");
   r3.get<int64_t>("n");
   EXPECT_THROW(r3.array("arr", sizeof arr), InvalidArgument);
 }
