@@ -235,13 +235,7 @@ def test_decode_add_refuses_bad_payload_and_writes_nothing(codec, case):
     assert c.state_dict() == before
 
 
-@pytest.mark.parametrize("codec", [
-    pytest.param("topk", marks=pytest.mark.xfail(
-        strict=True, reason="issue 11 item 7: the top-k decoder ignores the header's tensor_id")),
-    "randomk",
-    pytest.param("onebit", marks=pytest.mark.xfail(
-        strict=True, reason="issue 11 item 7: the 1-bit decoder ignores the header's tensor_id")),
-])
+@pytest.mark.parametrize("codec", ["topk", "randomk", "onebit"])
 def test_decode_add_refuses_other_tensor_id(codec):
     c = used_codec(codec, tensor_id=2)
     out = np.zeros((ROWS, COLS), np.float32)
