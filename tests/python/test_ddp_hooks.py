@@ -50,6 +50,7 @@ def _train_all(rank, world, out_dir):
         last = state.history[-1]
         results[name] = dict(first=sum(losses[:5]) / 5, last=sum(losses[-5:]) / 5, same=same,
                              sent=last["bytes_sent"], dense=last["dense_bytes"],
+                             wire=last["wire_bytes"], buckets=last["buckets"],
                              iters=state.iter)
     if rank == 0:
         with open(os.path.join(out_dir, f"train_{world}.json"), "w") as f:
@@ -68,8 +69,13 @@ def test_every_hook_trains_consistently_and_compresses(world):
         assert r["last"] < 0.8 * r["first"], f"{name}: loss did not decrease: {r}"
         assert r["iters"] == STEPS
         assert r["dense"] == res["allreduce"]["dense"]
+        # every collective moves at most P-1 times its input per rank (ring allgather)
+        assert 0 < r["wire"] <= (world - 1) * r["sent"], f"{name}: wire {r['wire']} vs {r['sent']}"
         assert r["sent"] * MIN_FACTOR[name] <= plain * 1.0001, \
             f"{name}: sent {r['sent']} bytes/step vs plain {plain}, expected >= {MIN_FACTOR[name]}x less"
+    # a ring allreduce moves 2 (P-1)/P of its buffer per rank (floored per bucket)
+    a = res["allreduce"]
+    assert abs(a["wire"] - 2 * (world - 1) * a["dense"] / world) <= a["buckets"]
 
 
 # ---- checkpoints -----------------------------------------------------------------------------

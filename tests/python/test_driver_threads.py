@@ -31,3 +31,17 @@ def test_worker_uses_the_main_threads_num_threads():
         w.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_wire_bytes_per_collective_kind():
+    """Bytes on one rank's link: ring allreduce 2 (P-1)/P of the buffer, all-to-all the (P-1)/P
+    sent to others, ring allgather P-1 parts, broadcast once; nothing with one rank."""
+    from gradcomp.torch._driver import wire_bytes
+
+    assert wire_bytes("allreduce", 4000, 4) == 6000
+    assert wire_bytes("all-to-all", 4000, 4) == 3000
+    assert wire_bytes("allgather", 1000, 4) == 3000
+    assert wire_bytes("broadcast", 1000, 4) == 1000
+    assert wire_bytes("allreduce", 4000, 1) == 0
+    with pytest.raises(ValueError, match="unknown collective"):
+        wire_bytes("reduce-scatter", 10, 2)

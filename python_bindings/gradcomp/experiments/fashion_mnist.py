@@ -218,6 +218,8 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     step = 0
     epochs = int(args.get("epochs", 1))
     accs = []
+    eval_every = int(args.get("eval_every") or 0)
+    acc_log: List[Tuple[int, float]] = []  # (step, test accuracy) every eval_every steps, rank 0
     for epoch in range(epochs):
         perm = torch.from_numpy(np.random.default_rng(seed * 1000 + epoch).permutation(len(xtr)))
         for s in range(steps_per_epoch):
@@ -239,17 +241,25 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                     rec["error"] = _error_norms(state, names)
                 log.append(rec)
             step += 1
+            if eval_every and step % eval_every == 0 and rank == 0:
+                acc_log.append((step, _evaluate(model, xte, yte)))
         accs.append(_evaluate(model, xte, yte))
     wall = time.perf_counter() - t_start
     hist = state.history if state is not None else []
     sent = [h["bytes_sent"] for h in hist[-10:]] if hist else []
+    wire = [h["wire_bytes"] for h in hist[-10:]] if hist else []
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     if rank == 0:
         res = {"config": args["config"], "seed": seed, "world": world, "lr": lr, "steps": step,
-               "accuracy": accs[-1], "accuracy_per_epoch": accs, "wall_s": wall,
+               "accuracy": accs[-1], "accuracy_per_epoch": accs, "accuracy_log": acc_log,
+               "wall_s": wall,
                "final_loss": sum(losses[-25:]) / max(1, len(losses[-25:])),
                "dense_bytes": dense,
                "bytes_sent_per_step": (sum(sent) / len(sent)) if sent else None,
+               # on this rank's link (ring allreduce / direct all-to-all / ring allgather):
+               # plain DDP's allreduce moves 2 (P-1)/P of the dense bytes
+               "wire_bytes_per_step": (sum(wire) / len(wire)) if wire else None,
+               "plain_wire_bytes_per_step": 2 * (world - 1) * dense / world,
                "log": log}
         with open(out_path, "w") as f:
             json.dump(res, f)
@@ -323,6 +333,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--test-subset", type=int, default=0)
     ap.add_argument("--diag", action="store_true", help="log per-layer gradient and error norms")
     ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also record rank 0's test accuracy every this many steps (0: end only)")
     ap.add_argument("--out", default="", help="append each result as a JSON line to this file")
     a = ap.parse_args(argv)
     load_split("test")  # fail early with the package hint
@@ -332,12 +344,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args = dict(config=cfg, seed=seed, lr=a.lr, momentum=a.momentum, batch=a.batch,
                         epochs=a.epochs, steps=a.steps, model=a.model,
                         train_subset=a.train_subset, test_subset=a.test_subset, diag=a.diag,
-                        log_every=a.log_every)
+                        log_every=a.log_every, eval_every=a.eval_every)
             r = run_config(args, a.world)
             results.append(r)
             bps = r["bytes_sent_per_step"]
             ratio = f"{r['dense_bytes'] / bps:7.1f}x" if bps else "    n/a"
+            wbps = r["wire_bytes_per_step"]
+            ratio += f" (wire {r['plain_wire_bytes_per_step'] / wbps:6.1f}x)" if wbps else ""
             losses = " ".join(f"{e['loss']:.2f}" for e in r["log"][::4])
+            if r["accuracy_log"]:
+                losses += "  acc: " + " ".join(f"{s}:{100 * v:.1f}" for s, v in r["accuracy_log"])
             print(f"{cfg:24s} seed {seed}: acc {100 * r['accuracy']:5.2f}%  loss {r['final_loss']:.3f}"
                   f"  {r['wall_s']:6.1f}s  dense/sent {ratio}  losses: {losses}", flush=True)
             if a.out:

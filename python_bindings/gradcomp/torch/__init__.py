@@ -357,18 +357,21 @@ class GradcompState:
         numbers are added to the iteration that launched it, whenever they arrive)."""
         while len(self.history) <= it:
             self.history.append({"iter": len(self.history), "dense_bytes": 0, "bytes_sent": 0,
+                                 "wire_bytes": 0,
                                  "local_seconds": 0.0, "collectives": 0, "buckets": 0})
         return self.history[it]
 
     def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
                 last: bool) -> None:
         s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
+             "wire_bytes": stats.wire_bytes,
              "local_seconds": stats.local_seconds, "collectives": stats.collectives,
              "tags": list(stats.tags)}
         self.last_stats[bucket_index] = s
         acc = self._iteration(it)
         acc["dense_bytes"] += dense
         acc["bytes_sent"] += stats.bytes_sent
+        acc["wire_bytes"] += stats.wire_bytes
         acc["local_seconds"] += stats.local_seconds
         acc["collectives"] += stats.collectives
         acc["buckets"] += 1

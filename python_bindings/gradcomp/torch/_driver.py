@@ -99,14 +99,36 @@ def _tensor(view, type_name: str) -> torch.Tensor:
     return t.view(reinterpret) if reinterpret is not None else t
 
 
-class PlanStats:
-    """Per-step accounting of one plan run: bytes handed to collectives and local compute time."""
+def wire_bytes(kind: str, send_bytes: int, world: int) -> int:
+    """Bytes one rank puts on its link for a collective whose send_bytes (Collective.send_bytes:
+    the whole input of an allreduce or all-to-all, this rank's part of an allgather) are given,
+    under the bandwidth-optimal algorithms: ring allreduce 2 (P-1)/P of the buffer, all-to-all
+    the (P-1)/P of it that goes to other ranks, ring allgather (P-1) parts, broadcast the buffer
+    once (pipelined). This, not send_bytes, is what a network-bound step pays: plain DDP's
+    allreduce of B bytes moves 2 (P-1)/P B per rank, more than its input."""
+    if world <= 1:
+        return 0
+    if kind == "allreduce":
+        return 2 * (world - 1) * send_bytes // world
+    if kind == "all-to-all":
+        return (world - 1) * send_bytes // world
+    if kind == "allgather":
+        return (world - 1) * send_bytes
+    if kind == "broadcast":
+        return send_bytes
+    raise ValueError(f"unknown collective {kind!r}")
 
-    __slots__ = ("collectives", "bytes_sent", "local_seconds", "tags")
+
+class PlanStats:
+    """Per-step accounting of one plan run: bytes handed to collectives (bytes_sent), bytes on
+    this rank's link (wire_bytes, see wire_bytes()) and local compute time."""
+
+    __slots__ = ("collectives", "bytes_sent", "wire_bytes", "local_seconds", "tags")
 
     def __init__(self) -> None:
         self.collectives = 0
         self.bytes_sent = 0
+        self.wire_bytes = 0
         self.local_seconds = 0.0
         self.tags: list = []
 
@@ -155,6 +177,7 @@ def _step(plan, stats: PlanStats):
     if c is not None:
         stats.collectives += 1
         stats.bytes_sent += c.send_bytes
+        stats.wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
         stats.tags.append(c.tag)
     return c
 
