@@ -116,7 +116,7 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
 
 def parse_config(spec: str) -> Tuple[str, Optional[str], Dict[str, Any], bool]:
     """'name' from CONFIGS, or 'hook:key=value,...' (values parsed as JSON, else strings), e.g.
-    'onebit:block=0'. A hook option 'momentum' makes the hook apply momentum (plain SGD then)."""
+    'onebit:block_size=0'. A hook option 'momentum' makes the hook apply momentum (plain SGD then)."""
     if spec in CONFIGS:
         h, o, mc = CONFIGS[spec]
         return spec, h, dict(o), mc
