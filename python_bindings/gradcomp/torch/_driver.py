@@ -58,19 +58,14 @@ def group_ranks(group) -> List[int]:
     """Global ranks of `group` (None: every rank), in group-rank order."""
     if group is None:
         return list(range(dist.get_world_size()))
-    if hasattr(dist, "get_process_group_ranks"):  # torch >= 1.13
-        return list(dist.get_process_group_ranks(group))
-    ranks = dist.distributed_c10d._pg_group_ranks[group]  # {global: group rank}
-    return sorted(ranks, key=ranks.get)
+    return list(dist.get_process_group_ranks(group))  # public since torch 1.13, our oldest
 
 
 def global_rank(group, rank: int) -> int:
     """The global rank of `group`'s rank `rank` (None: the default group)."""
     if group is None:
         return rank
-    if hasattr(dist, "get_global_rank"):  # torch >= 1.13
-        return dist.get_global_rank(group, rank)
-    return dist.distributed_c10d._get_global_rank(group, rank)
+    return dist.get_global_rank(group, rank)
 
 
 def group_timeout(group) -> Optional[datetime.timedelta]:

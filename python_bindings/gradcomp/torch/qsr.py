@@ -60,12 +60,14 @@ class _FlatBucket:
 class _PlanCompressor:
     """Averages a flat tensor in place through a gradcomp plan (state kept across calls)."""
 
-    def __init__(self, name: str, options: Dict[str, Any]):
+    def __init__(self, name: str, options: Dict[str, Any], group=None):
         from gradcomp.torch import COMPRESSORS  # lazy: gradcomp.torch imports the plan driver
         if name not in COMPRESSORS:
             raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(COMPRESSORS)}")
         self.family = COMPRESSORS[name]
-        self.family.validate(options)
+        # checked for this rank in the averaging group (1-bit plans check rank < world)
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.family.validate(options, world, group if dist.is_initialized() else None)
         self.options = dict(options)
         self.plan = None
         self.numel = -1
@@ -74,10 +76,16 @@ class _PlanCompressor:
         from gradcomp.torch import run_sync
         bucket = _FlatBucket(flat)
         if self.plan is None or self.numel != flat.numel():
-            self.plan = self.family.make(self.options, bucket, dist.get_world_size(group), 0)
+            # group: the plan's rank is the rank in the averaging group, not the global one
+            self.plan = self.family.make(self.options, bucket, dist.get_world_size(group), 0,
+                                         group=group)
             self.numel = flat.numel()
         self.family.begin(self.plan, bucket)
         run_sync(self.plan, group)
+        # families that decode into their own output (1-bit) hand the average back here
+        out = self.family.result(self.plan, bucket)
+        if out.data_ptr() != flat.data_ptr():
+            flat.copy_(out)
 
 
 class QSRAverager:
@@ -118,7 +126,7 @@ class QSRAverager:
                            warmup_steps=int(warmup_steps))
         self.scheduler = _C.QsrScheduler(cfg, self._lr())
         if isinstance(compressor, str):
-            compressor = _PlanCompressor(compressor, compressor_options or {})
+            compressor = _PlanCompressor(compressor, compressor_options or {}, process_group)
         elif compressor is not None and not callable(compressor):
             raise ValueError("compressor must be None, a callable f(flat, group) or a gradcomp "
                              f"compressor name, got {type(compressor).__name__}")
