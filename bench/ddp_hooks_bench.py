@@ -30,6 +30,7 @@ Usage::
 import argparse
 import csv
 import datetime
+import json
 import os
 import platform
 import socket
@@ -52,6 +53,9 @@ ROOT = os.path.dirname(HERE)
 # (name, kind, options); kind: "ddp", "torch-fp16", "torch-powersgd", or a gradcomp compressor
 CONFIGS = [
     ("ddp", "ddp", {}),
+    # the compute floor: DDP with a hook that returns each bucket untouched (no communication);
+    # what a perfect compressor would approach
+    ("no-comm", "no-comm", {}),
     ("ours-allreduce", "allreduce", {}),
     ("torch-fp16", "torch-fp16", {}),
     ("ours-fp16", "fp16", {}),
@@ -115,12 +119,21 @@ def _torch_psgd_waited(state, bucket):
     return fut
 
 
+def _no_comm(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def _setup(kind, opts, model):
     """Registers the hook of one configuration; returns the gradcomp state or None."""
     if kind == "ddp":
         return None
     if kind == "torch-fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if kind == "no-comm":
+        model.register_comm_hook(None, _no_comm)
         return None
     if kind == "torch-powersgd":
         st = ps.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
@@ -139,11 +152,15 @@ def _setup(kind, opts, model):
     return state
 
 
-def _worker(rank, world, port, args, out_q):
+def _worker(rank, world, init, args, out):
+    """One rank: `init` a port on 127.0.0.1 or a tcp:// address; rank 0 puts the rows on `out`
+    (a queue, or a JSON file's path in --netns mode)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    if isinstance(init, int):
+        init = f"tcp://127.0.0.1:{init}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
     names = [c[0] for c in CONFIGS]
     chosen = [c for c in CONFIGS if not args.only or c[0] in args.only.split(",")]
     order = []
@@ -187,12 +204,15 @@ def _worker(rank, world, port, args, out_q):
             hs = [h for h in hs if h["iter"] < args.warmup + args.steps]
             hist = {
                 "bytes": statistics.mean(h["bytes_sent"] for h in hs),
+                "wire": statistics.mean(h["wire_bytes"] for h in hs),
                 "dense": statistics.mean(h["dense_bytes"] for h in hs),
                 "local_s": statistics.mean(h["local_seconds"] for h in hs),
             }
             if state._worker is not None:
                 state._worker.close()
-        if kind == "ddp" or kind == "torch-fp16":
+        if kind == "no-comm":
+            nbytes, source = 0, "analytic"
+        elif kind == "ddp" or kind == "torch-fp16":
             nbytes = n_params * (2 if kind == "torch-fp16" else 4)
             source = "analytic"
         elif kind == "torch-powersgd":
@@ -201,12 +221,15 @@ def _worker(rank, world, port, args, out_q):
         else:
             nbytes = hist["bytes"]
             source = "measured"
+        # bytes on one rank's link: the analytic configurations are ring allreduces
+        wire = hist["wire"] if source == "measured" else 2 * (world - 1) * nbytes / world
         med = statistics.median(step_times)
         mean = statistics.mean(step_times)
         prev = results.get(name)
         if prev is None or med < prev["median_s"]:
             results[name] = {"name": name, "median_s": med, "mean_s": mean, "min_s": min(step_times),
-                             "bytes": nbytes, "bytes_source": source, "params": n_params,
+                             "bytes": nbytes, "wire": wire, "bytes_source": source,
+                             "params": n_params,
                              "local_s": hist["local_s"] if hist else None, "round": rnd,
                              "all_rounds": (prev["all_rounds"] if prev else []) + [med]}
         else:
@@ -218,7 +241,12 @@ def _worker(rank, world, port, args, out_q):
         del model, opt, state
     dist.barrier()
     if rank == 0:
-        out_q.put([results[n] for n in names if n in results])
+        rows = [results[n] for n in names if n in results]
+        if isinstance(out, str):
+            with open(out, "w") as f:
+                json.dump(rows, f)
+        else:
+            out.put(rows)
     dist.destroy_process_group()
 
 
@@ -257,9 +285,12 @@ def _fmt_bytes(b):
 def _table(rows):
     by = {r["name"]: r for r in rows}
     base = by.get("ddp")
+    floor = by.get("no-comm")
     out = []
     hdr = ("config", "steps/s", "ms/step (median)", "ms/step (mean)", "vs plain DDP",
-           "bytes/step", "bytes source", "vs PyTorch counterpart", "hook local ms/step")
+           "over compute floor",
+           "bytes/step", "wire bytes/step", "bytes source", "vs PyTorch counterpart",
+           "hook local ms/step")
     out.append(hdr)
     counterpart = {"ours-allreduce": "ddp", "ours-fp16": "torch-fp16",
                    "ours-powersgd-r1": "torch-powersgd-r1",
@@ -270,10 +301,53 @@ def _table(rows):
         c = by.get(counterpart.get(r["name"], ""))
         vc = f"{c['median_s'] / r['median_s']:.2f}x vs {c['name']}" if c else "-"
         loc = f"{1e3 * r['local_s']:.1f}" if r["local_s"] is not None else "-"
+        over = f"{100 * (r['median_s'] / floor['median_s'] - 1):+.0f}%" if floor else "-"
         out.append((r["name"], f"{sps:.2f}", f"{1e3 * r['median_s']:.1f}",
-                    f"{1e3 * r['mean_s']:.1f}", vs, _fmt_bytes(r["bytes"]), r["bytes_source"], vc,
-                    loc))
+                    f"{1e3 * r['mean_s']:.1f}", vs, over, _fmt_bytes(r["bytes"]), _fmt_bytes(r["wire"]),
+                    r["bytes_source"], vc, loc))
     return out
+
+
+def _run_in_namespaces(args):
+    """Starts every rank inside its own namespace (bench/netem/netns.sh), rank 0 at 10.77.0.1;
+    bounded by --timeout; the namespaces are removed whatever happens."""
+    import tempfile
+    if os.geteuid() != 0:
+        sys.exit("--netns needs root (network namespaces, tc)")
+    script = os.path.join(HERE, "netem", "netns.sh")
+    pfx = f"gcd{os.getpid() % 100000}"
+    result = os.path.join(tempfile.mkdtemp(), "rows.json")
+    passthrough = [a for a in sys.argv[1:]]
+    i = 0
+    while i < len(passthrough):  # drop --netns/--delay (and their values) from the ranks' argv
+        if passthrough[i] in ("--netns", "--delay"):
+            del passthrough[i:i + 2]
+        elif passthrough[i].startswith(("--netns=", "--delay=")):
+            del passthrough[i]
+        else:
+            i += 1
+    subprocess.run([script, "up", pfx, str(args.world), args.netns]
+                   + ([args.delay] if args.delay else []), check=True)
+    procs = []
+    try:
+        for r in range(args.world):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=f"gce{r}", OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", f"{pfx}{r}", sys.executable, os.path.abspath(__file__),
+                 *passthrough, "--_rank", str(r), "--_init", "tcp://10.77.0.1:29517",
+                 "--_result", result], env=env))
+        deadline = time.time() + args.timeout
+        for p in procs:
+            rc = p.wait(timeout=max(1.0, deadline - time.time()))
+            if rc != 0:
+                raise RuntimeError(f"a rank exited with status {rc}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        subprocess.run([script, "down", pfx, str(args.world)], check=False)
+    with open(result) as f:
+        return json.load(f)
 
 
 def main():
@@ -291,10 +365,23 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed steps")
     ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
+    ap.add_argument("--netns", default="", metavar="RATE",
+                    help="root: every rank in its own network namespace, links limited to RATE "
+                         "(tc syntax, e.g. 1gbit, 10gbit) both ways (bench/netem/netns.sh); "
+                         "default: all ranks on loopback")
+    ap.add_argument("--delay", default="", help="with --netns: added one-way delay, e.g. 100us")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="seconds: process-group timeout, and the bound on a --netns run")
+    ap.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_init", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--_result", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.quick:
         args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 3, 3, 1
+    if args._rank is not None:  # one rank of a --netns run, started inside its namespace
+        _worker(args._rank, args.world, args._init, args, args._result)
+        return
 
     # one OpenMP thread per rank everywhere, also in threads the ranks start later (gloo's
     # callback threads run PyTorch's hook continuations; a new thread starts from this default)
@@ -303,10 +390,13 @@ def main():
     sampler = LoadSampler()
     sampler.start()
     t0 = time.time()
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(args.world, free_port(), args, q), nprocs=args.world, join=True)
-    rows = q.get()
+    if args.netns:
+        rows = _run_in_namespaces(args)
+    else:
+        ctx = mp.get_context("spawn")
+        q = ctx.SimpleQueue()
+        mp.spawn(_worker, args=(args.world, free_port(), args, q), nprocs=args.world, join=True)
+        rows = q.get()
     wall = time.time() - t0
     sampler.stop()
     load = sampler.samples or [os.getloadavg()[0]]
@@ -324,22 +414,25 @@ def main():
 
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"ddp_hooks_cpu_{date}")
+    where = f"netns_{args.netns}" if args.netns else "cpu"
+    stem = os.path.join(args.out, f"ddp_hooks_{where}_{date}")
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["config", "steps_per_s", "median_ms", "mean_ms", "min_ms", "bytes_per_step",
-                    "bytes_source", "hook_local_ms", "rounds_median_ms"])
+                    "wire_bytes_per_step", "bytes_source", "hook_local_ms", "rounds_median_ms"])
         for r in rows:
             w.writerow([r["name"], f"{1 / r['median_s']:.4f}", f"{1e3 * r['median_s']:.2f}",
                         f"{1e3 * r['mean_s']:.2f}", f"{1e3 * r['min_s']:.2f}", f"{r['bytes']:.0f}",
-                        r["bytes_source"],
+                        f"{r['wire']:.0f}", r["bytes_source"],
                         "" if r["local_s"] is None else f"{1e3 * r['local_s']:.2f}",
                         " ".join(f"{1e3 * m:.1f}" for m in r["all_rounds"])])
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
     n_params = rows[0]["params"]
     with open(stem + ".md", "w") as f:
-        f.write(f"# DDP communication hooks, {args.world} CPU ranks (gloo, loopback)\n\n")
+        link = (f"each rank in its own network namespace, links {args.netns} each way"
+                + (f", delay {args.delay}" if args.delay else "") if args.netns else "loopback")
+        f.write(f"# DDP communication hooks, {args.world} CPU ranks (gloo, {link})\n\n")
         f.write(f"- Date: {date}. Code: commit {commit}{dirty} (branch {_git('rev-parse', '--abbrev-ref', 'HEAD')}). "
                 f"torch {torch.__version__}, Python {platform.python_version()}.\n")
         f.write(f"- Machine: {os.cpu_count()}-core VM ({platform.processor() or platform.machine()}), "
@@ -359,7 +452,9 @@ def main():
                 f"{args.rounds} rounds (round 2 in reverse order), the better round kept. Step time "
                 f"= slowest rank; steps/s = 1 / median step time. Wall time {wall:.0f} s.\n")
         f.write("- PowerSGD (both): start iteration 2, warm start, error feedback, "
-                "min_compression_rate 2. Bytes/step: bytes one rank hands to collectives per step; "
+                "min_compression_rate 2. Bytes/step: bytes one rank hands to collectives per step; wire "
+                "bytes/step: bytes it puts on its link (ring allreduce 2(P-1)/P of its buffer, "
+                "all-to-all (P-1)/P, ring allgather P-1 parts); "
                 "ours measured from `state.history`, plain DDP and PyTorch's hooks computed "
                 "(\"analytic\": n*4, n*2, sum (rows+cols)*r*4 + 4 * uncompressed elements).\n")
         f.write(f"- Command: `python bench/ddp_hooks_bench.py {' '.join(sys.argv[1:])}`\n\n")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Runs the 4-rank comm benchmark (bench_comm) with every rank in its own network namespace, the
-# namespaces joined by veth links to a bridge (in a namespace of its own) and every link limited
-# to RATE (default 1gbit) in both directions with tc tbf. OpenMPI runs over TCP on those links
+# Runs the 4-rank comm benchmark (bench_comm) with every rank in its own network namespace
+# (bench/netem/netns.sh: veth links to a bridge, every link limited to RATE, default 1gbit, in
+# both directions with tc tbf). OpenMPI runs over TCP on those links
 # only (btl tcp,self; btl/oob_tcp_if_include 10.77.0.0/24); mpirun starts the remote daemons
 # through an rsh agent that enters the namespace of the "host" (ip netns exec). Only addresses
 # 10.77.0.1-4, inside namespaces this script creates, are used; everything is removed on exit.
@@ -20,40 +20,17 @@ DELAY=${DELAY:-}
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces, tc)" >&2; exit 1; }
 
 PFX="gcn$$"            # namespace prefix, unique per run
-SW="${PFX}sw"
 TMP=$(mktemp -d)
 cleanup() {
   set +e
-  for ((i = 0; i < NP; i++)); do ip netns del "${PFX}$i" 2>/dev/null; done
-  ip netns del "$SW" 2>/dev/null
+  bench/netem/netns.sh down "$PFX" "$NP"
   rm -rf "$TMP"
 }
 trap cleanup EXIT INT TERM
 
-ip netns add "$SW"
-ip -n "$SW" link set lo up
-ip -n "$SW" link add gcbr type bridge
-ip -n "$SW" link set gcbr up
-shape() {  # shape NS DEV: egress limited to RATE (+ optional delay)
-  if [ -n "$DELAY" ]; then
-    ip netns exec "$1" tc qdisc add dev "$2" root netem delay "$DELAY" rate "$RATE" limit 10000
-  else
-    ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$RATE" burst 256kb latency 50ms
-  fi
-}
+bench/netem/netns.sh up "$PFX" "$NP" "$RATE" "$DELAY"
 : > "$TMP/hosts"
-for ((i = 0; i < NP; i++)); do
-  ns="${PFX}$i"
-  ip netns add "$ns"
-  ip -n "$SW" link add "gcp$i" type veth peer name "gce$i" netns "$ns"
-  ip -n "$SW" link set "gcp$i" master gcbr up
-  ip -n "$ns" link set lo up
-  ip -n "$ns" addr add "10.77.0.$((i + 1))/24" dev "gce$i"
-  ip -n "$ns" link set "gce$i" up
-  shape "$ns" "gce$i"   # rank -> bridge
-  shape "$SW" "gcp$i"   # bridge -> rank
-  echo "10.77.0.$((i + 1)) slots=1" >> "$TMP/hosts"
-done
+for ((i = 0; i < NP; i++)); do echo "10.77.0.$((i + 1)) slots=1" >> "$TMP/hosts"; done
 
 # rsh agent: "agent HOST cmd..." runs cmd in the namespace that owns HOST (with its own hostname)
 cat > "$TMP/agent" <<AGENT

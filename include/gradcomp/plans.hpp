@@ -74,21 +74,42 @@ class DenseAllreducePlan : public GradientPlan {
   size_t workspace_bytes() const override { return 0; }
 };
 
+/// How a cast plan sums.
+enum class CastRoute : uint8_t {
+  /// One allreduce in the wire type: rank-ordered sum, rounding to the wire type after every
+  /// addition. Where the backend sums fp16/bf16 fast (NCCL).
+  kAllreduce = 0,
+  /// All-to-all of wire-type chunks (chunk r of every rank to rank r), a rank-ordered fp32 sum of
+  /// the P chunks rounded once to the wire type, then an allgather of the reduced chunks. The
+  /// same bytes on each link as a ring allreduce (2(P-1)/P of the buffer), but the backend only
+  /// moves bytes: for backends that sum half precision slowly (gloo on CPU) or not at all.
+  kReduceScatter = 1,
+};
+
 /// Cast allreduce: wire = cast_to_wire(grad / P) (divided first, so fp16 does not overflow),
-/// rank-ordered sum in the wire type (rounding after every addition), grad = wire.
+/// summed by `route` (see CastRoute), grad = the sum. Every rank ends with the same bits on
+/// either route.
 ///
 /// Example:  gradcomp::CastAllreducePlan plan(n, DType::kFloat32, DType::kFloat16, P);
 class CastAllreducePlan : public GradientPlan {
  public:
   CastAllreducePlan(int64_t numel, DType grad_dtype, DType wire_dtype, int world,
-                    Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+                    Device device = Device::kCPU, int device_index = 0, void* stream = nullptr,
+                    CastRoute route = CastRoute::kAllreduce);
   std::optional<Collective> next() override;
   std::string name() const override;
-  size_t workspace_bytes() const override { return wire_.capacity(); }
+  CastRoute route() const { return route_; }
+  size_t workspace_bytes() const override {
+    return wire_.capacity() + chunks_.capacity() + wide_.capacity();
+  }
 
  private:
+  std::optional<Collective> next_reduce_scatter();
   DType wire_dtype_;
+  CastRoute route_;
   Buffer wire_;
+  Buffer chunks_;  ///< kReduceScatter: the P received chunks, then the own reduced chunk
+  Buffer wide_;    ///< kReduceScatter: the P chunks in fp32
 };
 
 /// Which exchange a top-k step used.

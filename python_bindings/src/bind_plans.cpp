@@ -25,6 +25,12 @@ const char* route_name(TopKRoute r) {
   return "?";
 }
 
+CastRoute parse_cast_route(const std::string& s) {
+  if (s == "allreduce") return CastRoute::kAllreduce;
+  if (s == "reduce_scatter") return CastRoute::kReduceScatter;
+  throw InvalidArgument("unknown cast route '" + s + "' (expected allreduce or reduce_scatter)");
+}
+
 template <class P>
 void bind_begin(nb::class_<P, Plan>& c) {
   c.def(
@@ -55,18 +61,27 @@ void bind_plans(nb::module_& m) {
       nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
   bind_begin(dense);
 
-  nb::class_<CastAllreducePlan, Plan> cast(m, "CastAllreducePlan",
-                                           "fp16/bf16 cast allreduce baseline.");
+  nb::class_<CastAllreducePlan, Plan> cast(
+      m, "CastAllreducePlan",
+      "fp16/bf16 cast allreduce. route='allreduce': one allreduce in the wire type (fast where the "
+      "backend sums half precision, NCCL); route='reduce_scatter': all-to-all of wire-type "
+      "chunks, a rank-ordered fp32 sum, an allgather (the same bytes on the wire; the backend "
+      "only moves bytes, for gloo).");
   cast.def(
       "__init__",
       [](CastAllreducePlan* self, int64_t numel, const std::string& dtype, const std::string& wire,
-         int world, const std::string& device, int device_index, uintptr_t stream) {
+         int world, const std::string& device, int device_index, uintptr_t stream,
+         const std::string& route) {
         new (self) CastAllreducePlan(numel, parse_dtype(dtype), parse_dtype(wire), world,
                                      parse_device(device), device_index,
-                                     reinterpret_cast<void*>(stream));
+                                     reinterpret_cast<void*>(stream), parse_cast_route(route));
       },
       nb::arg("numel"), nb::arg("dtype"), nb::arg("wire_dtype"), nb::arg("world"), nb::kw_only(),
-      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
+      nb::arg("route") = "allreduce");
+  cast.def_prop_ro("route", [](const CastAllreducePlan& p) {
+    return p.route() == CastRoute::kAllreduce ? "allreduce" : "reduce_scatter";
+  });
   bind_begin(cast);
 
   nb::class_<TopKAllreducePlan, Plan> topk(

@@ -53,6 +53,22 @@ inline std::vector<float> ref_cast(const std::vector<std::vector<float>>& in, DT
   return out;
 }
 
+/// The reduce-scatter cast route: each rank's value cast to the wire type after dividing by P,
+/// the P values widened to fp32 and summed in rank order, the sum rounded once.
+inline std::vector<float> ref_cast_rs(const std::vector<std::vector<float>>& in, DType wire) {
+  const size_t P = in.size(), n = in[0].size();
+  const bool h = wire == DType::kFloat16;
+  auto to = [&](float x) { return h ? float_to_half(x) : float_to_bf16(x); };
+  auto from = [&](uint16_t x) { return h ? half_to_float(x) : bf16_to_float(x); };
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    float acc = from(to(in[0][i] / static_cast<float>(P)));
+    for (size_t r = 1; r < P; ++r) acc += from(to(in[r][i] / static_cast<float>(P)));
+    out[i] = from(to(acc));
+  }
+  return out;
+}
+
 /// Sum in rank order of the per-rank dense decodes (each already scaled by 1/P).
 inline std::vector<float> sum_decodes(const std::vector<std::vector<float>>& dec) {
   const size_t P = dec.size(), n = dec[0].size();

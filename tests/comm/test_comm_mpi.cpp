@@ -190,6 +190,19 @@ TEST(MpiPlans, CastEqualsReference) {
           n, 2, [&](const auto& in) { return gc::test::ref_cast(in, wire); });
 }
 
+TEST(MpiPlans, CastReduceScatterEqualsReference) {
+  const int P = world().size();
+  for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+    for (int64_t n : kSizes)
+      check_against_reference(
+          [&](int) {
+            return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P,
+                                                           gc::Device::kCPU, 0, nullptr,
+                                                           gc::CastRoute::kReduceScatter);
+          },
+          n, 2, [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
+}
+
 TEST(MpiPlans, TopKEqualsReferenceOnBothRoutes) {
   const int P = world().size();
   for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense})

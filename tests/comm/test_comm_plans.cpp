@@ -174,6 +174,49 @@ TEST(CommPlans, CastMatchesReference) {
             [&](const auto& in) { return gc::test::ref_cast(in, wire); });
 }
 
+TEST(CommPlans, CastReduceScatterMatchesReference) {
+  // sizes that do not divide by P (zero-padded last chunk), smaller than P (empty chunks), 0
+  for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+    for (int P = 1; P <= 4; ++P)
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{1000},
+                        int64_t{65537}})
+        check_plan(
+            P, n, 2,
+            [&](int) {
+              return std::make_unique<gc::CastAllreducePlan>(
+                  n, gc::DType::kFloat32, wire, P, gc::Device::kCPU, 0, nullptr,
+                  gc::CastRoute::kReduceScatter);
+            },
+            [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
+}
+
+TEST(CommPlans, CastReduceScatterAsksForAllToAllThenAllgather) {
+  const int P = 3;
+  const int64_t n = 10;  // chunks of 4, the last padded by 2
+  std::vector<std::unique_ptr<gc::CastAllreducePlan>> plans;
+  std::vector<gc::Plan*> raw;
+  std::vector<std::vector<float>> g(P, std::vector<float>(n, 1.0f));
+  for (int r = 0; r < P; ++r) {
+    plans.push_back(std::make_unique<gc::CastAllreducePlan>(
+        n, gc::DType::kFloat32, gc::DType::kFloat16, P, gc::Device::kCPU, 0, nullptr,
+        gc::CastRoute::kReduceScatter));
+    plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+    raw.push_back(plans[r].get());
+  }
+  auto cs = gc::run_plans_in_process(raw);
+  ASSERT_EQ(cs.size(), 2u);
+  EXPECT_EQ(cs[0].kind, gc::CollectiveKind::kAllToAll);
+  EXPECT_EQ(cs[1].kind, gc::CollectiveKind::kAllgather);
+  EXPECT_EQ(cs[0].count, 4u);
+  EXPECT_EQ(cs[1].count, 4u);
+  // handed to collectives: the whole padded fp16 buffer (3 x 4 x 2 B), then one 4-element chunk
+  EXPECT_EQ(cs[0].send_bytes(), size_t{3 * 4 * 2});
+  EXPECT_EQ(cs[1].send_bytes(), size_t{4 * 2});
+  EXPECT_EQ(plans[0]->name(), "cast_fp16_rs");
+  for (int r = 0; r < P; ++r)
+    for (float v : g[r]) ASSERT_EQ(v, 1.0f);
+}
+
 TEST(CommPlans, TopKBothRoutesMatchReference) {
   for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense, gc::TopKRoute::kAuto})
     for (int P = 1; P <= 4; ++P)
@@ -259,6 +302,9 @@ TEST(CommPlans, BadInputRejectedBeforeStateChanges) {
   EXPECT_EQ(plan.compressor().state_dict(), before);
   std::vector<uint16_t> h(100);
   EXPECT_THROW(plan.begin(gc::TensorView(h.data(), {100}, gc::DType::kFloat16, gc::Device::kCPU)),
+               gc::InvalidArgument);
+  EXPECT_THROW(gc::CastAllreducePlan(10, gc::DType::kFloat32, gc::DType::kFloat16, 2,
+                                     gc::Device::kCPU, 0, nullptr, static_cast<gc::CastRoute>(7)),
                gc::InvalidArgument);
   EXPECT_THROW(gc::CastAllreducePlan(10, gc::DType::kFloat32, gc::DType::kFloat32, 2),
                gc::InvalidArgument);

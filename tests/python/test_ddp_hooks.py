@@ -63,16 +63,22 @@ def test_every_hook_trains_consistently_and_compresses(world):
     run(_train_all, world, d)
     with open(os.path.join(d, f"train_{world}.json")) as f:
         res = json.load(f)
-    plain = res["allreduce"]["sent"]
+    plain_wire = res["allreduce"]["wire"]
     for name, r in res.items():
+        print(f"\n{name}: sent {r['sent']} wire {r['wire']} (plain wire {plain_wire})")
         assert r["same"], f"{name}: ranks ended with different parameters"
         assert r["last"] < 0.8 * r["first"], f"{name}: loss did not decrease: {r}"
         assert r["iters"] == STEPS
         assert r["dense"] == res["allreduce"]["dense"]
         # every collective moves at most P-1 times its input per rank (ring allgather)
         assert 0 < r["wire"] <= (world - 1) * r["sent"], f"{name}: wire {r['wire']} vs {r['sent']}"
-        assert r["sent"] * MIN_FACTOR[name] <= plain * 1.0001, \
-            f"{name}: sent {r['sent']} bytes/step vs plain {plain}, expected >= {MIN_FACTOR[name]}x less"
+        # compression is judged on the wire: the fp16 reduce-scatter route hands its all-to-all
+        # the whole buffer but moves the bytes of a ring allreduce (padding: < P elements per
+        # bucket)
+        pad = 8 * world * r["buckets"]
+        assert r["wire"] * MIN_FACTOR[name] <= plain_wire * 1.0001 + pad, \
+            f"{name}: {r['wire']} bytes/step on the wire vs plain {plain_wire}, " \
+            f"expected >= {MIN_FACTOR[name]}x less"
     # a ring allreduce moves 2 (P-1)/P of its buffer per rank (floored per bucket)
     a = res["allreduce"]
     assert abs(a["wire"] - 2 * (world - 1) * a["dense"] / world) <= a["buckets"]

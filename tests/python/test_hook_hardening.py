@@ -198,7 +198,7 @@ def test_worker_fails_fast_after_a_failed_collective():
 # ---- a process group of a subset of the ranks ---------------------------------------------------
 class _Bcast:
     """A broadcast collective as the driver sees one (plan.hpp's vocabulary)."""
-    kind, type, world, in_place = "broadcast", "float32", 2, False
+    kind, type, world, in_place, send_bytes = "broadcast", "float32", 2, False, 12
 
     def __init__(self, root, send, recv):
         self.root, self._send, self._recv = root, send, recv

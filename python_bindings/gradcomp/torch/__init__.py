@@ -125,6 +125,12 @@ class _Allreduce(_Family):
 
 
 class _Cast(_Family):
+    # route: "allreduce" (one allreduce in fp16/bf16), "reduce_scatter" (all-to-all of fp16/bf16
+    # chunks, rank-ordered fp32 sum, allgather: the same bytes on the wire, but the backend only
+    # moves bytes) or "auto": reduce_scatter on gloo, whose half-precision sums are slow on CPU
+    # (and which has no bf16 sum in torch 1.13, so bf16 would travel as fp32), else allreduce.
+    defaults = dict(route="auto")
+
     def __init__(self, wire: str):
         self.name = wire
         self.wire = {"fp16": "float16", "bf16": "bfloat16"}[wire]
@@ -132,8 +138,15 @@ class _Cast(_Family):
     def make(self, opts, bucket, world, tensor_id, group=None):
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
+        route = dict(self.defaults, **opts)["route"]
+        if route == "auto":
+            if dist.is_initialized():
+                rs = dist.get_backend(group) == "gloo"
+            else:  # the option probe before any process group: decide by device
+                rs = dev == "cpu"
+            route = "reduce_scatter" if rs else "allreduce"
         return _C.CastAllreducePlan(buf.numel(), _dtype_name(buf), self.wire, world, device=dev,
-                                    device_index=idx, stream=_stream_of(buf))
+                                    device_index=idx, stream=_stream_of(buf), route=route)
 
 
 class _TopK(_Family):
