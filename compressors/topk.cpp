@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/state_io.hpp"
 #include "kernels/topk.hpp"
@@ -51,6 +52,8 @@ void TopKConfig::validate() const {
 }
 
 double SparsifyConfig::ratio_at(int64_t step) const {
+  // a negative step would index warmup_ratios below 0
+  GC_CHECK_ARG(step >= 0, "step must be >= 0, got ", step);
   if (!warmup_ratios.empty() && warmup_steps > 0) {
     const int64_t stage = step / warmup_steps;
     if (stage < static_cast<int64_t>(warmup_ratios.size())) return warmup_ratios[stage];
@@ -460,6 +463,9 @@ void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const Ten
                    payload_kind_name(PayloadKind(h.kind)));
   GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
                    " elements, the output has ", numel_);
+  // aux is the sender's step: it picks the density (warm-up) and seeds the indices
+  GC_CHECK_PAYLOAD(h.aux <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+                   "random-k payload claims step ", h.aux, " (not a step count)");
   const int64_t kk = topk_count(cfg_.ratio_at(static_cast<int64_t>(h.aux)), numel_);
   GC_CHECK_PAYLOAD(h.count == static_cast<uint64_t>(kk), "payload has ", h.count,
                    " values, this configuration sends ", kk, " at step ", h.aux);

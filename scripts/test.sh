@@ -3,7 +3,8 @@
 # The test command: installs what is missing, configures, builds (CUDA when nvcc is found, for one
 # architecture to keep the build short), and runs every test (ctest; pytest once the Python
 # package exists). Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF),
-# CUDA_ARCHS (default 90), JOBS (default 2).
+# CUDA_ARCHS (default 90), JOBS (default 2), GRADCOMP_SKIP_SANITIZE=1 to leave out the last stage
+# (scripts/sanitize.sh: ASan+UBSan suites, bounded fuzzing, Python suite under ASan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,3 +20,8 @@ ctest --test-dir "$build" --output-on-failure --timeout 900
 venv=${GRADCOMP_VENV:-.venv}
 GRADCOMP_CUDA=OFF "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation .
 (cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider .)
+
+# Sanitizers and fuzzing, in their own build tree (build-asan); see scripts/sanitize.sh.
+if [ "${GRADCOMP_SKIP_SANITIZE:-0}" != "1" ]; then
+  bash scripts/sanitize.sh
+fi

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -27,6 +28,12 @@ inline std::vector<float> heavy_tailed(int64_t n, uint64_t seed) {
   std::vector<float> v(static_cast<size_t>(n));
   for (auto& x : v) x = d(rng);
   return v;
+}
+
+/// Bitwise equality of n bytes; n == 0 is equal whatever the pointers (memcmp(nullptr, ...) is
+/// undefined even for 0 bytes, and an empty vector's data() may be null).
+inline bool same_bytes(const void* a, const void* b, size_t n) {
+  return n == 0 || std::memcmp(a, b, n) == 0;
 }
 
 inline bool have_gpu() { return cuda_device_count() > 0; }

@@ -83,7 +83,7 @@ struct SparsifyConfig {
   /// DGC's warm-up densities 25%, 6.25%, 1.5625%, 0.4%, 0.1% (sparsity 75% ... 99.9%).
   static std::vector<double> dgc_warmup() { return {0.25, 0.0625, 0.015625, 0.004, 0.001}; }
   void validate() const;
-  /// Density used at a step (warm-up aware).
+  /// Density used at a step (warm-up aware); InvalidArgument for a negative step.
   double ratio_at(int64_t step) const;
 };
 

@@ -20,10 +20,7 @@ namespace gc = gradcomp;
 
 namespace {
 
-gc::MpiCommunicator& mpi() {
-  static gc::MpiCommunicator comm(gc::MpiOptions{.timeout_s = 60});
-  return comm;
-}
+gc::MpiCommunicator& mpi() { return gc::test::world(); }
 
 struct DeviceVec {
   explicit DeviceVec(const std::vector<float>& h) : n(h.size()) {

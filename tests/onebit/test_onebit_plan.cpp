@@ -138,7 +138,7 @@ TEST(OneBitPlan, FirstStepMatchesScalarReferenceAndRanksAgreeBitwise) {
         for (int r = 0; r < P; ++r) g[r] = normal(n, 10 * r + 1);
         sim.step(g);
         for (int r = 1; r < P; ++r)
-          ASSERT_EQ(0, std::memcmp(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
+          ASSERT_TRUE(same_bytes(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
         const auto want = reference_step(g, n, sc, block);
         int64_t sign_flips = 0;
         for (int64_t i = 0; i < n; ++i) {
@@ -170,7 +170,7 @@ TEST(OneBitPlan, ErrorFeedbackMakesRunningAverageConverge) {
       for (int t = 1; t <= steps; ++t) {
         sim.step(g);
         for (int r = 1; r < P; ++r)
-          ASSERT_EQ(0, std::memcmp(sim.out[0].data(), sim.out[r].data(), 4 * n));
+          ASSERT_TRUE(same_bytes(sim.out[0].data(), sim.out[r].data(), 4 * n));
         double err = 0;
         for (int64_t i = 0; i < n; ++i) {
           sum[i] += sim.out[0][i];
@@ -225,8 +225,8 @@ TEST(OneBitPlan, HalfGradientsAndStateRoundTrip) {
   step(a, oa, 7);
   step(b, ob, 7);
   for (int r = 0; r < P; ++r) {
-    EXPECT_EQ(0, std::memcmp(oa[r].data(), ob[r].data(), 4 * n));
-    EXPECT_EQ(0, std::memcmp(oa[0].data(), oa[r].data(), 4 * n));
+    EXPECT_TRUE(same_bytes(oa[r].data(), ob[r].data(), 4 * n));
+    EXPECT_TRUE(same_bytes(oa[0].data(), oa[r].data(), 4 * n));
   }
   // a state of another rank is rejected and changes nothing
   const auto s0 = b[0]->state_dict(), s1 = b[1]->state_dict();
@@ -306,7 +306,7 @@ TEST(OneBitPlan, MomentumCompressesTheVelocityAndKeepsItInTheState) {
         ASSERT_NEAR(with.out[0][i], without.out[0][i], 1e-4 * (1 + std::fabs(without.out[0][i])))
             << "step " << t << " i " << i;
       for (int r = 1; r < P; ++r)
-        ASSERT_EQ(0, std::memcmp(with.out[0].data(), with.out[r].data(), 4 * n));
+        ASSERT_TRUE(same_bytes(with.out[0].data(), with.out[r].data(), 4 * n));
       for (int64_t i = 0; i < n; ++i)
         ASSERT_NEAR(with.plans[1]->momentum_buffer()[i], u[1][i], 1e-4 * (1 + std::fabs(u[1][i])));
     }

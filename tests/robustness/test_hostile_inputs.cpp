@@ -5,10 +5,12 @@
 // behaviour that the sanitizer build of this test reports).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -98,6 +100,37 @@ TEST(DecodeTensorId, EveryDecoderChecksTheHeaderTensorId) {
     ob.scaling = sc;
     expect_tensor_id_checked<OneBitCompressor>(ob, 200, onebit_scaling_name(sc));
   }
+}
+
+// Found by tests/fuzz/fuzz_randomk_decode: a random-k payload's step (header aux) of 2^63 or more
+// became a negative step, and SparsifyConfig::ratio_at read warmup_ratios[-k] (SEGV).
+TEST(RandomKStep, HugeStepInPayloadRejectedAndNegativeStepRefused) {
+  RandomKConfig cfg;
+  cfg.ratio = 0.01;
+  cfg.warmup_ratios = {0.25, 0.05};
+  cfg.warmup_steps = 2;
+  const int64_t n = 1000;
+  RandomKCompressor comp(cfg, n);
+  std::vector<float> g(n, 1.0f), out(n, 0.5f);
+  Payload p;
+  comp.encode(TensorView::cpu(g.data(), n), p);
+  std::vector<uint8_t> b(p.data(), p.data() + p.size());
+  comp.decode_add(b.data(), b.size(), TensorView::cpu(out.data(), n));  // the valid one decodes
+  std::fill(out.begin(), out.end(), 0.5f);
+  for (uint64_t step : {uint64_t{1} << 63, ~uint64_t{0}, (uint64_t{1} << 63) + 2}) {
+    PayloadHeader h;
+    std::memcpy(&h, b.data(), sizeof h);
+    h.aux = step;
+    std::memcpy(b.data(), &h, sizeof h);
+    expect_invalid([&] { comp.decode_add(b.data(), b.size(), TensorView::cpu(out.data(), n)); },
+                   "not a step count", "step 2^63 and above");
+    for (float v : out) ASSERT_EQ(v, 0.5f) << "a rejected payload changed the output";
+  }
+  expect_invalid([&] { (void)cfg.ratio_at(-1); }, "step must be >= 0", "ratio_at(-1)");
+  expect_invalid([&] { (void)cfg.ratio_at(std::numeric_limits<int64_t>::min()); },
+                 "step must be >= 0", "ratio_at(INT64_MIN)");
+  std::vector<uint32_t> idx(n);
+  expect_invalid([&] { comp.indices_at(-3, idx.data()); }, "step must be >= 0", "indices_at(-3)");
 }
 
 // A plan that asks for every kind of collective with zero elements and null buffers.

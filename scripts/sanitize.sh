@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The sanitizer and fuzz stage of CI (issue 11), run by scripts/test.sh unless
+# GRADCOMP_SKIP_SANITIZE=1. Exits non-zero on any finding. Steps:
+#  1. configure and build an ASan+UBSan tree with clang (-fno-sanitize-recover=all, libFuzzer
+#     instrumentation, CPU only) in its own build directory;
+#  2. ctest there: every C++ suite (the benchmarks are built too, for the simulator CLI test),
+#     with leak detection on and OpenMPI's own leaks suppressed by scripts/sanitizers/lsan.supp
+#     (tests/sanitizers checks that file both ways);
+#  3. every libFuzzer target of tests/fuzz for a bounded time on its committed seed corpus
+#     (tests/fuzz/corpus/<target>; new inputs go to the build directory, never to the corpus);
+#  4. the Python suite against the ASan build of the extension (see below).
+#
+# Environment: ASAN_BUILD_DIR (default build-asan), JOBS (default 2: the build, ctest and the
+# fuzzers run this many at a time), GRADCOMP_FUZZ_SECONDS (per target, default 15),
+# GRADCOMP_SANITIZE_PYTHON=0 to leave out step 4 (also left out with GRADCOMP_SKIP_PYTHON=1),
+# GRADCOMP_SANITIZE_PY_FULL=1 to include tests/python/test_training_accuracy.py in step 4,
+# GRADCOMP_VENV (default .venv).
+#
+# Step 4, the Python suite under ASan: the interpreter is not instrumented, so the ASan runtime is
+# LD_PRELOADed (clang's shared libclang_rt.asan, which also carries UBSan's handlers) and the
+# extension built in step 1 (_C, instrumented, the runtime left undefined) is imported from a
+# staging directory put first on PYTHONPATH; subprocesses (DDP ranks, the crash-case runners)
+# inherit both. Leak detection is off for this step only (detect_leaks=0): the interpreter and
+# the libraries it loads keep allocations until exit by design. Measured with the runtime
+# preloaded: `python3 -c pass` alone ends with 6 leaked allocations, `import gradcomp` with 219
+# (CPython and NumPy frames only), importing torch too with 25,606. They cannot be suppressed by
+# library name either: every call into our extension has interpreter frames below it, so
+# leak:python3 would hide our leaks as well. Our own code's leaks are
+# covered by step 2 with detection on. Reports go to files (log_path) so that one from a
+# subprocess whose exit status a test ignores is still seen. test_training_accuracy.py is left
+# out by default: its Fashion-MNIST trainings took 5 min 40 s under ASan here (2 shared cores,
+# load ~6), half of the whole suite's 10 min 50 s, and go through the same hooks and extension
+# entry points (top-k, 1-bit, fp16/bf16 under DDP) as test_ddp_hooks.py, which stays in.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+bash scripts/setup.sh
+
+build=${ASAN_BUILD_DIR:-build-asan}
+jobs=${JOBS:-2}
+fuzz_s=${GRADCOMP_FUZZ_SECONDS:-15}
+venv=${GRADCOMP_VENV:-.venv}
+python_step=1
+if [ "${GRADCOMP_SANITIZE_PYTHON:-1}" = "0" ] || [ "${GRADCOMP_SKIP_PYTHON:-0}" = "1" ]; then
+  python_step=0
+fi
+t0=$(date +%s)
+phase() { echo "sanitize: $1 ($(( $(date +%s) - t0 )) s)"; }
+
+command -v clang++ >/dev/null || { echo "sanitize: clang++ not found (apt-get install clang)"; exit 1; }
+asan_rt=$(clang++ -print-file-name=libclang_rt.asan-x86_64.so)
+[ -f "$asan_rt" ] || { echo "sanitize: $asan_rt missing (apt-get install libclang-rt-14-dev)"; exit 1; }
+
+# ---- 1. build ----
+py_args=(-DGRADCOMP_BUILD_PYTHON=OFF)
+if [ "$python_step" = 1 ]; then
+  py_args=(-DGRADCOMP_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$root/$venv/bin/python")
+fi
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+  -DGRADCOMP_SANITIZE=address,undefined -DGRADCOMP_FUZZ=ON -DGRADCOMP_CUDA=OFF \
+  -DGRADCOMP_BUILD_BENCH=ON "${py_args[@]}" >/dev/null
+cmake --build "$build" -j "$jobs"
+phase "built $build"
+
+# ---- 2. the C++ suites ----
+# fast_unwind_on_malloc=0: OpenMPI has no frame pointers, its leak stacks are only complete (and
+# matched by the suppression file) with the slow unwinder.
+export ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=0
+export LSAN_OPTIONS="suppressions=$root/scripts/sanitizers/lsan.supp"
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+ctest --test-dir "$build" --output-on-failure --timeout 900 -j "$jobs"
+phase "ctest passed"
+
+# ---- 3. fuzzers: each target for fuzz_s seconds on its committed corpus, JOBS at a time ----
+targets=()
+for d in tests/fuzz/corpus/*/; do targets+=("$(basename "$d")"); done
+for f in "$build"/tests/fuzz/fuzz_*; do  # a target without a corpus is an error
+  [ -x "$f" ] && [ -d "tests/fuzz/corpus/$(basename "$f")" ] ||
+    { echo "sanitize: $f has no tests/fuzz/corpus/$(basename "$f")"; exit 1; }
+done
+fuzzdir=$build/fuzz-run
+rm -rf "$fuzzdir"
+mkdir -p "$fuzzdir"
+run_fuzzer() {  # $1 = target; status in $fuzzdir/$1.rc, output in $fuzzdir/$1.log
+  local t=$1
+  mkdir -p "$fuzzdir/$t.new"
+  ASAN_OPTIONS=detect_leaks=1 "$build/tests/fuzz/$t" -max_total_time="$fuzz_s" -timeout=10 \
+    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$fuzzdir/$t-" \
+    "$fuzzdir/$t.new" "tests/fuzz/corpus/$t" >"$fuzzdir/$t.log" 2>&1
+  echo $? >"$fuzzdir/$t.rc"
+}
+export -f run_fuzzer
+export build fuzzdir fuzz_s
+printf '%s\n' "${targets[@]}" | xargs -P "$jobs" -I{} bash -c 'run_fuzzer "$@" || true' _ {}
+fuzz_bad=0
+for t in "${targets[@]}"; do
+  rc=$(cat "$fuzzdir/$t.rc" 2>/dev/null || echo missing)
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$fuzzdir/$t.log")
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$fuzzdir/$t.log")
+  echo "sanitize: fuzz $t: rc=$rc, ${execs:-?} runs, ${rate:-?} exec/s"
+  if [ "$rc" != 0 ]; then
+    fuzz_bad=1
+    tail -n 60 "$fuzzdir/$t.log"
+    ls "$fuzzdir/$t"-* 2>/dev/null || true
+  fi
+done
+[ "$fuzz_bad" = 0 ] || { echo "sanitize: fuzzer finding (inputs above, logs in $fuzzdir)"; exit 1; }
+phase "fuzzers clean (${#targets[@]} targets x ${fuzz_s} s)"
+
+# ---- 4. the Python suite against the ASan extension ----
+if [ "$python_step" = 1 ]; then
+  pkg=$build/pypkg
+  rm -rf "$pkg"
+  mkdir -p "$pkg"
+  cp -r python_bindings/gradcomp "$pkg/"
+  find "$pkg" -name __pycache__ -prune -exec rm -rf {} +
+  so=$(ls "$build"/python_bindings/_C.*.so)
+  cp "$so" "$pkg/gradcomp/"
+  # (grep reads all of nm's output: with -q it could exit first and fail the pipe with SIGPIPE)
+  nm -D --undefined-only "$so" | grep __asan_report >/dev/null ||
+    { echo "sanitize: $so is not ASan-instrumented"; exit 1; }
+  logs=$root/$build/py-sanitizer-logs
+  rm -rf "$logs"
+  mkdir -p "$logs"
+  ignore=(--ignore=test_training_accuracy.py)
+  [ "${GRADCOMP_SANITIZE_PY_FULL:-0}" = "1" ] && ignore=()
+  py_status=0
+  (
+    cd tests/python
+    export LD_PRELOAD=$asan_rt PYTHONPATH=$root/$pkg
+    export ASAN_OPTIONS=detect_leaks=0:log_path=$logs/report
+    export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$logs/report
+    "$root/$venv/bin/python" -c "import gradcomp, sys; f = gradcomp.__file__; \
+sys.exit(0 if f.startswith('$root/$pkg/') else 'gradcomp imported from ' + f)"
+    "$root/$venv/bin/python" -m pytest -q -p no:cacheprovider -rs "${ignore[@]}" .
+  ) || py_status=$?
+  if compgen -G "$logs/report*" >/dev/null; then
+    cat "$logs"/report*
+    echo "sanitize: sanitizer report(s) from the Python suite (above, files in $logs)"
+    exit 1
+  fi
+  [ "$py_status" = 0 ] || { echo "sanitize: Python suite failed under ASan"; exit 1; }
+  phase "Python suite clean under ASan"
+fi
+
+phase "done, no findings"

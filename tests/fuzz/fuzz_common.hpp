@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+// What the libFuzzer targets (tests/fuzz/fuzz_*.cpp) and their seed generator (make_fuzz_seeds.cpp)
+// share: the fixed configuration of every decoder under test, so that the committed seeds are
+// valid payloads for the targets, and the checks a target makes beyond "no crash".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "gradcomp/onebit.hpp"
+#include "gradcomp/topk.hpp"
+
+namespace gradcomp::fuzz {
+
+/// Elements of the tensor every decoder target decodes into; tensor id of its compressor.
+inline constexpr int64_t kNumel = 1000;
+inline constexpr uint32_t kTensorId = 7;
+
+/// Top-k: decoding depends on numel and tensor_id only (count, coding and dtype come from the
+/// header), so seeds may come from compressors of other densities and value dtypes.
+inline TopKConfig topk_config(double ratio = 0.01, DType values = DType::kFloat32) {
+  TopKConfig c;
+  c.ratio = ratio;
+  c.value_dtype = values;
+  c.select.method = SelectMethod::kExact;
+  c.tensor_id = kTensorId;
+  return c;
+}
+
+/// Random-k: the count a payload must carry depends on the step in its header through the
+/// warm-up schedule, which the target therefore has (two warm-up stages of 2 steps, then 1%).
+inline RandomKConfig randomk_config(DType values = DType::kFloat32) {
+  RandomKConfig c;
+  c.ratio = 0.01;
+  c.warmup_ratios = {0.25, 0.05};
+  c.warmup_steps = 2;
+  c.value_dtype = values;
+  c.tensor_id = kTensorId;
+  return c;
+}
+
+/// 1-bit: decoding is self-describing (mode and grouping from the header); the target's
+/// compressor is 40 x 25 column means, seeds come from every mode.
+inline constexpr int64_t kOneBitRows = 40, kOneBitCols = 25;
+inline OneBitConfig onebit_config(OneBitScaling s = OneBitScaling::kColumnMeans,
+                                  int64_t chunk = 0) {
+  OneBitConfig c;
+  c.scaling = s;
+  c.chunk_size = chunk;
+  c.tensor_id = kTensorId;
+  return c;
+}
+
+/// A deterministic gradient of n finite values with a spread of magnitudes and both signs.
+inline std::vector<float> gradient(int64_t n, uint32_t seed) {
+  std::vector<float> g(static_cast<size_t>(n));
+  uint32_t x = seed * 2654435761u + 1u;
+  for (auto& v : g) {
+    x = x * 1664525u + 1013904223u;
+    const float u = static_cast<float>(static_cast<int32_t>(x >> 8) - (1 << 23)) / float(1 << 23);
+    v = u * u * u * 4.0f;  // cubed: many small values, a few large ones
+  }
+  return g;
+}
+
+/// A violated property of a target: printed, then abort() (libFuzzer records the input as a
+/// crash).
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "fuzz property violated: %s\n", what);
+  std::abort();
+}
+inline void require(bool ok, const char* what) {
+  if (!ok) fail(what);
+}
+
+/// The input copied to 8-byte aligned storage, as payloads are on the wire (1-bit decoding
+/// requires it).
+struct Aligned {
+  Aligned(const uint8_t* d, size_t n) : words((n + 7) / 8 + 1), size(n) {
+    if (n) std::memcpy(words.data(), d, n);
+  }
+  const uint8_t* data() const { return reinterpret_cast<const uint8_t*>(words.data()); }
+  std::vector<uint64_t> words;
+  size_t size;
+};
+
+/// The dense output's initial contents: a value no decode leaves in place by accident, so a
+/// changed element is seen.
+inline constexpr float kCanary = 0.375f;
+
+/// Elements of `dense` that are no longer bitwise kCanary.
+inline int64_t changed(const std::vector<float>& dense) {
+  int64_t c = 0;
+  for (float v : dense) c += std::memcmp(&v, &kCanary, sizeof v) != 0;
+  return c;
+}
+
+}  // namespace gradcomp::fuzz

@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+// libFuzzer target: load_state_dict of one state kind (GC_FUZZ_STATE_KIND, a name from
+// tests/state_subjects.hpp; one binary per kind). Each input is loaded twice into a subject that
+// has taken a step (so that "unchanged" means something):
+//  1. as given: almost every mutation breaks the CRC-32C trailer and must be rejected;
+//  2. with the trailer recomputed over the mutated fields, which takes the mutation past the
+//     checksum to the field parser.
+// Properties: a load throws InvalidArgument and leaves the saved state byte for byte as it was,
+// or it succeeds, saving again gives back exactly the loaded bytes, and a training step from the
+// loaded state runs (a state the loader accepts must be one the object can use).
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "core/crc32c.hpp"
+#include "fuzz_common.hpp"
+#include "gradcomp/error.hpp"
+#include "state_subjects.hpp"
+
+#ifndef GC_FUZZ_STATE_KIND
+#error "GC_FUZZ_STATE_KIND (a state kind of tests/state_subjects.hpp) must be defined"
+#endif
+
+using namespace gradcomp;
+
+namespace {
+
+void load_and_check(test::StateSubject& s, const uint8_t* data, size_t size) {
+  const std::vector<uint8_t> before = s.save();
+  try {
+    s.load(data, size);
+  } catch (const InvalidArgument&) {
+    fuzz::require(s.save() == before, "a rejected state changed the object");
+    return;
+  }
+  fuzz::require(s.save() == std::vector<uint8_t>(data, data + size),
+                "saving a just-loaded state does not give back the loaded bytes");
+  try {
+    s.step(3);
+  } catch (const Error&) {
+    fuzz::fail("a training step after an accepted load threw");
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  auto subject = test::make_state_subject(GC_FUZZ_STATE_KIND);
+  subject->step(1);
+  load_and_check(*subject, data, size);
+  if (size >= sizeof(uint32_t)) {
+    std::vector<uint8_t> fixed(data, data + size);
+    const uint32_t crc = detail::crc32c(fixed.data(), size - sizeof(uint32_t));
+    std::memcpy(fixed.data() + size - sizeof(uint32_t), &crc, sizeof crc);
+    load_and_check(*subject, fixed.data(), fixed.size());
+  }
+  return 0;
+}
