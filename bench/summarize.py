@@ -330,6 +330,11 @@ def main(argv=None) -> int:
                          "is measured (blank).")
     else:
         notes.append("bench_comm did not run: no step times.")
+    if "load_before" in meta:
+        notes.append(f"machine: {meta.get('machine', '?')}; uptime before: "
+                     f"{meta['load_before']}; after: {meta.get('load_after', '?')}. On a loaded "
+                     "machine OpenMP kernels wait for descheduled threads: small gradients (1M) "
+                     "suffer most.")
     title = f"gradcomp on {meta.get('machine', 'this machine')}, {meta.get('date', '')}"
     with open(os.path.join(d, "summary.md"), "w") as f:
         f.write(f"# {title}\n\n")
