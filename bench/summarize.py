@@ -250,10 +250,11 @@ def plot(rows: List[dict], path: str, numel: int, title: str) -> bool:
         if sel:
             ax.scatter([r["encode_GBps"] for r in sel], [r["ratio"] for r in sel], s=50,
                        color=colors[comp], label=comp, zorder=3)
-        for r in sel:
+        # alternate label sides along x so that points at the same ratio (1-bit) stay readable
+        for i, r in enumerate(sorted(sel, key=lambda r: r["encode_GBps"])):
             ax.annotate(f'{r["setting"].replace(", ResNet-50", "")} ({_fmt("ratio", r["ratio"])})',
                         (r["encode_GBps"], r["ratio"]), textcoords="offset points",
-                        xytext=(6, 4), fontsize=8)
+                        xytext=(6, 5) if i % 2 == 0 else (6, -13), fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
     from matplotlib.ticker import FuncFormatter
@@ -266,7 +267,7 @@ def plot(rows: List[dict], path: str, numel: int, title: str) -> bool:
     ax.set_ylabel("compression ratio (dense bytes / payload bytes, log scale)")
     sizes = sorted({r["elements"] for r in pts if r["compressor"] != "powersgd" and r["elements"]})
     what = ", ".join(_fmt("elements", n) for n in sizes)
-    ax.set_title(f"{title}\ngradient of {what} fp32 elements (PowerSGD: ResNet-50's layers), "
+    ax.set_title(f"{title}\ngradient of {what} fp32 elements (PowerSGD: ResNet-50's layers, 1 thread), "
                  "one point per compressor setting", fontsize=9)
     ax.margins(x=0.12, y=0.12)
     ax.grid(True, which="both", alpha=0.3)

@@ -74,10 +74,11 @@ run() {
   echo "bench: $name -> $out/$name.txt"
   if ((verbose)); then
     "$@" "$b" --benchmark_filter="$filter" --benchmark_counters_tabular=true \
-      --benchmark_out="$out/$name.json" --benchmark_out_format=json 2>&1 | tee "$out/$name.txt"
+      --benchmark_out="$out/$name.json" --benchmark_out_format=json --benchmark_color=false 2>&1 | tee "$out/$name.txt"
   else
     "$@" "$b" --benchmark_filter="$filter" --benchmark_counters_tabular=true \
-      --benchmark_out="$out/$name.json" --benchmark_out_format=json >"$out/$name.txt" 2>&1
+      --benchmark_out="$out/$name.json" --benchmark_out_format=json --benchmark_color=false \
+      >"$out/$name.txt" 2>&1
   fi || { echo "bench: $name failed, see $out/$name.txt" >&2; tail -5 "$out/$name.txt" >&2; return 1; }
   echo "bench: $name done in $((SECONDS - s)) s"
 }
