@@ -61,7 +61,9 @@ def load(path: str) -> Optional[dict]:
         try:
             data = json.load(f)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"summarize: {path} is not valid JSON ({e}); was the run cut off?")
+            print(f"summarize: {path} is not valid JSON ({e}); was the run cut off? Left out.",
+                  file=sys.stderr)
+            return None
     runs = {}
     for b in data.get("benchmarks", []):
         if b.get("run_type", "iteration") != "iteration" or b.get("error_occurred"):
@@ -220,7 +222,7 @@ def _fmt(c: str, v) -> str:
 
 
 def markdown(rows: List[dict], ranks: Optional[int]) -> str:
-    label = f"{ranks} ranks" if ranks else "ranks"
+    label = (f"{ranks} rank" + ("s" if ranks != 1 else "")) if ranks else "ranks"
     head = [h.format(ranks=label) for h in HEADER]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

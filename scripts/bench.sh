@@ -64,6 +64,7 @@ load_before=$(uptime | sed 's/^ *//')
 py=/usr/bin/python3  # Debian's: sees python3-matplotlib (setup.sh)
 json_str() { "$py" -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
 t0=$SECONDS
+failed=()  # binaries that failed: the summary is still made from the others
 
 # run NAME [launcher...]: one binary, its tables to $out/NAME.txt and $out/NAME.json
 run() {
@@ -95,9 +96,9 @@ for b in "$build"/bench/bench_*; do
     # One thread for ours and for the baseline: with its own pthread pool, OpenBLAS's spinning
     # threads slow the baseline's element-wise passes on a small machine, which flatters ours
     # (see bench/bench_powersgd.cpp); single-threaded, the speedup is the step structure's alone.
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 run "$name"
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 run "$name" || failed+=("$name")
   else
-    run "$name"
+    run "$name" || failed+=("$name")
   fi
 done
 
@@ -110,10 +111,10 @@ if [ -x "$build/bench/bench_comm" ]; then
     mpi=(mpirun -np "$ranks" --oversubscribe --mca pml ob1 --mca btl self,tcp
          --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
     [ "$(id -u)" -ne 0 ] || mpi+=(--allow-run-as-root)
-    OMP_NUM_THREADS=1 run bench_comm "${mpi[@]}"
+    OMP_NUM_THREADS=1 run bench_comm "${mpi[@]}" || failed+=(bench_comm)
   else
     echo "bench: bench_comm with ONE rank: nothing is communicated; its times are local work only"
-    OMP_NUM_THREADS=1 run bench_comm
+    OMP_NUM_THREADS=1 run bench_comm || failed+=(bench_comm)
   fi
 fi
 
@@ -134,3 +135,7 @@ EOF
 echo "bench: all tables in $out ($((SECONDS - t0)) s)"
 echo
 "$py" bench/summarize.py "$out"
+if ((${#failed[@]})); then
+  echo "bench: FAILED: ${failed[*]} (their output is in $out)" >&2
+  exit 1
+fi
