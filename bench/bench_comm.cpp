@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gradcomp/comm.hpp"
@@ -274,13 +275,31 @@ int main(int argc, char** argv) {
       std::printf("ranks %d, numel %lld, cost model: latency %.1f us, bandwidth %.2f GB/s\n",
                   x.comm->size(), static_cast<long long>(x.numel), x.cost.latency_s * 1e6,
                   x.cost.bandwidth_Bps / 1e9);
+    if (x.comm->rank() == 0 && x.comm->size() == 1)
+      std::printf(
+          "ONE rank: nothing is communicated, so these times are local work only and "
+          "speedup_vs_plain compares local work with a no-op allreduce; run under mpirun -np 4 "
+          "for real speedups.\n");
+    benchmark::AddCustomContext("comm_ranks", std::to_string(x.comm->size()));
+    benchmark::AddCustomContext("comm_numel", std::to_string(x.numel));
     for (const Case& c : cases())
       benchmark::RegisterBenchmark((std::string("BM_comm_") + c.name).c_str(),
                                    [c](benchmark::State& s) { run_case(s, c); })
           ->Iterations(x.iters)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
-    benchmark::Initialize(&argc, argv);
+    // Only rank 0 reports: the others drop --benchmark_out*, or every rank would open (and
+    // truncate) the same output file while rank 0 writes it.
+    std::vector<char*> args(argv, argv + argc);
+    if (x.comm->rank() != 0)
+      args.erase(std::remove_if(args.begin() + 1, args.end(),
+                                [](const char* a) {
+                                  return std::strncmp(a, "--benchmark_out", 15) == 0;
+                                }),
+                 args.end());
+    int nargs = static_cast<int>(args.size());
+    args.push_back(nullptr);
+    benchmark::Initialize(&nargs, args.data());
     if (x.comm->rank() == 0) {
       benchmark::RunSpecifiedBenchmarks();
     } else {

@@ -2,9 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # The test command: installs what is missing, configures, builds (CUDA when nvcc is found, for one
 # architecture to keep the build short), and runs every test (ctest; pytest once the Python
-# package exists). Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF),
-# CUDA_ARCHS (default 90), JOBS (default 2), GRADCOMP_SKIP_SANITIZE=1 to leave out the last stage
-# (scripts/sanitize.sh: ASan+UBSan suites, bounded fuzzing, Python suite under ASan).
+# package exists), the Python suite twice: on Debian's torch 1.13 (.venv, the oldest supported)
+# and on the newest torch 2.x from PyPI (scripts/test-torch2.sh: .venv-torch2, the same wheel),
+# then the sanitizer stage (scripts/sanitize.sh: ASan+UBSan suites, bounded fuzzing, Python suite
+# under ASan). Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF),
+# CUDA_ARCHS (default 90), JOBS (default 2), GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage; it
+# downloads about 3 GB once, cached in GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse),
+# GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,7 +23,12 @@ ctest --test-dir "$build" --output-on-failure --timeout 900
 # the build above already), then pytest.
 venv=${GRADCOMP_VENV:-.venv}
 GRADCOMP_CUDA=OFF "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation .
+echo "test: pytest on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
 (cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider .)
+
+# The same suite on the newest torch 2.x (the same extension build: gradcomp._C does not link
+# libtorch).
+bash scripts/test-torch2.sh
 
 # Sanitizers and fuzzing, in their own build tree (build-asan); see scripts/sanitize.sh.
 if [ "${GRADCOMP_SKIP_SANITIZE:-0}" != "1" ]; then
