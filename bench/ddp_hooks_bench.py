@@ -443,11 +443,13 @@ def main():
         f.write(f"- Model: {args.layers} x Linear({args.width}, {args.width}) with ReLU, "
                 f"{n_params:,} parameters ({n_params * 4 / 1e6:.0f} MB fp32 gradient), batch "
                 f"{args.batch} per rank, MSE loss, SGD lr 1e-3; DDP bucket_cap_mb "
-                f"{args.bucket_cap_mb:g} (one bucket, ready at the end of backward). torch's "
-                f"powerSGD_hook is waited for inside the hook: unwaited, torch 1.13 + gloo "
-                f"aborted (gloo size mismatch) or hung on this model, as it issues its P and Q "
-                f"allreduces from gloo's completion threads; with one bucket DDP waits at that "
-                f"point anyway.\n")
+                f"{args.bucket_cap_mb:g}"
+                + (" (one bucket, ready at the end of backward)"
+                   if args.bucket_cap_mb * 1024 * 1024 >= n_params * 4
+                   else " (DDP's first bucket is 1 MB, the rest up to the cap)")
+                + ". torch's powerSGD_hook is waited for inside the hook: unwaited, torch 1.13 + "
+                "gloo aborted (gloo size mismatch) or hung on this model, as it issues its P and "
+                "Q allreduces from gloo's completion threads.\n")
         f.write(f"- Per configuration: {args.warmup} warm-up steps, then {args.steps} timed steps; "
                 f"{args.rounds} rounds (round 2 in reverse order), the better round kept. Step time "
                 f"= slowest rank; steps/s = 1 / median step time. Wall time {wall:.0f} s.\n")
