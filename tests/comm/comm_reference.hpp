@@ -39,11 +39,20 @@ inline std::vector<float> ref_dense(const std::vector<std::vector<float>>& in) {
   return out;
 }
 
+/// Rounding to and from a 16-bit wire type (fp16 or bf16).
+struct WireRound {
+  bool half;
+  explicit WireRound(DType wire) : half(wire == DType::kFloat16) {}
+  uint16_t to(float x) const { return half ? float_to_half(x) : float_to_bf16(x); }
+  float from(uint16_t x) const { return half ? half_to_float(x) : bf16_to_float(x); }
+  float round(float x) const { return from(to(x)); }
+};
+
 inline std::vector<float> ref_cast(const std::vector<std::vector<float>>& in, DType wire) {
   const size_t P = in.size(), n = in[0].size();
-  const bool h = wire == DType::kFloat16;
-  auto to = [&](float x) { return h ? float_to_half(x) : float_to_bf16(x); };
-  auto from = [&](uint16_t x) { return h ? half_to_float(x) : bf16_to_float(x); };
+  const WireRound w(wire);
+  auto to = [&](float x) { return w.to(x); };
+  auto from = [&](uint16_t x) { return w.from(x); };
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) {
     uint16_t acc = to(in[0][i] / static_cast<float>(P));
@@ -57,14 +66,12 @@ inline std::vector<float> ref_cast(const std::vector<std::vector<float>>& in, DT
 /// the P values widened to fp32 and summed in rank order, the sum rounded once.
 inline std::vector<float> ref_cast_rs(const std::vector<std::vector<float>>& in, DType wire) {
   const size_t P = in.size(), n = in[0].size();
-  const bool h = wire == DType::kFloat16;
-  auto to = [&](float x) { return h ? float_to_half(x) : float_to_bf16(x); };
-  auto from = [&](uint16_t x) { return h ? half_to_float(x) : bf16_to_float(x); };
+  const WireRound w(wire);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) {
-    float acc = from(to(in[0][i] / static_cast<float>(P)));
-    for (size_t r = 1; r < P; ++r) acc += from(to(in[r][i] / static_cast<float>(P)));
-    out[i] = from(to(acc));
+    float acc = w.round(in[0][i] / static_cast<float>(P));
+    for (size_t r = 1; r < P; ++r) acc += w.round(in[r][i] / static_cast<float>(P));
+    out[i] = w.round(acc);
   }
   return out;
 }
