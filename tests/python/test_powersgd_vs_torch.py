@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -29,6 +30,16 @@ STEPS = 30
 RANK = 2
 
 
+def _torch_hook_waited(state, bucket):
+    """PyTorch's powerSGD_hook, waited for inside the hook (it issues its P and Q allreduces from
+    gloo's completion threads; with several buckets it hangs or aborts, bench/results/
+    psgd_default_buckets_*). The model is one bucket, which DDP waits for at the end of backward
+    anyway: the arithmetic is unchanged."""
+    fut = ps.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
 def _train(rank, world, out_dir, which, seed=0):
     data = make_data(rank, STEPS, batch=32)
     torch.manual_seed(0)
@@ -38,7 +49,7 @@ def _train(rank, world, out_dir, which, seed=0):
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
                                  start_powerSGD_iter=2, min_compression_rate=2,
                                  use_error_feedback=True, warm_start=True, random_seed=seed)
-        model.register_comm_hook(state, ps.powerSGD_hook)
+        model.register_comm_hook(state, _torch_hook_waited)
     else:
         state, hook = gt.hook("powersgd", rank=RANK, start_iter=2, min_compression_rate=2.0)
         model.register_comm_hook(state, hook)
@@ -54,10 +65,23 @@ def _train(rank, world, out_dir, which, seed=0):
         torch.save({"final": final, "moved": moved}, os.path.join(out_dir, f"{which}{seed}.pt"))
 
 
+def _torch_reference(d, seed, attempts=3):
+    """PyTorch's hook is the yardstick, not what is tested, and on torch 2.15 + gloo a rank
+    running it aborts now and then ("terminate called without an active exception": 2 of 49
+    runs, against 0 of 62 runs of ours in the same setting, 2026-11-24): such a run is repeated."""
+    for i in range(attempts):
+        try:
+            run(_train, 2, d, "torch", seed)
+            return
+        except mp.ProcessExitedException:  # killed by a signal (SIGABRT), not a Python error
+            if i == attempts - 1:
+                raise
+
+
 def test_matches_pytorch_powersgd_hook_closely():
     d = tmpdir()
-    run(_train, 2, d, "torch", 0)
-    run(_train, 2, d, "torch", 1)
+    _torch_reference(d, 0)
+    _torch_reference(d, 1)
     run(_train, 2, d, "ours", 0)
     t0, t1, ours = (torch.load(os.path.join(d, f)) for f in ("torch0.pt", "torch1.pt", "ours0.pt"))
     moved = t0["moved"].norm().item()
