@@ -10,7 +10,8 @@ Compressors: ``"allreduce"`` (plain, through our driver), ``"fp16"`` / ``"bf16"`
 ``"topk"`` (Deep Gradient Compression: residual, momentum correction, clipping, warm-up),
 ``"randomk"``, ``"onebit"`` (two-phase compressed allreduce with worker and server error) and
 ``"powersgd"``. The hooks run gradcomp plans over any torch.distributed process group (gloo on
-CPU, NCCL on GPU) asynchronously: they return a ``torch.futures.Future`` chained with ``then``.
+CPU, NCCL on GPU) asynchronously: a hook returns a ``torch.futures.Future`` at once, and a worker
+thread with a process group of its own issues every bucket's collectives in bucket order.
 
 Bucket state. DDP rebuilds its buckets once, after the first iteration. Like PyTorch's PowerSGD
 hook, a gradcomp hook runs a plain allreduce for the first ``start_iter`` iterations (default 2 for
