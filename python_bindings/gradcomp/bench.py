@@ -188,7 +188,7 @@ class Bucket:
         return views
 
 
-def _run_local(plan) -> None:
+def run_local(plan) -> None:
     """Drives a begun plan of world size 1: every collective's result is its input."""
     while True:
         c = plan.next()
@@ -229,7 +229,7 @@ class _Cast(Setting):
     def step(self, buckets):
         for b, p in zip(buckets, self.plans):
             p.begin(b.work)
-            _run_local(p)
+            run_local(p)
         return sum(2 * b.numel for b in buckets)
 
 
@@ -249,7 +249,7 @@ class _PowerSGD(Setting):
         sent = 0
         for b, st, p in zip(buckets, self.states, self.plans):
             p.begin(b.tensors(b.work))
-            _run_local(p)
+            run_local(p)
             sent += int(st.last_stats["sent_bytes"])
         return sent
 

@@ -21,6 +21,7 @@ import pytest
 
 import gradcomp
 from gradcomp import _C
+from gradcomp.bench import run_local  # drives a world-size-1 plan
 
 try:
     import torch
@@ -312,16 +313,6 @@ def make_plan(name, world=1):
 
 PLANS = ["dense", "cast", "topk", "randomk", "onebit", "powersgd"]
 CHECKED_FINITE = {"topk", "randomk", "onebit", "powersgd"}
-
-
-def run_local(plan):
-    """Drives a begun plan of world size 1: every collective's result is its input."""
-    while True:
-        c = plan.next()
-        if c is None:
-            return
-        if not c.in_place:
-            c.recv()[:] = c.send()
 
 
 # A plan writes the average back into its gradient: read-only gradients are refused too. The
