@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ddp_util import free_port
+from ddp_util import finish, free_port
 
 WORLD = 4
 WIDTH, LAYERS = 1024, 4  # 4.2M parameters: two of DDP's buckets (1 MiB first bucket, then 25 MB)
@@ -53,8 +53,7 @@ def _rank(rank, world, port, compressor, opts):
     # more than one bucket per step after DDP's rebuild (iteration 0 runs its initial layout),
     # or this would not be the case PyTorch's hook hangs on
     assert all(h["buckets"] >= 2 for h in state.history[1:]), state.history
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 @pytest.mark.parametrize("compressor, opts", [("powersgd", dict(rank=1)),

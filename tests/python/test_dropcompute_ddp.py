@@ -21,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp  # noqa: E402
 from gradcomp.torch.dropcompute import DropCompute  # noqa: E402
 
+from ddp_util import finish  # noqa: E402
+
 WORLD = 4
 
 
@@ -38,13 +40,6 @@ def init(rank, world, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def finish():
-    """Leaves a worker without destructors: torch 1.13 can deadlock when a DDP reducer holds the
-    last reference to a gloo process group (its worker thread waits for the GIL the destructor
-    holds). The results are written before."""
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 def spawn(fn, tmp_path, *args):

@@ -85,13 +85,6 @@ def lam(s):  # the LambdaLR factor: warm-up, then decay (periods grow from 2 to 
     return (s + 1) / WARMUP if s < WARMUP else max(0.03, 1.0 - (s - WARMUP) / 50)
 
 
-def finish():
-    """Leaves a worker without destructors: torch 1.13 can deadlock when a DDP reducer or a
-    process group dies after destroy_process_group (a gloo thread waits for the GIL)."""
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 def fp16_mean(flat, group):
@@ -155,6 +148,7 @@ def _local_sgd_worker(rank, world, port, out, compressed):
     torch.save({"calls": calls, "sync_steps": avg.sync_steps, "lrs": lrs,
                 "identical": identical_after_sync, "differ": differ_before_sync,
                 "periods": avg.periods}, os.path.join(out, f"r{rank}.pt"))
+    from ddp_util import finish
     finish()
 
 
@@ -214,8 +208,8 @@ def _named_worker(rank, world, port, out):
             rows.append((local, now))
         res[name] = rows
     torch.save(res, os.path.join(out, f"n{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    from ddp_util import finish
+    finish()
 
 
 def test_named_compressors_average_over_a_subgroup(tmp_path):
