@@ -43,9 +43,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradcomp.experiments import baselines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -69,7 +69,7 @@ CONFIGS = [
     ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
     ("ours-onebit", "onebit", {}),
 ]
-PSGD = dict(start_iter=2, min_compression_rate=2.0, use_error_feedback=True, warm_start=True)
+PSGD = baselines.PSGD
 
 
 def free_port() -> int:
@@ -93,55 +93,12 @@ class Net(torch.nn.Module):
         return x
 
 
-def torch_psgd_bytes(model: torch.nn.Module, r: int, min_rate: float) -> int:
-    """Bytes powerSGD_hook hands to allreduce per step (torch 1.13's compression rule)."""
-    total = 0
-    for p in model.parameters():
-        if p.dim() <= 1:
-            total += p.numel() * 4
-            continue
-        n, m = p.shape[0], p.numel() // p.shape[0]
-        if n * m > (n + m) * r * min_rate:
-            total += (n + m) * r * 4
-        else:
-            total += n * m * 4
-    return total
-
-
-def _torch_psgd_waited(state, bucket):
-    """torch's powerSGD_hook, waited for inside the hook. Unwaited, on torch 1.13 + gloo it
-    aborted (gloo "op.preamble.length <= op.nbytes") or hung from about 1M parameters on 4
-    ranks: it issues its P and Q allreduces from completion callbacks on gloo's threads. With
-    the model in one bucket (the default here) the bucket is ready only at the end of backward,
-    where DDP waits for the future anyway, so waiting here costs no overlap."""
-    fut = ps.powerSGD_hook(state, bucket)
-    fut.wait()
-    return fut
-
-
-def _no_comm(state, bucket):
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
 def _setup(kind, opts, model):
     """Registers the hook of one configuration; returns the gradcomp state or None."""
     if kind == "ddp":
         return None
-    if kind == "torch-fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return None
-    if kind == "no-comm":
-        model.register_comm_hook(None, _no_comm)
-        return None
-    if kind == "torch-powersgd":
-        st = ps.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
-                              start_powerSGD_iter=PSGD["start_iter"],
-                              min_compression_rate=PSGD["min_compression_rate"],
-                              use_error_feedback=PSGD["use_error_feedback"],
-                              warm_start=PSGD["warm_start"], random_seed=0)
-        model.register_comm_hook(st, _torch_psgd_waited)
+    if kind in baselines.KINDS:
+        baselines.register(kind, model, opts)
         return None
     import gradcomp.torch as gt
     o = dict(opts)
@@ -210,14 +167,8 @@ def _worker(rank, world, init, args, out):
             }
             if state._worker is not None:
                 state._worker.close()
-        if kind == "no-comm":
-            nbytes, source = 0, "analytic"
-        elif kind == "ddp" or kind == "torch-fp16":
-            nbytes = n_params * (2 if kind == "torch-fp16" else 4)
-            source = "analytic"
-        elif kind == "torch-powersgd":
-            nbytes = torch_psgd_bytes(model.module, opts["rank"], PSGD["min_compression_rate"])
-            source = "analytic"
+        if kind == "ddp" or kind in baselines.KINDS:
+            nbytes, source = baselines.bytes_per_step(kind, model.module, opts), "analytic"
         else:
             nbytes = hist["bytes"]
             source = "measured"
@@ -309,13 +260,10 @@ def _table(rows):
 
 
 def _run_in_namespaces(args):
-    """Starts every rank inside its own namespace (bench/netem/netns.sh), rank 0 at 10.77.0.1;
-    bounded by --timeout; the namespaces are removed whatever happens."""
+    """Starts every rank inside its own namespace (gradcomp.experiments.netem), rank 0 at
+    10.77.0.1; bounded by --timeout; the namespaces are removed whatever happens."""
     import tempfile
-    if os.geteuid() != 0:
-        sys.exit("--netns needs root (network namespaces, tc)")
-    script = os.path.join(HERE, "netem", "netns.sh")
-    pfx = f"gcd{os.getpid() % 100000}"
+    from gradcomp.experiments import netem
     result = os.path.join(tempfile.mkdtemp(), "rows.json")
     passthrough = [a for a in sys.argv[1:]]
     i = 0
@@ -326,26 +274,11 @@ def _run_in_namespaces(args):
             del passthrough[i]
         else:
             i += 1
-    subprocess.run([script, "up", pfx, str(args.world), args.netns]
-                   + ([args.delay] if args.delay else []), check=True)
-    procs = []
-    try:
-        for r in range(args.world):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=f"gce{r}", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", f"{pfx}{r}", sys.executable, os.path.abspath(__file__),
-                 *passthrough, "--_rank", str(r), "--_init", "tcp://10.77.0.1:29517",
-                 "--_result", result], env=env))
-        deadline = time.time() + args.timeout
-        for p in procs:
-            rc = p.wait(timeout=max(1.0, deadline - time.time()))
-            if rc != 0:
-                raise RuntimeError(f"a rank exited with status {rc}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        subprocess.run([script, "down", pfx, str(args.world)], check=False)
+    netem.run_in_namespaces(
+        args.world, args.netns,
+        lambda r: [sys.executable, os.path.abspath(__file__), *passthrough, "--_rank", str(r),
+                   "--_init", f"tcp://{netem.RANK0_ADDR}:29517", "--_result", result],
+        timeout=args.timeout, delay=args.delay)
     with open(result) as f:
         return json.load(f)
 
@@ -367,7 +300,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
     ap.add_argument("--netns", default="", metavar="RATE",
                     help="root: every rank in its own network namespace, links limited to RATE "
-                         "(tc syntax, e.g. 1gbit, 10gbit) both ways (bench/netem/netns.sh); "
+                         "(tc syntax, e.g. 1gbit, 10gbit) both ways (gradcomp.experiments.netem); "
                          "default: all ranks on loopback")
     ap.add_argument("--delay", default="", help="with --netns: added one-way delay, e.g. 100us")
     ap.add_argument("--timeout", type=float, default=1800.0,

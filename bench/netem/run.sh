@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Runs the 4-rank comm benchmark (bench_comm) with every rank in its own network namespace
-# (bench/netem/netns.sh: veth links to a bridge, every link limited to RATE, default 1gbit, in
-# both directions with tc tbf). OpenMPI runs over TCP on those links
+# (python_bindings/gradcomp/experiments/netns.sh: veth links to a bridge, every link limited to
+# RATE, default 1gbit, in both directions with tc tbf). OpenMPI runs over TCP on those links
 # only (btl tcp,self; btl/oob_tcp_if_include 10.77.0.0/24); mpirun starts the remote daemons
 # through an rsh agent that enters the namespace of the "host" (ip netns exec). Only addresses
 # 10.77.0.1-4, inside namespaces this script creates, are used; everything is removed on exit.
@@ -23,12 +23,12 @@ PFX="gcn$$"            # namespace prefix, unique per run
 TMP=$(mktemp -d)
 cleanup() {
   set +e
-  bench/netem/netns.sh down "$PFX" "$NP"
+  python_bindings/gradcomp/experiments/netns.sh down "$PFX" "$NP"
   rm -rf "$TMP"
 }
 trap cleanup EXIT INT TERM
 
-bench/netem/netns.sh up "$PFX" "$NP" "$RATE" "$DELAY"
+python_bindings/gradcomp/experiments/netns.sh up "$PFX" "$NP" "$RATE" "$DELAY"
 : > "$TMP/hosts"
 for ((i = 0; i < NP; i++)); do echo "10.77.0.$((i + 1)) slots=1" >> "$TMP/hosts"; done
 

@@ -5,8 +5,8 @@
 # every link limited to RATE in both directions (tc tbf; with DELAY, netem delay + rate).
 # Only addresses inside the namespaces made here are used.
 #
-#   bench/netem/netns.sh up PFX NP RATE [DELAY]     (root)
-#   bench/netem/netns.sh down PFX NP                removes them (missing ones are ignored)
+#   netns.sh up PFX NP RATE [DELAY]     (root)
+#   netns.sh down PFX NP                removes them (missing ones are ignored)
 set -euo pipefail
 cmd=${1:?up or down}; PFX=${2:?prefix}; NP=${3:?ranks}
 SW="${PFX}sw"

@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An emulated cluster on one machine (root): every rank in its own network namespace, joined to
+a bridge by veth links limited to a rate (tc) in both directions; rank r at ``10.77.0.(r+1)`` on
+interface ``gce<r>``. The namespaces are made by ``netns.sh`` beside this module and removed
+whatever happens. Used by the Fashion-MNIST experiment and by bench/ddp_hooks_bench.py (both
+``--netns RATE``) and, for MPI, by bench/netem/run.sh.
+
+    python -m gradcomp.experiments.netem up PFX NP RATE [DELAY]   # what netns.sh does
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional, Sequence
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns.sh")
+RANK0_ADDR = "10.77.0.1"
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise PermissionError("--netns needs root (network namespaces, tc): run with sudo")
+
+
+def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], List[str]],
+                      timeout: float, delay: str = "", env: Optional[dict] = None) -> None:
+    """Starts ``command_for_rank(r)`` for r < world, each inside its own namespace with links of
+    ``rate`` (tc syntax: 1gbit, 10gbit) and optional one-way ``delay``; waits for all of them,
+    at most ``timeout`` seconds in all. Raises RuntimeError when a rank fails or the time runs
+    out (the remaining ranks are killed). The namespaces are removed in every case."""
+    require_root()
+    pfx = f"gcx{os.getpid() % 100000}"
+    subprocess.run(["bash", SCRIPT, "up", pfx, str(world), rate] + ([delay] if delay else []), check=True)
+    procs: List[subprocess.Popen] = []
+    try:
+        for r in range(world):
+            e = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=f"gce{r}",
+                     OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(["ip", "netns", "exec", f"{pfx}{r}",
+                                           *command_for_rank(r)], env=e))
+        deadline = time.time() + timeout
+        for r, p in enumerate(procs):
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"rank {r} still running after {timeout:.0f} s: stopped") from None
+            if rc != 0:
+                raise RuntimeError(f"rank {r} exited with status {rc}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        subprocess.run(["bash", SCRIPT, "down", pfx, str(world)], check=False)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return subprocess.run(["bash", SCRIPT, *(sys.argv[1:] if argv is None else argv)]).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
