@@ -174,11 +174,20 @@ std::optional<Collective> CastAllreducePlan::next_reduce_scatter() {
 }
 
 // ---------------------------------------------------------------------------------------------
+namespace {
+/// The compressor configuration of one rank: clip_norm becomes the rank's local threshold.
+template <class Cfg>
+Cfg per_rank(Cfg cfg, int world) {
+  cfg.clip_norm = cfg.local_clip_norm(world);
+  return cfg;
+}
+}  // namespace
+
 TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int world,
                                      const TopKPlanOptions& opt, DType grad_dtype, Device device,
                                      int device_index, void* stream)
     : GradientPlan(numel, grad_dtype, world, device, device_index, stream),
-      comp_(cfg, numel, grad_dtype, device, device_index, stream),
+      comp_(per_rank(cfg, world), numel, grad_dtype, device, device_index, stream),
       opt_(opt),
       payload_(device),
       sizes_(device, stream),
@@ -316,7 +325,7 @@ RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t num
                                            DType grad_dtype, Device device, int device_index,
                                            void* stream)
     : GradientPlan(numel, grad_dtype, world, device, device_index, stream),
-      comp_(cfg, numel, grad_dtype, device, device_index, stream),
+      comp_(per_rank(cfg, world), numel, grad_dtype, device, device_index, stream),
       payload_(device),
       acc_(device, stream) {
   payload_.bytes.set_stream(stream);

@@ -44,11 +44,26 @@ void SparsifyConfig::validate() const {
   GC_CHECK_ARG(warmup_steps >= 0, "warmup_steps must be >= 0, got ", warmup_steps);
   for (double r : warmup_ratios) check_ratio(r, "each warm-up ratio");
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
+  GC_CHECK_ARG(clip_scaling == ClipScaling::kSqrtWorld || clip_scaling == ClipScaling::kNone,
+               "unknown clip_scaling code ", static_cast<int>(clip_scaling));
 }
 
 void TopKConfig::validate() const {
   SparsifyConfig::validate();
   select.validate();
+}
+
+double SparsifyConfig::local_clip_norm(int world) const {
+  GC_CHECK_ARG(world >= 1, "world must be >= 1, got ", world);
+  if (clip_scaling == ClipScaling::kNone) return clip_norm;
+  return clip_norm / std::sqrt(static_cast<double>(world));
+}
+
+SparsifyConfig::ClipScaling parse_clip_scaling(const std::string& name) {
+  if (name == "sqrt_world") return SparsifyConfig::ClipScaling::kSqrtWorld;
+  if (name == "none") return SparsifyConfig::ClipScaling::kNone;
+  throw InvalidArgument(detail::cat("unknown clip_scaling '", name,
+                                    "' (expected sqrt_world or none)"));
 }
 
 double SparsifyConfig::ratio_at(int64_t step) const {

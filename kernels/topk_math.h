@@ -25,6 +25,12 @@ GC_HD void dgc_update(float g, float m, bool nesterov, float& u, float& v) {
 }
 
 /// Local gradient clipping coefficient: min(1, max_norm / ||g||); 1 when clipping is off (<= 0).
+/// What stays in the residual of an element whose accumulated value v was sent as `sent` (v
+/// rounded to the value dtype, as the receiver decodes it): the rounding error v - sent, so
+/// that fp16/bf16 values lose nothing over steps; 0 for fp32 values (sent == v). A `sent` that
+/// overflowed the value dtype (infinite) leaves 0.
+GC_HD float residual_after_send(float v, float sent) { return is_finite_bits(sent) ? v - sent : 0.0f; }
+
 GC_HD float clip_coefficient(double norm, double max_norm) {
   if (max_norm <= 0.0 || norm <= max_norm) return 1.0f;
   return static_cast<float>(max_norm / norm);

@@ -67,7 +67,15 @@ struct SparsifyConfig {
   double momentum = 0.0;         ///< DGC momentum correction factor m in [0, 1); 0 = off
   bool nesterov = false;         ///< Nesterov form of the correction
   bool momentum_masking = true;  ///< clear the momentum where an element was sent
-  double clip_norm = 0.0;        ///< local gradient clipping by L2 norm before accumulation; 0 = off
+  /// Local gradient clipping by L2 norm before accumulation; 0 = off. A compressor of one
+  /// tensor clips at clip_norm; the allreduce plans (TopKAllreducePlan, RandomKAllreducePlan)
+  /// clip each of their N ranks at local_clip_norm(N), by default clip_norm / sqrt(N).
+  double clip_norm = 0.0;
+  /// How a plan of N ranks turns clip_norm into each rank's threshold: kSqrtWorld (DGC, Lin et
+  /// al. 2018 Sec. 3.2: clip_norm N^-1/2, so that the sum of N such clipped gradients, when they
+  /// are uncorrelated, has norm about clip_norm) or kNone (clip_norm itself on every rank).
+  enum class ClipScaling : uint8_t { kSqrtWorld = 0, kNone = 1 };
+  ClipScaling clip_scaling = ClipScaling::kSqrtWorld;
   /// Sparsity warm-up: density warmup_ratios[s] during steps [s * warmup_steps, (s+1) *
   /// warmup_steps). Empty = no warm-up. dgc_warmup() gives DGC's exponential schedule.
   std::vector<double> warmup_ratios;
@@ -85,7 +93,13 @@ struct SparsifyConfig {
   void validate() const;
   /// Density used at a step (warm-up aware); InvalidArgument for a negative step.
   double ratio_at(int64_t step) const;
+  /// The threshold each rank of a `world`-rank allreduce clips at (see clip_scaling);
+  /// InvalidArgument for world < 1.
+  double local_clip_norm(int world) const;
 };
+
+/// "sqrt_world" / "none"; InvalidArgument naming the accepted names otherwise.
+SparsifyConfig::ClipScaling parse_clip_scaling(const std::string& name);
 
 struct TopKConfig : SparsifyConfig {
   SelectOptions select;

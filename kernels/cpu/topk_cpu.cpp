@@ -334,12 +334,22 @@ void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nester
 }
 
 
-inline void store_value(void* values, DType vt, int64_t j, float x) {
+/// Stores x as value j in the value dtype; returns what a receiver decodes from it.
+inline float store_value(void* values, DType vt, int64_t j, float x) {
   switch (vt) {
-    case DType::kFloat32: static_cast<float*>(values)[j] = x; return;
-    case DType::kFloat16: static_cast<uint16_t*>(values)[j] = float_to_half(x); return;
-    case DType::kBFloat16: static_cast<uint16_t*>(values)[j] = float_to_bf16(x); return;
+    case DType::kFloat32: static_cast<float*>(values)[j] = x; return x;
+    case DType::kFloat16: {
+      const uint16_t h = float_to_half(x);
+      static_cast<uint16_t*>(values)[j] = h;
+      return half_to_float(h);
+    }
+    case DType::kBFloat16: {
+      const uint16_t h = float_to_bf16(x);
+      static_cast<uint16_t*>(values)[j] = h;
+      return bf16_to_float(h);
+    }
   }
+  return x;
 }
 
 }  // namespace
@@ -375,8 +385,7 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt) {
   for (int64_t j = 0; j < k; ++j) {
     const uint32_t i = idx[j];
-    store_value(values, vt, j, v[i]);
-    v[i] = 0.0f;
+    v[i] = residual_after_send(v[i], store_value(values, vt, j, v[i]));
     if (u) u[i] = 0.0f;
   }
 }

@@ -556,14 +556,21 @@ __global__ void __launch_bounds__(kThreads)
     dgc_one<Load, kMomentum>(g, i, coef, m, nesterov, u, v);
 }
 
+/// Stores x as value j in the value dtype; returns what a receiver decodes from it.
 template <DType VT>
-__device__ __forceinline__ void store_value(void* values, int64_t j, float x) {
-  if constexpr (VT == DType::kFloat32)
+__device__ __forceinline__ float store_value(void* values, int64_t j, float x) {
+  if constexpr (VT == DType::kFloat32) {
     static_cast<float*>(values)[j] = x;
-  else if constexpr (VT == DType::kFloat16)
-    static_cast<uint16_t*>(values)[j] = float_to_half(x);
-  else
-    static_cast<uint16_t*>(values)[j] = float_to_bf16(x);
+    return x;
+  } else if constexpr (VT == DType::kFloat16) {
+    const uint16_t h = float_to_half(x);
+    static_cast<uint16_t*>(values)[j] = h;
+    return half_to_float(h);
+  } else {
+    const uint16_t h = float_to_bf16(x);
+    static_cast<uint16_t*>(values)[j] = h;
+    return bf16_to_float(h);
+  }
 }
 
 template <DType VT>
@@ -572,8 +579,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<int64_t>(gridDim.x) * kThreads) {
     const uint32_t i = idx[j];
-    store_value<VT>(values, j, v[i]);
-    v[i] = 0.0f;
+    v[i] = residual_after_send(v[i], store_value<VT>(values, j, v[i]));
     if (u) u[i] = 0.0f;
   }
 }

@@ -95,13 +95,14 @@ void bind_plans(nb::module_& m) {
          double clip_norm, std::vector<double> warmup_ratios, int64_t warmup_steps,
          const std::string& value_dtype, bool error_feedback, bool check_finite, uint64_t seed,
          uint32_t tensor_id, double sample_rate, const std::string& route, double latency_s,
-         double bandwidth_Bps,
+         double bandwidth_Bps, const std::string& clip_scaling,
          const std::string& grad_dtype, const std::string& device, int device_index,
          uintptr_t stream) {
-        const TopKConfig c = topk_config(ratio, method, sample_rate, momentum, nesterov,
+        TopKConfig c = topk_config(ratio, method, sample_rate, momentum, nesterov,
                                          momentum_masking, clip_norm, std::move(warmup_ratios),
                                          warmup_steps, value_dtype, error_feedback, check_finite,
                                          seed, tensor_id);
+        c.clip_scaling = parse_clip_scaling(clip_scaling);
         TopKPlanOptions o;
         o.route = parse_route(route);
         GC_CHECK_ARG(latency_s >= 0 && bandwidth_Bps > 0, "cost model needs latency_s >= 0 and "
@@ -118,7 +119,8 @@ void bind_plans(nb::module_& m) {
       nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
       nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
       nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
-      nb::arg("sample_rate") = 0.01, nb::arg("route") = "auto", nb::arg("latency_s") = 20e-6, nb::arg("bandwidth_Bps") = 5e9,
+      nb::arg("sample_rate") = 0.01, nb::arg("route") = "auto", nb::arg("latency_s") = 20e-6,
+      nb::arg("bandwidth_Bps") = 5e9, nb::arg("clip_scaling") = "sqrt_world",
       nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
       nb::arg("stream") = 0);
   bind_begin(topk);
@@ -151,11 +153,12 @@ void bind_plans(nb::module_& m) {
          bool nesterov, bool momentum_masking, double clip_norm,
          std::vector<double> warmup_ratios, int64_t warmup_steps, const std::string& value_dtype,
          bool error_feedback, bool check_finite, uint64_t seed, uint32_t tensor_id,
-         const std::string& grad_dtype, const std::string& device, int device_index,
-         uintptr_t stream) {
-        const auto c = sparsify_config<RandomKConfig>(
+         const std::string& clip_scaling, const std::string& grad_dtype,
+         const std::string& device, int device_index, uintptr_t stream) {
+        auto c = sparsify_config<RandomKConfig>(
             ratio, momentum, nesterov, momentum_masking, clip_norm, std::move(warmup_ratios),
             warmup_steps, value_dtype, error_feedback, check_finite, seed, tensor_id);
+        c.clip_scaling = parse_clip_scaling(clip_scaling);
         new (self) RandomKAllreducePlan(c, numel, world, parse_dtype(grad_dtype),
                                         parse_device(device), device_index,
                                         reinterpret_cast<void*>(stream));
@@ -165,6 +168,7 @@ void bind_plans(nb::module_& m) {
       nb::arg("clip_norm") = 0.0, nb::arg("warmup_ratios") = std::vector<double>{},
       nb::arg("warmup_steps") = 0, nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
       nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
+      nb::arg("clip_scaling") = "sqrt_world",
       nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
       nb::arg("stream") = 0);
   bind_begin(rk);

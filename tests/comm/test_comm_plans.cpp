@@ -336,3 +336,49 @@ TEST(CommPlans, DenseHalfGradientsSumInHalf) {
     for (int r = 0; r < P; ++r) ASSERT_EQ(g[r][i], want) << "i=" << i << " rank " << r;
   }
 }
+
+TEST(CommPlans, SparsifyPlansClipEachRankAtNormOverSqrtWorld) {
+  // DGC (Lin et al. 2018, Sec. 3.2): each of N ranks clips at clip_norm N^-1/2 by default;
+  // ClipScaling::kNone clips at clip_norm. Gradients of all ones (norm sqrt(n) = 10) with
+  // clip_norm 2 on 4 ranks: the local threshold 1 scales them by 0.1 (kNone: 2, by 0.2), and
+  // with density 1 the average is that scale everywhere.
+  const int P = 4;
+  const int64_t n = 100;
+  for (auto scaling : {gc::SparsifyConfig::ClipScaling::kSqrtWorld,
+                       gc::SparsifyConfig::ClipScaling::kNone}) {
+    const float want = scaling == gc::SparsifyConfig::ClipScaling::kNone ? 0.2f : 0.1f;
+    for (int family = 0; family < 2; ++family) {
+      std::vector<std::unique_ptr<gc::Plan>> plans;
+      std::vector<gc::Plan*> raw;
+      std::vector<std::vector<float>> g(P, std::vector<float>(n, 1.0f));
+      for (int r = 0; r < P; ++r) {
+        if (family == 0) {
+          gc::TopKConfig cfg;
+          cfg.ratio = 1.0;
+          cfg.clip_norm = 2.0;
+          cfg.clip_scaling = scaling;
+          plans.push_back(std::make_unique<gc::TopKAllreducePlan>(cfg, n, P));
+        } else {
+          gc::RandomKConfig cfg;
+          cfg.ratio = 1.0;
+          cfg.clip_norm = 2.0;
+          cfg.clip_scaling = scaling;
+          plans.push_back(std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P));
+        }
+        static_cast<gc::GradientPlan*>(plans[r].get())->begin(gc::TensorView::cpu(g[r].data(), n));
+        raw.push_back(plans[r].get());
+      }
+      gc::run_plans_in_process(raw);
+      for (int r = 0; r < P; ++r)
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_NEAR(g[r][i], want, 1e-6f) << "family " << family << " rank " << r << " i " << i;
+    }
+  }
+  gc::SparsifyConfig c;
+  c.clip_norm = 3.0;
+  EXPECT_DOUBLE_EQ(c.local_clip_norm(9), 1.0);
+  EXPECT_DOUBLE_EQ(c.local_clip_norm(1), 3.0);
+  EXPECT_THROW(c.local_clip_norm(0), gc::InvalidArgument);
+  EXPECT_EQ(gc::parse_clip_scaling("none"), gc::SparsifyConfig::ClipScaling::kNone);
+  EXPECT_THROW(gc::parse_clip_scaling("sqrt"), gc::InvalidArgument);
+}

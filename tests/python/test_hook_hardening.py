@@ -46,6 +46,8 @@ BAD_OPTIONS = [
     ("randomk", dict(ratio=0)),
     ("randomk", dict(ratio=2)),
     ("randomk", dict(value_dtype="int8")),
+    ("topk", dict(clip_scaling="sqrt")),
+    ("randomk", dict(clip_scaling="bogus")),
     ("onebit", dict(scaling="bogus")),
     ("onebit", dict(scaling="column_means")),  # the two-phase allreduce needs a sign mode
     ("powersgd", dict(rank=0)),
@@ -77,7 +79,7 @@ def test_bad_hook_argument_raises_value_error(kw):
 @pytest.mark.parametrize("name,opts", [
     ("topk", dict(ratio=0.01, momentum=0.9, nesterov=True, clip_norm=1.0, warmup_ratios=[0.25],
                   warmup_steps=5, value_dtype="float16", method="exact", route="sparse")),
-    ("randomk", dict(ratio=0.5, value_dtype="bfloat16")),
+    ("randomk", dict(ratio=0.5, value_dtype="bfloat16", clip_norm=2.0, clip_scaling="none")),
     ("onebit", dict(scaling="sign_l2", error_feedback=False)),
     ("powersgd", dict(rank=4, orthogonalization="householder", min_compression_rate=0.0)),
     ("fp16", {}),

@@ -153,8 +153,11 @@ class _Cast(_Family):
 class _TopK(_Family):
     name = "topk"
     stateful = True
+    # clip_norm: the global threshold; each of N ranks clips its gradient at clip_norm N^-1/2
+    # (clip_scaling="sqrt_world", DGC) or at clip_norm itself (clip_scaling="none")
     defaults = dict(ratio=0.001, method="sampled", momentum=0.0, nesterov=False,
-                    momentum_masking=True, clip_norm=0.0, warmup_ratios=(), warmup_steps=0,
+                    momentum_masking=True, clip_norm=0.0, clip_scaling="sqrt_world",
+                    warmup_ratios=(), warmup_steps=0,
                     value_dtype="float32", error_feedback=True, check_finite=True, seed=0,
                     sample_rate=0.01, route="auto", latency_s=20e-6, bandwidth_Bps=5e9)
 
@@ -175,7 +178,8 @@ class _RandomK(_Family):
     # momentum > 0: DGC's momentum correction and masking (use dgc_optimizer: no optimizer
     # momentum). Error-feedback random-k under an optimizer with momentum diverges (issue 17).
     defaults = dict(ratio=0.01, momentum=0.0, nesterov=False, momentum_masking=True,
-                    clip_norm=0.0, warmup_ratios=(), warmup_steps=0, value_dtype="float32",
+                    clip_norm=0.0, clip_scaling="sqrt_world", warmup_ratios=(), warmup_steps=0,
+                    value_dtype="float32",
                     error_feedback=True, check_finite=True, seed=0)
 
     def make(self, opts, bucket, world, tensor_id, group=None):
