@@ -29,7 +29,7 @@ mkdir -p "$wheelhouse"
 # 1. the venv and its packages: the newest matching versions from PyPI, each downloaded once
 [ -x "$venv2/bin/python" ] || /usr/bin/python3 -m venv "$venv2"
 pip2=("$venv2/bin/pip" --disable-pip-version-check)
-deps=("$spec" numpy pytest)
+deps=("$spec" numpy pytest matplotlib)  # matplotlib: the experiment report's plots
 if ! "${pip2[@]}" download -q --no-cache-dir -d "$wheelhouse" "${deps[@]}"; then
   # offline: the cached wheels still serve, if there are any
   ls "$wheelhouse"/torch-2.*.whl >/dev/null 2>&1 || { echo "test-torch2: no torch 2.x wheel" >&2; exit 1; }

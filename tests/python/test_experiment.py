@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Fashion-MNIST experiment's machinery (issue 13): configuration parsing, the PyTorch
+baselines, the slow rank with and without DropCompute, the report (time to target, speedups,
+CSV, table, plots) and the loader errors. Accuracy itself: test_training_accuracy.py."""
+import csv
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradcomp.experiments import baselines  # noqa: E402
+from gradcomp.experiments import fashion_mnist as fm  # noqa: E402
+
+
+def test_config_parsing_and_flags():
+    assert fm.parse_config("topk+slow+dropcompute")[1] == "topk"
+    assert fm.config_flags("topk+slow+dropcompute") == ("slow", "dropcompute")
+    assert fm.config_flags("plain") == ()
+    name, hook, opts, mc = fm.parse_config("onebit:block_size=64;scaling=sign_l2+slow")
+    assert (hook, opts, mc) == ("onebit", {"block_size": 64, "scaling": "sign_l2"}, False)
+    with pytest.raises(ValueError, match="unknown suffix"):
+        fm.config_flags("topk+fast")
+    with pytest.raises(ValueError, match=r"\+slow\+dropcompute"):
+        fm.config_flags("topk+dropcompute")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        fm.parse_config("topq")
+    with pytest.raises(ValueError, match="unknown PyTorch baseline"):
+        baselines.register("torch-int8", None)
+
+
+def test_baseline_bytes():
+    m = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
+    n = sum(p.numel() for p in m.parameters())
+    assert baselines.bytes_per_step("ddp", m) == 4 * n
+    assert baselines.bytes_per_step("torch-fp16", m) == 2 * n
+    assert baselines.bytes_per_step("no-comm", m) == 0
+    # rank 4: 100x50 is compressed to (50 + 100) 4 floats; 50x2 is not worth it (2 < 2x);
+    # the biases travel as they are
+    assert baselines.bytes_per_step("torch-powersgd", m, {"rank": 4}) == \
+        4 * ((50 + 100) * 4 + 50 + 2 * 50 + 2)
+
+
+def _fake(config, times_accs, steps=100, spe=50, seed=0, wire=1000.0):
+    return {"config": config, "seed": seed, "steps": steps, "steps_per_epoch": spe,
+            "accuracy": times_accs[-1][2], "wall_s": times_accs[-1][1], "params": 10,
+            "accuracy_log": times_accs, "wire_bytes_per_step": wire,
+            "plain_wire_bytes_per_step": 3000.0, "samples_fraction": 1.0,
+            "steps_log": [(0, 0.1, 2.3, wire), (1, 0.2, 2.2, wire)]}
+
+
+def test_report_time_to_target_and_speedups(tmp_path):
+    res = [
+        _fake("plain", [(50, 10.0, 0.70), (100, 20.0, 0.86)], wire=3000.0),
+        _fake("plain", [(50, 12.0, 0.84), (100, 24.0, 0.87)], seed=1, wire=3000.0),
+        _fake("fp16", [(50, 5.0, 0.86), (100, 10.0, 0.87)]),
+        _fake("torch-fp16", [(50, 15.0, 0.85), (100, 30.0, 0.86)]),
+        _fake("topk+slow", [(50, 8.0, 0.80), (100, 16.0, 0.855)]),
+        _fake("topk+slow+dropcompute", [(50, 6.0, 0.80), (100, 12.0, 0.851)]),
+        _fake("onebit", [(50, 4.0, 0.70), (100, 8.0, 0.80)]),
+    ]
+    assert fm.time_to_target(res[0], 0.85) == 20.0
+    assert fm.time_to_target(res[6], 0.85) is None
+    rows = {r["config"]: r for r in fm.summarize(res, 0.85)}
+    assert rows["plain"]["time_to_target"] == pytest.approx(22.0)  # 20 and 24 over two seeds
+    assert rows["plain"]["accuracy"] == pytest.approx(0.865)
+    assert rows["fp16"]["speedup_vs_plain"] == pytest.approx(22.0 / 5.0)
+    assert rows["fp16"]["speedup_vs_torch"] == pytest.approx(15.0 / 5.0)
+    assert rows["topk+slow+dropcompute"]["speedup_vs_no_dropcompute"] == pytest.approx(16 / 12)
+    assert rows["onebit"]["time_to_target"] is None and rows["onebit"]["speedup_vs_plain"] is None
+    meta = dict(model="cnn", world=4, link="loopback", date="2026-11-24", commit="abc",
+                torch="x", command="cmd", load_before=1.0, load_after=2.0, wall_s=3.0,
+                lr=0.05, momentum=0.9, batch=32, eval_every=50)
+    fm.write_report(res, str(tmp_path), 0.85, meta,
+                    failed=[{"config": "randomk", "seed": 0, "error": "non-finite gradient"}])
+    table = (tmp_path / "table.md").read_text()
+    assert "| fp16 | 87.00% (87.00) | +0.50 |" in table
+    assert "| onebit |" in table and "not reached" in table
+    assert "4.40x" in table and "3.00x" in table and "1.33x" in table
+    assert "randomk (seed 0) did not finish: non-finite gradient" in table
+    with open(tmp_path / "evals.csv") as f:
+        ev = list(csv.DictReader(f))
+    assert len(ev) == 14 and ev[0]["epoch"] == "1.0000" and ev[0]["test_accuracy"] == "0.7000"
+    with open(tmp_path / "steps.csv") as f:
+        assert len(list(csv.DictReader(f))) == 14
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and json.loads(lines[-1])["error"] == "non-finite gradient"
+    for png in ("accuracy_vs_time.png", "accuracy_vs_epoch.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs():
+    """A few steps of the configurations the unit tests above do not train: PyTorch's hooks
+    and the slow rank with and without DropCompute (2 ranks, loopback)."""
+    out = {}
+    for cfg in ("torch-fp16", "torch-powersgd", "topk+slow", "topk+slow+dropcompute"):
+        args = dict(config=cfg, seed=0, lr=0.05, momentum=0.9, batch=32, epochs=1, steps=24,
+                    model="cnn", train_subset=2048, test_subset=500, log_every=8, eval_every=8,
+                    micro_batches=4, slow_base_ms=2.0, slow_log_mu=math.log(2.0),
+                    slow_log_sigma=2.0, slow_cap_ms=40.0)
+        out[cfg] = fm.run_config(args, world=2)
+    return out
+
+
+def test_baselines_and_slow_rank_runs_train_and_log(tiny_runs):
+    for cfg, r in tiny_runs.items():
+        assert r["steps"] == 24, cfg
+        assert [s for s, _, _ in r["accuracy_log"]] == [8, 16, 24], cfg
+        times = [t for _, t, _ in r["accuracy_log"]]
+        assert times == sorted(times) and times[0] > 0, cfg
+        assert len(r["steps_log"]) == 24 and all(math.isfinite(x[2]) for x in r["steps_log"])
+        assert r["accuracy"] > 0.3, (cfg, r["accuracy"])  # 24 steps: well above chance (0.1)
+    assert tiny_runs["torch-fp16"]["wire_bytes_per_step"] == \
+        pytest.approx(tiny_runs["torch-fp16"]["plain_wire_bytes_per_step"] / 2)
+    assert tiny_runs["torch-powersgd"]["wire_bytes_per_step"] < \
+        tiny_runs["torch-powersgd"]["plain_wire_bytes_per_step"] / 10
+    slow, dc = tiny_runs["topk+slow"], tiny_runs["topk+slow+dropcompute"]
+    assert slow["micro_batches"] == 4 and slow["dropcompute_tau"] is None
+    assert slow["samples_fraction_per_rank"] == [1.0, 1.0]
+    assert dc["dropcompute_tau"] is not None and dc["dropcompute_tau"] > 0
+    assert dc["samples_fraction_per_rank"][0] <= 1.0
+
+
+def test_from_results_writes_a_report(tmp_path, tiny_runs):
+    path = tmp_path / "runs.jsonl"
+    with open(path, "w") as f:
+        for r in tiny_runs.values():
+            f.write(json.dumps(r) + "\n")
+    out = tmp_path / "report"
+    assert fm.main(["--from-results", str(path), "--report", str(out), "--target", "0.3"]) == 0
+    table = (out / "table.md").read_text()
+    for cfg in tiny_runs:
+        assert f"| {cfg} |" in table
+    assert (out / "meta.json").exists() and (out / "accuracy_vs_time.png").exists()
