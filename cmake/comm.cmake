@@ -35,5 +35,9 @@ if(GRADCOMP_WITH_NCCL)
 else()
   file(GLOB GRADCOMP_NCCL_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/comm/nonccl/*.cpp)
   target_sources(gradcomp PRIVATE ${GRADCOMP_NCCL_SOURCES})
+  if(GRADCOMP_WITH_CUDA)  # the stub then says "built without NCCL", not "without CUDA"
+    set_source_files_properties(${GRADCOMP_NCCL_SOURCES} PROPERTIES COMPILE_DEFINITIONS
+                                GRADCOMP_CUDA_NO_NCCL)
+  endif()
 endif()
 message(STATUS "gradcomp: NCCL ${GRADCOMP_WITH_NCCL}")

@@ -239,7 +239,7 @@ struct OneBitCompressor::Impl {
 
 OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_t cols,
                                    DType grad_dtype, Device device, int device_index, void* stream)
-    : cfg_(cfg), rows_(rows), cols_(cols), grad_dtype_(grad_dtype), device_(device) {
+    : cfg_(cfg), rows_(rows), cols_(cols), device_(device) {
   cfg_.validate();
   GC_CHECK_ARG(cfg_.momentum == 0.0, "OneBitCompressor: momentum applies to the allreduce plan "
                "only (apply the optimizer's momentum instead), got ", cfg_.momentum);

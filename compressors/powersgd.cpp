@@ -108,8 +108,7 @@ struct PowerSGDState::Impl {
 PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
                              const std::vector<std::vector<int64_t>>& shapes, DType grad_dtype,
                              Device device, int device_index, void* stream)
-    : cfg_(cfg), dtype_(grad_dtype), device_(device) {
-  (void)device_index;
+    : cfg_(cfg), dtype_(grad_dtype), device_(device), device_index_(device_index) {
   cfg_.validate();
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype ",
                int(grad_dtype));
@@ -283,8 +282,11 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
     const TensorView& g = grads[i];
     GC_CHECK_ARG(g.dtype == st_.dtype_, "PowerSGD: tensor ", i, " must be ", dtype_name(st_.dtype_),
                  ", got ", g.describe());
-    GC_CHECK_ARG(g.device == st_.device_, "PowerSGD: tensor ", i, " must be on ",
-                 device_name(st_.device_), ", got ", g.describe());
+    GC_CHECK_ARG(g.device == st_.device_ &&
+                     (st_.device_ == Device::kCPU || g.device_index == st_.device_index_),
+                 "PowerSGD: tensor ", i, " must be on ", device_name(st_.device_),
+                 st_.device_ == Device::kCUDA ? detail::cat(":", st_.device_index_) : "",
+                 ", got ", g.describe());
     bool same = static_cast<size_t>(g.ndim) == shapes[i].size() ||
                 (shapes[i].empty() && g.ndim == 1 && g.numel == 1);
     for (size_t d = 0; same && d < shapes[i].size(); ++d) same = g.shape[d] == shapes[i][d];

@@ -250,7 +250,7 @@ struct TopKCompressor::Impl {
 
 TopKCompressor::TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_dtype,
                                Device device, int device_index, void* stream)
-    : cfg_(cfg), numel_(numel), grad_dtype_(grad_dtype), device_(device) {
+    : cfg_(cfg), numel_(numel), device_(device) {
   cfg_.validate();
   GC_CHECK_ARG(numel >= 0, "numel must be >= 0, got ", numel);
   GC_CHECK_ARG(numel < (int64_t{1} << 32), "tensor has ", numel,
@@ -414,7 +414,7 @@ struct RandomKCompressor::Impl {
 
 RandomKCompressor::RandomKCompressor(const RandomKConfig& cfg, int64_t numel, DType grad_dtype,
                                      Device device, int device_index, void* stream)
-    : cfg_(cfg), numel_(numel), grad_dtype_(grad_dtype), device_(device) {
+    : cfg_(cfg), numel_(numel), device_(device) {
   cfg_.validate();
   GC_CHECK_ARG(numel >= 0 && numel < (int64_t{1} << 32), "numel must be in [0, 2^32), got ", numel);
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");

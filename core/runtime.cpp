@@ -17,6 +17,13 @@ void throw_not_built_with_cuda(const char* what) {
             "GRADCOMP_CUDA=ON, or pass CPU tensors"));
 }
 
+void throw_not_built_with_nccl(const char* what, bool cuda_built) {
+  if (!cuda_built) throw_not_built_with_cuda(detail::cat(what, " (NCCL)").c_str());
+  throw NotBuiltWithCuda(detail::cat(
+      what, ": gradcomp was built with CUDA but without NCCL (nccl.h or libnccl.so not found at "
+            "configure time); install NCCL into the CUDA toolkit and rebuild"));
+}
+
 void* device_malloc(Device dev, size_t bytes, void* stream) {
   if (dev == Device::kCUDA) return cuda::malloc_async(bytes, stream);
   if (bytes == 0) bytes = 1;

@@ -79,9 +79,6 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
 /// e_in may be null (x = g) and e_out may equal e_in (in place).
 void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
                      const float* scales, uint32_t* bits);
-/// dense = [dense +] scale * decode(bits, scales).
-void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
-                   bool accumulate, float* dense);
 /// dense = [dense +] scale * (sum over p in order of decode(bits[p], scales[p])); one pass.
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense);
@@ -99,8 +96,6 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
                       bool check_finite, float* scales, OneBitWorkspace& ws, void* stream);
 void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
                      const float* scales, uint32_t* bits, void* stream);
-void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
-                   bool accumulate, float* dense, void* stream);
 /// bits / scales are host arrays of device pointers (copied to the device through ws).
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense,

@@ -1,12 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU-only build: NcclCommunicator exists and its constructors throw "built without CUDA".
+// A build without NCCL: NcclCommunicator exists and throws. Without CUDA the message says
+// "built without CUDA"; with CUDA but no NCCL found at configure time (GRADCOMP_CUDA_NO_NCCL,
+// set by cmake/comm.cmake) it says "built without NCCL".
 #include "gradcomp/comm.hpp"
 #include "gradcomp/runtime.hpp"
 
 namespace gradcomp {
 
 namespace {
-[[noreturn]] void no_nccl() { throw_not_built_with_cuda("NcclCommunicator (NCCL)"); }
+#ifdef GRADCOMP_CUDA_NO_NCCL
+constexpr bool kCudaBuilt = true;
+#else
+constexpr bool kCudaBuilt = false;
+#endif
+[[noreturn]] void no_nccl() { throw_not_built_with_nccl("NcclCommunicator", kCudaBuilt); }
 }  // namespace
 
 struct NcclCommunicator::Impl {};

@@ -130,7 +130,6 @@ class OneBitCompressor : public Compressor {
   std::unique_ptr<Impl> impl_;
   OneBitConfig cfg_;
   int64_t rows_, cols_;
-  DType grad_dtype_;
   Device device_;
   int64_t step_ = 0;
   CompressionStats stats_;

@@ -156,6 +156,7 @@ class PowerSGDState {
   PowerSGDConfig cfg_;
   DType dtype_;
   Device device_;
+  int device_index_;
   std::vector<PowerSGDTensorInfo> info_;
   int64_t m_numel_ = 0, u_numel_ = 0, p_numel_ = 0, q_numel_ = 0;
   int64_t step_ = 0;

@@ -17,6 +17,9 @@ int cuda_device_count();
 
 /// Throws NotBuiltWithCuda naming `what` (e.g. "top-k selection on a CUDA tensor").
 [[noreturn]] void throw_not_built_with_cuda(const char* what);
+/// The same for an NCCL entry point of a build without NCCL: "built without NCCL" when CUDA was
+/// built (NCCL was not found at configure time), else "built without CUDA".
+[[noreturn]] void throw_not_built_with_nccl(const char* what, bool cuda_built);
 
 namespace cuda {
 /// Stream-ordered allocation on the current device (cudaMallocAsync).

@@ -136,7 +136,6 @@ class TopKCompressor : public Compressor {
   std::unique_ptr<Impl> impl_;
   TopKConfig cfg_;
   int64_t numel_;
-  DType grad_dtype_;
   Device device_;
   int64_t step_ = 0;
   CompressionStats stats_;
@@ -180,7 +179,6 @@ class RandomKCompressor : public Compressor {
   std::unique_ptr<Impl> impl_;
   RandomKConfig cfg_;
   int64_t numel_;
-  DType grad_dtype_;
   Device device_;
   int64_t step_ = 0;
   CompressionStats stats_;

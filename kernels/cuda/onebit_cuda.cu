@@ -495,20 +495,24 @@ void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales,
   GC_CUDA_CHECK_LAUNCH();
 }
 
-void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
-                   bool accumulate, float* dense, void* stream) {
+namespace {
+/// dense = [dense +] scale * decode(bits, scales): onebit_decode_average's one-payload case,
+/// without staging a pointer array.
+void decode_one(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
+                bool accumulate, float* dense, void* stream) {
   if (geo.n == 0) return;
   decode_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, as_stream(stream)>>>(
       nullptr, nullptr, bits, scales, 1, to_geo(geo), scale, accumulate, dense);
   GC_CUDA_CHECK_LAUNCH();
 }
+}  // namespace
 
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense,
                            OneBitWorkspace& ws, void* stream) {
   if (geo.n == 0 || count <= 0) return;
   if (count == 1) {
-    onebit_decode(bits[0], scales[0], geo, scale, accumulate, dense, stream);
+    decode_one(bits[0], scales[0], geo, scale, accumulate, dense, stream);
     return;
   }
   cudaStream_t s = as_stream(stream);

@@ -20,9 +20,6 @@ int64_t onebit_compress(const void*, DType, const float*, const float*, float*, 
 void onebit_finalize_error(float*, const OneBitGeom&, const float*, void*) {
   throw_not_built_with_cuda("1-bit error feedback of a CUDA tensor");
 }
-void onebit_decode(const uint32_t*, const float*, const OneBitGeom&, float, bool, float*, void*) {
-  throw_not_built_with_cuda("1-bit decode into a CUDA tensor");
-}
 void onebit_decode_average(const uint32_t* const*, const float* const*, int, const OneBitGeom&,
                            float, bool, float*, OneBitWorkspace&, void*) {
   throw_not_built_with_cuda("1-bit decode into a CUDA tensor");

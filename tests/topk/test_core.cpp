@@ -155,6 +155,23 @@ TEST(Runtime, CudaEntryPointsFailClearlyWithoutCuda) {
   }
 }
 
+TEST(Runtime, NcclEntryPointsNameWhatTheBuildLacks) {
+  // a CUDA build whose configure step found no NCCL must not blame CUDA (issue 10)
+  auto message = [](bool cuda_built) {
+    try {
+      throw_not_built_with_nccl("NcclCommunicator", cuda_built);
+    } catch (const NotBuiltWithCuda& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  const std::string with_cuda = message(true), without = message(false);
+  EXPECT_NE(with_cuda.find("built with CUDA but without NCCL"), std::string::npos) << with_cuda;
+  EXPECT_EQ(with_cuda.find("built without CUDA"), std::string::npos) << with_cuda;
+  EXPECT_NE(without.find("built without CUDA"), std::string::npos) << without;
+  EXPECT_NE(without.find("NcclCommunicator (NCCL)"), std::string::npos) << without;
+}
+
 class IndexCodingTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(IndexCodingTest, RoundTripsEveryCoding) {
