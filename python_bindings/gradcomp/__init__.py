@@ -2,11 +2,23 @@
 """gradcomp: gradient compression and straggler mitigation for data-parallel training.
 
 ``import gradcomp`` needs only NumPy; the PyTorch integration lives in ``gradcomp.torch`` and
-imports torch when it is used.
+imports torch when it is used. Every public class and function of the extension is here under
+``gradcomp.<name>``: the compressors, the allreduce plans, PowerSGD, and the DropCompute / QSR
+analytics (also grouped in ``gradcomp.dropcompute`` with the helpers written in Python).
 """
 from gradcomp._C import (  # noqa: F401
+    CastAllreducePlan,
+    Collective,
+    DenseAllreducePlan,
+    OneBitAllreducePlan,
+    OneBitCompressor,
     Payload,
+    Plan,
+    PowerSGDPlan,
+    PowerSGDState,
+    RandomKAllreducePlan,
     RandomKCompressor,
+    TopKAllreducePlan,
     TopKCompressor,
     built_with_cuda,
     cpu_threads,
@@ -16,5 +28,13 @@ from gradcomp._C import (  # noqa: F401
 )
 
 from gradcomp import dropcompute  # noqa: E402,F401  (needs no torch)
+from gradcomp.dropcompute import *  # noqa: E402,F401,F403  (the straggler and QSR analytics)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CastAllreducePlan", "Collective", "DenseAllreducePlan", "OneBitAllreducePlan",
+    "OneBitCompressor", "Payload", "Plan", "PowerSGDPlan", "PowerSGDState", "RandomKAllreducePlan",
+    "RandomKCompressor", "TopKAllreducePlan", "TopKCompressor", "built_with_cuda", "cpu_threads",
+    "cuda_device_count", "set_cpu_threads", "topk_indices", "dropcompute",
+] + dropcompute.__all__

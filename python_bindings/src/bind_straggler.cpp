@@ -267,7 +267,7 @@ void bind_trace(nb::module_& m) {
       nb::arg("trace"), nb::arg("tau"), nb::kw_only(), nb::arg("serial_time") = 0.0,
       nb::arg("stop_model") = "preemptive", nb::arg("min_gain") = 1e-9,
       "S_eff etc. of the trace at tau > 0. model: 'preemptive' (the paper) or 'boundary' (a\n"
-      "check between micro-batches).\n\nExample: gradcomp.evaluate_tau(t, 11.5, "
+      "check between micro-batches).\n\nExample: gradcomp.evaluate_tau(trace, 11.5, "
       "serial_time=0.3).speedup");
   m.def(
       "find_optimal_tau",

@@ -9,7 +9,8 @@ void bind_topk(nb::module_& m) {
                              "Top-k / Deep Gradient Compression state for one tensor.\n\n"
                              "Example:\n"
                              "    c = gradcomp.TopKCompressor(grad.numel(), ratio=0.001, momentum=0.9)\n"
-                             "    p = c.encode(grad); c.decode_add(p.array(), out, 1.0)");
+                             "    p = gradcomp.Payload()\n"
+                             "    c.encode(grad, p); c.decode_add(p.array(), out, 1.0)");
   topk.def(
           "__init__",
           [](TopKCompressor* self, int64_t numel, double ratio, const std::string& method,
