@@ -2,8 +2,8 @@
 """An emulated cluster on one machine (root): every rank in its own network namespace, joined to
 a bridge by veth links limited to a rate (tc) in both directions; rank r at ``10.77.0.(r+1)`` on
 interface ``gce<r>``. The namespaces are made by ``netns.sh`` beside this module and removed
-whatever happens. Used by the Fashion-MNIST experiment and by bench/ddp_hooks_bench.py (both
-``--netns RATE``) and, for MPI, by bench/netem/run.sh.
+whatever happens. Used by the Fashion-MNIST experiment and by experiments/ddp_hooks_bench.py (both
+``--netns RATE``) and, for MPI, by experiments/netem/run.sh.
 
     python -m gradcomp.experiments.netem up PFX NP RATE [DELAY]   # what netns.sh does
 """

@@ -7,7 +7,7 @@
 # through an rsh agent that enters the namespace of the "host" (ip netns exec). Only addresses
 # 10.77.0.1-4, inside namespaces this script creates, are used; everything is removed on exit.
 #
-# Usage (root):  bench/netem/run.sh [build_dir]      env: RATE, NP (<= 8), GC_BENCH_NUMEL,
+# Usage (root):  experiments/netem/run.sh [build_dir]      env: RATE, NP (<= 8), GC_BENCH_NUMEL,
 #                                                    GC_BENCH_ITERS, DELAY (netem, e.g. 100us)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

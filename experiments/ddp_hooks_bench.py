@@ -23,9 +23,9 @@ Bytes per step = bytes handed to collectives by one rank per step (not ring traf
 
 Usage::
 
-    python bench/ddp_hooks_bench.py                 # writes bench/results/ddp_hooks_cpu_<date>.*
-    python bench/ddp_hooks_bench.py --quick         # a short smoke run, nothing written
-    python bench/ddp_hooks_bench.py --only ours-powersgd-r1,torch-powersgd-r1 --profile
+    python experiments/ddp_hooks_bench.py                 # writes experiments/results/ddp_hooks_cpu_<date>.*
+    python experiments/ddp_hooks_bench.py --quick         # a short smoke run, nothing written
+    python experiments/ddp_hooks_bench.py --only ours-powersgd-r1,torch-powersgd-r1 --profile
 """
 import argparse
 import csv
@@ -392,7 +392,7 @@ def main():
                 "all-to-all (P-1)/P, ring allgather P-1 parts); "
                 "ours measured from `state.history`, plain DDP and PyTorch's hooks computed "
                 "(\"analytic\": n*4, n*2, sum (rows+cols)*r*4 + 4 * uncompressed elements).\n")
-        f.write(f"- Command: `python bench/ddp_hooks_bench.py {' '.join(sys.argv[1:])}`\n\n")
+        f.write(f"- Command: `python experiments/ddp_hooks_bench.py {' '.join(sys.argv[1:])}`\n\n")
         f.write("| " + " | ".join(table[0]) + " |\n")
         f.write("|" + "---|" * len(table[0]) + "\n")
         for r in table[1:]:

@@ -8,8 +8,8 @@ seconds. Hooks: ``torch`` (PyTorch's powerSGD_hook, registered as its documentat
 waited inside the hook) and ``ours`` (gradcomp.torch's powersgd hook). The ranks are killed when
 the timeout passes.
 
-    python bench/psgd_default_buckets.py --hook torch --timeout 120
-    python bench/psgd_default_buckets.py --hook ours
+    python experiments/psgd_default_buckets.py --hook torch --timeout 120
+    python experiments/psgd_default_buckets.py --hook ours
 
 Prints one line: torch version, hook, world, parameters, outcome (completed / hung / failed) and
 seconds; the exit status is 0 when the run completed, 1 when it hung or failed. PyTorch's hook
