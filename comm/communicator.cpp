@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The engine-independent part of the communication layer: dispatch of a plan's collectives,
-// the variable-length allgather, the size handshake and the driver loop, and the cost model fit.
+// The engine-independent part of the communication layer: the collectives over the engines'
+// primitives (argument checks, statistics and the rank-ordered sums, written once for MPI, NCCL
+// and any other engine), dispatch of a plan's collectives, the variable-length allgather, the
+// size handshake and the driver loop, and the cost model fit.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -8,8 +10,168 @@
 #include "gradcomp/comm.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/runtime.hpp"
+#include "kernels/reduce.hpp"
 
 namespace gradcomp {
+namespace {
+
+using clk = std::chrono::steady_clock;
+
+/// Vectors up to this size are allreduced in one round (allgather + local ordered sum).
+constexpr size_t kSmallAllreduceBytes = 32 * 1024;
+
+DType float_dtype(ElemType t, const char* what) {
+  GC_CHECK_ARG(t == ElemType::kF32 || t == ElemType::kF16 || t == ElemType::kBF16, what,
+               ": a mean needs a floating-point element type");
+  return t == ElemType::kF32   ? DType::kFloat32
+         : t == ElemType::kF16 ? DType::kFloat16
+                               : DType::kBFloat16;
+}
+
+}  // namespace
+
+void Communicator::account(uint64_t bytes, clk::time_point t0) {
+  stats_.calls += 1;
+  stats_.bytes_sent += bytes;
+  stats_.seconds += std::chrono::duration<double>(clk::now() - t0).count();
+}
+
+uint8_t* Communicator::scratch(size_t bytes) {
+  if (scratch_.device() != device()) scratch_ = Buffer(device());
+  scratch_.set_stream(stream());
+  return static_cast<uint8_t*>(scratch_.reserve(bytes));
+}
+
+void Communicator::plan_chunks(size_t count, bool equal_blocks) {
+  const auto P = static_cast<size_t>(size());
+  for (auto* v : {&scounts_, &sdispls_, &rcounts_, &rdispls_}) v->resize(P);
+  const auto me = static_cast<size_t>(rank());
+  const size_t mine = equal_blocks ? count : count * (me + 1) / P - count * me / P;
+  for (size_t r = 0; r < P; ++r) {
+    const size_t b = equal_blocks ? count * r : count * r / P;
+    scounts_[r] = equal_blocks ? count : count * (r + 1) / P - b;
+    sdispls_[r] = b;
+    rcounts_[r] = mine;
+    rdispls_[r] = mine * r;
+  }
+}
+
+uint64_t Communicator::ordered_allreduce(const void* send, void* recv, size_t count, ElemType t) {
+  const auto P = static_cast<size_t>(size());
+  const size_t es = elem_size(t), bytes = count * es;
+  if (bytes <= kSmallAllreduceBytes || count < P) {
+    // one round: everyone gets every vector and sums them in rank order
+    uint8_t* blocks = scratch(bytes * P);
+    do_allgather(send, blocks, count, t);
+    kernels::reduce_blocks(device(), blocks, P, count, count, t, recv, stream());
+    return bytes * (P - 1);
+  }
+  // reduce-scatter by all-to-all of chunks + ordered local sum, then allgather of the chunks
+  plan_chunks(count, /*equal_blocks=*/false);
+  const size_t mine = rcounts_[0], my_off = sdispls_[static_cast<size_t>(rank())];
+  uint8_t* blocks = scratch(mine * es * P);
+  do_alltoallv(send, scounts_.data(), sdispls_.data(), blocks, rcounts_.data(), rdispls_.data(), t);
+  kernels::reduce_blocks(device(), blocks, P, mine, mine, t,
+                         static_cast<uint8_t*>(recv) + my_off * es, stream());
+  do_allgatherv(recv, scounts_.data(), sdispls_.data(), t);
+  return 2 * (bytes - mine * es);
+}
+
+void Communicator::allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) {
+  check_usable("allreduce");
+  const DType ft = op == ReduceOp::kMean ? float_dtype(t, "allreduce") : DType::kFloat32;
+  const auto t0 = clk::now();
+  const int P = size();
+  const size_t bytes = count * elem_size(t);
+  uint64_t sent = 0;
+  if (P == 1 || count == 0) {
+    if (send != recv && bytes) device_copy(recv, device(), send, device(), bytes, stream());
+    if (P > 1) do_barrier();  // keep the ranks in step even for empty buckets
+  } else if (do_native_sum(send, recv, count, t, /*scatter=*/false)) {
+    sent = 2 * bytes * static_cast<uint64_t>(P - 1) / static_cast<uint64_t>(P);  // a ring
+  } else {
+    sent = ordered_allreduce(send, recv, count, t);
+  }
+  if (op == ReduceOp::kMean)
+    kernels::convert(device(), recv, ft, recv, ft, static_cast<int64_t>(count), float(P), stream());
+  complete("allreduce");
+  account(sent, t0);
+}
+
+void Communicator::reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
+                                  ReduceOp op) {
+  check_usable("reduce_scatter");
+  const DType ft = op == ReduceOp::kMean ? float_dtype(t, "reduce_scatter") : DType::kFloat32;
+  const auto t0 = clk::now();
+  const int P = size();
+  const size_t es = elem_size(t);
+  if (P == 1 || count == 0) {
+    if (send != recv && count) device_copy(recv, device(), send, device(), count * es, stream());
+    if (P > 1) do_barrier();
+  } else if (!do_native_sum(send, recv, count, t, /*scatter=*/true)) {
+    plan_chunks(count, /*equal_blocks=*/true);
+    uint8_t* blocks = scratch(count * es * static_cast<size_t>(P));
+    do_alltoallv(send, scounts_.data(), sdispls_.data(), blocks, rcounts_.data(), rdispls_.data(),
+                 t);
+    kernels::reduce_blocks(device(), blocks, static_cast<size_t>(P), count, count, t, recv,
+                           stream());
+  }
+  if (op == ReduceOp::kMean)
+    kernels::convert(device(), recv, ft, recv, ft, static_cast<int64_t>(count), float(P), stream());
+  complete("reduce_scatter");
+  account(count * es * static_cast<uint64_t>(P - 1), t0);
+}
+
+void Communicator::allgather(const void* send, void* recv, size_t count, ElemType t) {
+  check_usable("allgather");
+  const auto t0 = clk::now();
+  const size_t bytes = count * elem_size(t);
+  if (size() == 1) {
+    if (send != recv && bytes) device_copy(recv, device(), send, device(), bytes, stream());
+  } else {
+    do_allgather(send, recv, count, t);
+  }
+  complete("allgather");
+  account(bytes * static_cast<uint64_t>(size() - 1), t0);
+}
+
+void Communicator::alltoall(const void* send, void* recv, size_t count, ElemType t) {
+  check_usable("alltoall");
+  GC_CHECK_ARG(send != recv || count == 0, "alltoall: send and recv must be different buffers");
+  const auto t0 = clk::now();
+  const size_t bytes = count * elem_size(t);
+  if (size() == 1) {
+    if (bytes) device_copy(recv, device(), send, device(), bytes, stream());
+  } else {
+    plan_chunks(count, /*equal_blocks=*/true);
+    do_alltoallv(send, scounts_.data(), sdispls_.data(), recv, rcounts_.data(), rdispls_.data(), t);
+  }
+  complete("alltoall");
+  account(bytes * static_cast<uint64_t>(size() - 1), t0);
+}
+
+void Communicator::broadcast(const void* send, void* recv, size_t count, ElemType t, int root) {
+  check_usable("broadcast");
+  GC_CHECK_ARG(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of 0..",
+               size() - 1);
+  const auto t0 = clk::now();
+  const size_t bytes = count * elem_size(t);
+  if (size() == 1) {
+    if (send != recv && bytes) device_copy(recv, device(), send, device(), bytes, stream());
+  } else {
+    do_broadcast(send, recv, count, t, root);
+  }
+  complete("broadcast");
+  account(rank() == root ? bytes : 0, t0);
+}
+
+void Communicator::barrier() {
+  check_usable("barrier");
+  const auto t0 = clk::now();
+  if (size() > 1) do_barrier();
+  complete("barrier");
+  account(0, t0);
+}
 
 size_t Communicator::allgather_varying(const void* send, size_t nbytes, Buffer& recv,
                                        std::vector<uint64_t>& sizes) {
@@ -48,9 +210,12 @@ void Communicator::execute(const Collective& c) {
   switch (c.kind) {
     case CollectiveKind::kAllreduceSum:
       return allreduce(c.send, c.recv, c.count, c.type, ReduceOp::kSum);
-    case CollectiveKind::kAllgather: return allgather(c.send, c.recv, c.count, c.type);
-    case CollectiveKind::kAllToAll: return alltoall(c.send, c.recv, c.count, c.type);
-    case CollectiveKind::kBroadcast: return broadcast(c.send, c.recv, c.count, c.type, c.root);
+    case CollectiveKind::kAllgather:
+      return allgather(c.send, c.recv, c.count, c.type);
+    case CollectiveKind::kAllToAll:
+      return alltoall(c.send, c.recv, c.count, c.type);
+    case CollectiveKind::kBroadcast:
+      return broadcast(c.send, c.recv, c.count, c.type, c.root);
   }
   GC_CHECK(false, "unknown collective kind ", int(c.kind));
 }
@@ -63,12 +228,18 @@ constexpr int64_t kNoNumel = -1;
 
 const char* elem_name(ElemType t) {
   switch (t) {
-    case ElemType::kF32: return "fp32";
-    case ElemType::kF16: return "fp16";
-    case ElemType::kBF16: return "bf16";
-    case ElemType::kU8: return "u8";
-    case ElemType::kU32: return "u32";
-    case ElemType::kI64: return "i64";
+    case ElemType::kF32:
+      return "fp32";
+    case ElemType::kF16:
+      return "fp16";
+    case ElemType::kBF16:
+      return "bf16";
+    case ElemType::kU8:
+      return "u8";
+    case ElemType::kU32:
+      return "u32";
+    case ElemType::kI64:
+      return "i64";
   }
   return "?";
 }
@@ -78,10 +249,10 @@ struct Signature {
   std::string describe(const std::string& plan) const {
     if (w[0] == 2) return detail::cat("to start plan '", plan, "'");
     if (!w[0]) return detail::cat("finished plan '", plan, "'");
-    return detail::cat(collective_name(CollectiveKind(w[2])), " of ", w[4], " ",
-                       elem_name(ElemType(w[3])), (w[2] == int64_t(CollectiveKind::kBroadcast)
-                                                       ? detail::cat(" from root ", w[5])
-                                                       : std::string()));
+    return detail::cat(
+        collective_name(CollectiveKind(w[2])), " of ", w[4], " ", elem_name(ElemType(w[3])),
+        (w[2] == int64_t(CollectiveKind::kBroadcast) ? detail::cat(" from root ", w[5])
+                                                     : std::string()));
   }
 };
 
@@ -118,8 +289,9 @@ void handshake(Communicator& comm, Plan& plan, const std::optional<Collective>& 
           "plan '", name, "': bucket sizes differ across ranks: rank 0 has ", s0.w[1],
           " elements, rank ", r, " has ", s.w[1], " (every rank must pass the same bucket)"));
     if (!std::equal(s.w, s.w + kSigWords, s0.w))
-      throw InvalidArgument(detail::cat("plan '", name, "': ranks disagree on the next collective: rank 0 asks for ",
-                                        s0.describe(name), ", rank ", r, " for ", s.describe(name)));
+      throw InvalidArgument(
+          detail::cat("plan '", name, "': ranks disagree on the next collective: rank 0 asks for ",
+                      s0.describe(name), ", rank ", r, " for ", s.describe(name)));
   }
 }
 

@@ -4,9 +4,10 @@
 // a collective that does not finish in time aborts the communicator (ncclCommAbort), which
 // unblocks the stream, and throws BackendError.
 //
-// Rank-ordered sums (default): grouped ncclSend/ncclRecv of P chunks (an all-to-all), the
-// rank-ordered sum kernel of kernels/reduce.hpp on this rank's chunk, then grouped ncclBroadcast
-// of every rank's chunk (an allgather of uneven chunks): bitwise the MPI driver's result.
+// The engine provides the primitives of Communicator: grouped ncclSend/ncclRecv (all-to-all of
+// uneven chunks), grouped ncclBroadcast (allgather of uneven chunks), ncclAllGather, ncclBroadcast.
+// The rank-ordered sums (default) are Communicator's, bitwise the MPI engine's result; with
+// NcclOptions::ordered_sum = false, ncclAllReduce / ncclReduceScatter sum in NCCL's order.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -17,28 +18,26 @@
 #include "gradcomp/comm.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/runtime.hpp"
-#include "kernels/reduce.hpp"
 
 namespace gradcomp {
 namespace {
 
 ncclDataType_t nccl_type(ElemType t) {
   switch (t) {
-    case ElemType::kF32: return ncclFloat32;
-    case ElemType::kF16: return ncclFloat16;
-    case ElemType::kBF16: return ncclBfloat16;
-    case ElemType::kU8: return ncclUint8;
-    case ElemType::kU32: return ncclUint32;
-    case ElemType::kI64: return ncclInt64;
+    case ElemType::kF32:
+      return ncclFloat32;
+    case ElemType::kF16:
+      return ncclFloat16;
+    case ElemType::kBF16:
+      return ncclBfloat16;
+    case ElemType::kU8:
+      return ncclUint8;
+    case ElemType::kU32:
+      return ncclUint32;
+    case ElemType::kI64:
+      return ncclInt64;
   }
   return ncclUint8;
-}
-
-DType float_dtype(ElemType t, const char* what) {
-  GC_CHECK_ARG(t == ElemType::kF32 || t == ElemType::kF16 || t == ElemType::kBF16, what,
-               ": a mean needs a floating-point element type");
-  return t == ElemType::kF32 ? DType::kFloat32 : t == ElemType::kF16 ? DType::kFloat16
-                                                                     : DType::kBFloat16;
 }
 
 using clk = std::chrono::steady_clock;
@@ -102,12 +101,6 @@ struct NcclCommunicator::Impl {
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
-  void finish(const char* what, uint64_t bytes, clk::time_point t0, CommStats& st) {
-    if (opt.synchronous) drain(what);
-    st.calls += 1;
-    st.bytes_sent += bytes;
-    st.seconds += std::chrono::duration<double>(clk::now() - t0).count();
-  }
 };
 
 NcclCommunicator::NcclCommunicator(Communicator& bootstrap, void* stream, const NcclOptions& opt)
@@ -165,7 +158,8 @@ NcclCommunicator::~NcclCommunicator() {
     cudaStreamSynchronize(impl_->stream);
     ncclCommFinalize(impl_->comm);
     ncclResult_t st = ncclInProgress;
-    for (int i = 0; i < 100000 && st == ncclInProgress; ++i) ncclCommGetAsyncError(impl_->comm, &st);
+    for (int i = 0; i < 100000 && st == ncclInProgress; ++i)
+      ncclCommGetAsyncError(impl_->comm, &st);
     if (st == ncclSuccess)
       ncclCommDestroy(impl_->comm);
     else
@@ -182,113 +176,69 @@ void NcclCommunicator::synchronize() {
   impl_->drain("synchronize");
 }
 
-void NcclCommunicator::allgather(const void* send, void* recv, size_t count, ElemType t) {
+void NcclCommunicator::check_usable(const char* what) const { impl_->check_usable(what); }
+
+void NcclCommunicator::complete(const char* what) {
+  if (impl_->opt.synchronous) impl_->drain(what);
+}
+
+void NcclCommunicator::do_allgather(const void* send, void* recv, size_t count, ElemType t) {
   Impl& s = *impl_;
-  s.check_usable("allgather");
-  const auto t0 = clk::now();
   s.settle(ncclAllGather(send, recv, count, nccl_type(t), s.comm, s.stream), "allgather");
-  s.finish("allgather", count * elem_size(t) * uint64_t(s.size - 1), t0, stats_);
 }
 
-void NcclCommunicator::broadcast(const void* send, void* recv, size_t count, ElemType t,
-                                 int root) {
+void NcclCommunicator::do_broadcast(const void* send, void* recv, size_t count, ElemType t,
+                                    int root) {
   Impl& s = *impl_;
-  s.check_usable("broadcast");
-  GC_CHECK_ARG(root >= 0 && root < s.size, "broadcast: root ", root, " is not a rank of 0..",
-               s.size - 1);
-  const auto t0 = clk::now();
   s.settle(ncclBroadcast(send, recv, count, nccl_type(t), root, s.comm, s.stream), "broadcast");
-  s.finish("broadcast", s.rank == root ? count * elem_size(t) : 0, t0, stats_);
 }
 
-void NcclCommunicator::alltoall(const void* send, void* recv, size_t count, ElemType t) {
+void NcclCommunicator::do_alltoallv(const void* send, const size_t* scounts, const size_t* sdispls,
+                                    void* recv, const size_t* rcounts, const size_t* rdispls,
+                                    ElemType t) {
   Impl& s = *impl_;
-  s.check_usable("alltoall");
-  GC_CHECK_ARG(send != recv || count == 0, "alltoall: send and recv must be different buffers");
-  const auto t0 = clk::now();
-  const size_t bytes = count * elem_size(t);
+  const size_t es = elem_size(t);
+  const auto ty = nccl_type(t);
   ncclGroupStart();
   for (int r = 0; r < s.size; ++r) {
-    ncclSend(static_cast<const uint8_t*>(send) + bytes * r, count, nccl_type(t), r, s.comm, s.stream);
-    ncclRecv(static_cast<uint8_t*>(recv) + bytes * r, count, nccl_type(t), r, s.comm, s.stream);
+    ncclSend(static_cast<const uint8_t*>(send) + sdispls[r] * es, scounts[r], ty, r, s.comm,
+             s.stream);
+    ncclRecv(static_cast<uint8_t*>(recv) + rdispls[r] * es, rcounts[r], ty, r, s.comm, s.stream);
   }
-  s.settle(ncclGroupEnd(), "alltoall");
-  s.finish("alltoall", bytes * uint64_t(s.size - 1), t0, stats_);
+  s.settle(ncclGroupEnd(), "alltoallv");
 }
 
-void NcclCommunicator::barrier() {
+void NcclCommunicator::do_allgatherv(void* buf, const size_t* counts, const size_t* displs,
+                                     ElemType t) {
+  // an allgather of uneven chunks: one broadcast per rank, grouped
   Impl& s = *impl_;
-  s.check_usable("barrier");
-  const auto t0 = clk::now();
+  const size_t es = elem_size(t);
+  auto* b = static_cast<uint8_t*>(buf);
+  ncclGroupStart();
+  for (int r = 0; r < s.size; ++r)
+    ncclBroadcast(b + displs[r] * es, b + displs[r] * es, counts[r], nccl_type(t), r, s.comm,
+                  s.stream);
+  s.settle(ncclGroupEnd(), "allgatherv");
+}
+
+void NcclCommunicator::do_barrier() {
+  Impl& s = *impl_;
   auto* one = s.scratch.get<float>(1);
   s.settle(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, s.comm, s.stream), "barrier");
   s.drain("barrier");
-  s.finish("barrier", 0, t0, stats_);
 }
 
-void NcclCommunicator::reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
-                                      ReduceOp op) {
+bool NcclCommunicator::do_native_sum(const void* send, void* recv, size_t count, ElemType t,
+                                     bool scatter) {
   Impl& s = *impl_;
-  s.check_usable("reduce_scatter");
-  const DType ft = op == ReduceOp::kMean ? float_dtype(t, "reduce_scatter") : DType::kFloat32;
-  const auto t0 = clk::now();
-  const size_t es = elem_size(t), P = static_cast<size_t>(s.size);
-  if (s.opt.ordered_sum) {
-    auto* blocks = s.scratch.get<uint8_t>(count * es * P);
-    ncclGroupStart();
-    for (int r = 0; r < s.size; ++r) {
-      ncclSend(static_cast<const uint8_t*>(send) + count * es * r, count, nccl_type(t), r, s.comm,
-               s.stream);
-      ncclRecv(blocks + count * es * r, count, nccl_type(t), r, s.comm, s.stream);
-    }
-    s.settle(ncclGroupEnd(), "reduce_scatter (alltoall)");
-    kernels::cuda::reduce_blocks(blocks, P, count, count, t, recv, s.stream);
-  } else {
+  if (s.opt.ordered_sum) return false;
+  if (scatter)
     s.settle(ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, s.comm, s.stream),
              "reduce_scatter");
-  }
-  if (op == ReduceOp::kMean)
-    kernels::cuda::convert(recv, ft, recv, ft, int64_t(count), float(s.size), s.stream);
-  s.finish("reduce_scatter", count * es * (P - 1), t0, stats_);
-}
-
-void NcclCommunicator::allreduce(const void* send, void* recv, size_t count, ElemType t,
-                                 ReduceOp op) {
-  Impl& s = *impl_;
-  s.check_usable("allreduce");
-  const DType ft = op == ReduceOp::kMean ? float_dtype(t, "allreduce") : DType::kFloat32;
-  const auto t0 = clk::now();
-  const size_t es = elem_size(t), P = static_cast<size_t>(s.size), bytes = count * es;
-  const auto ty = nccl_type(t);
-  if (P == 1 || count == 0) {
-    if (send != recv && bytes)
-      GC_CHECK(cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDefault, s.stream) == cudaSuccess);
-  } else if (s.opt.ordered_sum) {
-    const size_t me = static_cast<size_t>(s.rank);
-    const size_t my_b = count * me / P, mine = count * (me + 1) / P - my_b;
-    auto* blocks = s.scratch.get<uint8_t>(mine * es * P);
-    const auto* in = static_cast<const uint8_t*>(send);
-    auto* out = static_cast<uint8_t*>(recv);
-    ncclGroupStart();
-    for (size_t r = 0; r < P; ++r) {
-      const size_t b = count * r / P, e = count * (r + 1) / P;
-      ncclSend(in + b * es, e - b, ty, int(r), s.comm, s.stream);
-      ncclRecv(blocks + mine * es * r, mine, ty, int(r), s.comm, s.stream);
-    }
-    s.settle(ncclGroupEnd(), "allreduce (alltoall)");
-    kernels::cuda::reduce_blocks(blocks, P, mine, mine, t, out + my_b * es, s.stream);
-    ncclGroupStart();
-    for (size_t r = 0; r < P; ++r) {
-      const size_t b = count * r / P, e = count * (r + 1) / P;
-      ncclBroadcast(out + b * es, out + b * es, e - b, ty, int(r), s.comm, s.stream);
-    }
-    s.settle(ncclGroupEnd(), "allreduce (allgather)");
-  } else {
-    s.settle(ncclAllReduce(send, recv, count, ty, ncclSum, s.comm, s.stream), "allreduce");
-  }
-  if (op == ReduceOp::kMean)
-    kernels::cuda::convert(recv, ft, recv, ft, int64_t(count), float(s.size), s.stream);
-  s.finish("allreduce", P > 1 ? 2 * bytes * (P - 1) / P : 0, t0, stats_);
+  else
+    s.settle(ncclAllReduce(send, recv, count, nccl_type(t), ncclSum, s.comm, s.stream),
+             "allreduce");
+  return true;
 }
 
 }  // namespace gradcomp

@@ -22,11 +22,15 @@ int MpiCommunicator::rank() const { no_mpi(); }
 int MpiCommunicator::size() const { no_mpi(); }
 double MpiCommunicator::timeout_seconds() const { no_mpi(); }
 void MpiCommunicator::set_timeout(double) { no_mpi(); }
-void MpiCommunicator::allreduce(const void*, void*, size_t, ElemType, ReduceOp) { no_mpi(); }
-void MpiCommunicator::allgather(const void*, void*, size_t, ElemType) { no_mpi(); }
-void MpiCommunicator::alltoall(const void*, void*, size_t, ElemType) { no_mpi(); }
-void MpiCommunicator::reduce_scatter(const void*, void*, size_t, ElemType, ReduceOp) { no_mpi(); }
-void MpiCommunicator::broadcast(const void*, void*, size_t, ElemType, int) { no_mpi(); }
-void MpiCommunicator::barrier() { no_mpi(); }
+
+void MpiCommunicator::check_usable(const char*) const { no_mpi(); }
+void MpiCommunicator::do_allgather(const void*, void*, size_t, ElemType) { no_mpi(); }
+void MpiCommunicator::do_alltoallv(const void*, const size_t*, const size_t*, void*, const size_t*,
+                                   const size_t*, ElemType) {
+  no_mpi();
+}
+void MpiCommunicator::do_allgatherv(void*, const size_t*, const size_t*, ElemType) { no_mpi(); }
+void MpiCommunicator::do_broadcast(const void*, void*, size_t, ElemType, int) { no_mpi(); }
+void MpiCommunicator::do_barrier() { no_mpi(); }
 
 }  // namespace gradcomp

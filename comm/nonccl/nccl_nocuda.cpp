@@ -25,11 +25,17 @@ int NcclCommunicator::size() const { no_nccl(); }
 void* NcclCommunicator::stream() const { no_nccl(); }
 double NcclCommunicator::timeout_seconds() const { no_nccl(); }
 void NcclCommunicator::synchronize() { no_nccl(); }
-void NcclCommunicator::allreduce(const void*, void*, size_t, ElemType, ReduceOp) { no_nccl(); }
-void NcclCommunicator::allgather(const void*, void*, size_t, ElemType) { no_nccl(); }
-void NcclCommunicator::alltoall(const void*, void*, size_t, ElemType) { no_nccl(); }
-void NcclCommunicator::reduce_scatter(const void*, void*, size_t, ElemType, ReduceOp) { no_nccl(); }
-void NcclCommunicator::broadcast(const void*, void*, size_t, ElemType, int) { no_nccl(); }
-void NcclCommunicator::barrier() { no_nccl(); }
+
+void NcclCommunicator::check_usable(const char*) const { no_nccl(); }
+void NcclCommunicator::do_allgather(const void*, void*, size_t, ElemType) { no_nccl(); }
+void NcclCommunicator::do_alltoallv(const void*, const size_t*, const size_t*, void*, const size_t*,
+                                    const size_t*, ElemType) {
+  no_nccl();
+}
+void NcclCommunicator::do_allgatherv(void*, const size_t*, const size_t*, ElemType) { no_nccl(); }
+void NcclCommunicator::do_broadcast(const void*, void*, size_t, ElemType, int) { no_nccl(); }
+void NcclCommunicator::do_barrier() { no_nccl(); }
+bool NcclCommunicator::do_native_sum(const void*, void*, size_t, ElemType, bool) { no_nccl(); }
+void NcclCommunicator::complete(const char*) { no_nccl(); }
 
 }  // namespace gradcomp

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Communicators: the engines that execute the collectives of a Plan (plan.hpp). One interface,
-// implementations over MPI (CPU buffers) and NCCL (CUDA buffers), and the driver loop run_plan().
+// implementations over MPI (CPU buffers), NCCL (CUDA buffers) and threads of one process
+// (InProcessGroup, CPU or CUDA buffers), and the driver loop run_plan().
 //
 // Example (4 ranks under mpirun, plain averaged allreduce of a CPU gradient):
 //   gradcomp::MpiCommunicator comm;                       // MPI_COMM_WORLD, MPI initialised
@@ -9,12 +10,13 @@
 //   gradcomp::run_plan(plan, comm);                       // grad now holds the average
 //
 // Determinism: every allreduce / reduce-scatter of this layer sums in rank order (rank 0 first),
-// element by element, whatever the engine. The engines' own reductions (MPI_Allreduce, ncclAllReduce)
-// do not promise an order, so the sum is done as all-to-all of chunks + a rank-ordered local sum +
-// allgather (the reduce-scatter/allgather algorithm: 2 n (P-1)/P elements sent per rank, like a
-// ring). Every rank therefore ends with the same bits, equal to run_plans_in_process().
+// element by element, whatever the engine. The engines' own reductions (MPI_Allreduce,
+// ncclAllReduce) do not promise an order, so the engines provide data movement only (all-to-all,
+// allgather, broadcast) and the sum is written once, in Communicator (comm/communicator.cpp): every
+// rank ends with the same bits, equal to run_plans_in_process().
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -36,12 +38,18 @@ struct CommStats {
   double seconds = 0.0;     ///< wall time spent inside collectives (host view)
 };
 
-/// Every communicator must:
-///  - execute each collective with the semantics documented on the method, the same on every
-///    rank, with sums in rank order (bitwise identical results on all ranks);
-///  - accept buffers on device() only and say so (InvalidArgument) otherwise;
-///  - turn a failed or vanished peer into gradcomp::BackendError within timeout_seconds() instead
-///    of hanging; after such an error the communicator is broken and every call throws.
+/// A communicator is two layers:
+///  - the collectives below (public, the same for every engine): argument checks, statistics,
+///    and the rank-ordered sums. allreduce and reduce_scatter are written once, here, over the
+///    engine's primitives: an all-to-all of chunks, a rank-ordered local sum of this rank's chunk
+///    (kernels/reduce.hpp, on device()), then an allgather of the chunks (2 n (P-1)/P elements
+///    sent per rank, like a ring); vectors of at most 32 KiB take one allgather of the whole
+///    vector and a rank-ordered sum on every rank (one round of latency). Every rank therefore
+///    ends with the same bits, equal to run_plans_in_process(), whatever the engine.
+///  - the engine's primitives (protected, below): move bytes, never sum. An engine must execute
+///    them the same on every rank, accept buffers on device() only, and turn a failed or
+///    vanished peer into gradcomp::BackendError within timeout_seconds() instead of hanging;
+///    after such an error it is broken and every call throws (check_usable).
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -57,19 +65,18 @@ class Communicator {
 
   /// recv[i] = sum (or mean) over ranks, in rank order, of send[i]; count elements. In place
   /// when send == recv. Mean divides the sum by size() (fp32/fp16/bf16 only).
-  virtual void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) = 0;
+  void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op);
   /// recv = concat over ranks of send (count elements each).
-  virtual void allgather(const void* send, void* recv, size_t count, ElemType t) = 0;
+  void allgather(const void* send, void* recv, size_t count, ElemType t);
   /// send holds size() blocks of count elements; block r goes to rank r; recv block r comes
   /// from rank r.
-  virtual void alltoall(const void* send, void* recv, size_t count, ElemType t) = 0;
+  void alltoall(const void* send, void* recv, size_t count, ElemType t);
   /// send holds size() blocks of count elements; recv (count elements) = rank-ordered sum (or
   /// mean) over ranks of block rank().
-  virtual void reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
-                              ReduceOp op) = 0;
+  void reduce_scatter(const void* send, void* recv, size_t count, ElemType t, ReduceOp op);
   /// recv on every rank = send of `root` (send is read on root only; may equal recv).
-  virtual void broadcast(const void* send, void* recv, size_t count, ElemType t, int root) = 0;
-  virtual void barrier() = 0;
+  void broadcast(const void* send, void* recv, size_t count, ElemType t, int root);
+  void barrier();
 
   /// Allgather of byte strings of different lengths: one length exchange, then an allgather
   /// padded to the longest. On return `sizes[r]` is rank r's length and its bytes start at
@@ -87,8 +94,45 @@ class Communicator {
   void reset_stats() { stats_ = CommStats{}; }
 
  protected:
+  // The engine's primitives: bytes only, no sums. Counts and displacements are in elements,
+  // size() entries each. Called only with size() > 1, after check_usable().
+  /// recv = concat over ranks of send (count elements each).
+  virtual void do_allgather(const void* send, void* recv, size_t count, ElemType t) = 0;
+  /// Sends send[sdispls[r], +scounts[r]) to rank r and receives rank r's part into
+  /// recv[rdispls[r], +rcounts[r]); send and recv do not overlap.
+  virtual void do_alltoallv(const void* send, const size_t* scounts, const size_t* sdispls,
+                            void* recv, const size_t* rcounts, const size_t* rdispls,
+                            ElemType t) = 0;
+  /// In place: buf[displs[r], +counts[r]) of rank r is copied to every rank.
+  virtual void do_allgatherv(void* buf, const size_t* counts, const size_t* displs, ElemType t) = 0;
+  /// recv = root's send on every rank (root copies send to recv itself when they differ).
+  virtual void do_broadcast(const void* send, void* recv, size_t count, ElemType t, int root) = 0;
+  virtual void do_barrier() = 0;
+  /// An engine's own (faster, unordered) sum, when it is configured to use one: issues it
+  /// (allreduce of count elements, or reduce-scatter to count elements when `scatter`) and
+  /// returns true; false (the default) = the rank-ordered algorithm of this class.
+  virtual bool do_native_sum(const void* /*send*/, void* /*recv*/, size_t /*count*/, ElemType /*t*/,
+                             bool /*scatter*/) {
+    return false;
+  }
+  /// Throws BackendError when the communicator is broken.
+  virtual void check_usable(const char* /*what*/) const {}
+  /// Called at the end of every collective (NCCL: waits for the stream when synchronous).
+  virtual void complete(const char* /*what*/) {}
+
   CommStats stats_;
   Buffer varying_send_{Device::kCPU}, varying_sizes_{Device::kCPU};
+
+ private:
+  /// The rank-ordered sum into recv (count > 0, size() > 1); returns the bytes this rank sent.
+  uint64_t ordered_allreduce(const void* send, void* recv, size_t count, ElemType t);
+  /// Device scratch of at least `bytes` (on device(), ordered on stream()).
+  uint8_t* scratch(size_t bytes);
+  /// Counts and displacements of `P` equal blocks of `count`, or of the P chunks of `count`.
+  void plan_chunks(size_t count, bool equal_blocks);
+  void account(uint64_t bytes, std::chrono::steady_clock::time_point t0);
+  Buffer scratch_{Device::kCPU};
+  std::vector<size_t> scounts_, sdispls_, rcounts_, rdispls_;
 };
 
 /// Measured speed of a communicator, used by plans that choose between routes (top-k).
@@ -147,6 +191,42 @@ class PlanRunner {
 };
 
 // ---------------------------------------------------------------------------------------------
+// In-process
+
+/// `size` ranks in one process, one thread per rank: the communicator of rank r moves data by
+/// copying between the ranks' buffers (CPU memory, or CUDA memory of the current device), so the
+/// rank-ordered sums of Communicator run over it unchanged: the same bits as over MPI or NCCL.
+/// For tests, and for checking the engine-independent algorithms on one machine or one GPU
+/// without MPI or NCCL. Each rank's communicator is used from its own thread. Every collective
+/// checks that all ranks ask for the same one (kind, element type, count; InvalidArgument on
+/// every rank otherwise); a rank that does not arrive within `timeout_s` makes the waiting ranks
+/// throw BackendError, and the group is broken afterwards (every call throws).
+///
+/// Example:
+///   gradcomp::InProcessGroup group(4);
+///   std::vector<std::thread> ts;
+///   for (int r = 0; r < 4; ++r)
+///     ts.emplace_back([&, r] { group.comm(r).allreduce(x[r], x[r], n, gradcomp::ElemType::kF32,
+///                                                      gradcomp::ReduceOp::kSum); });
+///   for (auto& t : ts) t.join();
+class InProcessGroup {
+ public:
+  explicit InProcessGroup(int size, Device device = Device::kCPU, double timeout_s = 60.0);
+  ~InProcessGroup();
+  InProcessGroup(const InProcessGroup&) = delete;
+  InProcessGroup& operator=(const InProcessGroup&) = delete;
+  int size() const { return static_cast<int>(comms_.size()); }
+  /// Rank r's communicator (0 <= r < size()).
+  Communicator& comm(int rank);
+
+  struct Shared;  ///< the ranks' rendezvous (comm/inprocess_comm.cpp)
+
+ private:
+  std::unique_ptr<Shared> shared_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // MPI
 
 struct MpiOptions {
@@ -192,13 +272,14 @@ class MpiCommunicator : public Communicator {
   double timeout_seconds() const override;
   void set_timeout(double seconds);
 
-  void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) override;
-  void allgather(const void* send, void* recv, size_t count, ElemType t) override;
-  void alltoall(const void* send, void* recv, size_t count, ElemType t) override;
-  void reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
-                      ReduceOp op) override;
-  void broadcast(const void* send, void* recv, size_t count, ElemType t, int root) override;
-  void barrier() override;
+ protected:
+  void do_allgather(const void* send, void* recv, size_t count, ElemType t) override;
+  void do_alltoallv(const void* send, const size_t* scounts, const size_t* sdispls, void* recv,
+                    const size_t* rcounts, const size_t* rdispls, ElemType t) override;
+  void do_allgatherv(void* buf, const size_t* counts, const size_t* displs, ElemType t) override;
+  void do_broadcast(const void* send, void* recv, size_t count, ElemType t, int root) override;
+  void do_barrier() override;
+  void check_usable(const char* what) const override;
 
  private:
   struct Impl;
@@ -250,15 +331,19 @@ class NcclCommunicator : public Communicator {
   std::string backend() const override { return "nccl"; }
   double timeout_seconds() const override;
 
-  void allreduce(const void* send, void* recv, size_t count, ElemType t, ReduceOp op) override;
-  void allgather(const void* send, void* recv, size_t count, ElemType t) override;
-  void alltoall(const void* send, void* recv, size_t count, ElemType t) override;
-  void reduce_scatter(const void* send, void* recv, size_t count, ElemType t,
-                      ReduceOp op) override;
-  void broadcast(const void* send, void* recv, size_t count, ElemType t, int root) override;
-  void barrier() override;
   /// Waits for the stream's pending collectives (with the timeout and abort).
   void synchronize();
+
+ protected:
+  void do_allgather(const void* send, void* recv, size_t count, ElemType t) override;
+  void do_alltoallv(const void* send, const size_t* scounts, const size_t* sdispls, void* recv,
+                    const size_t* rcounts, const size_t* rdispls, ElemType t) override;
+  void do_allgatherv(void* buf, const size_t* counts, const size_t* displs, ElemType t) override;
+  void do_broadcast(const void* send, void* recv, size_t count, ElemType t, int root) override;
+  void do_barrier() override;
+  void check_usable(const char* what) const override;
+  bool do_native_sum(const void* send, void* recv, size_t count, ElemType t, bool scatter) override;
+  void complete(const char* what) override;
 
  private:
   struct Impl;

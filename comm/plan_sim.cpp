@@ -1,19 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
-// In-process execution of plans: P simulated ranks, collectives done with memcpy and rank-ordered
-// sums. CPU buffers only (CUDA plans run under a real driver).
+// In-process execution of plans in lockstep on one thread: P simulated ranks, collectives done with
+// memcpy and the rank-ordered sum of kernels/reduce.hpp (the one every engine uses). CPU buffers
+// only; for ranks on threads or on CUDA buffers use InProcessGroup (inprocess_comm.cpp).
 #include <cstring>
 
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/plan.hpp"
+#include "kernels/reduce.hpp"
 
 namespace gradcomp {
 
 const char* collective_name(CollectiveKind k) {
   switch (k) {
-    case CollectiveKind::kAllreduceSum: return "allreduce";
-    case CollectiveKind::kAllgather: return "allgather";
-    case CollectiveKind::kAllToAll: return "all-to-all";
-    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllreduceSum:
+      return "allreduce";
+    case CollectiveKind::kAllgather:
+      return "allgather";
+    case CollectiveKind::kAllToAll:
+      return "all-to-all";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
   }
   return "unknown";
 }
@@ -24,46 +30,6 @@ namespace {
 // memcpy's pointers must be valid even for 0 bytes.
 void copy_bytes(void* dst, const void* src, size_t n) {
   if (n > 0) std::memcpy(dst, src, n);
-}
-
-void sum_into(std::vector<uint8_t>& acc, const void* src, size_t count, ElemType t, bool first) {
-  if (first) {
-    copy_bytes(acc.data(), src, count * elem_size(t));
-    return;
-  }
-  switch (t) {
-    case ElemType::kF32: {
-      auto* a = reinterpret_cast<float*>(acc.data());
-      auto* s = static_cast<const float*>(src);
-      for (size_t i = 0; i < count; ++i) a[i] += s[i];
-      return;
-    }
-    case ElemType::kF16: case ElemType::kBF16: {
-      auto* a = reinterpret_cast<uint16_t*>(acc.data());
-      auto* s = static_cast<const uint16_t*>(src);
-      const bool h = t == ElemType::kF16;
-      for (size_t i = 0; i < count; ++i) {
-        const float r = (h ? half_to_float(a[i]) : bf16_to_float(a[i])) +
-                        (h ? half_to_float(s[i]) : bf16_to_float(s[i]));
-        a[i] = h ? float_to_half(r) : float_to_bf16(r);
-      }
-      return;
-    }
-    case ElemType::kU8: {
-      for (size_t i = 0; i < count; ++i) acc[i] += static_cast<const uint8_t*>(src)[i];
-      return;
-    }
-    case ElemType::kU32: {
-      auto* a = reinterpret_cast<uint32_t*>(acc.data());
-      for (size_t i = 0; i < count; ++i) a[i] += static_cast<const uint32_t*>(src)[i];
-      return;
-    }
-    case ElemType::kI64: {
-      auto* a = reinterpret_cast<int64_t*>(acc.data());
-      for (size_t i = 0; i < count; ++i) a[i] += static_cast<const int64_t*>(src)[i];
-      return;
-    }
-  }
 }
 
 }  // namespace
@@ -84,17 +50,18 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
     const Collective& c0 = *cs[0];
     for (size_t r = 0; r < P; ++r) {
       const Collective& c = *cs[r];
-      GC_CHECK_ARG(c.kind == c0.kind && c.type == c0.type && c.count == c0.count && c.root == c0.root,
-                   "plan '", ranks[r]->name(), "': rank ", r, " asks for ", collective_name(c.kind),
-                   " of ", c.count, " elements, rank 0 for ", collective_name(c0.kind), " of ",
-                   c0.count);
+      GC_CHECK_ARG(
+          c.kind == c0.kind && c.type == c0.type && c.count == c0.count && c.root == c0.root,
+          "plan '", ranks[r]->name(), "': rank ", r, " asks for ", collective_name(c.kind), " of ",
+          c.count, " elements, rank 0 for ", collective_name(c0.kind), " of ", c0.count);
       GC_CHECK_ARG(c.device == Device::kCPU, "run_plans_in_process runs CPU buffers only");
     }
     const size_t es = elem_size(c0.type), bytes = c0.count * es;
     switch (c0.kind) {
-      case CollectiveKind::kAllreduceSum: {
-        std::vector<uint8_t> acc(bytes);
-        for (size_t r = 0; r < P; ++r) sum_into(acc, cs[r]->send, c0.count, c0.type, r == 0);
+      case CollectiveKind::kAllreduceSum: {  // the engines' rank-ordered sum (kernels/reduce.hpp)
+        std::vector<uint8_t> blocks(bytes * P), acc(bytes);
+        for (size_t r = 0; r < P; ++r) copy_bytes(blocks.data() + r * bytes, cs[r]->send, bytes);
+        kernels::cpu::reduce_blocks(blocks.data(), P, c0.count, c0.count, c0.type, acc.data());
         for (size_t r = 0; r < P; ++r) copy_bytes(cs[r]->recv, acc.data(), bytes);
         break;
       }
@@ -113,7 +80,7 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
         for (size_t dst = 0; dst < P; ++dst)
           for (size_t src = 0; src < P; ++src)
             copy_bytes(static_cast<uint8_t*>(cs[dst]->recv) + src * bytes,
-                        sends[src].data() + dst * bytes, bytes);
+                       sends[src].data() + dst * bytes, bytes);
         break;
       }
       case CollectiveKind::kBroadcast: {

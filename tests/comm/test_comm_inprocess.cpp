@@ -1,0 +1,328 @@
+// SPDX-License-Identifier: Apache-2.0
+// The engine-independent collectives (Communicator's rank-ordered allreduce / reduce-scatter over
+// an engine's primitives) run over InProcessGroup: P ranks as threads. Checked against plain
+// scalar references for P = 1..4, element types fp32/fp16/bf16 and sizes 0, 1, odd, one above
+// the one-round limit and large; statistics; the plans of every family equal the lockstep
+// simulation (run_plans_in_process) bitwise; a missing rank times out on every caller and breaks
+// the group; ranks that disagree throw on every rank. On a machine with a GPU the same algorithm
+// runs on CUDA buffers and must give the CPU's bits.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "comm_reference.hpp"
+#include "gradcomp/comm.hpp"
+#include "gradcomp/numeric.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/runtime.hpp"
+
+namespace gc = gradcomp;
+using gc::ElemType;
+using gc::ReduceOp;
+
+namespace {
+
+/// Runs body(rank) on one thread per rank; returns each rank's exception message ("" if none).
+std::vector<std::string> on_ranks(gc::InProcessGroup& g, const std::function<void(int)>& body) {
+  std::vector<std::string> errors(static_cast<size_t>(g.size()));
+  std::vector<std::thread> ts;
+  for (int r = 0; r < g.size(); ++r)
+    ts.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  return errors;
+}
+
+void expect_no_errors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+/// Element i of rank r's input, stored in type t (16-bit types hold the rounded value).
+std::vector<uint8_t> input(ElemType t, int64_t n, int rank, uint64_t salt) {
+  const auto v = gc::test::normal(n, 7919u * static_cast<uint64_t>(rank) + salt, 1.0f + rank);
+  std::vector<uint8_t> out(static_cast<size_t>(n) * gc::elem_size(t));
+  for (int64_t i = 0; i < n; ++i) {
+    if (t == ElemType::kF32) {
+      std::memcpy(out.data() + 4 * i, &v[i], 4);
+    } else {
+      const uint16_t h = t == ElemType::kF16 ? gc::float_to_half(v[i]) : gc::float_to_bf16(v[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+
+float load(ElemType t, const uint8_t* p, int64_t i) {
+  if (t == ElemType::kF32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return t == ElemType::kF16 ? gc::half_to_float(h) : gc::bf16_to_float(h);
+}
+
+/// Stores x rounded to type t.
+void store(ElemType t, uint8_t* p, int64_t i, float x) {
+  if (t == ElemType::kF32) {
+    std::memcpy(p + 4 * i, &x, 4);
+  } else {
+    const uint16_t h = t == ElemType::kF16 ? gc::float_to_half(x) : gc::float_to_bf16(x);
+    std::memcpy(p + 2 * i, &h, 2);
+  }
+}
+
+/// The scalar reference: rank 0 first, rounded to the element type after every addition, then
+/// (mean) divided by P in fp32 and rounded once more.
+std::vector<uint8_t> ordered_sum(ElemType t, const std::vector<std::vector<uint8_t>>& in, int64_t n,
+                                 int64_t offset, bool mean) {
+  std::vector<uint8_t> out(static_cast<size_t>(n) * gc::elem_size(t));
+  const auto P = static_cast<float>(in.size());
+  for (int64_t i = 0; i < n; ++i) {
+    store(t, out.data(), i, load(t, in[0].data(), offset + i));
+    for (size_t r = 1; r < in.size(); ++r)
+      store(t, out.data(), i, load(t, out.data(), i) + load(t, in[r].data(), offset + i));
+    if (mean) store(t, out.data(), i, load(t, out.data(), i) / P);
+  }
+  return out;
+}
+
+const int64_t kSizes[] = {0, 1, 3, 1000, 8193, 100003};  // 8193 fp32 = just above 32 KiB
+
+}  // namespace
+
+TEST(InProcessComm, AllreduceAndReduceScatterMatchOrderedReference) {
+  for (int P = 1; P <= 4; ++P)
+    for (ElemType t : {ElemType::kF32, ElemType::kF16, ElemType::kBF16})
+      for (int64_t n : kSizes) {
+        SCOPED_TRACE("P=" + std::to_string(P) + " type " + std::to_string(int(t)) +
+                     " n=" + std::to_string(n));
+        const size_t es = gc::elem_size(t), bytes = static_cast<size_t>(n) * es;
+        std::vector<std::vector<uint8_t>> in, blocks;
+        for (int r = 0; r < P; ++r) {
+          in.push_back(input(t, n, r, 1));
+          blocks.push_back(input(t, n * P, r, 2));
+        }
+        const auto sum = ordered_sum(t, in, n, 0, false), mean = ordered_sum(t, in, n, 0, true);
+        std::vector<std::vector<uint8_t>> out(P, std::vector<uint8_t>(bytes)),
+            inplace = in, rs(P, std::vector<uint8_t>(bytes));
+        gc::InProcessGroup g(P);
+        expect_no_errors(on_ranks(g, [&](int r) {
+          auto& c = g.comm(r);
+          c.allreduce(in[r].data(), out[r].data(), n, t, ReduceOp::kSum);
+          c.allreduce(inplace[r].data(), inplace[r].data(), n, t, ReduceOp::kMean);
+          c.reduce_scatter(blocks[r].data(), rs[r].data(), n, t, ReduceOp::kSum);
+        }));
+        for (int r = 0; r < P; ++r) {
+          EXPECT_EQ(out[r], sum) << "allreduce sum, rank " << r;
+          EXPECT_EQ(inplace[r], mean) << "in-place allreduce mean, rank " << r;
+          EXPECT_EQ(rs[r], ordered_sum(t, blocks, n, n * r, false)) << "reduce_scatter, rank " << r;
+        }
+      }
+}
+
+TEST(InProcessComm, DataMovementAndStatistics) {
+  for (int P = 1; P <= 4; ++P)
+    for (int64_t n : kSizes) {
+      SCOPED_TRACE("P=" + std::to_string(P) + " n=" + std::to_string(n));
+      gc::InProcessGroup g(P);
+      std::vector<std::vector<uint32_t>> a2a(P), got(P), gath(P), bc(P);
+      std::vector<gc::CommStats> st(P);
+      expect_no_errors(on_ranks(g, [&](int me) {
+        auto& c = g.comm(me);
+        const auto un = static_cast<size_t>(n), uP = static_cast<size_t>(P);
+        a2a[me].resize(un * uP);
+        got[me].assign(un * uP, 0);
+        for (size_t b = 0; b < uP; ++b)
+          for (size_t j = 0; j < un; ++j) a2a[me][b * un + j] = uint32_t(me * 1000003 + b * 7 + j);
+        c.alltoall(a2a[me].data(), got[me].data(), un, ElemType::kU32);
+        std::vector<uint32_t> mine(un);
+        for (size_t j = 0; j < un; ++j) mine[j] = uint32_t(me * 31 + j);
+        gath[me].assign(un * uP, 0);
+        c.allgather(mine.data(), gath[me].data(), un, ElemType::kU32);
+        bc[me] = mine;  // broadcast from the last rank, in place
+        c.broadcast(bc[me].data(), bc[me].data(), un, ElemType::kU32, P - 1);
+        c.barrier();
+        c.reset_stats();
+        std::vector<float> x(un, 1.0f);
+        c.allreduce(x.data(), x.data(), un, ElemType::kF32, ReduceOp::kSum);
+        st[me] = c.stats();
+      }));
+      for (int me = 0; me < P; ++me)
+        for (int r = 0; r < P; ++r)
+          for (int64_t j = 0; j < n; ++j) {
+            ASSERT_EQ(got[me][r * n + j], uint32_t(r * 1000003 + me * 7 + j)) << me << " " << r;
+            ASSERT_EQ(gath[me][r * n + j], uint32_t(r * 31 + j));
+            ASSERT_EQ(bc[me][j], uint32_t((P - 1) * 31 + j));
+          }
+      // one call per collective; bytes by the algorithm: one round (allgather of the whole vector)
+      // up to 32 KiB or fewer elements than ranks, else all-to-all + allgather of P chunks
+      const uint64_t bytes = 4 * static_cast<uint64_t>(n);
+      for (int me = 0; me < P; ++me) {
+        EXPECT_EQ(st[me].calls, 1u);
+        uint64_t want = 0;
+        if (P > 1 && n > 0) {
+          const uint64_t mine = 4 * static_cast<uint64_t>(n * (me + 1) / P - n * me / P);
+          want = bytes <= 32 * 1024 || n < P ? bytes * (P - 1) : 2 * (bytes - mine);
+        }
+        EXPECT_EQ(st[me].bytes_sent, want) << "rank " << me;
+      }
+    }
+}
+
+TEST(InProcessComm, PlansOverThreadsEqualLockstepSimulation) {
+  // every family's plan run by run_plan on P threads gives the bits of run_plans_in_process
+  for (int P : {2, 3, 4})
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{100003}}) {
+      SCOPED_TRACE("P=" + std::to_string(P) + " n=" + std::to_string(n));
+      using Maker = std::function<std::unique_ptr<gc::test::RankPlan>(int)>;
+      gc::TopKConfig tk;
+      tk.ratio = 0.01;
+      tk.momentum = 0.9;
+      gc::RandomKConfig rk;
+      rk.ratio = 0.02;
+      gc::OneBitConfig ob;
+      ob.scaling = gc::OneBitScaling::kSignL2;
+      gc::PowerSGDConfig ps;
+      ps.rank = 2;
+      const std::vector<std::vector<int64_t>> shapes = {{n / 10, 10}, {n % 10}};
+      const std::vector<std::pair<std::string, Maker>> makers = {
+          {"dense",
+           [&](int) {
+             return std::make_unique<gc::test::GradientRankPlan>(
+                 std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P));
+           }},
+          {"cast fp16",
+           [&](int) {
+             return std::make_unique<gc::test::GradientRankPlan>(
+                 std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32,
+                                                         gc::DType::kFloat16, P));
+           }},
+          {"topk",
+           [&](int) {
+             return std::make_unique<gc::test::GradientRankPlan>(
+                 std::make_unique<gc::TopKAllreducePlan>(tk, n, P));
+           }},
+          {"randomk",
+           [&](int) {
+             return std::make_unique<gc::test::GradientRankPlan>(
+                 std::make_unique<gc::RandomKAllreducePlan>(rk, n, P));
+           }},
+          {"onebit",
+           [&](int r) { return std::make_unique<gc::test::OneBitRankPlan>(ob, n, P, r); }},
+          {"powersgd",
+           [&](int) { return std::make_unique<gc::test::PowerSGDRankPlan>(ps, shapes, P); }},
+      };
+      for (const auto& [name, make] : makers) {
+        if (name == "powersgd" && n < 10) continue;  // its layout needs a 10-column matrix
+        std::vector<std::unique_ptr<gc::test::RankPlan>> threaded, sims;
+        std::vector<gc::Plan*> raw;
+        for (int r = 0; r < P; ++r) {
+          threaded.push_back(make(r));
+          sims.push_back(make(r));
+          raw.push_back(&sims.back()->plan());
+        }
+        const int64_t len = threaded[0]->numel();
+        gc::InProcessGroup g(P);
+        for (int step = 0; step < 3; ++step) {
+          std::vector<std::vector<float>> in, sim;
+          for (int r = 0; r < P; ++r) in.push_back(gc::test::rank_input(len, r, step));
+          sim = in;
+          expect_no_errors(on_ranks(g, [&](int r) {
+            threaded[r]->begin(in[r].data());
+            gc::run_plan(threaded[r]->plan(), g.comm(r), gc::Handshake::kEvery);
+          }));
+          for (int r = 0; r < P; ++r) sims[r]->begin(sim[r].data());
+          gc::run_plans_in_process(raw);
+          for (int r = 0; r < P; ++r) {
+            const float* want = sims[r]->result(sim[r].data());
+            const float* got = threaded[r]->result(in[r].data());
+            ASSERT_EQ(std::memcmp(want, got, sizeof(float) * static_cast<size_t>(len)), 0)
+                << name << " step " << step << " rank " << r;
+          }
+        }
+      }
+    }
+}
+
+TEST(InProcessComm, MissingRankTimesOutAndBreaksTheGroup) {
+  gc::InProcessGroup g(3, gc::Device::kCPU, 0.2);
+  float x = 1.0f;
+  auto errors = on_ranks(g, [&](int r) {
+    if (r == 2) return;  // never arrives
+    float y = 1.0f;
+    g.comm(r).allreduce(&y, &y, 1, ElemType::kF32, ReduceOp::kSum);
+  });
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[r].find("did not complete within 0.2 s"), std::string::npos) << errors[r];
+  }
+  EXPECT_EQ(errors[2], "");
+  try {
+    g.comm(2).allreduce(&x, &x, 1, ElemType::kF32, ReduceOp::kSum);
+    ADD_FAILURE() << "a broken group accepted a collective";
+  } catch (const gc::BackendError& e) {
+    EXPECT_NE(std::string(e.what()).find("broken"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(x, 1.0f);
+}
+
+TEST(InProcessComm, DisagreementThrowsOnEveryRankAndBadArgumentsLeaveNoTrace) {
+  gc::InProcessGroup g(2);
+  std::vector<uint32_t> out(8, 0);
+  auto errors = on_ranks(g, [&](int r) {
+    std::vector<uint32_t> mine(3 + r, 5);
+    std::vector<uint32_t> all(8, 0);
+    g.comm(r).allgather(mine.data(), all.data(), mine.size(), ElemType::kU32);
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(errors[r].find("rank 0 asks for allgather of 3 elements"), std::string::npos)
+        << errors[r];
+  // argument errors are raised before any rank waits: the group stays usable
+  uint32_t v = 1;
+  EXPECT_THROW(g.comm(0).broadcast(&v, &v, 1, ElemType::kU32, 2), gc::InvalidArgument);
+  EXPECT_THROW(g.comm(0).alltoall(&v, &v, 1, ElemType::kU32), gc::InvalidArgument);
+  EXPECT_THROW(g.comm(0).allreduce(&v, &v, 1, ElemType::kU32, ReduceOp::kMean),
+               gc::InvalidArgument);
+  EXPECT_EQ(v, 1u);
+  EXPECT_THROW(g.comm(2), gc::InvalidArgument);
+  EXPECT_THROW(gc::InProcessGroup(0), gc::InvalidArgument);
+  expect_no_errors(on_ranks(g, [&](int r) {
+    uint32_t w = uint32_t(r + 1);
+    g.comm(r).allreduce(&w, &out[r], 1, ElemType::kU32, ReduceOp::kSum);
+  }));
+  EXPECT_EQ(out[0], 3u);
+  EXPECT_EQ(out[1], 3u);
+}
+
+TEST(InProcessComm, CudaBuffersGiveTheCpuBits) {
+  if (gc::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const int P = 4;
+  for (ElemType t : {ElemType::kF32, ElemType::kF16, ElemType::kBF16})
+    for (int64_t n : kSizes) {
+      SCOPED_TRACE("type " + std::to_string(int(t)) + " n=" + std::to_string(n));
+      const size_t bytes = static_cast<size_t>(n) * gc::elem_size(t);
+      std::vector<std::vector<uint8_t>> in, host(P, std::vector<uint8_t>(bytes));
+      for (int r = 0; r < P; ++r) in.push_back(input(t, n, r, 3));
+      const auto mean = ordered_sum(t, in, n, 0, true);
+      gc::InProcessGroup g(P, gc::Device::kCUDA);
+      expect_no_errors(on_ranks(g, [&](int r) {
+        gc::Buffer d(gc::Device::kCUDA);
+        auto* p = d.get<uint8_t>(bytes + 1);
+        gc::device_copy(p, gc::Device::kCUDA, in[r].data(), gc::Device::kCPU, bytes, nullptr);
+        g.comm(r).allreduce(p, p, n, t, ReduceOp::kMean);
+        gc::device_copy(host[r].data(), gc::Device::kCPU, p, gc::Device::kCUDA, bytes, nullptr);
+        gc::cuda::stream_synchronize(nullptr);
+      }));
+      for (int r = 0; r < P; ++r) EXPECT_EQ(host[r], mean) << "rank " << r;
+    }
+}
