@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "gradcomp/powersgd.hpp"
+#include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
-#include "kernels/topk.hpp"  // cpu::first_nonfinite
+#include "kernels/scan.hpp"
 
 namespace gradcomp::kernels {
 
@@ -44,7 +44,7 @@ struct PsgdContext {
 };
 
 namespace cpu {
-// first_nonfinite(g, t, n): the top-k family's check (kernels/topk.hpp) is reused.
+// first_nonfinite(g, t, n): kernels/scan.hpp.
 /// dst = (add ? dst : 0) + float(g).
 void load(const void* g, DType t, int64_t n, float* dst, bool add);
 /// x = x / world.

@@ -9,8 +9,9 @@
 
 #include "gradcomp/rng.hpp"
 #include "gradcomp/tensor.hpp"
-#include "gradcomp/topk.hpp"
+#include "gradcomp/select.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/scan.hpp"
 
 namespace gradcomp::kernels {
 
@@ -29,8 +30,7 @@ namespace cpu {
 /// gradcomp::SelectOptions for the contract of each method.
 int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
                uint32_t* out, SelectWorkspace& ws);
-/// Index of the first non-finite element, or -1.
-int64_t first_nonfinite(const void* g, DType t, int64_t n);
+// first_nonfinite(g, t, n): kernels/scan.hpp
 /// Sum of squares in double.
 double sum_squares(const void* g, DType t, int64_t n);
 /// u, v <- DGC update with g * coef (u may be null when momentum == 0).

@@ -33,26 +33,12 @@
 #include <string>
 #include <vector>
 
+#include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/tensor.hpp"
 
 namespace gradcomp {
 
-/// How P is orthogonalized.
-enum class Orthogonalization : uint8_t {
-  /// Modified Gram-Schmidt fused into r + 1 passes over the n x r block (one kernel on the GPU).
-  /// Supports rank <= kPowerSGDMaxGramSchmidtRank.
-  kGramSchmidt = 0,
-  /// Householder QR (LAPACK sgeqrf + sorgqr on the CPU, cuSOLVER geqrf + orgqr on the GPU).
-  kHouseholder = 1,
-  /// kGramSchmidt for rank <= 32, kHouseholder above.
-  kAuto = 2,
-  /// The unfused baseline: column by column, separate norm / scale / dot / axpy passes over the
-  /// strided columns (how PyTorch's hook does it). CPU only; for benchmarks and cross-checks.
-  kGramSchmidtUnfused = 3,
-};
-
-inline constexpr int kPowerSGDMaxGramSchmidtRank = 32;
 
 /// At most this many elements in one bucket (2^32: 16 GiB of fp32 in each per-bucket buffer;
 /// every dimension is bounded by it too). Larger shapes, and shapes whose element count overflows

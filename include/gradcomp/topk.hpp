@@ -19,29 +19,9 @@
 
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/rng.hpp"
+#include "gradcomp/select.hpp"
 
 namespace gradcomp {
-
-enum class SelectMethod : uint8_t {
-  /// Exactly k elements: all with |x| above the k-th largest magnitude T, then the lowest-index
-  /// elements with |x| == T (ties are broken by index). Radix select on the float bits.
-  kExact = 0,
-  /// DGC's sampled threshold: a strided sample (random offset from the shared RNG) estimates the
-  /// threshold, one compaction pass keeps |x| >= threshold. Returns between
-  /// ceil(min_fraction * k) and k elements: too many candidates are cut to exactly k by exact
-  /// selection among them; too few lower the threshold and retry (max_retries), after which exact
-  /// selection runs on the whole tensor.
-  kSampled = 1,
-};
-
-struct SelectOptions {
-  SelectMethod method = SelectMethod::kSampled;
-  double sample_rate = 0.01;  ///< fraction of elements sampled, in (0, 1]
-  double oversample = 1.25;   ///< candidates aimed for per wanted element, >= 1
-  double min_fraction = 0.8;  ///< accept [min_fraction k, k] elements, in (0, 1]
-  int max_retries = 2;        ///< threshold lowerings before falling back to exact selection
-  void validate() const;
-};
 
 /// Selects the top-k of |x| (fp32, CPU or CUDA) into `out` (capacity k, same device), ascending.
 /// Returns the number selected (k for exact; see SelectMethod for sampled). Throws
