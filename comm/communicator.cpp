@@ -224,7 +224,6 @@ void Communicator::execute(const Collective& c) {
 namespace {
 
 constexpr int64_t kSigWords = 6;
-constexpr int64_t kNoNumel = -1;
 
 const char* elem_name(ElemType t) {
   switch (t) {
@@ -262,9 +261,8 @@ void handshake(Communicator& comm, Plan& plan, const std::optional<Collective>& 
                bool pre = false) {
   const int P = comm.size();
   Signature mine{};
-  auto* bp = dynamic_cast<BucketPlan*>(&plan);
   mine.w[0] = pre ? 2 : c.has_value();
-  mine.w[1] = bp ? bp->numel() : kNoNumel;
+  mine.w[1] = plan.bucket_numel();  // -1 for a plan without a bucket
   if (c) {
     mine.w[2] = int64_t(c->kind);
     mine.w[3] = int64_t(c->type);

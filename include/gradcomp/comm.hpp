@@ -161,7 +161,8 @@ enum class Handshake : uint8_t {
   kEvery = 2,  ///< the same before every collective of the plan
 };
 
-// BucketPlan (plan.hpp): plans that know the size of their bucket expose it for the handshake.
+// Plan::bucket_numel() (plan.hpp): plans that know the size of their bucket expose it for the
+// handshake.
 
 /// Drives a plan to completion on a communicator: while (auto c = plan.next()) comm.execute(*c).
 /// With a handshake, a disagreement between ranks (bucket sizes, collective kind, element type,

@@ -65,17 +65,21 @@ class Plan {
   virtual ~Plan() = default;
   virtual std::optional<Collective> next() = 0;
   virtual std::string name() const = 0;
+  /// Elements of the gradient bucket the plan averages, or -1 for a plan without one. run_plan()'s
+  /// handshake compares it across ranks before the first collective.
+  virtual int64_t bucket_numel() const { return -1; }
 };
 
 /// A plan over one gradient bucket that knows the bucket's size (every plan of plans.hpp, the
-/// 1-bit and PowerSGD plans). run_plan()'s handshake compares numel() across ranks before the
-/// first collective, so a rank that passes a different bucket is reported with both sizes.
+/// 1-bit and PowerSGD plans), so that a rank that passes a different bucket is reported by
+/// run_plan() with both sizes.
 ///
-/// Example:  if (auto* b = dynamic_cast<gradcomp::BucketPlan*>(&plan)) n = b->numel();
+/// Example:  int64_t n = plan.bucket_numel();  // any Plan: -1 when it has no bucket
 class BucketPlan : public Plan {
  public:
   /// Elements of the gradient bucket.
   virtual int64_t numel() const = 0;
+  int64_t bucket_numel() const final { return numel(); }
 };
 
 /// Executes one plan per simulated rank in this process, summing in rank order. For tests and
