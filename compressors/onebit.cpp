@@ -11,7 +11,8 @@
 #include "core/state_io.hpp"
 #include "kernels/onebit.hpp"
 #include "kernels/onebit_math.h"
-#include "kernels/topk.hpp"  // dgc_accumulate and first_nonfinite: the plan's momentum
+#include "kernels/reduce.hpp"  // convert: the in-place result in the gradient's dtype
+#include "kernels/topk.hpp"    // dgc_accumulate and first_nonfinite: the plan's momentum
 
 namespace gradcomp {
 
@@ -241,8 +242,10 @@ OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_
                                    DType grad_dtype, Device device, int device_index, void* stream)
     : cfg_(cfg), rows_(rows), cols_(cols), device_(device) {
   cfg_.validate();
-  GC_CHECK_ARG(cfg_.momentum == 0.0, "OneBitCompressor: momentum applies to the allreduce plan "
-               "only (apply the optimizer's momentum instead), got ", cfg_.momentum);
+  GC_CHECK_ARG(cfg_.momentum == 0.0,
+               "OneBitCompressor: momentum applies to the allreduce plan "
+               "only (apply the optimizer's momentum instead), got ",
+               cfg_.momentum);
   GC_CHECK_ARG(rows >= 0 && cols >= 0, "rows and cols must be >= 0, got ", rows, " x ", cols);
   GC_CHECK_ARG(rows == 0 || cols <= (int64_t{1} << 40) / rows, "tensor of ", rows, " x ", cols,
                " elements is too large");
@@ -415,7 +418,8 @@ struct OneBitAllreducePlan::Impl {
   k::SelectWorkspace sws;
   void* stream;
   int device_index = 0;
-  TensorView grad, out;
+  TensorView grad, out;  ///< out is grad itself when in place
+  bool in_place = false;
   std::vector<const uint32_t*> bit_ptrs;
   std::vector<const float*> scale_ptrs;
 };
@@ -476,25 +480,33 @@ const float* OneBitAllreducePlan::server_error() const {
   return static_cast<const float*>(impl_->se.data());
 }
 
+void OneBitAllreducePlan::begin(const TensorView& grad) { start(grad, nullptr); }
+
 void OneBitAllreducePlan::begin(const TensorView& grad, const TensorView& out) {
+  start(grad, &out);
+}
+
+void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
   Impl& s = *impl_;
   GC_CHECK_ARG(phase_ == 0, "onebit-allreduce rank ", rank_,
                ": begin() called while a step is in progress (run next() until it returns "
                "nullopt)");
   check_grad(grad, numel_, device_, s.device_index, cfg_.tensor_id, "onebit-allreduce");
-  check_dense(out, numel_, device_, "onebit-allreduce");
-  GC_CHECK_ARG(numel_ == 0 || out.data != grad.data,
-               "onebit-allreduce: out must not alias grad (grad is read after out is written)");
+  if (out) {
+    check_dense(*out, numel_, device_, "onebit-allreduce");
+    GC_CHECK_ARG(numel_ == 0 || out->data != grad.data,
+                 "onebit-allreduce: out aliases grad; call begin(grad) to average in place");
+  }
   const k::OneBitGeom geo = sign_geom(numel_, scale_block_);
   auto* scales = static_cast<float*>(s.scales.data());
   if (cfg_.momentum > 0.0) {
     // u = m u + g and x = u + e, written into the worker-error buffer (x is compressed in
     // place by next()). The finiteness check runs first: a rejected step changes nothing.
     if (cfg_.check_finite) {
-      const int64_t bad = device_ == Device::kCUDA
-                              ? k::cuda::first_nonfinite(grad.data, grad.dtype, numel_, s.sws,
-                                                         s.stream)
-                              : k::cpu::first_nonfinite(grad.data, grad.dtype, numel_);
+      const int64_t bad =
+          device_ == Device::kCUDA
+              ? k::cuda::first_nonfinite(grad.data, grad.dtype, numel_, s.sws, s.stream)
+              : k::cpu::first_nonfinite(grad.data, grad.dtype, numel_);
       GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
                    ": gradient has a non-finite value (NaN or Inf) at index ", bad,
                    "; nothing was changed");
@@ -513,15 +525,15 @@ void OneBitAllreducePlan::begin(const TensorView& grad, const TensorView& out) {
                s.ws, s.stream);
   } else {
     const float* e_in = cfg_.error_feedback ? static_cast<const float*>(s.we.data()) : nullptr;
-    const int64_t bad = run_scales(device_, grad.data, grad.dtype, e_in, geo,
-                                   norm_of(cfg_.scaling), cfg_.check_finite, scales, s.ws,
-                                   s.stream);
+    const int64_t bad = run_scales(device_, grad.data, grad.dtype, e_in, geo, norm_of(cfg_.scaling),
+                                   cfg_.check_finite, scales, s.ws, s.stream);
     GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
                  ": gradient has a non-finite value (NaN or Inf) at index ", bad,
                  "; nothing was changed");
   }
   s.grad = grad;
-  s.out = out;
+  s.in_place = out == nullptr;
+  s.out = out ? *out : grad;
   phase_ = 1;
 }
 
@@ -548,8 +560,8 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         run_quantize(device_, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo, scales, bits,
                      s.stream);
       else
-        run_quantize(device_, s.grad.data, s.grad.dtype, ef ? we : nullptr, ef ? we : nullptr,
-                     geo, scales, bits, s.stream);
+        run_quantize(device_, s.grad.data, s.grad.dtype, ef ? we : nullptr, ef ? we : nullptr, geo,
+                     scales, bits, s.stream);
       auto* send = static_cast<uint8_t*>(s.send.data());
       device_zero(device_, send, P * B, s.stream);
       const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
@@ -596,16 +608,24 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       phase_ = 3;
       return c;
     }
-    case 3: {  // (5) decode every server chunk into the output
+    case 3: {  // (5) decode every server chunk into the output (the gradient when in place)
+      // grad was last read in phase 1, so writing the average over it is safe; an fp16/bf16
+      // gradient gets each chunk decoded in fp32 (into `avg`, free since phase 2) and rounded
       const auto* grecv = static_cast<const uint8_t*>(s.grecv.data());
-      float* out = s.out.as<float>();
+      const DType ot = s.out.dtype;
+      const size_t es = dtype_size(ot);
       for (size_t q = 0; q < P; ++q) {
         const int64_t L = chunk_len(static_cast<int64_t>(q));
         if (L == 0) continue;
         const uint32_t* bits = reinterpret_cast<const uint32_t*>(grecv + q * B + 4 * NB);
         const float* scale = reinterpret_cast<const float*>(grecv + q * B);
-        run_decode_average(device_, &bits, &scale, 1, sign_geom(L, S), 1.0f, false,
-                           out + static_cast<int64_t>(q) * CE, s.ws, s.stream);
+        void* dst = static_cast<uint8_t*>(s.out.data) + static_cast<size_t>(q * CE) * es;
+        float* f =
+            ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
+        run_decode_average(device_, &bits, &scale, 1, sign_geom(L, S), 1.0f, false, f, s.ws,
+                           s.stream);
+        if (ot != DType::kFloat32)
+          k::convert(device_, f, DType::kFloat32, dst, ot, L, 1.0f, s.stream);
       }
       phase_ = 0;
       ++step_;

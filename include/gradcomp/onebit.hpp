@@ -126,6 +126,7 @@ class OneBitCompressor : public Compressor {
   const float* error() const;
 
  private:
+  void start(const TensorView& grad, const TensorView* out);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   OneBitConfig cfg_;
@@ -146,7 +147,8 @@ class OneBitCompressor : public Compressor {
 ///  (3) rank r decodes the P blocks, sums them in rank order, multiplies by 1/P, adds
 ///      server_error and recompresses its chunk with the same blocks (server error feedback).
 ///  (4) allgather (ElemType::kU8, B bytes per rank) of the recompressed blocks.
-///  (5) every rank decodes all P blocks into `out`: bitwise the same result on every rank.
+///  (5) every rank decodes all P blocks into the gradient (or `out`): bitwise the same result on
+///      every rank.
 /// S is cfg.chunk_size (a positive multiple of 32), or 0: one scale per server chunk (the form
 /// of the 1-bit Adam paper). One scale for a whole chunk lets layers of very different gradient
 /// magnitude share it: the small-gradient layers then get steps far above their own size and the
@@ -157,16 +159,20 @@ class OneBitCompressor : public Compressor {
 ///
 /// Example (one rank; a driver executes the collectives):
 ///   gradcomp::OneBitAllreducePlan plan(cfg, n, world, rank);
-///   plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(avg.data(), n));
-///   while (auto c = plan.next()) driver.run(*c);   // avg now holds the averaged gradient
+///   plan.begin(TensorView::cpu(g.data(), n));
+///   while (auto c = plan.next()) driver.run(*c);   // g now holds the averaged gradient
 class OneBitAllreducePlan : public BucketPlan {
  public:
   OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel, int world, int rank,
                       Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
   ~OneBitAllreducePlan() override;
-  /// Starts a step: grad (numel elements, fp32/fp16/bf16, on the plan's device) and out (fp32,
-  /// numel, may not alias grad). Checks everything (including finiteness) before any state
-  /// changes; throws InvalidArgument if a step is still in progress.
+  /// Starts a step that averages in place, like every other bucket plan: grad (numel elements,
+  /// fp32/fp16/bf16, on the plan's device) receives the average (rounded to its dtype) when
+  /// next() returns nullopt. Checks everything (including finiteness) before any state changes;
+  /// throws InvalidArgument if a step is still in progress.
+  void begin(const TensorView& grad);
+  /// The same, with the average written to a separate fp32 `out` (numel, not aliasing grad);
+  /// grad is left as it was.
   void begin(const TensorView& grad, const TensorView& out);
   std::optional<Collective> next() override;
   std::string name() const override { return "onebit-allreduce"; }
@@ -194,6 +200,7 @@ class OneBitAllreducePlan : public BucketPlan {
   void load_state_dict(const uint8_t* data, size_t nbytes);
 
  private:
+  void start(const TensorView& grad, const TensorView* out);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   OneBitConfig cfg_;

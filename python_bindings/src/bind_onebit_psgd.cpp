@@ -29,29 +29,27 @@ Orthogonalization parse_orth(const std::string& s) {
 }
 
 void bind(nb::module_& m) {
-  nb::class_<OneBitCompressor> onebit(m, "OneBitCompressor",
-                               "1-bit SGD / scaled sign with error feedback for one tensor.");
+  nb::class_<OneBitCompressor> onebit(
+      m, "OneBitCompressor", "1-bit SGD / scaled sign with error feedback for one tensor.");
   onebit.def(
-          "__init__",
-          [](OneBitCompressor* self, int64_t rows, int64_t cols, const std::string& scaling,
-             bool error_feedback, int64_t chunk_size, bool check_finite, uint32_t tensor_id,
-             const std::string& grad_dtype, const std::string& device, int device_index,
-             uintptr_t stream) {
-            OneBitConfig c;
-            c.scaling = parse_scaling(scaling);
-            c.error_feedback = error_feedback;
-            c.chunk_size = chunk_size;
-            c.check_finite = check_finite;
-            c.tensor_id = tensor_id;
-            new (self) OneBitCompressor(c, rows, cols, parse_dtype(grad_dtype),
-                                        parse_device(device), device_index,
-                                        reinterpret_cast<void*>(stream));
-          },
-          nb::arg("rows"), nb::arg("cols") = 1, nb::kw_only(), nb::arg("scaling") = "column_means",
-          nb::arg("error_feedback") = true, nb::arg("chunk_size") = 0,
-          nb::arg("check_finite") = true, nb::arg("tensor_id") = 0,
-          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
-          nb::arg("device_index") = 0, nb::arg("stream") = 0);
+      "__init__",
+      [](OneBitCompressor* self, int64_t rows, int64_t cols, const std::string& scaling,
+         bool error_feedback, int64_t chunk_size, bool check_finite, uint32_t tensor_id,
+         const std::string& grad_dtype, const std::string& device, int device_index,
+         uintptr_t stream) {
+        OneBitConfig c;
+        c.scaling = parse_scaling(scaling);
+        c.error_feedback = error_feedback;
+        c.chunk_size = chunk_size;
+        c.check_finite = check_finite;
+        c.tensor_id = tensor_id;
+        new (self) OneBitCompressor(c, rows, cols, parse_dtype(grad_dtype), parse_device(device),
+                                    device_index, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("rows"), nb::arg("cols") = 1, nb::kw_only(), nb::arg("scaling") = "column_means",
+      nb::arg("error_feedback") = true, nb::arg("chunk_size") = 0, nb::arg("check_finite") = true,
+      nb::arg("tensor_id") = 0, nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
+      nb::arg("device_index") = 0, nb::arg("stream") = 0);
   def_compressor_methods(onebit);
 
   nb::class_<OneBitAllreducePlan, Plan>(m, "OneBitAllreducePlan",
@@ -59,9 +57,8 @@ void bind(nb::module_& m) {
       .def(
           "__init__",
           [](OneBitAllreducePlan* self, int64_t numel, int world, int rank,
-             const std::string& scaling, bool error_feedback, bool check_finite,
-             int64_t block_size, double momentum, const std::string& device,
-             int device_index, uintptr_t stream) {
+             const std::string& scaling, bool error_feedback, bool check_finite, int64_t block_size,
+             double momentum, const std::string& device, int device_index, uintptr_t stream) {
             OneBitConfig c;
             c.scaling = parse_scaling(scaling);
             c.error_feedback = error_feedback;
@@ -74,8 +71,7 @@ void bind(nb::module_& m) {
           nb::arg("numel"), nb::arg("world"), nb::arg("rank"), nb::kw_only(),
           nb::arg("scaling") = "sign_l1", nb::arg("error_feedback") = true,
           nb::arg("check_finite") = true, nb::arg("block_size") = 0, nb::arg("momentum") = 0.0,
-          nb::arg("device") = "cpu",
-          nb::arg("device_index") = 0, nb::arg("stream") = 0,
+          nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
           "block_size: elements per scale (a positive multiple of 32), 0 = one scale per server "
           "chunk (the 1-bit Adam paper's form). momentum: each rank compresses its momentum "
           "u = m u + g (the optimizer then applies none).")
@@ -83,14 +79,21 @@ void bind(nb::module_& m) {
           "begin",
           [](nb::pointer_and_handle<OneBitAllreducePlan> self, nb::handle grad, nb::handle out,
              uintptr_t stream) {
+            if (out.is_none()) {  // in place, like every other bucket plan
+              const AnyArray ga = take_array(grad, Access::kWrite, "grad");
+              const TensorView g = to_view(ga, stream, "grad");
+              begin_holding(self.h, nb::make_tuple(ga), [&] { self.p->begin(g); });
+              return;
+            }
             const AnyArray ga = take_array(grad, Access::kRead, "grad");
             const AnyArray oa = take_array(out, Access::kWrite, "out");
             const TensorView g = to_view(ga, stream, "grad"), o = to_view(oa, stream, "out");
             begin_holding(self.h, nb::make_tuple(ga, oa), [&] { self.p->begin(g, o); });
           },
-          nb::arg("grad"), nb::arg("out"), nb::arg("stream") = 0,
-          "Starts a step; `out` (fp32, not aliasing grad) receives the average. The plan holds "
-          "both arrays until next() returns None." GC_ARRAY_RULE)
+          nb::arg("grad"), nb::arg("out") = nb::none(), nb::arg("stream") = 0,
+          "Starts a step. Without `out` the average replaces grad (in its dtype) when next() "
+          "returns None; with `out` (fp32, not aliasing grad) it goes there and grad is left as "
+          "it was. The plan holds the arrays until next() returns None." GC_ARRAY_RULE)
       .def_prop_ro("numel", &OneBitAllreducePlan::numel)
       .def_prop_ro("step", &OneBitAllreducePlan::step)
       .def_prop_ro("bytes_sent", &OneBitAllreducePlan::bytes_sent)
@@ -140,8 +143,8 @@ void bind(nb::module_& m) {
           nb::arg("warm_start") = true, nb::arg("orthogonalization_epsilon") = 0.0f,
           nb::arg("seed") = 0, nb::arg("orthogonalization") = "auto",
           nb::arg("check_finite") = true, nb::arg("first_tensor_id") = 0,
-          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
-          nb::arg("device_index") = 0, nb::arg("stream") = 0)
+          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+          nb::arg("stream") = 0)
       .def_prop_ro("step", &PowerSGDState::step)
       .def("state_dict", [](const PowerSGDState& s) { return to_bytes(s.state_dict()); })
       .def("load_state_dict",

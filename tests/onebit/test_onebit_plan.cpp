@@ -18,8 +18,7 @@ using namespace gradcomp::test;
 
 namespace {
 
-OneBitConfig plan_cfg(OneBitScaling s = OneBitScaling::kSignL2, bool ef = true,
-                      int64_t block = 0) {
+OneBitConfig plan_cfg(OneBitScaling s = OneBitScaling::kSignL2, bool ef = true, int64_t block = 0) {
   OneBitConfig c;
   c.scaling = s;
   c.error_feedback = ef;
@@ -128,28 +127,28 @@ TEST(OneBitPlan, BlockScalesRoundChunksToWholeBlocks) {
 TEST(OneBitPlan, FirstStepMatchesScalarReferenceAndRanksAgreeBitwise) {
   for (auto sc : {OneBitScaling::kSignL1, OneBitScaling::kSignL2})
     for (int64_t block : {0, 32, 256, 4096})
-    for (int P : {1, 2, 3, 8})
-      for (int64_t n :
-           {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000}, int64_t{100003}}) {
-        SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n) + " block " +
-                     std::to_string(block));
-        Sim sim(plan_cfg(sc, true, block), P, n);
-        std::vector<std::vector<float>> g(P);
-        for (int r = 0; r < P; ++r) g[r] = normal(n, 10 * r + 1);
-        sim.step(g);
-        for (int r = 1; r < P; ++r)
-          ASSERT_TRUE(same_bytes(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
-        const auto want = reference_step(g, n, sc, block);
-        int64_t sign_flips = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          if (std::signbit(want[i]) != std::signbit(sim.out[0][i])) {
-            ++sign_flips;  // an average within rounding of 0 may fall either way
-            continue;
+      for (int P : {1, 2, 3, 8})
+        for (int64_t n :
+             {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000}, int64_t{100003}}) {
+          SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n) + " block " +
+                       std::to_string(block));
+          Sim sim(plan_cfg(sc, true, block), P, n);
+          std::vector<std::vector<float>> g(P);
+          for (int r = 0; r < P; ++r) g[r] = normal(n, 10 * r + 1);
+          sim.step(g);
+          for (int r = 1; r < P; ++r)
+            ASSERT_TRUE(same_bytes(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
+          const auto want = reference_step(g, n, sc, block);
+          int64_t sign_flips = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            if (std::signbit(want[i]) != std::signbit(sim.out[0][i])) {
+              ++sign_flips;  // an average within rounding of 0 may fall either way
+              continue;
+            }
+            ASSERT_NEAR(sim.out[0][i], want[i], 1e-5 * std::fabs(want[i]) + 1e-7) << i;
           }
-          ASSERT_NEAR(sim.out[0][i], want[i], 1e-5 * std::fabs(want[i]) + 1e-7) << i;
+          EXPECT_LE(sign_flips, n / 1000);
         }
-        EXPECT_LE(sign_flips, n / 1000);
-      }
 }
 
 TEST(OneBitPlan, ErrorFeedbackMakesRunningAverageConverge) {
@@ -234,6 +233,67 @@ TEST(OneBitPlan, HalfGradientsAndStateRoundTrip) {
   EXPECT_EQ(b[0]->state_dict(), s0);
 }
 
+TEST(OneBitPlan, InPlaceEqualsSeparateOutputInEveryDtype) {
+  // begin(grad) writes the average over the gradient (rounded to its dtype); it must be the
+  // separate-output result bitwise (fp32) or that result rounded once (fp16/bf16), step after
+  // step (the state evolves the same), for sizes 0, 1, odd, several chunks, with and without
+  // momentum.
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{4099}, int64_t{100003}})
+      for (double momentum : {0.0, 0.9}) {
+        SCOPED_TRACE("dtype " + std::to_string(int(t)) + " n=" + std::to_string(n) + " momentum " +
+                     std::to_string(momentum));
+        const int P = 3;
+        OneBitConfig cfg = plan_cfg(OneBitScaling::kSignL2, true, 128);
+        cfg.momentum = momentum;
+        std::vector<std::unique_ptr<OneBitAllreducePlan>> sep, inp;
+        for (int r = 0; r < P; ++r) {
+          sep.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
+          inp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
+        }
+        const size_t es = dtype_size(t);
+        for (int step = 0; step < 3; ++step) {
+          std::vector<std::vector<uint8_t>> ga(P), gb(P);
+          std::vector<std::vector<float>> out(P, std::vector<float>(static_cast<size_t>(n)));
+          std::vector<Plan*> pa, pb;
+          for (int r = 0; r < P; ++r) {
+            const auto x = normal(n, 1000 * step + r, 1.0f + r);
+            ga[r].resize(static_cast<size_t>(n) * es);
+            for (int64_t i = 0; i < n; ++i) {
+              if (t == DType::kFloat32) {
+                std::memcpy(ga[r].data() + 4 * i, &x[i], 4);
+              } else {
+                const uint16_t h = t == DType::kFloat16 ? float_to_half(x[i]) : float_to_bf16(x[i]);
+                std::memcpy(ga[r].data() + 2 * i, &h, 2);
+              }
+            }
+            gb[r] = ga[r];
+            sep[r]->begin(TensorView(ga[r].data(), {n}, t, Device::kCPU),
+                          TensorView::cpu(out[r].data(), n));
+            inp[r]->begin(TensorView(gb[r].data(), {n}, t, Device::kCPU));
+            pa.push_back(sep[r].get());
+            pb.push_back(inp[r].get());
+          }
+          run_plans_in_process(pa);
+          run_plans_in_process(pb);
+          for (int r = 0; r < P; ++r) {
+            std::vector<uint8_t> want(static_cast<size_t>(n) * es);
+            for (int64_t i = 0; i < n; ++i) {
+              if (t == DType::kFloat32) {
+                std::memcpy(want.data() + 4 * i, &out[r][i], 4);
+              } else {
+                const uint16_t h =
+                    t == DType::kFloat16 ? float_to_half(out[r][i]) : float_to_bf16(out[r][i]);
+                std::memcpy(want.data() + 2 * i, &h, 2);
+              }
+            }
+            ASSERT_EQ(gb[r], want) << "step " << step << " rank " << r;
+            ASSERT_EQ(sep[r]->state_dict(), inp[r]->state_dict()) << "step " << step;
+          }
+        }
+      }
+}
+
 TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   const int64_t n = 300;
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(OneBitScaling::kColumnMeans), n, 2, 0),
@@ -315,8 +375,9 @@ TEST(OneBitPlan, MomentumCompressesTheVelocityAndKeepsItInTheState) {
       std::vector<float> g = normal(n, 7), out(n);
       g[n / 2] = std::numeric_limits<float>::infinity();
       const auto st = with.plans[0]->state_dict();
-      EXPECT_THROW(with.plans[0]->begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n)),
-                   InvalidArgument);
+      EXPECT_THROW(
+          with.plans[0]->begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n)),
+          InvalidArgument);
       EXPECT_EQ(with.plans[0]->state_dict(), st);
     }
     // the momentum travels with the state; a state without it is rejected

@@ -383,6 +383,30 @@ def test_onebit_plan_refuses_output_aliasing_gradient():
         plan.begin(g, g)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_onebit_plan_in_place_equals_separate_output(dtype):
+    """begin(grad) without out writes the average over grad (in grad's dtype): the separate-
+    output result, rounded once; a read-only gradient is refused in place and nothing changes."""
+    world = 1
+    a, b = _C.OneBitAllreducePlan(N, world, 0), _C.OneBitAllreducePlan(N, world, 0)
+    for step in range(3):
+        g = (good_grad() * (step + 1)).astype(dtype)
+        out = np.zeros((ROWS, COLS), np.float32)
+        a.begin(g.copy(), out)
+        run_local(a)
+        inplace = g.copy()
+        b.begin(inplace)
+        run_local(b)
+        assert np.array_equal(inplace, out.astype(dtype)), step
+        assert a.state_dict() == b.state_dict()
+    ro = good_grad()
+    ro.setflags(write=False)
+    before = b.state_dict()
+    with pytest.raises(ERRORS):
+        b.begin(ro)
+    assert b.state_dict() == before
+
+
 @pytest.mark.parametrize("case", ["too-few", "too-many", "wrong-shape", "not-list"])
 def test_powersgd_plan_refuses_bad_gradient_list(case):
     st = _C.PowerSGDState([[ROWS, COLS], [4]], rank=2, min_compression_rate=0.0)

@@ -159,12 +159,11 @@ class _RandomK(_Family):
 
 
 class _Held:
-    """A plan with what it needs beside it: the object whose state is checkpointed (the plan
-    itself for 1-bit, the PowerSGDState for PowerSGD) and, for 1-bit, the fp32 buffer the
-    two-phase plan writes the average into (copied back into the bucket by result())."""
+    """A plan with the object whose state is checkpointed beside it (PowerSGD: the
+    PowerSGDState)."""
 
-    def __init__(self, plan, state=None, out: Optional[torch.Tensor] = None):
-        self.plan, self.state, self.out = plan, (state if state is not None else plan), out
+    def __init__(self, plan, state):
+        self.plan, self.state = plan, state
 
     def next(self):
         return self.plan.next()
@@ -198,18 +197,13 @@ class _OneBit(_Family):
         o = dict(self.defaults)
         o.update(opts)
         rank = dist.get_rank(group) if dist.is_initialized() else 0
-        plan = _C.OneBitAllreducePlan(buf.numel(), world, rank, device=dev, device_index=idx,
+        # the plan averages in place (the bucket receives the result): no fp32 copy of the bucket
+        return _C.OneBitAllreducePlan(buf.numel(), world, rank, device=dev, device_index=idx,
                                       stream=_stream_of(buf), **o)
-        return _Held(plan, out=torch.empty(buf.numel(), dtype=torch.float32, device=buf.device))
 
     def begin(self, plan, bucket):
         buf = bucket.buffer()
-        plan.plan.begin(buf, plan.out, _stream_of(buf))
-
-    def result(self, plan, bucket):
-        buf = bucket.buffer()
-        buf.copy_(plan.out)
-        return buf
+        plan.begin(buf, None, _stream_of(buf))
 
 
 class _PowerSGD(_Family):
