@@ -272,6 +272,12 @@ PowerSGDPlan::PowerSGDPlan(PowerSGDState& state, int world) : st_(state), world_
   GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
 }
 
+void PowerSGDPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
+  GC_CHECK_ARG(phase_ == Phase::kIdle || phase_ == Phase::kDone,
+               "PowerSGD plan: load_state_dict() called while a step is in progress");
+  st_.load_state_dict(data, nbytes);
+}
+
 void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
   GC_CHECK_ARG(phase_ == Phase::kIdle || phase_ == Phase::kDone,
                "PowerSGD plan: begin() called while a step is in progress");
@@ -285,8 +291,8 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
     GC_CHECK_ARG(g.device == st_.device_ &&
                      (st_.device_ == Device::kCPU || g.device_index == st_.device_index_),
                  "PowerSGD: tensor ", i, " must be on ", device_name(st_.device_),
-                 st_.device_ == Device::kCUDA ? detail::cat(":", st_.device_index_) : "",
-                 ", got ", g.describe());
+                 st_.device_ == Device::kCUDA ? detail::cat(":", st_.device_index_) : "", ", got ",
+                 g.describe());
     bool same = static_cast<size_t>(g.ndim) == shapes[i].size() ||
                 (shapes[i].empty() && g.ndim == 1 && g.numel == 1);
     for (size_t d = 0; same && d < shapes[i].size(); ++d) same = g.shape[d] == shapes[i][d];

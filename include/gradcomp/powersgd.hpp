@@ -39,7 +39,6 @@
 
 namespace gradcomp {
 
-
 /// At most this many elements in one bucket (2^32: 16 GiB of fp32 in each per-bucket buffer;
 /// every dimension is bounded by it too). Larger shapes, and shapes whose element count overflows
 /// int64, are an InvalidArgument from the PowerSGDState constructor before anything is allocated.
@@ -171,6 +170,13 @@ class PowerSGDPlan : public BucketPlan {
   std::string name() const override { return "powersgd"; }
   /// Elements of the bucket (all its tensors), for run_plan()'s size handshake.
   int64_t numel() const override { return st_.compressed_numel() + st_.uncompressed_numel(); }
+  /// The state the plan steps (error, Q, step): checkpoint it through the plan as through any
+  /// other bucket plan.
+  PowerSGDState& state() { return st_; }
+  std::vector<uint8_t> state_dict() const { return st_.state_dict(); }
+  /// Restores state_dict() into the state (see PowerSGDState::load_state_dict); throws
+  /// InvalidArgument while a step is in progress.
+  void load_state_dict(const uint8_t* data, size_t nbytes);
 
  private:
   enum class Phase : uint8_t { kIdle, kStart, kPlainWait, kWaitU, kWaitP, kWaitQ, kDone };

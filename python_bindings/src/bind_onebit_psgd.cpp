@@ -183,7 +183,19 @@ void bind(nb::module_& m) {
           },
           nb::arg("grads"), nb::arg("stream") = 0,
           "Binds the bucket's gradients (a sequence, in the state's order); written in place. "
-          "The plan holds them until next() returns None." GC_ARRAY_RULE);
+          "The plan holds them until next() returns None." GC_ARRAY_RULE)
+      .def_prop_ro(
+          "state", [](PowerSGDPlan& p) -> PowerSGDState& { return p.state(); },
+          nb::rv_policy::reference_internal, "The PowerSGDState this plan steps.")
+      .def(
+          "state_dict", [](const PowerSGDPlan& p) { return to_bytes(p.state_dict()); },
+          "The state's state_dict() (error, Q, step).")
+      .def(
+          "load_state_dict",
+          [](PowerSGDPlan& p, nb::bytes b) {
+            p.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+          },
+          "Restores state_dict() into the state; refused while a step is in progress.");
 }
 
 Register reg(30, bind);

@@ -423,6 +423,29 @@ def test_powersgd_plan_refuses_bad_gradient_list(case):
     assert st.state_dict() == before
 
 
+def test_powersgd_plan_checkpoints_its_state():
+    """The plan's state_dict is its state's; restoring through the plan is refused mid-step and
+    changes nothing, and the plan keeps the state alive after the caller drops it."""
+    st = _C.PowerSGDState([[ROWS, COLS]], rank=2, min_compression_rate=0.0)
+    plan = _C.PowerSGDPlan(st, 1)
+    plan.begin([good_grad()])
+    run_local(plan)
+    saved = plan.state_dict()
+    assert saved == st.state_dict() and plan.state is st
+    del st
+    gc.collect()
+    assert plan.state.state_dict() == saved  # held by the plan (keep_alive)
+    plan.begin([good_grad(1)])
+    plan.next()  # mid-step
+    with pytest.raises(ERRORS):
+        plan.load_state_dict(saved)
+    run_local(plan)
+    after = plan.state_dict()
+    assert after != saved
+    plan.load_state_dict(saved)
+    assert plan.state_dict() == saved
+
+
 def _world1_result(name, g):
     plan, begin, _ = make_plan(name)
     if name == "onebit":

@@ -43,7 +43,7 @@ __all__ = ["hook", "GradcompState", "dgc_optimizer", "COMPRESSORS", "DropCompute
 log = logging.getLogger("gradcomp")
 
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
-                        _Held, _ProbeBucket, _stream_of)
+                        _ProbeBucket, _stream_of)
 
 
 class _Bucket:

@@ -2,7 +2,7 @@
 """The compressor families behind gradcomp.torch.hook: each builds its C++ plan for a DDP bucket
 (``make``), starts a step on the bucket (``begin``) and hands back the averaged bucket
 (``result``). COMPRESSORS maps the names ``hook`` accepts to them."""
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -158,23 +158,6 @@ class _RandomK(_Family):
                                        tensor_id=tensor_id, **o)
 
 
-class _Held:
-    """A plan with the object whose state is checkpointed beside it (PowerSGD: the
-    PowerSGDState)."""
-
-    def __init__(self, plan, state):
-        self.plan, self.state = plan, state
-
-    def next(self):
-        return self.plan.next()
-
-    def state_dict(self):
-        return self.state.state_dict()
-
-    def load_state_dict(self, b):
-        self.state.load_state_dict(b)
-
-
 class _OneBit(_Family):
     name = "onebit"
     stateful = True
@@ -222,11 +205,11 @@ class _PowerSGD(_Family):
         shapes = [list(g.shape) if g.dim() > 0 else [1] for g in grads]
         st = _C.PowerSGDState(shapes, grad_dtype=_dtype_name(buf), device=dev, device_index=idx,
                               stream=_stream_of(buf), first_tensor_id=tensor_id * 65536, **o)
-        return _Held(_C.PowerSGDPlan(st, world), state=st)
+        return _C.PowerSGDPlan(st, world)  # keeps st alive; state_dict() is the state's
 
     def begin(self, plan, bucket):
         grads = [g.reshape(-1) if g.dim() == 0 else g for g in bucket.gradients()]
-        plan.plan.begin(grads, _stream_of(bucket.buffer()))
+        plan.begin(grads, _stream_of(bucket.buffer()))
 
 
 COMPRESSORS = {f.name: f for f in (_Allreduce(), _Cast("fp16"), _Cast("bf16"), _TopK(),
