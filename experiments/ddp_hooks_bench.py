@@ -68,6 +68,12 @@ CONFIGS = [
     ("ours-topk-0.01", "topk", {"ratio": 0.01}),
     ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
     ("ours-onebit", "onebit", {}),
+    # measures allreduce / fp16 / powersgd r4 on the real link, then picks per bucket; its trial
+    # (start_iter 2 + 3 candidates x trial_steps) must end within the warm-up: --warmup >= 9
+    ("ours-auto", "auto", {"trial_steps": 2}),
+    # the same with top-k (0.1%) allowed (its accuracy needs DGC momentum correction)
+    ("ours-auto-topk", "auto", {"trial_steps": 2, "max_density": 0.001,
+                                "candidates": ["allreduce", "fp16", "powersgd", "topk"]}),
 ]
 PSGD = baselines.PSGD
 
@@ -156,6 +162,11 @@ def _worker(rank, world, init, args, out):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step: the slowest rank
         step_times = t.tolist()
         hist = None
+        choices = None
+        if kind == "auto":  # (ours-auto, ours-auto-topk)
+            choices = dict(state.choices)
+            assert state.trials and state.trials[-1]["iter"] <= args.warmup, \
+                "auto: the trial did not end within the warm-up; raise --warmup"
         if state is not None:
             hs = [h for h in state.history if h["iter"] >= args.warmup]
             hs = [h for h in hs if h["iter"] < args.warmup + args.steps]
@@ -182,13 +193,15 @@ def _worker(rank, world, init, args, out):
                              "bytes": nbytes, "wire": wire, "bytes_source": source,
                              "params": n_params,
                              "local_s": hist["local_s"] if hist else None, "round": rnd,
+                             "choices": choices,
                              "all_rounds": (prev["all_rounds"] if prev else []) + [med]}
         else:
             prev["all_rounds"].append(med)
         if rank == 0:
             print(f"  [{rnd}] {name:20s} median {1e3 * med:8.1f} ms  mean {1e3 * mean:8.1f} ms"
                   f"  bytes/step {nbytes:,.0f}"
-                  + (f"  hook local {1e3 * hist['local_s']:.1f} ms" if hist else ""), flush=True)
+                  + (f"  hook local {1e3 * hist['local_s']:.1f} ms" if hist else "")
+                  + (f"  chose {choices}" if choices is not None else ""), flush=True)
         del model, opt, state
     dist.barrier()
     if rank == 0:
@@ -311,7 +324,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.quick:
-        args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 3, 3, 1
+        args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 9, 3, 1
     if args._rank is not None:  # one rank of a --netns run, started inside its namespace
         _worker(args._rank, args.world, args._init, args, args._result)
         return
@@ -397,6 +410,11 @@ def main():
         f.write("|" + "---|" * len(table[0]) + "\n")
         for r in table[1:]:
             f.write("| " + " | ".join(r) + " |\n")
+        for r in rows:
+            if r.get("choices") is not None:
+                f.write(f"\n{r['name']} chose per DDP bucket (index: compressor): "
+                        + ", ".join(f"{i}: {c}" for i, c in sorted(r["choices"].items()))
+                        + " (the kept round's decision).\n")
         f.write("\nMedian ms/step of each round: "
                 + "; ".join(f"{r['name']} {' / '.join(f'{1e3 * m:.0f}' for m in r['all_rounds'])}"
                             for r in rows) + "\n")

@@ -6,7 +6,8 @@ One line in a DDP script::
     state, hook = gradcomp.torch.hook("topk", ratio=0.001)
     ddp_model.register_comm_hook(state, hook)
 
-Compressors: ``"allreduce"`` (plain, through our driver), ``"fp16"`` / ``"bf16"`` (cast),
+Compressors: ``"auto"`` (measures the others on the real model and link, then picks per bucket),
+``"allreduce"`` (plain, through our driver), ``"fp16"`` / ``"bf16"`` (cast),
 ``"topk"`` (Deep Gradient Compression: residual, momentum correction, clipping, warm-up),
 ``"randomk"``, ``"onebit"`` (two-phase compressed allreduce with worker and server error) and
 ``"powersgd"``. The hooks run gradcomp plans over any torch.distributed process group (gloo on
@@ -37,13 +38,14 @@ from ._driver import (AfterBackward, PlanStats, Worker, group_ranks, group_timeo
 from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 
-__all__ = ["hook", "GradcompState", "dgc_optimizer", "COMPRESSORS", "DropCompute",
+__all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "COMPRESSORS", "DropCompute",
            "CudaEventClock", "QSRAverager"]
 
 log = logging.getLogger("gradcomp")
 
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
                         _ProbeBucket, _stream_of)
+from ._auto import AutoState, auto_hook  # noqa: E402,F401
 
 
 class _Bucket:
@@ -151,22 +153,23 @@ class GradcompState:
         numbers are added to the iteration that launched it, whenever they arrive)."""
         while len(self.history) <= it:
             self.history.append({"iter": len(self.history), "dense_bytes": 0, "bytes_sent": 0,
-                                 "wire_bytes": 0,
-                                 "local_seconds": 0.0, "collectives": 0, "buckets": 0})
+                                 "wire_bytes": 0, "local_seconds": 0.0, "comm_seconds": 0.0,
+                                 "collectives": 0, "buckets": 0})
         return self.history[it]
 
     def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
                 last: bool) -> None:
         s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
              "wire_bytes": stats.wire_bytes,
-             "local_seconds": stats.local_seconds, "collectives": stats.collectives,
-             "tags": list(stats.tags)}
+             "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
+             "collectives": stats.collectives, "tags": list(stats.tags)}
         self.last_stats[bucket_index] = s
         acc = self._iteration(it)
         acc["dense_bytes"] += dense
         acc["bytes_sent"] += stats.bytes_sent
         acc["wire_bytes"] += stats.wire_bytes
         acc["local_seconds"] += stats.local_seconds
+        acc["comm_seconds"] += stats.comm_seconds
         acc["collectives"] += stats.collectives
         acc["buckets"] += 1
         if last and self.log_every and it % self.log_every == 0:
@@ -298,7 +301,7 @@ class GradcompState:
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
-def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
+def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     idx = bucket.index()
     last = bucket.is_last()
@@ -311,6 +314,8 @@ def _hook(state: "GradcompState", bucket) -> torch.futures.Future[torch.Tensor]:
     def done(stats: PlanStats):
         stats.local_seconds += begin_s[0]  # begin() (e.g. PowerSGD's finite check) is local work
         state._record(it, idx, dense, stats, last)
+        if on_done is not None:
+            on_done(idx, it, stats)
 
     if it < state.start_iter:
         fam = COMPRESSORS["allreduce"]
@@ -353,11 +358,18 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
     default the process group's own, e.g. ``init_process_group(timeout=...)``. A peer that hangs
     longer makes ``backward()`` raise.
 
+    ``"auto"`` measures the candidates on the real model and link and picks per bucket (see
+    :mod:`gradcomp.torch._auto`): ``hook("auto", candidates=("allreduce", "fp16", "powersgd"),
+    min_rank=4, max_density=0.01, trial_steps=3, recheck_every=1000, margin=0.05)``.
+
     Every option is checked here, by the rules the C++ configuration applies: ValueError for an
     unknown compressor, option or value (ratio outside (0, 1], rank < 1, an unknown scaling, ...).
     An error in a step is raised by ``loss.backward()`` with its own type and message, after DDP
     finished the step (so the next one can run).
     """
+    if compressor == "auto":
+        return AutoState(process_group, start_iter, log_every, model, timeout,
+                         **options), auto_hook
     return GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
                          **options), _hook
 

@@ -128,13 +128,15 @@ class PlanStats:
     """Per-step accounting of one plan run: bytes handed to collectives (bytes_sent), bytes on
     this rank's link (wire_bytes, see wire_bytes()) and local compute time."""
 
-    __slots__ = ("collectives", "bytes_sent", "wire_bytes", "local_seconds", "tags")
+    __slots__ = ("collectives", "bytes_sent", "wire_bytes", "local_seconds", "comm_seconds",
+                 "tags")
 
     def __init__(self) -> None:
         self.collectives = 0
         self.bytes_sent = 0
         self.wire_bytes = 0
         self.local_seconds = 0.0
+        self.comm_seconds = 0.0  # launching and waiting for the collectives
         self.tags: list = []
 
 
@@ -238,7 +240,9 @@ def run_sync(plan, group) -> PlanStats:
         c = _step(plan, stats)
         if c is None:
             return stats
+        t0 = time.perf_counter()
         launch(c, group).wait()
+        stats.comm_seconds += time.perf_counter() - t0
 
 
 class AfterBackward:
@@ -350,7 +354,9 @@ class Worker:
             if c is None:
                 break
             try:
+                t0 = time.perf_counter()
                 launch(c, self.group).wait()
+                stats.comm_seconds += time.perf_counter() - t0
             except Exception as e:
                 self._failed = e
                 raise

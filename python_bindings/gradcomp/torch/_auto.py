@@ -1,0 +1,335 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The automatic mode of the DDP hook: ``gradcomp.torch.hook("auto", ...)``.
+
+It measures instead of guessing. After ``start_iter`` plain steps (DDP rebuilds its buckets in
+the first iteration), a *trial* runs every candidate for ``trial_steps`` iterations on every
+bucket, on the real model, process group and link. Each bucket's cost in a step is what the hook
+itself spent on it: local compression work plus launching and waiting for its collectives
+(``local_seconds + comm_seconds`` of the plan run; the first step of each candidate, which builds
+its plans, is not counted). The medians are averaged over the ranks (one small allreduce on the
+hook's own process group, so every rank decides the same) and each bucket gets the cheapest
+candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
+the cheapest (faithfulness: allreduce, bf16, fp16, powersgd, topk). Every ``recheck_every``
+iterations the trial runs again (0: never). The ``allreduce`` candidate (and the plain steps
+before ``start_iter``) is DDP's own average: torch.distributed's allreduce on the user's process
+group, issued by the hook at once, so that on a fast link auto costs what plain DDP costs; its
+cost is measured from launch to completion.
+
+The accuracy budget is the candidate list and two bounds: ``min_rank`` (PowerSGD's rank) and
+``max_density`` (top-k's fraction of elements sent). Top-k is not a default candidate: it needs
+DGC momentum correction (``dgc_optimizer``) to match plain SGD with momentum. When a bucket's
+choice changes, the state of the compressor it leaves (PowerSGD's error and Q, top-k's residual)
+is dropped, so a later return starts clean; the residual a stateful candidate held at the end of
+its trial is likewise dropped unless it was chosen.
+"""
+import logging
+import math
+import statistics
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import _C
+
+log = logging.getLogger("gradcomp")
+
+#: Candidates from the most to the least faithful to the plain average.
+FIDELITY = ("allreduce", "bf16", "fp16", "powersgd", "topk")
+DEFAULT_CANDIDATES = ("allreduce", "fp16", "powersgd")
+
+
+def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
+           margin: float = 0.05) -> Dict[int, str]:
+    """Per bucket, the candidate to run from measured costs (seconds per step; candidates in
+    ``candidates`` order, the most faithful first): the first one that costs at most
+    ``(1 + margin)`` times the cheapest. A candidate without a cost is not eligible.
+
+    Example::
+
+        >>> choose({0: {"allreduce": 0.30, "fp16": 0.18, "powersgd": 0.08},
+        ...         1: {"allreduce": 0.010, "fp16": 0.0102, "powersgd": 0.012}},
+        ...        ["allreduce", "fp16", "powersgd"])
+        {0: 'powersgd', 1: 'allreduce'}
+    """
+    out = {}
+    for idx in sorted(costs):
+        per = {c: v for c, v in costs[idx].items() if v is not None and math.isfinite(v)}
+        if not per:
+            raise ValueError(f"bucket {idx}: no candidate has a measured cost")
+        best = min(per.values())
+        out[idx] = next(c for c in candidates if c in per and per[c] <= best * (1.0 + margin))
+    return out
+
+
+def _check_int(name: str, v: Any, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    return v
+
+
+class AutoState:
+    """State of ``hook("auto")``: one sub-state per candidate (sharing one worker thread and
+    process group), the trial schedule, the measurements and the per-bucket choices.
+
+    ``choices`` maps DDP bucket index -> candidate name once a trial has ended; ``trials`` lists
+    each decision (iteration, consensus cost per bucket and candidate in seconds, choices).
+    """
+
+    compressor = "auto"
+
+    def __init__(self, process_group=None, start_iter: Optional[int] = None, log_every: int = 0,
+                 model=None, timeout=None, candidates: Iterable[str] = DEFAULT_CANDIDATES,
+                 min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
+                 recheck_every: int = 1000, margin: float = 0.05, _lazy: bool = False):
+        from . import GradcompState  # the per-compressor state (import here: no cycle)
+
+        if isinstance(candidates, str):
+            raise ValueError("candidates must be a sequence of compressor names, not a string")
+        cands = list(candidates)
+        unknown = [c for c in cands if c not in FIDELITY]
+        if unknown or not cands or len(set(cands)) != len(cands):
+            raise ValueError(f"candidates must be distinct names among {list(FIDELITY)}, got "
+                             f"{cands!r}")
+        self.candidates = [c for c in FIDELITY if c in cands]
+        _check_int("min_rank", min_rank, 1)
+        if isinstance(max_density, bool) or not isinstance(max_density, (int, float)) \
+                or not 0.0 < max_density <= 1.0:
+            raise ValueError(f"max_density must be in (0, 1], got {max_density!r}")
+        self.trial_steps = _check_int("trial_steps", trial_steps, 2)  # a warm-up + a measured one
+        self.recheck_every = _check_int("recheck_every", recheck_every, 0)
+        trial_len = len(self.candidates) * self.trial_steps
+        if 0 < self.recheck_every <= trial_len:
+            raise ValueError(f"recheck_every ({recheck_every}) must be 0 or longer than a trial "
+                             f"({len(self.candidates)} candidates x {trial_steps} steps)")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
+                or not (margin >= 0 and math.isfinite(margin)):
+            raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
+        self.options = dict(candidates=list(self.candidates), min_rank=min_rank,
+                            max_density=max_density, trial_steps=trial_steps,
+                            recheck_every=recheck_every, margin=margin)
+        self.start_iter = 2 if start_iter is None else _check_int("start_iter", start_iter, 0)
+        self.margin = float(margin)
+        self.log_every = int(log_every)
+        self.timeout = timeout
+        per = {"allreduce": {}, "bf16": {}, "fp16": {}, "powersgd": {"rank": min_rank},
+               "topk": {"ratio": max_density}}
+        names = self.candidates if "allreduce" in self.candidates else \
+            ["allreduce"] + self.candidates  # plain steps before start_iter
+        self.subs: Dict[str, Any] = {
+            n: GradcompState(n, process_group, 0, 0, model, timeout, _lazy=True, **per[n])
+            for n in names}
+        self.process_group = process_group
+        self.iter = 0
+        self.choices: Dict[int, str] = {}
+        self.trials: List[Dict[str, Any]] = []
+        self._trial_start = self.start_iter
+        self._decided_trial: Optional[int] = None
+        self._decided_at: Optional[int] = None
+        self._seen: Optional[int] = None
+        self._samples: Dict[Tuple[int, str], List[float]] = {}
+        self._worker = None
+        if dist.is_available() and dist.is_initialized() and not _lazy:
+            self._make_worker()
+
+    # -- the worker: one thread and process group for every candidate ------------------------------
+    def _make_worker(self):
+        if self._worker is None:
+            self._worker = self.subs["allreduce"]._make_worker()
+            for s in self.subs.values():
+                s._worker = self._worker
+        return self._worker
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    # -- schedule --------------------------------------------------------------------------------
+    def _trial_len(self) -> int:
+        return len(self.candidates) * self.trial_steps
+
+    def phase(self, it: int) -> Tuple[str, Optional[str], bool]:
+        """(phase, candidate for every bucket or None, measured) of iteration `it`: "plain"
+        before start_iter, "trial" while candidates take turns, "chosen" after a decision."""
+        if it < self.start_iter:
+            return "plain", "allreduce", False
+        k = it - self._trial_start
+        if 0 <= k < self._trial_len():
+            return "trial", self.candidates[k // self.trial_steps], k % self.trial_steps != 0
+        return "chosen", None, False
+
+    def _new_step(self, it: int) -> None:
+        """Runs once per iteration, at its first bucket (the same point on every rank)."""
+        if it < self.start_iter:
+            return
+        if self._decided_trial != self._trial_start:  # in a trial, or just after one
+            if it >= self._trial_start + self._trial_len():
+                self._decide(it)
+        elif self.recheck_every and it >= self._decided_at + self.recheck_every:
+            self._trial_start = it  # a new trial starts with this iteration
+            self._samples = {}
+
+    def _decide(self, it: int) -> None:
+        buckets = sorted({idx for idx, _ in self._samples})
+        cands = self.candidates
+        local = torch.full((len(buckets) * len(cands),), -1.0, dtype=torch.float32)
+        for i, idx in enumerate(buckets):
+            for j, c in enumerate(cands):
+                v = self._samples.get((idx, c))
+                if v:
+                    local[i * len(cands) + j] = statistics.median(v)
+        mean = self._consensus(local)
+        costs = {idx: {c: (float(mean[i * len(cands) + j]) if mean[i * len(cands) + j] >= 0
+                           else None) for j, c in enumerate(cands)}
+                 for i, idx in enumerate(buckets)}
+        self.choices = choose(costs, cands, self.margin) if buckets else {}
+        self.trials.append({"iter": it, "costs": costs, "choices": dict(self.choices)})
+        self._decided_trial = self._trial_start
+        self._decided_at = it
+        self._samples = {}
+        # the state of a compressor a bucket does not run is dropped: a later return starts clean
+        for name, sub in self.subs.items():
+            for idx in list(sub.buckets):
+                if self.choices.get(idx) != name:
+                    del sub.buckets[idx]
+        log.info("gradcomp auto at iteration %d: %s", it,
+                 ", ".join(f"bucket {i}: {c}" for i, c in sorted(self.choices.items())))
+
+    def _consensus(self, local: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of every rank's measurements, through the hook's own worker (so
+        it is ordered with the hook's collectives on every rank)."""
+        if local.numel() == 0 or not (dist.is_available() and dist.is_initialized()):
+            return local
+        plan = _C.DenseAllreducePlan(local.numel(), "float32", self.world)
+        plan.begin(local, 0)
+        worker = self._worker or self._make_worker()
+        return worker.submit(plan, lambda: local).wait()
+
+    def _sampler(self, name: str):
+        def on_done(idx: int, it: int, stats) -> None:
+            self._samples.setdefault((idx, name), []).append(stats.local_seconds +
+                                                             stats.comm_seconds)
+        return on_done
+
+    # -- statistics ------------------------------------------------------------------------------
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """Per iteration, the sum over candidates of their statistics (see GradcompState)."""
+        out: List[Dict[str, Any]] = []
+        for sub in self.subs.values():
+            for h in sub.history:
+                while len(out) <= h["iter"]:
+                    out.append({"iter": len(out), "dense_bytes": 0, "bytes_sent": 0,
+                                "wire_bytes": 0, "local_seconds": 0.0, "comm_seconds": 0.0,
+                                "collectives": 0, "buckets": 0})
+                acc = out[h["iter"]]
+                for k in acc:
+                    if k != "iter":
+                        acc[k] += h.get(k, 0)
+        return out[:self.iter]
+
+    @property
+    def last_stats(self) -> Dict[int, Dict[str, Any]]:
+        """Each bucket's statistics from the candidate it ran last."""
+        merged: Dict[int, Dict[str, Any]] = {}
+        for name, sub in self.subs.items():
+            for idx, s in sub.last_stats.items():
+                if idx not in merged or s["iter"] > merged[idx]["iter"]:
+                    merged[idx] = dict(s, compressor=name)
+        return merged
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"compressor": "auto", "options": dict(self.options), "start_iter": self.start_iter,
+                "iter": self.iter, "choices": dict(self.choices), "trials": list(self.trials),
+                "trial_start": self._trial_start, "decided_trial": self._decided_trial,
+                "decided_at": self._decided_at,
+                "subs": {n: s.state_dict() for n, s in self.subs.items()}}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`; a state of another compressor or other candidates is an
+        error raised before anything changes."""
+        if sd.get("compressor") != "auto":
+            raise ValueError(f"state is for compressor {sd.get('compressor')!r}, this hook is "
+                             f"'auto'")
+        if sorted(sd.get("subs", {})) != sorted(self.subs):
+            raise ValueError(f"state has candidates {sorted(sd.get('subs', {}))}, this hook "
+                             f"{sorted(self.subs)}")
+        for n, s in self.subs.items():  # every sub checks before any changes
+            if sd["subs"][n].get("compressor") != n:
+                raise ValueError(f"state of candidate {n!r} is for {sd['subs'][n].get('compressor')!r}")
+        for n, s in self.subs.items():
+            s.load_state_dict(sd["subs"][n])
+        self.start_iter = int(sd["start_iter"])
+        self.iter = int(sd["iter"])
+        self.choices = {int(k): v for k, v in sd["choices"].items()}
+        self.trials = list(sd["trials"])
+        self._trial_start = int(sd["trial_start"])
+        self._decided_trial = sd["decided_trial"]
+        self._decided_at = sd["decided_at"]
+        self._samples = {}
+        self._seen = None
+
+    def __getstate__(self):
+        return {"options": self.options, "log_every": self.log_every, "timeout": self.timeout,
+                "sd": self.state_dict()}
+
+    def __setstate__(self, d):
+        self.__init__(None, d["sd"]["start_iter"], d["log_every"], None, d["timeout"],
+                      _lazy=True, **d["options"])
+        self.load_state_dict(d["sd"])
+
+
+def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook of ``hook("auto")``: runs each bucket with the candidate of this iteration
+    (see the module docstring) through the per-compressor hook."""
+    from . import _hook
+
+    it = state.iter
+    if state._seen != it:
+        state._seen = it
+        state._new_step(it)
+    phase, name, measured = state.phase(it)
+    idx = bucket.index()
+    if name is None:  # chosen; a bucket the trial did not see runs the most faithful candidate
+        name = state.choices.get(idx, state.candidates[0])
+    sub = state.subs[name]
+    sub.iter = it  # statistics of every candidate are filed under the same iteration
+    if state._worker is None:
+        state._make_worker()
+    if name == "allreduce":
+        fut = _native_allreduce(state, sub, bucket, it, state._sampler(name) if measured else None)
+    else:
+        fut = _hook(sub, bucket, state._sampler(name) if measured else None)
+    if bucket.is_last():
+        state.iter += 1
+    return fut
+
+
+def _native_allreduce(state: AutoState, sub, bucket, it: int, on_done) -> torch.futures.Future:
+    """The plain average as DDP itself does it (torch.distributed's allreduce on the user's
+    process group, issued at once, no worker thread): on a fast link nothing beats it, and auto
+    must not be slower than plain DDP there. Its cost is the time from launch to completion."""
+    from ._driver import PlanStats, wire_bytes
+
+    buf = bucket.buffer()
+    idx, last, world = bucket.index(), bucket.is_last(), state.world
+    dense = buf.numel() * buf.element_size()
+    t0 = time.perf_counter()
+    buf.div_(world)
+    fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
+
+    def finish(f):
+        stats = PlanStats()
+        stats.comm_seconds = time.perf_counter() - t0
+        stats.collectives = 1
+        stats.bytes_sent = dense
+        stats.wire_bytes = wire_bytes("allreduce", dense, world)
+        stats.tags.append("native allreduce")
+        sub._record(it, idx, dense, stats, last)
+        if on_done is not None:
+            on_done(idx, it, stats)
+        return f.value()[0]
+
+    return fut.then(finish)

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""hook("auto"): the choice logic on recorded measurements, option checks, and 2-rank DDP runs
+(the trial schedule, identical choices on every rank, training, checkpoints and pickling)."""
+import json
+import os
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import gradcomp.torch as gt  # noqa: E402
+from gradcomp.torch._auto import choose  # noqa: E402
+
+from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir  # noqa: E402
+
+CANDS = ["allreduce", "fp16", "powersgd"]
+
+
+# ---- the choice on recorded measurements --------------------------------------------------------
+def test_choose_picks_cheapest_unless_a_more_faithful_one_is_within_margin():
+    # recorded at 1 Gbit/s (a 24 MB bucket: compression wins) and for a small bucket on a fast
+    # link (everything costs the same: the plain average stays)
+    costs = {0: {"allreduce": 0.300, "fp16": 0.180, "powersgd": 0.060},
+             1: {"allreduce": 0.0100, "fp16": 0.0103, "powersgd": 0.0098},
+             2: {"allreduce": 0.050, "fp16": 0.030, "powersgd": 0.029}}
+    assert choose(costs, CANDS) == {0: "powersgd", 1: "allreduce", 2: "fp16"}
+    assert choose(costs, CANDS, margin=0.0) == {0: "powersgd", 1: "powersgd", 2: "powersgd"}
+    assert choose(costs, CANDS, margin=10.0) == {0: "allreduce", 1: "allreduce", 2: "allreduce"}
+    # a candidate without a measurement is not eligible; none at all is an error
+    assert choose({3: {"allreduce": None, "fp16": 0.2, "powersgd": float("nan")}}, CANDS) == \
+        {3: "fp16"}
+    with pytest.raises(ValueError, match="bucket 4"):
+        choose({4: {"allreduce": None}}, CANDS)
+
+
+def test_schedule_plain_then_trial_then_chosen():
+    state, _ = gt.hook("auto", trial_steps=2, start_iter=1)
+    assert state.candidates == CANDS
+    got = [state.phase(i) for i in range(8)]
+    assert got == [("plain", "allreduce", False),
+                   ("trial", "allreduce", False), ("trial", "allreduce", True),
+                   ("trial", "fp16", False), ("trial", "fp16", True),
+                   ("trial", "powersgd", False), ("trial", "powersgd", True),
+                   ("chosen", None, False)]
+
+
+def test_decisions_and_rechecks_from_recorded_costs():
+    """The schedule run step by step without a process group, fed recorded per-bucket costs: a
+    decision after each trial, a recheck every recheck_every iterations, the state of a
+    compressor a bucket leaves dropped."""
+    state, _ = gt.hook("auto", trial_steps=2, start_iter=1, recheck_every=10)
+    link = {"allreduce": 0.30, "fp16": 0.18, "powersgd": 0.06}  # a slow link first
+
+    class Stats:
+        def __init__(self, s):
+            self.local_seconds, self.comm_seconds = s / 4, 3 * s / 4
+
+    for it in range(30):
+        if it == 12:
+            link = {"allreduce": 0.010, "fp16": 0.0103, "powersgd": 0.0098}  # a fast link
+        state._new_step(it)
+        phase, name, measured = state.phase(it)
+        if measured:
+            for idx in (0, 1):
+                state._sampler(name)(idx, it, Stats(link[name] * (1 + idx)))
+        state.subs["powersgd"].buckets[0] = object()  # as if bucket 0 had PowerSGD state
+    assert [t["iter"] for t in state.trials] == [7, 23]  # trials at 1-6 and 17-22
+    assert state.trials[0]["choices"] == {0: "powersgd", 1: "powersgd"}
+    assert state.trials[1]["choices"] == {0: "allreduce", 1: "allreduce"}
+    assert state.trials[1]["costs"][1]["fp16"] == pytest.approx(0.0206)
+    state._decide(30)  # nothing measured since: no buckets, no choices
+    assert state.choices == {} and 0 not in state.subs["powersgd"].buckets
+
+
+@pytest.mark.parametrize("bad", [
+    dict(candidates=["allreduce", "bogus"]), dict(candidates=[]), dict(candidates="fp16"),
+    dict(candidates=["fp16", "fp16"]), dict(min_rank=0), dict(max_density=0.0),
+    dict(max_density=1.5), dict(trial_steps=1), dict(recheck_every=-1),
+    dict(recheck_every=5), dict(margin=-0.1), dict(margin=float("inf")), dict(start_iter=-1),
+    dict(unknown_option=1)])
+def test_bad_options_raise_value_error(bad):
+    with pytest.raises((ValueError, TypeError)):
+        gt.hook("auto", **bad)
+
+
+# ---- 2-rank DDP ---------------------------------------------------------------------------------
+def _auto_run(rank, world, out_dir, phase, cands):
+    data = make_data(rank, 30)
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook("auto", model=model, candidates=cands, trial_steps=2, recheck_every=12)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    path = os.path.join(out_dir, f"auto_{rank}.pt")
+    if phase == "resume":
+        ck = torch.load(path)
+        model.module.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["hook"])
+        steps = range(15, 30)
+    else:
+        steps = range(0, 15) if phase == "first" else range(0, 30)
+    losses = []
+    for i in steps:
+        x, y = data[i]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    same = params_equal_across_ranks(model)
+    if phase == "first":
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                    "hook": state.state_dict()}, path)
+        s2 = pickle.loads(pickle.dumps(state))
+        assert s2.state_dict()["choices"] == state.state_dict()["choices"]
+    torch.save(model.module.state_dict(), os.path.join(out_dir, f"final_{phase}_{rank}.pt"))
+    with open(os.path.join(out_dir, f"{phase}_{rank}.json"), "w") as f:
+        json.dump({"trials": state.trials, "choices": state.choices, "same": same,
+                   "losses": losses, "iter": state.iter,
+                   "history": [h["buckets"] for h in state.history],
+                   "comm": [h["comm_seconds"] for h in state.history]}, f)
+
+
+def test_auto_trains_decides_the_same_on_every_rank_and_restores():
+    d = tmpdir()
+    run(_auto_run, 2, d, "straight", CANDS)
+    r = [json.load(open(os.path.join(d, f"straight_{k}.json"))) for k in range(2)]
+    for x in r:
+        assert x["same"] and x["iter"] == 30
+        assert sum(x["losses"][-5:]) < 0.7 * sum(x["losses"][:5]), x["losses"]  # trains
+        # start_iter 2, 3 candidates x 2 steps: decided at 8; recheck at 8 + 12 = 20, decided 26
+        assert [t["iter"] for t in x["trials"]] == [8, 26]
+        for t in x["trials"]:
+            assert t["choices"], t
+            for costs in t["costs"].values():
+                assert all(v is not None and v > 0 for v in costs.values()), costs
+        assert all(b >= 1 for b in x["history"]) and all(c > 0 for c in x["comm"])
+    assert r[0]["trials"] == r[1]["trials"]  # consensus: the same costs and choices everywhere
+
+
+def test_auto_checkpoint_resumes_bitwise():
+    # one candidate, so that the choice (timed) is the same in both runs: PowerSGD's error and Q
+    # travel in the checkpoint taken after the first decision and before the recheck
+    d = tmpdir()
+    run(_auto_run, 2, d, "straight", ["powersgd"])
+    run(_auto_run, 2, d, "first", ["powersgd"])
+    run(_auto_run, 2, d, "resume", ["powersgd"])
+    r = json.load(open(os.path.join(d, "resume_0.json")))
+    assert r["choices"] and set(r["choices"].values()) == {"powersgd"}
+    for rank in range(2):
+        a = torch.load(os.path.join(d, f"final_resume_{rank}.pt"))
+        b = torch.load(os.path.join(d, f"final_straight_{rank}.pt"))
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{k} differs after restore"
