@@ -167,6 +167,10 @@ def _worker(rank, world, init, args, out):
             choices = dict(state.choices)
             assert state.trials and state.trials[-1]["iter"] <= args.warmup, \
                 "auto: the trial did not end within the warm-up; raise --warmup"
+        tl = None
+        if state is not None:  # the last timed step's timeline (rank 0's clock)
+            import gradcomp.torch as gt
+            tl = gt.timeline(state)
         if state is not None:
             hs = [h for h in state.history if h["iter"] >= args.warmup]
             hs = [h for h in hs if h["iter"] < args.warmup + args.steps]
@@ -193,7 +197,7 @@ def _worker(rank, world, init, args, out):
                              "bytes": nbytes, "wire": wire, "bytes_source": source,
                              "params": n_params,
                              "local_s": hist["local_s"] if hist else None, "round": rnd,
-                             "choices": choices,
+                             "choices": choices, "timeline": tl,
                              "all_rounds": (prev["all_rounds"] if prev else []) + [med]}
         else:
             prev["all_rounds"].append(med)
@@ -310,6 +314,9 @@ def main():
                          "waiting for torch's powerSGD_hook inside the hook costs no overlap")
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed steps")
+    ap.add_argument("--timeline", action="store_true",
+                    help="write each gradcomp configuration's last-step timeline (text in the .md, "
+                         "and a _timeline.png)")
     ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
     ap.add_argument("--netns", default="", metavar="RATE",
                     help="root: every rank in its own network namespace, links limited to RATE "
@@ -410,6 +417,14 @@ def main():
         f.write("|" + "---|" * len(table[0]) + "\n")
         for r in table[1:]:
             f.write("| " + " | ".join(r) + " |\n")
+        if args.timeline:
+            f.write("\nTimeline of the last timed step, rank 0, per bucket (the hook's own records, "
+                    "`gradcomp.torch.timeline`; ms from the first bucket handed to the worker); "
+                    f"plot: `{os.path.basename(stem)}_timeline.png`:\n\n")
+            for r in rows:
+                if r.get("timeline"):
+                    import gradcomp.torch as gt
+                    f.write(f"{r['name']}:\n```\n{gt.format_timeline(r['timeline'])}\n```\n")
         for r in rows:
             if r.get("choices") is not None:
                 f.write(f"\n{r['name']} chose per DDP bucket (index: compressor): "
@@ -418,7 +433,44 @@ def main():
         f.write("\nMedian ms/step of each round: "
                 + "; ".join(f"{r['name']} {' / '.join(f'{1e3 * m:.0f}' for m in r['all_rounds'])}"
                             for r in rows) + "\n")
+    if args.timeline:
+        _plot_timeline(rows, stem + "_timeline.png", link)
     print(f"wrote {stem}.md and {stem}.csv")
+
+
+def _plot_timeline(rows, path, link):
+    """One panel per gradcomp configuration: a bar per bucket from queued to done, colored by
+    phase (begin and local work, each collective, the wait in the worker's queue)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("timeline")]
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.2 + 0.9 * len(rows)), sharex=True,
+                             squeeze=False)
+    colors = {"local": "tab:orange", "begin": "tab:red", "queued": "lightgrey"}
+    seen = set()
+    for ax, r in zip(axes[:, 0], rows):
+        for y, b in enumerate(r["timeline"]):
+            spans = [("queued", b["queued_ms"], b["started_ms"])] + list(b["phases"])
+            for what, a, e in spans:
+                kind = what if what in colors else "collective"
+                c = colors.get(kind, "tab:blue")
+                ax.barh(y, max(e - a, 0.05), left=a, color=c, edgecolor="none",
+                        label=kind if kind not in seen else None)
+                seen.add(kind)
+        ax.set_yticks(range(len(r["timeline"])))
+        ax.set_yticklabels([f"bucket {b['bucket']} ({b['compressor']})" for b in r["timeline"]],
+                           fontsize=7)
+        ax.set_title(f"{r['name']}: step {1e3 * r['median_s']:.0f} ms (median)", fontsize=9)
+    axes[-1, 0].set_xlabel("ms from the first bucket handed to the hook's worker (rank 0)")
+    fig.legend(loc="upper right", fontsize=8)
+    fig.suptitle(f"Where each bucket's communication time goes ({link})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -155,3 +155,48 @@ def test_auto_checkpoint_resumes_bitwise():
         b = torch.load(os.path.join(d, f"final_straight_{rank}.pt"))
         for k in a:
             assert torch.equal(a[k], b[k]), f"{k} differs after restore"
+
+
+# ---- the timeline from the hook's own records ---------------------------------------------------
+def _timeline_run(rank, world, out_dir):
+    data = make_data(rank, 10)
+    out = {}
+    for name, opts in (("powersgd", dict(rank=2)), ("topk", dict(ratio=0.1)),
+                       ("auto", dict(trial_steps=2))):
+        torch.manual_seed(0)
+        model = DDP(Net(d_hidden=600), bucket_cap_mb=0.5)  # 1.5 MB: several buckets
+        state, hook = gt.hook(name, **opts)
+        model.register_comm_hook(state, hook)
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        out[name] = {"rows": gt.timeline(state), "text": gt.format_timeline(gt.timeline(state)),
+                     "iter4": gt.timeline(state, 4)}
+        with pytest.raises(ValueError, match="no record"):
+            gt.timeline(state, 10**6)
+    if rank == 0:
+        with open(os.path.join(out_dir, "timeline.json"), "w") as f:
+            json.dump(out, f)
+
+
+def test_timeline_shows_each_buckets_phases_in_order():
+    d = tmpdir()
+    run(_timeline_run, 2, d)
+    out = json.load(open(os.path.join(d, "timeline.json")))
+    for name, r in out.items():
+        rows = r["rows"]
+        assert len(rows) >= 2, (name, rows)  # several buckets, one row each
+        assert {x["iter"] for x in rows} == {9} and {x["iter"] for x in r["iter4"]} == {4}
+        for x in rows:
+            ph = x["phases"]
+            assert ph, x
+            if x["compressor"] != "allreduce":  # a plan run: begin, local work, collectives
+                assert ph[0][0] == "begin" and any(w == "local" for w, _, _ in ph)
+                assert any(w not in ("begin", "local") for w, _, _ in ph)
+                assert x["queued_ms"] <= x["started_ms"] + 1e-6
+            for (_, a, b), nxt in zip(ph, ph[1:] + [None]):
+                assert 0 <= a <= b + 1e-6
+                if nxt is not None:
+                    assert b <= nxt[1] + 1e-6  # phases in order, no overlap
+        assert len(r["text"].splitlines()) == len(rows) + 1
+    # auto chose per bucket after its trial: the rows name the candidate that ran
+    assert {x["compressor"] for x in out["auto"]["rows"]} <= {"allreduce", "fp16", "powersgd"}

@@ -24,6 +24,7 @@ Momentum. With ``momentum > 0`` the top-k hook applies DGC's momentum correction
 optimizer must then not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
 :func:`dgc_optimizer`).
 """
+import collections
 import datetime
 import logging
 import math
@@ -38,10 +39,11 @@ from ._driver import (AfterBackward, PlanStats, Worker, group_ranks, group_timeo
 from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 
-__all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "COMPRESSORS", "DropCompute",
-           "CudaEventClock", "QSRAverager"]
+__all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "format_timeline",
+           "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager"]
 
 log = logging.getLogger("gradcomp")
+TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
 
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
                         _ProbeBucket, _stream_of)
@@ -117,6 +119,9 @@ class GradcompState:
         self.buckets: Dict[int, _Bucket] = {}
         self.last_stats: Dict[int, Dict[str, Any]] = {}
         self.history: list = []  # per iteration: dense bytes, bytes sent, local seconds, ...
+        # the last plan runs, per bucket: when queued and started, and each local phase and
+        # collective with its start and end (see timeline())
+        self.timeline: "collections.deque" = collections.deque(maxlen=TIMELINE_RUNS)
         self._pending: Dict[int, Dict[str, Any]] = {}
         self._param_index = None
         self._local_keys: Dict[int, int] = {}
@@ -159,6 +164,9 @@ class GradcompState:
 
     def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
                 last: bool) -> None:
+        self.timeline.append({"iter": it, "bucket": bucket_index, "compressor": self.compressor,
+                              "submitted": stats.submitted, "started": stats.started,
+                              "events": list(stats.events)})
         s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
              "wire_bytes": stats.wire_bytes,
              "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
@@ -309,10 +317,11 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     dense = buf.numel() * buf.element_size()
     state._iteration(it)
 
-    begin_s = [0.0]
+    begin_s = [0.0, 0.0]
 
     def done(stats: PlanStats):
-        stats.local_seconds += begin_s[0]  # begin() (e.g. PowerSGD's finite check) is local work
+        stats.local_seconds += begin_s[1] - begin_s[0]  # begin() (e.g. PowerSGD's finite check)
+        stats.events.insert(0, ("begin", begin_s[0], begin_s[1]))  # is local work
         state._record(it, idx, dense, stats, last)
         if on_done is not None:
             on_done(idx, it, stats)
@@ -326,9 +335,9 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         view, b, permuted = state._resolve(bucket)
         plan = b.plan
         b.steps += 1
-    t0 = time.perf_counter()
+    begin_s[0] = time.perf_counter()
     fam.begin(plan, view)
-    begin_s[0] = time.perf_counter() - t0
+    begin_s[1] = time.perf_counter()
 
     def result():
         fam.result(plan, view)
@@ -386,6 +395,56 @@ def _as_timeout(t) -> Optional[datetime.timedelta]:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"timeout must be positive and finite, got {t!r}")
     return datetime.timedelta(seconds=seconds)
+
+
+def timeline(state, iteration: Optional[int] = None) -> list:
+    """Where one iteration's communication time went, per bucket, from the hook's own records
+    (the last iteration a state recorded when `iteration` is None). Times are milliseconds from
+    the moment the iteration's first bucket was handed to the hook's worker; per bucket: when it
+    was queued and when the worker started it (the wait behind earlier buckets), then its phases
+    in order: ``begin`` (binding the bucket, in the hook), ``local`` (compression or decoding
+    between collectives) and each collective by its tag. Works for ``hook("auto")`` too.
+
+    Example::
+
+        for row in gradcomp.torch.timeline(state):
+            print(row["bucket"], row["queued_ms"], row["phases"])
+        print(gradcomp.torch.format_timeline(gradcomp.torch.timeline(state)))
+    """
+    subs = getattr(state, "subs", None)
+    runs = [r for s in (subs.values() if subs else [state]) for r in s.timeline]
+    if not runs:
+        return []
+    it = max(r["iter"] for r in runs) if iteration is None else iteration
+    runs = sorted((r for r in runs if r["iter"] == it), key=lambda r: r["submitted"] or 0.0)
+    if not runs:
+        raise ValueError(f"no record of iteration {iteration}; the state keeps the last "
+                         f"{TIMELINE_RUNS} bucket runs")
+    t0 = min(min([r["submitted"]] + [e[1] for e in r["events"]]) for r in runs)
+
+    def ms(t):
+        return round(1e3 * (t - t0), 3)
+
+    return [{"iter": it, "bucket": r["bucket"], "compressor": r["compressor"],
+             "queued_ms": ms(r["submitted"]), "started_ms": ms(r["started"]),
+             "phases": [(what, ms(a), ms(b)) for what, a, b in r["events"]]} for r in runs]
+
+
+def format_timeline(rows: list) -> str:
+    """A text table of :func:`timeline`'s rows: per bucket, the wait in the worker's queue,
+    then the summed milliseconds of local work and of each kind of collective, and the end."""
+    lines = ["bucket  compressor  queued->started ms  local ms  collectives (ms)  done at ms"]
+    for r in rows:
+        local = sum(b - a for w, a, b in r["phases"] if w in ("begin", "local"))
+        comm: Dict[str, float] = {}
+        for w, a, b in r["phases"]:
+            if w not in ("begin", "local"):
+                comm[w] = comm.get(w, 0.0) + (b - a)
+        end = max([r["started_ms"]] + [b for _, _, b in r["phases"]])
+        coll = ", ".join(f"{k} {v:.1f}" for k, v in comm.items()) or "-"
+        lines.append(f"{r['bucket']:6d}  {r['compressor']:10s}  {r['queued_ms']:7.1f}->"
+                     f"{r['started_ms']:7.1f}  {local:8.1f}  {coll}  {end:.1f}")
+    return "\n".join(lines)
 
 
 def dgc_optimizer(params, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.SGD:

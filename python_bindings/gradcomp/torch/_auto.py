@@ -322,7 +322,10 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, on_done) -> torch.
 
     def finish(f):
         stats = PlanStats()
-        stats.comm_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stats.comm_seconds = t1 - t0
+        stats.submitted = stats.started = t0
+        stats.events.append(("native allreduce", t0, t1))
         stats.collectives = 1
         stats.bytes_sent = dense
         stats.wire_bytes = wire_bytes("allreduce", dense, world)

@@ -129,7 +129,7 @@ class PlanStats:
     this rank's link (wire_bytes, see wire_bytes()) and local compute time."""
 
     __slots__ = ("collectives", "bytes_sent", "wire_bytes", "local_seconds", "comm_seconds",
-                 "tags")
+                 "tags", "events", "submitted", "started")
 
     def __init__(self) -> None:
         self.collectives = 0
@@ -138,6 +138,12 @@ class PlanStats:
         self.local_seconds = 0.0
         self.comm_seconds = 0.0  # launching and waiting for the collectives
         self.tags: list = []
+        # the timeline of the run (time.perf_counter() seconds): (what, start, end) with what
+        # "local" (a plan's local work) or a collective's tag; submitted = when the hook queued
+        # the bucket, started = when the worker took it (the difference is the wait behind the
+        # buckets before it)
+        self.events: list = []
+        self.submitted = self.started = None
 
 
 # gloo's all_to_all_single took ~1.4x the time of the same exchange as concurrent isend/irecv
@@ -224,7 +230,9 @@ def launch(c, group) -> torch.futures.Future:
 def _step(plan, stats: PlanStats):
     t0 = time.perf_counter()
     c = plan.next()
-    stats.local_seconds += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    stats.local_seconds += t1 - t0
+    stats.events.append(("local", t0, t1))
     if c is not None:
         stats.collectives += 1
         stats.bytes_sent += c.send_bytes
@@ -242,7 +250,9 @@ def run_sync(plan, group) -> PlanStats:
             return stats
         t0 = time.perf_counter()
         launch(c, group).wait()
-        stats.comm_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stats.comm_seconds += t1 - t0
+        stats.events.append((c.tag, t0, t1))
 
 
 class AfterBackward:
@@ -307,7 +317,7 @@ class Worker:
             stream = torch.cuda.current_stream(device)
         else:
             fut = torch.futures.Future()
-        self._q.put((plan, result, done, fut, stream, after_backward))
+        self._q.put((plan, result, done, fut, stream, after_backward, time.perf_counter()))
         return fut
 
     def _loop(self):
@@ -316,16 +326,16 @@ class Worker:
             job = self._q.get()
             if job is None:
                 return
-            plan, result, done, fut, stream, after = job
+            plan, result, done, fut, stream, after, submitted = job
             try:
                 if threads != self.num_threads:
                     threads = self.num_threads
                     torch.set_num_threads(threads)
                 if stream is not None:
                     with torch.cuda.stream(stream):
-                        value = self._run(plan, result, done)
+                        value = self._run(plan, result, done, submitted)
                 else:
-                    value = self._run(plan, result, done)
+                    value = self._run(plan, result, done, submitted)
                 fut.set_result(value)
             except BaseException as e:  # handed to whoever waits on the future, type intact
                 if not isinstance(e, Exception):  # a Future carries Exceptions only
@@ -336,7 +346,7 @@ class Worker:
                 else:
                     fut.set_exception(e)
             # drop the references now: an idle thread must not keep the last plan alive
-            job = plan = result = done = fut = stream = value = after = None
+            job = plan = result = done = fut = stream = value = after = submitted = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Finishes the queued plans and stops the thread."""
@@ -344,11 +354,12 @@ class Worker:
             self._q.put(None)
             self._thread.join(timeout)
 
-    def _run(self, plan, result, done):
+    def _run(self, plan, result, done, submitted=None):
         if self._failed is not None:
             raise RuntimeError(f"gradcomp: an earlier collective of this hook failed, its process "
                                f"group is unusable: {self._failed}") from self._failed
         stats = PlanStats()
+        stats.submitted, stats.started = submitted, time.perf_counter()
         while True:
             c = _step(plan, stats)
             if c is None:
@@ -356,7 +367,9 @@ class Worker:
             try:
                 t0 = time.perf_counter()
                 launch(c, self.group).wait()
-                stats.comm_seconds += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                stats.comm_seconds += t1 - t0
+                stats.events.append((c.tag, t0, t1))
             except Exception as e:
                 self._failed = e
                 raise
