@@ -466,9 +466,9 @@ def _plot_timeline(rows, path, link):
                            fontsize=7)
         ax.set_title(f"{r['name']}: step {1e3 * r['median_s']:.0f} ms (median)", fontsize=9)
     axes[-1, 0].set_xlabel("ms from the first bucket handed to the hook's worker (rank 0)")
-    fig.legend(loc="upper right", fontsize=8)
+    fig.legend(loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"Where each bucket's communication time goes ({link})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
