@@ -19,8 +19,13 @@ message(STATUS "gradcomp: MPI ${GRADCOMP_WITH_MPI} (${MPIEXEC_EXECUTABLE})")
 
 set(GRADCOMP_WITH_NCCL OFF)
 if(GRADCOMP_WITH_CUDA)
-  find_path(GRADCOMP_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
-  find_library(GRADCOMP_NCCL_LIB nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
+  # GRADCOMP_NCCL_ROOT: an NCCL outside the toolkit, e.g. the nvidia-nccl wheel PyTorch installs
+  # (include/nccl.h, lib/libnccl.so.2: a wheel has no libnccl.so link)
+  set(GRADCOMP_NCCL_ROOT "" CACHE PATH "NCCL installation to use when the CUDA toolkit has none")
+  find_path(GRADCOMP_NCCL_INCLUDE nccl.h
+            HINTS ${GRADCOMP_NCCL_ROOT}/include ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+  find_library(GRADCOMP_NCCL_LIB NAMES nccl libnccl.so.2
+               HINTS ${GRADCOMP_NCCL_ROOT}/lib ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
   if(GRADCOMP_NCCL_INCLUDE AND GRADCOMP_NCCL_LIB)
     set(GRADCOMP_WITH_NCCL ON)
   else()
