@@ -68,6 +68,12 @@ CONFIGS = [
     ("ours-topk-0.01", "topk", {"ratio": 0.01}),
     ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
     ("ours-onebit", "onebit", {}),
+    # the same hooks without pipelining (each bucket's phases strictly after the previous
+    # bucket's): the A/B of the worker's overlap of compression with transfers
+    ("ours-fp16-serial", "fp16", {"pipeline": False}),
+    ("ours-powersgd-r4-serial", "powersgd", {"rank": 4, "pipeline": False}),
+    ("ours-topk-0.001-serial", "topk", {"ratio": 0.001, "pipeline": False}),
+    ("ours-onebit-serial", "onebit", {"pipeline": False}),
     # measures allreduce / fp16 / powersgd r4 on the real link, then picks per bucket; its trial
     # (start_iter 2 + 3 candidates x trial_steps) must end within the warm-up: --warmup >= 9
     ("ours-auto", "auto", {"trial_steps": 2}),

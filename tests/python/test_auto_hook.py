@@ -200,3 +200,68 @@ def test_timeline_shows_each_buckets_phases_in_order():
         assert len(r["text"].splitlines()) == len(rows) + 1
     # auto chose per bucket after its trial: the rows name the candidate that ran
     assert {x["compressor"] for x in out["auto"]["rows"]} <= {"allreduce", "fp16", "powersgd"}
+
+
+# ---- pipelining: the next bucket's compression overlaps the current transfer --------------------
+def _prefetch_order(rank, world, out_dir):
+    import threading
+
+    import torch.distributed as dist
+
+    from gradcomp import _C
+    from gradcomp.torch._driver import Worker
+
+    w = Worker(dist.new_group(ranks=[0]), pipeline=True)
+    gate = threading.Event()
+
+    class Blocker:  # holds the worker until A and B are queued
+        def next(self):
+            gate.wait(10)
+            return None
+
+    class Failing:
+        def next(self):
+            raise ValueError("bad bucket B")
+
+    a = torch.ones(1000)
+    plan_a = _C.DenseAllreducePlan(a.numel(), "float32", 1)
+    plan_a.begin(a, 0)
+    f0 = w.submit(Blocker(), lambda: None)
+    fa = w.submit(plan_a, lambda: a)
+    fb = w.submit(Failing(), lambda: None)
+    gate.set()
+    f0.wait()
+    assert torch.equal(fa.wait(), torch.ones(1000))  # A is unaffected by B's error
+    with pytest.raises(ValueError, match="bad bucket B"):
+        fb.wait()
+    assert w.prefetched == 1  # B's first phase ran while A's collective was in flight
+    w.close()
+
+
+def test_prefetched_bucket_keeps_its_own_error():
+    run(_prefetch_order, 1, tmpdir())
+
+
+def _pipeline_bitwise(rank, world, out_dir):
+    data = make_data(rank, 12)
+    out = {}
+    for name, opts in (("topk", dict(ratio=0.05)), ("onebit", {}), ("powersgd", dict(rank=2))):
+        for pipeline in (True, False):
+            torch.manual_seed(0)
+            model = DDP(Net(d_hidden=600), bucket_cap_mb=0.5)  # several buckets
+            state, hook = gt.hook(name, pipeline=pipeline, **opts)
+            model.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            out[(name, pipeline)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            assert state._worker.pipeline is pipeline
+        assert torch.equal(out[(name, True)], out[(name, False)]), name
+    with pytest.raises(ValueError, match="pipeline"):
+        gt.hook("topk", pipeline="yes")
+
+
+def test_pipelined_hooks_give_the_serial_bits():
+    run(_pipeline_bitwise, 2, tmpdir())

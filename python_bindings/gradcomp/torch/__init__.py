@@ -100,7 +100,8 @@ class GradcompState:
     """
 
     def __init__(self, compressor: str, process_group=None, start_iter: Optional[int] = None,
-                 log_every: int = 0, model=None, timeout=None, **options):
+                 log_every: int = 0, model=None, timeout=None, pipeline: bool = True,
+                 **options):
         lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
@@ -108,6 +109,9 @@ class GradcompState:
         live = dist.is_available() and dist.is_initialized()
         fam.validate(options, dist.get_world_size(process_group) if live else 1, process_group)
         self.timeout = _as_timeout(timeout)
+        if not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
+        self.pipeline = pipeline
         self.compressor = compressor
         self.options = dict(options)
         self.process_group = process_group
@@ -145,7 +149,7 @@ class GradcompState:
                             "gradcomp.torch.hook)")
             kw = {} if timeout is None else {"timeout": timeout}
             own = dist.new_group(ranks=group_ranks(pg), backend=dist.get_backend(pg), **kw)
-            self._worker = Worker(own)
+            self._worker = Worker(own, pipeline=self.pipeline)
         return self._worker
 
     # -- bookkeeping ------------------------------------------------------------------------------
@@ -300,12 +304,13 @@ class GradcompState:
 
     def __getstate__(self):
         return {"compressor": self.compressor, "options": self.options,
-                "log_every": self.log_every, "timeout": self.timeout, "sd": self.state_dict()}
+                "log_every": self.log_every, "timeout": self.timeout,
+                "pipeline": self.pipeline, "sd": self.state_dict()}
     # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
         self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
-                      d.get("timeout"), _lazy=True, **d["options"])
+                      d.get("timeout"), d.get("pipeline", True), _lazy=True, **d["options"])
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
@@ -354,7 +359,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
 
 
 def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
-         log_every: int = 0, model=None, timeout=None,
+         log_every: int = 0, model=None, timeout=None, pipeline: bool = True,
          **options) -> Tuple["GradcompState", Any]:
     """Returns ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
@@ -367,6 +372,10 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
     default the process group's own, e.g. ``init_process_group(timeout=...)``. A peer that hangs
     longer makes ``backward()`` raise.
 
+    ``pipeline`` (default True): on CPU, the worker compresses the next bucket while the current
+    one's collective is on the wire (the order of collectives is unchanged); False runs each
+    bucket's phases strictly one after the other.
+
     ``"auto"`` measures the candidates on the real model and link and picks per bucket (see
     :mod:`gradcomp.torch._auto`): ``hook("auto", candidates=("allreduce", "fp16", "powersgd"),
     min_rank=4, max_density=0.01, trial_steps=3, recheck_every=1000, margin=0.05)``.
@@ -377,10 +386,10 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
     finished the step (so the next one can run).
     """
     if compressor == "auto":
-        return AutoState(process_group, start_iter, log_every, model, timeout,
+        return AutoState(process_group, start_iter, log_every, model, timeout, pipeline=pipeline,
                          **options), auto_hook
     return GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
-                         **options), _hook
+                         pipeline, **options), _hook
 
 
 def _as_timeout(t) -> Optional[datetime.timedelta]:

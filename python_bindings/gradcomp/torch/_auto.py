@@ -82,7 +82,8 @@ class AutoState:
     def __init__(self, process_group=None, start_iter: Optional[int] = None, log_every: int = 0,
                  model=None, timeout=None, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
-                 recheck_every: int = 1000, margin: float = 0.05, _lazy: bool = False):
+                 recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
+                 _lazy: bool = False):
         from . import GradcompState  # the per-compressor state (import here: no cycle)
 
         if isinstance(candidates, str):
@@ -111,6 +112,7 @@ class AutoState:
                             recheck_every=recheck_every, margin=margin)
         self.start_iter = 2 if start_iter is None else _check_int("start_iter", start_iter, 0)
         self.margin = float(margin)
+        self.pipeline = pipeline
         self.log_every = int(log_every)
         self.timeout = timeout
         per = {"allreduce": {}, "bf16": {}, "fp16": {}, "powersgd": {"rank": min_rank},
@@ -118,7 +120,8 @@ class AutoState:
         names = self.candidates if "allreduce" in self.candidates else \
             ["allreduce"] + self.candidates  # plain steps before start_iter
         self.subs: Dict[str, Any] = {
-            n: GradcompState(n, process_group, 0, 0, model, timeout, _lazy=True, **per[n])
+            n: GradcompState(n, process_group, 0, 0, model, timeout, pipeline, _lazy=True,
+                             **per[n])
             for n in names}
         self.process_group = process_group
         self.iter = 0
@@ -273,11 +276,11 @@ class AutoState:
 
     def __getstate__(self):
         return {"options": self.options, "log_every": self.log_every, "timeout": self.timeout,
-                "sd": self.state_dict()}
+                "pipeline": self.pipeline, "sd": self.state_dict()}
 
     def __setstate__(self, d):
         self.__init__(None, d["sd"]["start_iter"], d["log_every"], None, d["timeout"],
-                      _lazy=True, **d["options"])
+                      pipeline=d.get("pipeline", True), _lazy=True, **d["options"])
         self.load_state_dict(d["sd"])
 
 

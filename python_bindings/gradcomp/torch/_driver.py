@@ -290,13 +290,25 @@ class AfterBackward:
 _workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # closed at interpreter exit
 
 
-class Worker:
-    """Runs submitted plans one after another on a daemon thread (see the module docstring)."""
+_CLOSE = object()  # a close() request found while prefetching
 
-    def __init__(self, group, name: str = "gradcomp-comm"):
+
+class Worker:
+    """Runs submitted plans one after another on a daemon thread (see the module docstring).
+
+    Pipelining (``pipeline=True``, CPU buckets): while a plan's collective is on the wire, the
+    worker takes the next queued bucket and runs its first local phase (compression), so that
+    work overlaps the transfer instead of following it. Collectives keep their order: the next
+    bucket's first collective is launched only after the current bucket has finished, so every
+    rank still issues the same sequence; only when local work happens changes."""
+
+    def __init__(self, group, name: str = "gradcomp-comm", pipeline: bool = True):
         self.group = group
+        self.pipeline = bool(pipeline)
         self.num_threads = torch.get_num_threads()  # see "Threads" in the module docstring
         self._q: "queue.Queue" = queue.Queue()
+        self._pending = None  # a job taken early by _prefetch (with its first step), or _CLOSE
+        self.prefetched = 0  # buckets whose first local phase overlapped a previous transfer
         self._failed: Optional[BaseException] = None  # a collective failed: the group is unusable
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -323,10 +335,14 @@ class Worker:
     def _loop(self):
         threads = None
         while True:
-            job = self._q.get()
-            if job is None:
+            if self._pending is not None:
+                job, self._pending = self._pending, None
+            else:
+                job = self._q.get()
+            if job is None or job is _CLOSE:
                 return
-            plan, result, done, fut, stream, after, submitted = job
+            plan, result, done, fut, stream, after, submitted = job[:7]
+            pre = job[7] if len(job) > 7 else None
             try:
                 if threads != self.num_threads:
                     threads = self.num_threads
@@ -335,7 +351,7 @@ class Worker:
                     with torch.cuda.stream(stream):
                         value = self._run(plan, result, done, submitted)
                 else:
-                    value = self._run(plan, result, done, submitted)
+                    value = self._run(plan, result, done, submitted, pre)
                 fut.set_result(value)
             except BaseException as e:  # handed to whoever waits on the future, type intact
                 if not isinstance(e, Exception):  # a Future carries Exceptions only
@@ -346,7 +362,7 @@ class Worker:
                 else:
                     fut.set_exception(e)
             # drop the references now: an idle thread must not keep the last plan alive
-            job = plan = result = done = fut = stream = value = after = submitted = None
+            job = plan = result = done = fut = stream = value = after = submitted = pre = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Finishes the queued plans and stops the thread."""
@@ -354,28 +370,62 @@ class Worker:
             self._q.put(None)
             self._thread.join(timeout)
 
-    def _run(self, plan, result, done, submitted=None):
+    def _run(self, plan, result, done, submitted=None, pre=None):
         if self._failed is not None:
             raise RuntimeError(f"gradcomp: an earlier collective of this hook failed, its process "
                                f"group is unusable: {self._failed}") from self._failed
-        stats = PlanStats()
-        stats.submitted, stats.started = submitted, time.perf_counter()
-        while True:
+        if pre is None:
+            stats = PlanStats()
+            stats.submitted, stats.started = submitted, time.perf_counter()
             c = _step(plan, stats)
-            if c is None:
-                break
+        else:  # its first local phase ran while the previous bucket was on the wire
+            stats, c, err = pre
+            if err is not None:
+                raise err
+        while c is not None:
             try:
                 t0 = time.perf_counter()
-                launch(c, self.group).wait()
+                work = launch(c, self.group)
+                overlapped = self._prefetch()
+                work.wait()
                 t1 = time.perf_counter()
-                stats.comm_seconds += t1 - t0
+                # the next bucket's local work ran inside this wait: it is counted there
+                stats.comm_seconds += max(0.0, t1 - t0 - overlapped)
                 stats.events.append((c.tag, t0, t1))
             except Exception as e:
                 self._failed = e
                 raise
+            c = _step(plan, stats)
         if done is not None:
             done(stats)
         return result()
+
+    def _prefetch(self) -> float:
+        """While a collective is in flight: takes the next queued CPU bucket, if any, and runs
+        its first local phase; returns the seconds that took."""
+        if not self.pipeline or self._pending is not None:
+            return 0.0
+        try:
+            job = self._q.get_nowait()
+        except queue.Empty:
+            return 0.0
+        if job is None:
+            self._pending = _CLOSE
+            return 0.0
+        plan, stream, submitted = job[0], job[4], job[6]
+        if stream is not None or self._failed is not None:  # CUDA: its stream context is _run's
+            self._pending = job
+            return 0.0
+        t0 = time.perf_counter()
+        stats = PlanStats()
+        stats.submitted, stats.started = submitted, t0
+        try:
+            c, err = _step(plan, stats), None
+        except Exception as e:  # the error belongs to that bucket's future, raised in its _run
+            c, err = None, e
+        self._pending = job + ((stats, c, err),)
+        self.prefetched += 1
+        return time.perf_counter() - t0
 
 
 @atexit.register
