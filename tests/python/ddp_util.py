@@ -82,3 +82,13 @@ def params_equal_across_ranks(model) -> bool:
 
 def tmpdir():
     return tempfile.mkdtemp(prefix="gradcomp-test-")
+
+
+def assert_resumed_equals_straight(out_dir, world, what=""):
+    """final_resume_<rank>.pt == final_straight_<rank>.pt, bitwise, for every rank: a job
+    restored from a checkpoint continued exactly like the uninterrupted one."""
+    for rank in range(world):
+        a = torch.load(os.path.join(out_dir, f"final_resume_{rank}.pt"))
+        b = torch.load(os.path.join(out_dir, f"final_straight_{rank}.pt"))
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{what}: {k} differs after restore (rank {rank})"

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch._auto import choose  # noqa: E402
 
-from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir  # noqa: E402
+from ddp_util import (Net, assert_resumed_equals_straight, make_data,  # noqa: E402
+                      params_equal_across_ranks, run, tmpdir)
 
 CANDS = ["allreduce", "fp16", "powersgd"]
 
@@ -150,11 +151,7 @@ def test_auto_checkpoint_resumes_bitwise():
     run(_auto_run, 2, d, "resume", ["powersgd"])
     r = json.load(open(os.path.join(d, "resume_0.json")))
     assert r["choices"] and set(r["choices"].values()) == {"powersgd"}
-    for rank in range(2):
-        a = torch.load(os.path.join(d, f"final_resume_{rank}.pt"))
-        b = torch.load(os.path.join(d, f"final_straight_{rank}.pt"))
-        for k in a:
-            assert torch.equal(a[k], b[k]), f"{k} differs after restore"
+    assert_resumed_equals_straight(d, 2, "auto")
 
 
 # ---- the timeline from the hook's own records ---------------------------------------------------

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir  # noqa: E402
+from ddp_util import (Net, assert_resumed_equals_straight, make_data,  # noqa: E402
+                      params_equal_across_ranks, run, tmpdir)
 
 HOOKS = {
     "allreduce": {},
@@ -122,11 +123,7 @@ def test_checkpoint_round_trip_is_identical_to_uninterrupted(name):
     run(_ckpt_run, 2, d, name, "first")
     run(_ckpt_run, 2, d, name, "resume")
     run(_ckpt_run, 2, d, name, "straight")
-    for rank in range(2):
-        a = torch.load(os.path.join(d, f"final_resume_{rank}.pt"))
-        b = torch.load(os.path.join(d, f"final_straight_{rank}.pt"))
-        for k in a:
-            assert torch.equal(a[k], b[k]), f"{name}: {k} differs after restore"
+    assert_resumed_equals_straight(d, 2, name)
 
 
 def _pickles(rank, world, out_dir):
