@@ -387,8 +387,7 @@ void OneBitCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
   r.expect<int64_t>("chunk_size", cfg_.chunk_size);
   r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
-  const auto step = r.get<int64_t>("step");
-  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const auto step = r.get_step();
   const uint64_t eb = static_cast<uint64_t>(rows_ * cols_) * sizeof(float);
   const uint8_t* e = r.finite_array("error", eb);
   r.finish();
@@ -665,8 +664,7 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
   r.expect<int64_t>("chunk_size", cfg_.chunk_size);
   r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
-  const auto step = r.get<int64_t>("step");
-  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const auto step = r.get_step();
   const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
   const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);
   const uint8_t* we = r.finite_array("worker_error", wb);

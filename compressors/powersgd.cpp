@@ -249,8 +249,7 @@ void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
   }
   r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
   r.expect<uint8_t>("warm_start", cfg_.warm_start);
-  const auto step = r.get<int64_t>("step");
-  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const auto step = r.get_step();
   const auto qr = r.get<uint8_t>("q_ready");
   GC_CHECK_ARG(qr <= 1, "state_dict: bad q_ready flag ", int(qr));
   const uint8_t* err = r.finite_array("error", cfg_.error_feedback ? m_numel_ * 4 : 0);

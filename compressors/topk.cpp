@@ -393,8 +393,7 @@ std::vector<uint8_t> TopKCompressor::state_dict() const {
 void TopKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   detail::StateReader r(data, nbytes, "topk");
   r.expect<int64_t>("numel", numel_);
-  const auto step = r.get<int64_t>("step");
-  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const auto step = r.get_step();
   const auto saved = impl_->dgc.read(r);
   r.finish();
   impl_->dgc.apply(saved);  // all checks passed: now overwrite
@@ -513,8 +512,7 @@ std::vector<uint8_t> RandomKCompressor::state_dict() const {
 void RandomKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   detail::StateReader r(data, nbytes, "randomk");
   r.expect<int64_t>("numel", numel_);
-  const auto step = r.get<int64_t>("step");
-  GC_CHECK_ARG(step >= 0, "state_dict: negative step ", step);
+  const auto step = r.get_step();
   const auto saved = impl_->dgc.read(r);
   r.finish();
   impl_->dgc.apply(saved);

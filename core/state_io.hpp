@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,7 @@
 namespace gradcomp::detail {
 
 inline constexpr uint32_t kStateMagic = 0x53434347u;  // "GCCS"
-inline constexpr uint32_t kStateVersion = 2;           // 2: CRC-32C trailer
+inline constexpr uint32_t kStateVersion = 2;          // 2: CRC-32C trailer
 
 class StateWriter {
  public:
@@ -77,8 +78,8 @@ class StateReader {
                  ", computed 0x", computed, std::dec, " over ", n_,
                  " bytes): the state is corrupt or truncated; nothing was loaded");
     const std::string got = get_string("kind");
-    GC_CHECK_ARG(got == kind, "state_dict: saved by a '", got, "' compressor, loading into '",
-                 kind, "'");
+    GC_CHECK_ARG(got == kind, "state_dict: saved by a '", got, "' compressor, loading into '", kind,
+                 "'");
   }
   template <class T>
   T get(const char* field) {
@@ -88,12 +89,20 @@ class StateReader {
     pos_ += sizeof(T);
     return v;
   }
+  /// The step counter of a compressor or plan: a restored object must be able to take another
+  /// step, so INT64_MAX (whose increment overflows) is refused with the negative values.
+  int64_t get_step() {
+    const auto step = get<int64_t>("step");
+    GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
+                 " out of range [0, 2^63 - 1)");
+    return step;
+  }
   /// Reads a field and checks it equals what this object was built with.
   template <class T>
   void expect(const char* field, const T& want) {
     const T got = get<T>(field);
-    GC_CHECK_ARG(got == want, "state_dict: field '", field, "' is ", +got, " in the saved state but ",
-                 +want, " here (layout mismatch)");
+    GC_CHECK_ARG(got == want, "state_dict: field '", field, "' is ", +got,
+                 " in the saved state but ", +want, " here (layout mismatch)");
   }
   std::string get_string(const char* field) {
     const auto len = get<uint64_t>(field);

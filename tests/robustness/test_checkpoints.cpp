@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -36,10 +37,11 @@ TEST(Crc32c, PublishedCheckValues) {
   for (int i = 0; i < 32; ++i) v[i] = static_cast<uint8_t>(31 - i);
   EXPECT_EQ(crc_of(v), 0x113FDB5Cu);
   // RFC 3720 B.4: an iSCSI read command PDU
-  const std::vector<uint8_t> pdu = {
-      0x01, 0xC0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
-      0x14, 0x00, 0x00, 0x00, 0x00, 0x00, 0x04, 0x00, 0x00, 0x00, 0x00, 0x14, 0x00, 0x00, 0x00, 0x18,
-      0x28, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
+  const std::vector<uint8_t> pdu = {0x01, 0xC0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+                                    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x14, 0x00, 0x00, 0x00,
+                                    0x00, 0x00, 0x04, 0x00, 0x00, 0x00, 0x00, 0x14, 0x00, 0x00,
+                                    0x00, 0x18, 0x28, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+                                    0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
   EXPECT_EQ(crc_of(pdu), 0xD9963A56u);
 }
 
@@ -147,8 +149,8 @@ TEST_P(EveryStateKind, EveryByteFlipTruncationAndExtensionRejected) {
       check(b, "byte " + std::to_string(i) + " ^ " + std::to_string(mask));
     }
   for (size_t n = 0; n < f.saved.size(); ++n)
-    check(std::vector<uint8_t>(f.saved.begin(), f.saved.begin() + n), "truncated to " +
-                                                                          std::to_string(n));
+    check(std::vector<uint8_t>(f.saved.begin(), f.saved.begin() + n),
+          "truncated to " + std::to_string(n));
   for (uint8_t extra : {0x00, 0xFF}) {
     auto b = f.saved;
     b.push_back(extra);
@@ -175,6 +177,33 @@ TEST_P(EveryStateKind, NonFiniteValuesRefusedWithStateUnchanged) {
     EXPECT_NE(std::string(e.what()).find("non-finite"), std::string::npos) << e.what();
   }
   EXPECT_EQ(f.target->save(), f.before);
+}
+
+TEST_P(EveryStateKind, StepThatCannotAdvanceRefused) {
+  // A well-formed state (valid checksum) whose step counter is INT64_MAX would overflow at the
+  // next step (found by fuzz_state_onebit under UBSan). Every int64 field holding 3 (the saved
+  // step among them) is set to INT64_MAX in turn; each such state must be refused cleanly, the
+  // step field's with "out of range".
+  Fixture f(GetParam());
+  int step_fields = 0;
+  for (size_t i = 0; i + sizeof(int64_t) + sizeof(uint32_t) <= f.saved.size(); ++i) {
+    int64_t v;
+    std::memcpy(&v, f.saved.data() + i, sizeof v);
+    if (v != 3) continue;
+    auto b = f.saved;
+    const int64_t big = std::numeric_limits<int64_t>::max();
+    std::memcpy(b.data() + i, &big, sizeof big);
+    const uint32_t crc = detail::crc32c(b.data(), b.size() - sizeof(uint32_t));
+    std::memcpy(b.data() + b.size() - sizeof(uint32_t), &crc, sizeof crc);
+    try {
+      f.target->load(b.data(), b.size());
+      ADD_FAILURE() << GetParam() << ": int64 at byte " << i << " = INT64_MAX was accepted";
+    } catch (const InvalidArgument& e) {
+      step_fields += std::string(e.what()).find("out of range") != std::string::npos;
+    }
+    EXPECT_EQ(f.target->save(), f.before) << "byte " << i;
+  }
+  EXPECT_GE(step_fields, 1) << GetParam() << ": no step field refused as out of range";
 }
 
 INSTANTIATE_TEST_SUITE_P(Checkpoints, EveryStateKind, ::testing::ValuesIn(test::state_kinds()),
