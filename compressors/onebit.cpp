@@ -418,7 +418,6 @@ struct OneBitAllreducePlan::Impl {
   void* stream;
   int device_index = 0;
   TensorView grad, out;  ///< out is grad itself when in place
-  bool in_place = false;
   std::vector<const uint32_t*> bit_ptrs;
   std::vector<const float*> scale_ptrs;
 };
@@ -531,7 +530,6 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
                  "; nothing was changed");
   }
   s.grad = grad;
-  s.in_place = out == nullptr;
   s.out = out ? *out : grad;
   phase_ = 1;
 }

@@ -46,19 +46,9 @@ void expect_no_errors(const std::vector<std::string>& errors) {
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
-/// Element i of rank r's input, stored in type t (16-bit types hold the rounded value).
-std::vector<uint8_t> input(ElemType t, int64_t n, int rank, uint64_t salt) {
-  const auto v = gc::test::normal(n, 7919u * static_cast<uint64_t>(rank) + salt, 1.0f + rank);
-  std::vector<uint8_t> out(static_cast<size_t>(n) * gc::elem_size(t));
-  for (int64_t i = 0; i < n; ++i) {
-    if (t == ElemType::kF32) {
-      std::memcpy(out.data() + 4 * i, &v[i], 4);
-    } else {
-      const uint16_t h = t == ElemType::kF16 ? gc::float_to_half(v[i]) : gc::float_to_bf16(v[i]);
-      std::memcpy(out.data() + 2 * i, &h, 2);
-    }
-  }
-  return out;
+/// The 16-bit rounding of comm_reference.hpp for fp16 / bf16 element types.
+gc::test::WireRound wire(ElemType t) {
+  return gc::test::WireRound(t == ElemType::kF16 ? gc::DType::kFloat16 : gc::DType::kBFloat16);
 }
 
 float load(ElemType t, const uint8_t* p, int64_t i) {
@@ -69,7 +59,7 @@ float load(ElemType t, const uint8_t* p, int64_t i) {
   }
   uint16_t h;
   std::memcpy(&h, p + 2 * i, 2);
-  return t == ElemType::kF16 ? gc::half_to_float(h) : gc::bf16_to_float(h);
+  return wire(t).from(h);
 }
 
 /// Stores x rounded to type t.
@@ -77,9 +67,17 @@ void store(ElemType t, uint8_t* p, int64_t i, float x) {
   if (t == ElemType::kF32) {
     std::memcpy(p + 4 * i, &x, 4);
   } else {
-    const uint16_t h = t == ElemType::kF16 ? gc::float_to_half(x) : gc::float_to_bf16(x);
+    const uint16_t h = wire(t).to(x);
     std::memcpy(p + 2 * i, &h, 2);
   }
+}
+
+/// Element i of rank r's input, stored in type t (16-bit types hold the rounded value).
+std::vector<uint8_t> input(ElemType t, int64_t n, int rank, uint64_t salt) {
+  const auto v = gc::test::normal(n, 7919u * static_cast<uint64_t>(rank) + salt, 1.0f + rank);
+  std::vector<uint8_t> out(static_cast<size_t>(n) * gc::elem_size(t));
+  for (int64_t i = 0; i < n; ++i) store(t, out.data(), i, v[i]);
+  return out;
 }
 
 /// The scalar reference: rank 0 first, rounded to the element type after every addition, then

@@ -316,12 +316,13 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, on_done) -> torch.
     must not be slower than plain DDP there. Its cost is the time from launch to completion."""
     from ._driver import PlanStats, wire_bytes
 
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     buf = bucket.buffer()
     idx, last, world = bucket.index(), bucket.is_last(), state.world
     dense = buf.numel() * buf.element_size()
     t0 = time.perf_counter()
-    buf.div_(world)
-    fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
+    fut = default_hooks.allreduce_hook(state.process_group, bucket)  # DDP's own average
 
     def finish(f):
         stats = PlanStats()
@@ -336,6 +337,6 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, on_done) -> torch.
         sub._record(it, idx, dense, stats, last)
         if on_done is not None:
             on_done(idx, it, stats)
-        return f.value()[0]
+        return f.value()
 
     return fut.then(finish)

@@ -126,18 +126,21 @@ class _TopK(_Family):
                     value_dtype="float32", error_feedback=True, check_finite=True, seed=0,
                     sample_rate=0.01, route="auto", latency_s=20e-6, bandwidth_Bps=5e9)
 
+    plan_class = "TopKAllreducePlan"
+
     def make(self, opts, bucket, world, tensor_id, group=None):
+        """The top-k or random-k plan (plan_class) for the bucket, with DGC's options."""
         buf = bucket.buffer()
         dev, idx = _device_of(buf)
         o = dict(self.defaults)
         o.update(opts)
         o["warmup_ratios"] = list(o["warmup_ratios"])
-        return _C.TopKAllreducePlan(buf.numel(), world, grad_dtype=_dtype_name(buf), device=dev,
-                                    device_index=idx, stream=_stream_of(buf), tensor_id=tensor_id,
-                                    **o)
+        return getattr(_C, self.plan_class)(buf.numel(), world, grad_dtype=_dtype_name(buf),
+                                            device=dev, device_index=idx, stream=_stream_of(buf),
+                                            tensor_id=tensor_id, **o)
 
 
-class _RandomK(_Family):
+class _RandomK(_TopK):
     name = "randomk"
     stateful = True
     # momentum > 0: DGC's momentum correction and masking (use dgc_optimizer: no optimizer
@@ -147,15 +150,7 @@ class _RandomK(_Family):
                     value_dtype="float32",
                     error_feedback=True, check_finite=True, seed=0)
 
-    def make(self, opts, bucket, world, tensor_id, group=None):
-        buf = bucket.buffer()
-        dev, idx = _device_of(buf)
-        o = dict(self.defaults)
-        o.update(opts)
-        o["warmup_ratios"] = list(o["warmup_ratios"])
-        return _C.RandomKAllreducePlan(buf.numel(), world, grad_dtype=_dtype_name(buf), device=dev,
-                                       device_index=idx, stream=_stream_of(buf),
-                                       tensor_id=tensor_id, **o)
+    plan_class = "RandomKAllreducePlan"
 
 
 class _OneBit(_Family):
