@@ -41,6 +41,11 @@ void OneBitConfig::validate() const {
                chunk_size, ")");
   GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
                "momentum must be in [0, 1), got ", momentum);
+  GC_CHECK_ARG(!rotate || (scaling != OneBitScaling::kColumnMeans && chunk_size >= 32 &&
+                           chunk_size <= 8192 && (chunk_size & (chunk_size - 1)) == 0),
+               "rotate needs a sign scaling and chunk_size (block_size) a power of two in [32, "
+               "8192], got ",
+               onebit_scaling_name(scaling), " with chunk_size ", chunk_size);
 }
 
 int64_t onebit_effective_chunk(const OneBitConfig& cfg, int64_t n) {
@@ -187,6 +192,13 @@ void run_decode_average(Device dev, const uint32_t* const* bits, const float* co
   else
     k::cpu::onebit_decode_average(bits, scales, count, geo, scale, acc, dense);
 }
+void run_rotate(Device dev, float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse,
+                void* stream) {
+  if (dev == Device::kCUDA)
+    k::cuda::hadamard_rotate(x, nblocks, S, first_block, inverse, stream);
+  else
+    k::cpu::hadamard_rotate(x, nblocks, S, first_block, inverse);
+}
 
 }  // namespace
 
@@ -246,6 +258,7 @@ OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_
                "OneBitCompressor: momentum applies to the allreduce plan "
                "only (apply the optimizer's momentum instead), got ",
                cfg_.momentum);
+  GC_CHECK_ARG(!cfg_.rotate, "OneBitCompressor: rotate applies to the allreduce plan only");
   GC_CHECK_ARG(rows >= 0 && cols >= 0, "rows and cols must be >= 0, got ", rows, " x ", cols);
   GC_CHECK_ARG(rows == 0 || cols <= (int64_t{1} << 40) / rows, "tensor of ", rows, " x ", cols,
                " elements is too large");
@@ -409,15 +422,19 @@ struct OneBitAllreducePlan::Impl {
         gsend(dev, s),
         grecv(dev, s),
         u(dev, s),
+        rot(dev, s),
         ws(dev),
         sws(dev),
         stream(s) {}
   Buffer we, se, scales, bits, send, recv, avg, gsend, grecv, u;
+  Buffer rot;  ///< cfg.rotate: the rotated gradient, unless it is rotated in place
   k::OneBitWorkspace ws;
   k::SelectWorkspace sws;
   void* stream;
   int device_index = 0;
-  TensorView grad, out;  ///< out is grad itself when in place
+  TensorView grad, out;       ///< out is grad itself when in place
+  const void* src = nullptr;  ///< what phase 1 compresses: grad, or its rotation (fp32)
+  DType src_t = DType::kFloat32;
   std::vector<const uint32_t*> bit_ptrs;
   std::vector<const float*> scale_ptrs;
 };
@@ -497,34 +514,52 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
   }
   const k::OneBitGeom geo = sign_geom(numel_, scale_block_);
   auto* scales = static_cast<float*>(s.scales.data());
+  if (cfg_.check_finite && (cfg_.momentum > 0.0 || cfg_.rotate)) {
+    // checked before anything is written (the scale pass's own check would see the momentum
+    // sum or the rotated values, whose first bad index is not the gradient's): a rejected step
+    // changes nothing
+    const int64_t bad =
+        device_ == Device::kCUDA
+            ? k::cuda::first_nonfinite(grad.data, grad.dtype, numel_, s.sws, s.stream)
+            : k::cpu::first_nonfinite(grad.data, grad.dtype, numel_);
+    GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                 ": gradient has a non-finite value (NaN or Inf) at index ", bad,
+                 "; nothing was changed");
+  }
+  s.src = grad.data;
+  s.src_t = grad.dtype;
+  if (cfg_.rotate && numel_ > 0) {
+    // in place on an fp32 gradient that receives the average anyway; else into a scratch copy
+    float* r;
+    if (!out && grad.dtype == DType::kFloat32) {
+      r = static_cast<float*>(grad.data);
+    } else {
+      r = s.rot.get<float>(static_cast<size_t>(numel_));
+      k::convert(device_, grad.data, grad.dtype, r, DType::kFloat32, numel_, 1.0f, s.stream);
+    }
+    run_rotate(device_, r, numel_ / scale_block_, scale_block_, 0, false, s.stream);
+    s.src = r;
+    s.src_t = DType::kFloat32;
+  }
   if (cfg_.momentum > 0.0) {
     // u = m u + g and x = u + e, written into the worker-error buffer (x is compressed in
-    // place by next()). The finiteness check runs first: a rejected step changes nothing.
-    if (cfg_.check_finite) {
-      const int64_t bad =
-          device_ == Device::kCUDA
-              ? k::cuda::first_nonfinite(grad.data, grad.dtype, numel_, s.sws, s.stream)
-              : k::cpu::first_nonfinite(grad.data, grad.dtype, numel_);
-      GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
-                   ": gradient has a non-finite value (NaN or Inf) at index ", bad,
-                   "; nothing was changed");
-    }
+    // place by next())
     float* x = static_cast<float*>(s.we.data());
     float* u = static_cast<float*>(s.u.data());
     if (!cfg_.error_feedback) device_zero(device_, x, numel_ * sizeof(float), s.stream);
     const auto m = static_cast<float>(cfg_.momentum);
     if (numel_ > 0) {
       if (device_ == Device::kCUDA)
-        k::cuda::dgc_accumulate(grad.data, grad.dtype, numel_, 1.0f, m, false, u, x, s.stream);
+        k::cuda::dgc_accumulate(s.src, s.src_t, numel_, 1.0f, m, false, u, x, s.stream);
       else
-        k::cpu::dgc_accumulate(grad.data, grad.dtype, numel_, 1.0f, m, false, u, x);
+        k::cpu::dgc_accumulate(s.src, s.src_t, numel_, 1.0f, m, false, u, x);
     }
     run_scales(device_, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling), false, scales,
                s.ws, s.stream);
   } else {
     const float* e_in = cfg_.error_feedback ? static_cast<const float*>(s.we.data()) : nullptr;
-    const int64_t bad = run_scales(device_, grad.data, grad.dtype, e_in, geo, norm_of(cfg_.scaling),
-                                   cfg_.check_finite, scales, s.ws, s.stream);
+    const int64_t bad = run_scales(device_, s.src, s.src_t, e_in, geo, norm_of(cfg_.scaling),
+                                   cfg_.check_finite && !cfg_.rotate, scales, s.ws, s.stream);
     GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
                  ": gradient has a non-finite value (NaN or Inf) at index ", bad,
                  "; nothing was changed");
@@ -557,8 +592,8 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         run_quantize(device_, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo, scales, bits,
                      s.stream);
       else
-        run_quantize(device_, s.grad.data, s.grad.dtype, ef ? we : nullptr, ef ? we : nullptr, geo,
-                     scales, bits, s.stream);
+        run_quantize(device_, s.src, s.src_t, ef ? we : nullptr, ef ? we : nullptr, geo, scales,
+                     bits, s.stream);
       auto* send = static_cast<uint8_t*>(s.send.data());
       device_zero(device_, send, P * B, s.stream);
       const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
@@ -621,6 +656,8 @@ std::optional<Collective> OneBitAllreducePlan::next() {
             ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
         run_decode_average(device_, &bits, &scale, 1, sign_geom(L, S), 1.0f, false, f, s.ws,
                            s.stream);
+        if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
+          run_rotate(device_, f, L / S, S, static_cast<int64_t>(q) * CE / S, true, s.stream);
         if (ot != DType::kFloat32)
           k::convert(device_, f, DType::kFloat32, dst, ot, L, 1.0f, s.stream);
       }
@@ -644,6 +681,7 @@ std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
   w.put<uint8_t>(cfg_.error_feedback);
   w.put<int64_t>(cfg_.chunk_size);
   w.put<uint8_t>(cfg_.momentum > 0.0);
+  w.put<uint8_t>(cfg_.rotate);
   w.put<int64_t>(step_);
   w.put_array(impl_->we.data(), device_, numel_ * sizeof(float), impl_->stream);
   w.put_array(impl_->se.data(), device_, chunk_elems() * sizeof(float), impl_->stream);
@@ -662,6 +700,7 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
   r.expect<int64_t>("chunk_size", cfg_.chunk_size);
   r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
+  r.expect<uint8_t>("rotate", cfg_.rotate);
   const auto step = r.get_step();
   const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
   const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);

@@ -82,6 +82,12 @@ void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, co
 /// dense = [dense +] scale * (sum over p in order of decode(bits[p], scales[p])); one pass.
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense);
+/// The plan's rotation (onebit::rotation_sign) of nblocks consecutive blocks of S elements at x,
+/// in place; block b of x is global block first_block + b (D's signs follow the global index).
+/// inverse == false: z = H D x / sqrt(S); true: x = D H z / sqrt(S). S: a power of two in
+/// [2, 8192]. Stage by stage the same butterflies in the same order on both backends, so the
+/// results are bitwise equal.
+void hadamard_rotate(float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse);
 }  // namespace cpu
 
 namespace cuda {
@@ -100,6 +106,8 @@ void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, co
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense,
                            OneBitWorkspace& ws, void* stream);
+void hadamard_rotate(float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse,
+                     void* stream);
 }  // namespace cuda
 
 }  // namespace gradcomp::kernels

@@ -77,6 +77,32 @@ GC_HD float mean_or_zero(double sum, double count) {
   return count > 0.0 ? static_cast<float>(sum / count) : 0.0f;
 }
 
+/// The plan's randomized Hadamard rotation (DRIVE, Vargaftik et al., NeurIPS 2021): each full
+/// block of S elements (S a power of two) is sent as z = H D x / sqrt(S), with H the S x S
+/// Walsh-Hadamard matrix and D a fixed diagonal of signs, and restored as x = D H z / sqrt(S).
+/// Rotated blocks look Gaussian whatever the gradient's tails, so one sign and one scale per
+/// block lose about a third of the block's energy (1 - 2/pi for the L1 scale) instead of most of
+/// it for a block with a few large entries. D's sign for global element index i: the low bit of
+/// a 64-bit mix of i (a fixed pattern: every rank and every step uses the same rotation, which
+/// error feedback and the linear server average need).
+GC_HD float rotation_sign(int64_t i) {
+  uint64_t z = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 31)) * 0xD6E8FEB86659FD93ull;
+  z = (z ^ (z >> 29)) * 0x9FB21C651E98DF25ull;
+  z ^= z >> 32;
+  return (z & 1u) ? -1.0f : 1.0f;
+}
+/// 1 / sqrt(S) rounded once from double (the same float on host and device).
+GC_HD float rotation_norm(int64_t S) {
+  return static_cast<float>(1.0 / sqrt(static_cast<double>(S)));
+}
+/// One butterfly of the fast Walsh-Hadamard transform: (a, b) -> (a + b, a - b).
+GC_HD void butterfly(float& a, float& b) {
+  const float s = add_rn(a, b), d = sub_rn(a, b);
+  a = s;
+  b = d;
+}
+
 /// Norm selector of the scale pass.
 enum Norm : int { kColumnMeans = 0, kL1 = 1, kL2 = 2 };
 

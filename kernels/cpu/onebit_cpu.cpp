@@ -51,7 +51,6 @@ inline int threads_for(int64_t work) {
       std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
 }
 
-
 template <class Load>
 inline float xval(const void* g, const float* e, int64_t i) {
   const float gv = Load::load(g, i);
@@ -980,6 +979,23 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
       }
       for (int j = 0; j < len; ++j) out[j] = decode_store(out[j], scale, acc[j], accumulate);
     }
+  }
+}
+
+void hadamard_rotate(float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse) {
+  if (nblocks <= 0) return;
+  const float r = rotation_norm(S);
+#pragma omp parallel for num_threads(threads_for(nblocks* S)) schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    float* v = x + b * S;
+    const int64_t base = (first_block + b) * S;
+    if (!inverse)
+      for (int64_t j = 0; j < S; ++j) v[j] = mul_rn(v[j], rotation_sign(base + j));
+    for (int64_t h = 1; h < S; h <<= 1)
+      for (int64_t i = 0; i < S; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) butterfly(v[j], v[j + h]);
+    for (int64_t j = 0; j < S; ++j)
+      v[j] = inverse ? mul_rn(mul_rn(v[j], r), rotation_sign(base + j)) : mul_rn(v[j], r);
   }
 }
 

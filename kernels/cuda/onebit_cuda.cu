@@ -354,7 +354,6 @@ unsigned grid_for(int64_t work_items, int64_t per_block) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{1} << 20)));
 }
 
-
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -530,6 +529,45 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
       reinterpret_cast<const uint32_t* const*>(dev),
       reinterpret_cast<const float* const*>(dev + count), nullptr, nullptr, count, to_geo(geo),
       scale, accumulate, dense);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+/// One thread block per S-element block (grid-stride over blocks): the block is staged in shared
+/// memory and transformed stage by stage, each butterfly (j, j + h) by one thread, the same
+/// operations as the CPU twin's loops.
+__global__ void hadamard_kernel(float* x, int64_t nblocks, int64_t S, int64_t first_block,
+                                bool inverse, float r) {
+  extern __shared__ float v[];
+  for (int64_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+    float* xb = x + b * S;
+    const int64_t base = (first_block + b) * S;
+    for (int64_t j = threadIdx.x; j < S; j += blockDim.x)
+      v[j] = inverse ? xb[j] : onebit::mul_rn(xb[j], onebit::rotation_sign(base + j));
+    __syncthreads();
+    for (int64_t h = 1; h < S; h <<= 1) {
+      for (int64_t p = threadIdx.x; p < S / 2; p += blockDim.x) {
+        const int64_t j = (p / h) * 2 * h + p % h;
+        onebit::butterfly(v[j], v[j + h]);
+      }
+      __syncthreads();
+    }
+    for (int64_t j = threadIdx.x; j < S; j += blockDim.x) {
+      const float t = onebit::mul_rn(v[j], r);
+      xb[j] = inverse ? onebit::mul_rn(t, onebit::rotation_sign(base + j)) : t;
+    }
+    __syncthreads();  // v is reused by the next block of this thread block
+  }
+}
+}  // namespace
+
+void hadamard_rotate(float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse,
+                     void* stream) {
+  if (nblocks <= 0) return;
+  const int threads = static_cast<int>(std::clamp<int64_t>(S / 2, 32, kThreads));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(nblocks, int64_t{1} << 20));
+  hadamard_kernel<<<grid, threads, static_cast<size_t>(S) * sizeof(float), as_stream(stream)>>>(
+      x, nblocks, S, first_block, inverse, onebit::rotation_norm(S));
   GC_CUDA_CHECK_LAUNCH();
 }
 

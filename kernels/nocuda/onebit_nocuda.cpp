@@ -25,4 +25,8 @@ void onebit_decode_average(const uint32_t* const*, const float* const*, int, con
   throw_not_built_with_cuda("1-bit decode into a CUDA tensor");
 }
 
+void hadamard_rotate(float*, int64_t, int64_t, int64_t, bool, void*) {
+  throw_not_built_with_cuda("1-bit rotation of a CUDA tensor");
+}
+
 }  // namespace gradcomp::kernels::cuda

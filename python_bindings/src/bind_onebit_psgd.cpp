@@ -58,23 +58,27 @@ void bind(nb::module_& m) {
           "__init__",
           [](OneBitAllreducePlan* self, int64_t numel, int world, int rank,
              const std::string& scaling, bool error_feedback, bool check_finite, int64_t block_size,
-             double momentum, const std::string& device, int device_index, uintptr_t stream) {
+             double momentum, bool rotate, const std::string& device, int device_index,
+             uintptr_t stream) {
             OneBitConfig c;
             c.scaling = parse_scaling(scaling);
             c.error_feedback = error_feedback;
             c.check_finite = check_finite;
             c.chunk_size = block_size;
             c.momentum = momentum;
+            c.rotate = rotate;
             new (self) OneBitAllreducePlan(c, numel, world, rank, parse_device(device),
                                            device_index, reinterpret_cast<void*>(stream));
           },
           nb::arg("numel"), nb::arg("world"), nb::arg("rank"), nb::kw_only(),
           nb::arg("scaling") = "sign_l1", nb::arg("error_feedback") = true,
           nb::arg("check_finite") = true, nb::arg("block_size") = 0, nb::arg("momentum") = 0.0,
-          nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
+          nb::arg("rotate") = false, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+          nb::arg("stream") = 0,
           "block_size: elements per scale (a positive multiple of 32), 0 = one scale per server "
           "chunk (the 1-bit Adam paper's form). momentum: each rank compresses its momentum "
-          "u = m u + g (the optimizer then applies none).")
+          "u = m u + g (the optimizer then applies none). rotate: a fixed randomized Hadamard "
+          "rotation of each block before the sign (block_size a power of two in [32, 8192]).")
       .def(
           "begin",
           [](nb::pointer_and_handle<OneBitAllreducePlan> self, nb::handle grad, nb::handle out,

@@ -13,6 +13,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
+#include "kernels/onebit.hpp"
 #include "onebit/onebit_ref.hpp"
 #include "test_util.hpp"
 
@@ -307,52 +308,80 @@ void run_device_plans(const std::vector<OneBitAllreducePlan*>& ps) {
 }
 }  // namespace
 
-TEST(OneBitCuda, PlanRanksAgreeBitwiseAndMatchCpuPlan) {
+TEST(OneBitCuda, HadamardRotationMatchesCpuBitwise) {
   GC_REQUIRE_GPU();
-  OneBitConfig cfg = make_cfg(OneBitScaling::kSignL2);
-  for (int P : {1, 3, 8})
-    for (int64_t n : {int64_t{33}, int64_t{100003}}) {
-      SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n));
-      std::vector<std::unique_ptr<OneBitAllreducePlan>> gp, cp;
-      std::vector<std::unique_ptr<DevBuf>> dg, dout;
-      std::vector<std::vector<float>> g(P), out(P, std::vector<float>(n));
-      for (int r = 0; r < P; ++r) {
-        gp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r, Device::kCUDA,
-                                                           gradcomp::cuda::current_device()));
-        cp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
-        g[r] = normal(n, 70 + r);
-        dg.push_back(std::make_unique<DevBuf>(4 * n));
-        dg[r]->upload(g[r].data(), 4 * n);
-        dout.push_back(std::make_unique<DevBuf>(4 * n));
-      }
-      for (int step = 0; step < 3; ++step) {
-        std::vector<OneBitAllreducePlan*> gps;
-        std::vector<Plan*> cps;
-        for (int r = 0; r < P; ++r) {
-          const int dev = gradcomp::cuda::current_device();
-          gp[r]->begin(TensorView(dg[r]->p, {n}, DType::kFloat32, Device::kCUDA, dev),
-                       TensorView(dout[r]->p, {n}, DType::kFloat32, Device::kCUDA, dev));
-          cp[r]->begin(TensorView::cpu(g[r].data(), n), TensorView::cpu(out[r].data(), n));
-          gps.push_back(gp[r].get());
-          cps.push_back(cp[r].get());
-        }
-        run_device_plans(gps);
-        run_plans_in_process(cps);
-        std::vector<float> r0(n), rr(n);
-        dout[0]->download(r0.data(), 4 * n);
-        for (int r = 1; r < P; ++r) {
-          dout[r]->download(rr.data(), 4 * n);
-          ASSERT_EQ(0, std::memcmp(r0.data(), rr.data(), 4 * n)) << "rank " << r;
-        }
-        int64_t flips = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          if (std::signbit(r0[i]) != std::signbit(out[0][i])) {
-            ++flips;
-            continue;
-          }
-          ASSERT_NEAR(r0[i], out[0][i], 1e-3 * std::fabs(out[0][i]) + 1e-6) << i;
-        }
-        EXPECT_LE(flips, n / 500 + 1);
+  for (int64_t S : {2, 32, 128, 1024, 8192})
+    for (int64_t nb : {0, 1, 3, 2000}) {
+      if (S * nb > (int64_t{1} << 22)) continue;
+      SCOPED_TRACE("S " + std::to_string(S) + " blocks " + std::to_string(nb));
+      const int64_t n = S * nb;
+      for (bool inverse : {false, true}) {
+        std::vector<float> h = normal(n, 5, 3.0f), got(n);
+        DevBuf d(4 * n);
+        d.upload(h.data(), 4 * n);
+        kernels::cuda::hadamard_rotate(d.as<float>(), nb, S, 7, inverse, nullptr);
+        kernels::cpu::hadamard_rotate(h.data(), nb, S, 7, inverse);
+        d.download(got.data(), 4 * n);
+        ASSERT_EQ(0, std::memcmp(h.data(), got.data(), 4 * n)) << "inverse " << inverse;
       }
     }
+}
+
+TEST(OneBitCuda, PlanRanksAgreeBitwiseAndMatchCpuPlan) {
+  GC_REQUIRE_GPU();
+  for (bool rotate : {false, true}) {
+    SCOPED_TRACE(rotate ? "rotated" : "not rotated");
+    OneBitConfig cfg = make_cfg(OneBitScaling::kSignL2, rotate ? 128 : 0);
+    cfg.rotate = rotate;
+    cfg.momentum = rotate ? 0.9 : 0.0;
+    for (int P : {1, 3, 8})
+      for (int64_t n : {int64_t{33}, int64_t{100003}}) {
+        SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n));
+        std::vector<std::unique_ptr<OneBitAllreducePlan>> gp, cp;
+        std::vector<std::unique_ptr<DevBuf>> dg, dout;
+        std::vector<std::vector<float>> g(P), out(P, std::vector<float>(n));
+        for (int r = 0; r < P; ++r) {
+          gp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r, Device::kCUDA,
+                                                             gradcomp::cuda::current_device()));
+          cp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
+          g[r] = normal(n, 70 + r);
+          dg.push_back(std::make_unique<DevBuf>(4 * n));
+          dg[r]->upload(g[r].data(), 4 * n);
+          dout.push_back(std::make_unique<DevBuf>(4 * n));
+        }
+        for (int step = 0; step < 3; ++step) {
+          std::vector<OneBitAllreducePlan*> gps;
+          std::vector<Plan*> cps;
+          for (int r = 0; r < P; ++r) {
+            const int dev = gradcomp::cuda::current_device();
+            gp[r]->begin(TensorView(dg[r]->p, {n}, DType::kFloat32, Device::kCUDA, dev),
+                         TensorView(dout[r]->p, {n}, DType::kFloat32, Device::kCUDA, dev));
+            cp[r]->begin(TensorView::cpu(g[r].data(), n), TensorView::cpu(out[r].data(), n));
+            gps.push_back(gp[r].get());
+            cps.push_back(cp[r].get());
+          }
+          run_device_plans(gps);
+          run_plans_in_process(cps);
+          std::vector<float> r0(n), rr(n);
+          dout[0]->download(r0.data(), 4 * n);
+          for (int r = 1; r < P; ++r) {
+            dout[r]->download(rr.data(), 4 * n);
+            ASSERT_EQ(0, std::memcmp(r0.data(), rr.data(), 4 * n)) << "rank " << r;
+          }
+          if (rotate) {  // compare in the rotated domain, where one value is one sign and a scale
+            kernels::cpu::hadamard_rotate(r0.data(), n / 128, 128, 0, false);
+            kernels::cpu::hadamard_rotate(out[0].data(), n / 128, 128, 0, false);
+          }
+          int64_t flips = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            if (std::signbit(r0[i]) != std::signbit(out[0][i])) {
+              ++flips;
+              continue;
+            }
+            ASSERT_NEAR(r0[i], out[0][i], 1e-3 * std::fabs(out[0][i]) + 1e-6) << i;
+          }
+          EXPECT_LE(flips, n / 500 + 1);
+        }
+      }
+  }
 }

@@ -11,6 +11,8 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
+#include "kernels/onebit.hpp"
+#include "kernels/onebit_math.h"
 #include "test_util.hpp"
 
 using namespace gradcomp;
@@ -83,7 +85,136 @@ std::vector<float> reference_step(const std::vector<std::vector<float>>& g, int6
   return out;
 }
 
+/// The plan's rotation written from its definition, in double: z = H D x / sqrt(S) with
+/// H_ij = (-1)^popcount(i & j) (no fast transform), or its inverse x = D H z / sqrt(S), over every
+/// full block of S elements of x (global block b uses D's signs of elements b S .. b S + S - 1);
+/// the trailing partial block is left as it is.
+std::vector<float> rotate_ref(const std::vector<float>& x, int64_t S, bool inverse) {
+  std::vector<float> y = x;
+  const int64_t n = static_cast<int64_t>(x.size());
+  for (int64_t b = 0; b + S <= n; b += S)
+    for (int64_t i = 0; i < S; ++i) {
+      double acc = 0;
+      for (int64_t j = 0; j < S; ++j) {
+        const double h = (__builtin_popcountll(static_cast<uint64_t>(i & j)) & 1) ? -1.0 : 1.0;
+        acc += h * (inverse ? 1.0 : kernels::onebit::rotation_sign(b + j)) * x[b + j];
+      }
+      acc /= std::sqrt(double(S));
+      y[b + i] = static_cast<float>(inverse ? acc * kernels::onebit::rotation_sign(b + i) : acc);
+    }
+  return y;
+}
+
 }  // namespace
+
+TEST(OneBitPlan, HadamardRotationMatchesMatrixReferenceAndInverts) {
+  for (int64_t S : {2, 32, 128, 1024})
+    for (int64_t n : {int64_t{0}, int64_t{1}, S - 1, S, 3 * S + 5}) {
+      SCOPED_TRACE("S " + std::to_string(S) + " n " + std::to_string(n));
+      const std::vector<float> x = normal(n, 3, 2.0f);
+      std::vector<float> z = x;
+      kernels::cpu::hadamard_rotate(z.data(), n / S, S, 0, false);
+      const auto want = rotate_ref(x, S, false);
+      double norm = 0;
+      for (float v : x) norm += double(v) * v;
+      const double tol =
+          1e-6 * std::sqrt(norm / std::max<int64_t>(1, n)) * std::log2(double(S) + 1);
+      for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(z[i], want[i], tol + 1e-7) << i;
+      for (int64_t i = n / S * S; i < n; ++i) ASSERT_EQ(z[i], x[i]) << "tail changed at " << i;
+      std::vector<float> back = z;
+      kernels::cpu::hadamard_rotate(back.data(), n / S, S, 0, true);
+      const auto back_ref = rotate_ref(z, S, true);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_NEAR(back[i], back_ref[i], tol + 1e-7) << i;
+        ASSERT_NEAR(back[i], x[i], 2 * tol + 1e-7) << i;
+      }
+    }
+  // D follows the global element index: blocks rotated with an offset equal the same blocks
+  // rotated in place within the whole vector, and differ from rotating them as block 0
+  const int64_t S = 64;
+  const std::vector<float> x = normal(4 * S, 9);
+  std::vector<float> whole = x, tail(x.begin() + 2 * S, x.end()), as0 = tail;
+  kernels::cpu::hadamard_rotate(whole.data(), 4, S, 0, false);
+  kernels::cpu::hadamard_rotate(tail.data(), 2, S, 2, false);
+  kernels::cpu::hadamard_rotate(as0.data(), 2, S, 0, false);
+  EXPECT_TRUE(same_bytes(whole.data() + 2 * S, tail.data(), 4 * 2 * S));
+  EXPECT_FALSE(same_bytes(tail.data(), as0.data(), 4 * 2 * S));
+  // the signs are balanced (a fixed pattern, not a constant)
+  int64_t neg = 0;
+  for (int64_t i = 0; i < 100000; ++i) neg += kernels::onebit::rotation_sign(i) < 0;
+  EXPECT_NEAR(double(neg), 50000.0, 1000.0);
+}
+
+TEST(OneBitPlan, RotatedStepMatchesScalarReference) {
+  // rotate every full block of the gradient, run the reference step there, rotate back: the
+  // plan's output, rotated forward again, must be the reference's rotated-domain result
+  for (auto sc : {OneBitScaling::kSignL1, OneBitScaling::kSignL2})
+    for (int64_t block : {32, 128, 256})
+      for (int P : {1, 2, 3, 8})
+        for (int64_t n :
+             {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1000}, int64_t{20011}}) {
+          SCOPED_TRACE("P " + std::to_string(P) + " n " + std::to_string(n) + " block " +
+                       std::to_string(block));
+          OneBitConfig cfg = plan_cfg(sc, true, block);
+          cfg.rotate = true;
+          Sim sim(cfg, P, n);
+          std::vector<std::vector<float>> g(P), gz(P);
+          for (int r = 0; r < P; ++r) {
+            g[r] = normal(n, 10 * r + 1);
+            for (int64_t i = 0; i < n; i += 17) g[r][i] *= 30.0f;  // heavy tails
+            gz[r] = rotate_ref(g[r], block, false);
+          }
+          const auto g_copy = g;
+          sim.step(g);
+          EXPECT_EQ(g, g_copy);  // the separate-output form leaves the gradient as it was
+          for (int r = 1; r < P; ++r)
+            ASSERT_TRUE(same_bytes(sim.out[0].data(), sim.out[r].data(), 4 * n)) << "rank " << r;
+          const auto want = reference_step(gz, n, sc, block);
+          const auto got = rotate_ref(sim.out[0], block, false);
+          int64_t sign_flips = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            if (std::signbit(want[i]) != std::signbit(got[i])) {
+              ++sign_flips;
+              continue;
+            }
+            ASSERT_NEAR(got[i], want[i], 2e-4 * std::fabs(want[i]) + 1e-6) << i;
+          }
+          EXPECT_LE(sign_flips, n / 1000 + 1);
+        }
+}
+
+TEST(OneBitPlan, RotationLosesLessOfAHeavyTailedGradient) {
+  // One step, no error feedback carried: the relative error of the average for a gradient whose
+  // blocks hold a few large entries (as a ReLU network's weight gradients do). Without rotation
+  // the sign and one scale lose most of it; rotated blocks are near-Gaussian, where sign + L1
+  // scale loses 1 - 2/pi = 36% of the energy per phase.
+  const int P = 4;
+  const int64_t n = 128 * 200;
+  std::vector<std::vector<float>> g(P);
+  std::vector<double> truth(n, 0.0);
+  for (int r = 0; r < P; ++r) {
+    g[r] = normal(n, 40 + r, 0.01f);
+    for (int64_t i = r; i < n; i += 23) g[r][i] = (i % 2 ? 1.0f : -1.0f) * (1.0f + 0.1f * r);
+    for (int64_t i = 0; i < n; ++i) truth[i] += double(g[r][i]) / P;
+  }
+  auto rel_err = [&](bool rotate) {
+    OneBitConfig cfg = plan_cfg(OneBitScaling::kSignL1, true, 128);
+    cfg.rotate = rotate;
+    Sim sim(cfg, P, n);
+    auto gg = g;
+    sim.step(gg);
+    double e = 0, t = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      e += (sim.out[0][i] - truth[i]) * (sim.out[0][i] - truth[i]);
+      t += truth[i] * truth[i];
+    }
+    return std::sqrt(e / t);
+  };
+  const double plain = rel_err(false), rotated = rel_err(true);
+  EXPECT_GT(plain, 0.9) << plain;
+  EXPECT_LT(rotated, 0.85) << rotated;
+  EXPECT_LT(rotated, 0.8 * plain) << plain << " vs " << rotated;
+}
 
 TEST(OneBitPlan, AsksForAllToAllThenAllgatherOfEqualBlocks) {
   for (int P : {1, 2, 3, 8}) {
@@ -163,8 +294,10 @@ TEST(OneBitPlan, ErrorFeedbackMakesRunningAverageConverge) {
     double tnorm = 0;
     for (double v : truth) tnorm += v * v;
     tnorm = std::sqrt(tnorm);
-    auto run = [&](bool ef, int steps, std::vector<double>& errs) {
-      Sim sim(plan_cfg(OneBitScaling::kSignL2, ef), P, n);
+    auto run = [&](bool ef, int steps, std::vector<double>& errs, bool rotate = false) {
+      OneBitConfig cfg = plan_cfg(OneBitScaling::kSignL2, ef, rotate ? 128 : 0);
+      cfg.rotate = rotate;
+      Sim sim(cfg, P, n);
       std::vector<double> sum(n, 0.0);
       for (int t = 1; t <= steps; ++t) {
         sim.step(g);
@@ -179,9 +312,12 @@ TEST(OneBitPlan, ErrorFeedbackMakesRunningAverageConverge) {
         errs.push_back(std::sqrt(err) / tnorm);
       }
     };
-    std::vector<double> ef, noef;
+    std::vector<double> ef, noef, rot;
     run(true, 200, ef);
     run(false, 200, noef);
+    run(true, 200, rot, true);
+    EXPECT_LT(rot[199], rot[9] / 5) << rot[9] << " -> " << rot[199];
+    EXPECT_LT(rot[199], 0.05);
     // with error feedback the error of the running mean decays like 1/t
     EXPECT_LT(ef[199], ef[9] / 5) << ef[9] << " -> " << ef[199];
     EXPECT_LT(ef[199], 0.05);
@@ -240,58 +376,62 @@ TEST(OneBitPlan, InPlaceEqualsSeparateOutputInEveryDtype) {
   // momentum.
   for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
     for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{4099}, int64_t{100003}})
-      for (double momentum : {0.0, 0.9}) {
-        SCOPED_TRACE("dtype " + std::to_string(int(t)) + " n=" + std::to_string(n) + " momentum " +
-                     std::to_string(momentum));
-        const int P = 3;
-        OneBitConfig cfg = plan_cfg(OneBitScaling::kSignL2, true, 128);
-        cfg.momentum = momentum;
-        std::vector<std::unique_ptr<OneBitAllreducePlan>> sep, inp;
-        for (int r = 0; r < P; ++r) {
-          sep.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
-          inp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
-        }
-        const size_t es = dtype_size(t);
-        for (int step = 0; step < 3; ++step) {
-          std::vector<std::vector<uint8_t>> ga(P), gb(P);
-          std::vector<std::vector<float>> out(P, std::vector<float>(static_cast<size_t>(n)));
-          std::vector<Plan*> pa, pb;
+      for (double momentum : {0.0, 0.9})
+        for (bool rotate : {false, true}) {
+          SCOPED_TRACE("dtype " + std::to_string(int(t)) + " n=" + std::to_string(n) +
+                       " momentum " + std::to_string(momentum) + " rotate " +
+                       std::to_string(rotate));
+          const int P = 3;
+          OneBitConfig cfg = plan_cfg(OneBitScaling::kSignL2, true, 128);
+          cfg.momentum = momentum;
+          cfg.rotate = rotate;
+          std::vector<std::unique_ptr<OneBitAllreducePlan>> sep, inp;
           for (int r = 0; r < P; ++r) {
-            const auto x = normal(n, 1000 * step + r, 1.0f + r);
-            ga[r].resize(static_cast<size_t>(n) * es);
-            for (int64_t i = 0; i < n; ++i) {
-              if (t == DType::kFloat32) {
-                std::memcpy(ga[r].data() + 4 * i, &x[i], 4);
-              } else {
-                const uint16_t h = t == DType::kFloat16 ? float_to_half(x[i]) : float_to_bf16(x[i]);
-                std::memcpy(ga[r].data() + 2 * i, &h, 2);
-              }
-            }
-            gb[r] = ga[r];
-            sep[r]->begin(TensorView(ga[r].data(), {n}, t, Device::kCPU),
-                          TensorView::cpu(out[r].data(), n));
-            inp[r]->begin(TensorView(gb[r].data(), {n}, t, Device::kCPU));
-            pa.push_back(sep[r].get());
-            pb.push_back(inp[r].get());
+            sep.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
+            inp.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
           }
-          run_plans_in_process(pa);
-          run_plans_in_process(pb);
-          for (int r = 0; r < P; ++r) {
-            std::vector<uint8_t> want(static_cast<size_t>(n) * es);
-            for (int64_t i = 0; i < n; ++i) {
-              if (t == DType::kFloat32) {
-                std::memcpy(want.data() + 4 * i, &out[r][i], 4);
-              } else {
-                const uint16_t h =
-                    t == DType::kFloat16 ? float_to_half(out[r][i]) : float_to_bf16(out[r][i]);
-                std::memcpy(want.data() + 2 * i, &h, 2);
+          const size_t es = dtype_size(t);
+          for (int step = 0; step < 3; ++step) {
+            std::vector<std::vector<uint8_t>> ga(P), gb(P);
+            std::vector<std::vector<float>> out(P, std::vector<float>(static_cast<size_t>(n)));
+            std::vector<Plan*> pa, pb;
+            for (int r = 0; r < P; ++r) {
+              const auto x = normal(n, 1000 * step + r, 1.0f + r);
+              ga[r].resize(static_cast<size_t>(n) * es);
+              for (int64_t i = 0; i < n; ++i) {
+                if (t == DType::kFloat32) {
+                  std::memcpy(ga[r].data() + 4 * i, &x[i], 4);
+                } else {
+                  const uint16_t h =
+                      t == DType::kFloat16 ? float_to_half(x[i]) : float_to_bf16(x[i]);
+                  std::memcpy(ga[r].data() + 2 * i, &h, 2);
+                }
               }
+              gb[r] = ga[r];
+              sep[r]->begin(TensorView(ga[r].data(), {n}, t, Device::kCPU),
+                            TensorView::cpu(out[r].data(), n));
+              inp[r]->begin(TensorView(gb[r].data(), {n}, t, Device::kCPU));
+              pa.push_back(sep[r].get());
+              pb.push_back(inp[r].get());
             }
-            ASSERT_EQ(gb[r], want) << "step " << step << " rank " << r;
-            ASSERT_EQ(sep[r]->state_dict(), inp[r]->state_dict()) << "step " << step;
+            run_plans_in_process(pa);
+            run_plans_in_process(pb);
+            for (int r = 0; r < P; ++r) {
+              std::vector<uint8_t> want(static_cast<size_t>(n) * es);
+              for (int64_t i = 0; i < n; ++i) {
+                if (t == DType::kFloat32) {
+                  std::memcpy(want.data() + 4 * i, &out[r][i], 4);
+                } else {
+                  const uint16_t h =
+                      t == DType::kFloat16 ? float_to_half(out[r][i]) : float_to_bf16(out[r][i]);
+                  std::memcpy(want.data() + 2 * i, &h, 2);
+                }
+              }
+              ASSERT_EQ(gb[r], want) << "step " << step << " rank " << r;
+              ASSERT_EQ(sep[r]->state_dict(), inp[r]->state_dict()) << "step " << step;
+            }
           }
         }
-      }
 }
 
 TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
@@ -305,6 +445,16 @@ TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   EXPECT_THROW(OneBitAllreducePlan(chunked, n, 2, 0), InvalidArgument);
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 2, 2), InvalidArgument);
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 0, 0), InvalidArgument);
+  // rotate: blocks of a power of two in [32, 8192], a sign scaling, the plan only
+  for (int64_t block : {0, 96, 16384}) {
+    OneBitConfig rc = plan_cfg(OneBitScaling::kSignL2, true, block);
+    rc.rotate = true;
+    EXPECT_THROW(OneBitAllreducePlan(rc, n, 2, 0), InvalidArgument) << block;
+  }
+  OneBitConfig rc = plan_cfg(OneBitScaling::kSignL2, true, 8192);
+  rc.rotate = true;
+  EXPECT_NO_THROW(OneBitAllreducePlan(rc, n, 2, 0));
+  EXPECT_THROW(OneBitCompressor(rc, n), InvalidArgument);
 
   OneBitAllreducePlan plan(plan_cfg(), n, 1, 0);
   std::vector<float> g = normal(n, 1), out(n);
@@ -395,4 +545,41 @@ TEST(OneBitPlan, MomentumCompressesTheVelocityAndKeepsItInTheState) {
   OneBitConfig comp_cfg;
   comp_cfg.momentum = 0.5;
   EXPECT_THROW(OneBitCompressor(comp_cfg, 10), InvalidArgument);  // plan-only option
+}
+
+TEST(OneBitPlan, RotatedPlanRejectsNaNLeavingGradientAndStateAndKeepsRotateInTheState) {
+  const int64_t n = 1000;
+  for (double momentum : {0.0, 0.9}) {
+    OneBitConfig cfg = plan_cfg(OneBitScaling::kSignL2, true, 128);
+    cfg.rotate = true;
+    cfg.momentum = momentum;
+    OneBitAllreducePlan plan(cfg, n, 2, 0), peer(cfg, n, 2, 1);
+    std::vector<float> g0 = normal(n, 1), g1 = normal(n, 2);
+    plan.begin(TensorView::cpu(g0.data(), n));
+    peer.begin(TensorView::cpu(g1.data(), n));
+    run_plans_in_process({&plan, &peer});
+    const auto st = plan.state_dict();
+    // in place on fp32: a NaN found before the gradient is rotated leaves it and the state
+    std::vector<float> g = normal(n, 3);
+    g[700] = std::numeric_limits<float>::quiet_NaN();
+    const auto before = g;
+    try {
+      plan.begin(TensorView::cpu(g.data(), n));
+      ADD_FAILURE() << "NaN accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("index 700"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(same_bytes(g.data(), before.data(), 4 * n));
+    EXPECT_EQ(plan.state_dict(), st);
+    // the state records rotate: an unrotated plan of the same shape refuses it
+    OneBitConfig plain = cfg;
+    plain.rotate = false;
+    OneBitAllreducePlan other(plain, n, 2, 0);
+    const auto other_st = other.state_dict();
+    EXPECT_THROW(other.load_state_dict(st.data(), st.size()), InvalidArgument);
+    EXPECT_EQ(other.state_dict(), other_st);
+    OneBitAllreducePlan same(cfg, n, 2, 0);
+    same.load_state_dict(st.data(), st.size());
+    EXPECT_EQ(same.state_dict(), st);
+  }
 }
