@@ -45,7 +45,8 @@ void OneBitConfig::validate() const {
                            chunk_size <= 8192 && (chunk_size & (chunk_size - 1)) == 0),
                "rotate needs a sign scaling and chunk_size (block_size) a power of two in [32, "
                "8192], got ",
-               onebit_scaling_name(scaling), " with chunk_size ", chunk_size);
+               onebit_scaling_name(scaling), " with chunk_size ", chunk_size,
+               "; turn rotate off for other blocks");
 }
 
 int64_t onebit_effective_chunk(const OneBitConfig& cfg, int64_t n) {

@@ -162,8 +162,14 @@ class OneBitCompressor : public Compressor {
 /// magnitude share it: the small-gradient layers then get steps far above their own size and the
 /// large ones far below, which error feedback cannot repair (measured in
 /// experiments/results/fashion_mnist_accuracy_2026-11-23.md); the hook
-/// therefore uses S = 256 by default (0.125 bit of scale per element). Uses cfg.scaling kSignL1
+/// therefore uses S = 128 by default (0.25 bit of scale per element). Uses cfg.scaling kSignL1
 /// or kSignL2, error_feedback (worker and server), check_finite.
+/// With cfg.rotate (the hook's default), (1) compresses the rotation z = H D x / sqrt(S) of
+/// every full block of S elements (kernels/onebit_math.h, rotation_sign: a fixed pattern of the
+/// global element index), the server averages rotated values (the rotation is linear and the
+/// same on every rank) and (5) rotates each decoded chunk back; the wire layout is unchanged,
+/// its bits and scales describe rotated values. Worker error, server error and momentum are
+/// kept rotated. The partial last block is sent unrotated.
 ///
 /// Example (one rank; a driver executes the collectives):
 ///   gradcomp::OneBitAllreducePlan plan(cfg, n, world, rank);
@@ -195,6 +201,7 @@ class OneBitAllreducePlan : public BucketPlan {
   int64_t numel() const override { return numel_; }
   int64_t step() const { return step_; }
   Device device() const { return device_; }
+  const OneBitConfig& config() const { return cfg_; }
   /// Worker error (numel floats) and server error (chunk_elems() floats, for this rank's chunk).
   /// With momentum and error feedback off, worker_error() holds the last compressed x instead.
   const float* worker_error() const;

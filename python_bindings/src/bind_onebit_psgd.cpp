@@ -102,6 +102,7 @@ void bind(nb::module_& m) {
       .def_prop_ro("step", &OneBitAllreducePlan::step)
       .def_prop_ro("bytes_sent", &OneBitAllreducePlan::bytes_sent)
       .def_prop_ro("block_size", &OneBitAllreducePlan::scale_block)
+      .def_prop_ro("rotate", [](const OneBitAllreducePlan& p) { return p.config().rotate; })
       .def(
           "worker_error",
           [](const OneBitAllreducePlan& p) {

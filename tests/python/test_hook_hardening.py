@@ -50,6 +50,9 @@ BAD_OPTIONS = [
     ("randomk", dict(clip_scaling="bogus")),
     ("onebit", dict(scaling="bogus")),
     ("onebit", dict(scaling="column_means")),  # the two-phase allreduce needs a sign mode
+    ("onebit", dict(block_size=0)),  # rotate (the default) needs a power-of-two block
+    ("onebit", dict(block_size=96)),
+    ("onebit", dict(block_size=16384)),
     ("powersgd", dict(rank=0)),
     ("powersgd", dict(rank=1.5)),
     ("powersgd", dict(rank=10**6)),
@@ -81,6 +84,8 @@ def test_bad_hook_argument_raises_value_error(kw):
                   warmup_steps=5, value_dtype="float16", method="exact", route="sparse")),
     ("randomk", dict(ratio=0.5, value_dtype="bfloat16", clip_norm=2.0, clip_scaling="none")),
     ("onebit", dict(scaling="sign_l2", error_feedback=False)),
+    ("onebit", dict(block_size=0, rotate=False)),
+    ("onebit", dict(block_size=8192, rotate=True, momentum=0.9)),
     ("powersgd", dict(rank=4, orthogonalization="householder", min_compression_rate=0.0)),
     ("fp16", {}),
 ], ids=lambda v: str(v))

@@ -380,12 +380,16 @@ def test_onebit_plan_refuses_output_aliasing_gradient():
         plan.begin(g, g)
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_onebit_plan_in_place_equals_separate_output(dtype):
+def test_onebit_plan_in_place_equals_separate_output(dtype, rotate):
     """begin(grad) without out writes the average over grad (in grad's dtype): the separate-
-    output result, rounded once; a read-only gradient is refused in place and nothing changes."""
+    output result, rounded once; a read-only gradient is refused in place and nothing changes.
+    With rotate the in-place fp32 form rotates the gradient itself, the others a copy."""
     world = 1
-    a, b = _C.OneBitAllreducePlan(N, world, 0), _C.OneBitAllreducePlan(N, world, 0)
+    kw = dict(rotate=True, block_size=32) if rotate else {}
+    a, b = _C.OneBitAllreducePlan(N, world, 0, **kw), _C.OneBitAllreducePlan(N, world, 0, **kw)
+    assert a.rotate is rotate
     for step in range(3):
         g = (good_grad() * (step + 1)).astype(dtype)
         out = np.zeros((ROWS, COLS), np.float32)

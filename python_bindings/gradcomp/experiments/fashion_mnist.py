@@ -131,7 +131,7 @@ FLAGS = ("slow", "dropcompute")
 
 def parse_config(spec: str) -> Tuple[str, Optional[str], Dict[str, Any], bool]:
     """'name' from CONFIGS, or 'hook:key=value;...' (values parsed as JSON, else strings), e.g.
-    'onebit:block_size=0', optionally followed by '+slow' and '+dropcompute' (see FLAGS, read by
+    'onebit:block_size=0;rotate=false', optionally followed by '+slow' and '+dropcompute' (see FLAGS, read by
     config_flags). A hook option 'momentum' makes the hook apply momentum (plain SGD then)."""
     spec = spec.split("+", 1)[0]
     if spec in CONFIGS:
