@@ -82,15 +82,26 @@ GC_HD float mean_or_zero(double sum, double count) {
 /// Walsh-Hadamard matrix and D a fixed diagonal of signs, and restored as x = D H z / sqrt(S).
 /// Rotated blocks look Gaussian whatever the gradient's tails, so one sign and one scale per
 /// block lose about a third of the block's energy (1 - 2/pi for the L1 scale) instead of most of
-/// it for a block with a few large entries. D's sign for global element index i: the low bit of
-/// a 64-bit mix of i (a fixed pattern: every rank and every step uses the same rotation, which
-/// error feedback and the linear server average need).
+/// it for a block with a few large entries. D's sign for global element index i: bit i % 32 of
+/// a 32-bit mix of the word index w = i / 32 (MurmurHash3's finalizer over w's low 32 bits xor
+/// its scaled high bits), 1 for -1: one hash per 32 elements. A fixed pattern: every rank and
+/// every step uses the same rotation, which error feedback and the linear server average need.
+GC_HD uint32_t rotation_hash(uint32_t lo, uint32_t hi) {
+  uint32_t h = lo ^ (hi * 0x9E3779B9u);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+/// The 32 signs of word w = i / 32 as bits (bit k: element 32 w + k).
+GC_HD uint32_t rotation_word(int64_t w) {
+  const auto u = static_cast<uint64_t>(w);
+  return rotation_hash(static_cast<uint32_t>(u), static_cast<uint32_t>(u >> 32));
+}
 GC_HD float rotation_sign(int64_t i) {
-  uint64_t z = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
-  z = (z ^ (z >> 31)) * 0xD6E8FEB86659FD93ull;
-  z = (z ^ (z >> 29)) * 0x9FB21C651E98DF25ull;
-  z ^= z >> 32;
-  return (z & 1u) ? -1.0f : 1.0f;
+  return ((rotation_word(i >> 5) >> (i & 31)) & 1u) ? -1.0f : 1.0f;
 }
 /// 1 / sqrt(S) rounded once from double (the same float on host and device).
 GC_HD float rotation_norm(int64_t S) {

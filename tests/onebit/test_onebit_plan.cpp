@@ -107,8 +107,44 @@ std::vector<float> rotate_ref(const std::vector<float>& x, int64_t S, bool inver
 
 }  // namespace
 
+/// The rotation as its defining sequence of fp32 operations, stage by stage (what the CUDA kernel
+/// does): the CPU twin's vectorized form must give the same bits.
+std::vector<float> rotate_stagewise(std::vector<float> v, int64_t S, int64_t first_block,
+                                    bool inverse) {
+  namespace ob = kernels::onebit;
+  const float r = ob::rotation_norm(S);
+  for (int64_t b = 0; b + S <= static_cast<int64_t>(v.size()); b += S) {
+    const int64_t base = first_block * S + b;
+    if (!inverse)
+      for (int64_t j = 0; j < S; ++j) v[b + j] = ob::mul_rn(v[b + j], ob::rotation_sign(base + j));
+    for (int64_t h = 1; h < S; h <<= 1)
+      for (int64_t i = 0; i < S; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) ob::butterfly(v[b + j], v[b + j + h]);
+    for (int64_t j = 0; j < S; ++j) {
+      v[b + j] = ob::mul_rn(v[b + j], r);
+      if (inverse) v[b + j] = ob::mul_rn(v[b + j], ob::rotation_sign(base + j));
+    }
+  }
+  return v;
+}
+
+TEST(OneBitPlan, HadamardRotationIsTheStagewiseSequenceBitwise) {
+  for (int64_t S : {2, 4, 8, 16, 32, 64, 128, 256, 8192})
+    for (int64_t nb : {1, 3, 40})
+      for (bool inverse : {false, true}) {
+        SCOPED_TRACE("S " + std::to_string(S) + " blocks " + std::to_string(nb) + " inverse " +
+                     std::to_string(inverse));
+        std::vector<float> x = normal(S * nb, 11, 5.0f);
+        x[0] = 0.0f;
+        if (S >= 2) x[1] = -0.0f;
+        const auto want = rotate_stagewise(x, S, 5, inverse);
+        kernels::cpu::hadamard_rotate(x.data(), nb, S, 5, inverse);
+        ASSERT_TRUE(same_bytes(x.data(), want.data(), 4 * x.size()));
+      }
+}
+
 TEST(OneBitPlan, HadamardRotationMatchesMatrixReferenceAndInverts) {
-  for (int64_t S : {2, 32, 128, 1024})
+  for (int64_t S : {2, 8, 16, 32, 128, 1024})
     for (int64_t n : {int64_t{0}, int64_t{1}, S - 1, S, 3 * S + 5}) {
       SCOPED_TRACE("S " + std::to_string(S) + " n " + std::to_string(n));
       const std::vector<float> x = normal(n, 3, 2.0f);
