@@ -183,7 +183,10 @@ class OneBitAllreducePlan : public BucketPlan {
   /// Starts a step that averages in place, like every other bucket plan: grad (numel elements,
   /// fp32/fp16/bf16, on the plan's device) receives the average (rounded to its dtype) when
   /// next() returns nullopt. Checks everything (including finiteness) before any state changes;
-  /// throws InvalidArgument if a step is still in progress.
+  /// throws InvalidArgument if a step is still in progress. With cfg.rotate an fp32 grad is
+  /// rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
+  /// fp16/bf16 gradients, and the form with `out`, are rotated in a scratch copy (4 bytes per
+  /// element, kept by the plan).
   void begin(const TensorView& grad);
   /// The same, with the average written to a separate fp32 `out` (numel, not aliasing grad);
   /// grad is left as it was.
