@@ -539,6 +539,19 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
       k::convert(device_, grad.data, grad.dtype, r, DType::kFloat32, numel_, 1.0f, s.stream);
     }
     run_rotate(device_, r, numel_ / scale_block_, scale_block_, 0, false, s.stream);
+    if (cfg_.check_finite) {
+      // finite values above about FLT_MAX / S overflow in the butterflies: refused before any
+      // state changes (one more read pass, only with check_finite)
+      const int64_t big =
+          device_ == Device::kCUDA
+              ? k::cuda::first_nonfinite(r, DType::kFloat32, numel_, s.sws, s.stream)
+              : k::cpu::first_nonfinite(r, DType::kFloat32, numel_);
+      GC_CHECK_ARG(big < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                   ": gradient values too large to rotate (block ", big / scale_block_,
+                   " overflows fp32; |g| must stay below about 3.4e38 / ", scale_block_,
+                   "); the plan's state was not changed",
+                   r == grad.data ? ", the gradient (rotated in place) holds rotated values" : "");
+    }
     s.src = r;
     s.src_t = DType::kFloat32;
   }

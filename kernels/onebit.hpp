@@ -86,7 +86,7 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
 /// in place; block b of x is global block first_block + b (D's signs follow the global index).
 /// inverse == false: z = H D x / sqrt(S); true: x = D H z / sqrt(S). S: a power of two in
 /// [2, 8192]. Stage by stage the same butterflies in the same order on both backends, so the
-/// results are bitwise equal.
+/// results are bitwise equal (for finite inputs: NaN payload bits may differ).
 void hadamard_rotate(float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse);
 }  // namespace cpu
 

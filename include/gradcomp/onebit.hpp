@@ -78,9 +78,10 @@ struct OneBitConfig {
   /// elements by a fixed randomized Hadamard transform before the sign (DRIVE, Vargaftik et al.
   /// 2021) and back after the average. Gradient blocks are heavy-tailed (a few large entries: the
   /// sign with one scale then loses most of the block's energy to error feedback); rotated blocks
-  /// are near-Gaussian and lose about a third. Needs a sign scaling and chunk_size a power of
-  /// two in [32, 8192]. The trailing partial block (numel % chunk_size elements) is not rotated.
-  /// The plan's error and momentum buffers then hold rotated values. Same bytes on the wire.
+  /// are near-Gaussian and lose 0.36 (L1 scale) to 0.40 (L2) of it. Needs a sign scaling and
+  /// chunk_size a power of two in [32, 8192]. The trailing partial block (numel % chunk_size
+  /// elements) is not rotated. The plan's error and momentum buffers then hold rotated values. Same
+  /// bytes on the wire.
   bool rotate = false;
   void validate() const;
 };

@@ -311,8 +311,9 @@ void run_device_plans(const std::vector<OneBitAllreducePlan*>& ps) {
 TEST(OneBitCuda, HadamardRotationMatchesCpuBitwise) {
   GC_REQUIRE_GPU();
   for (int64_t S : {2, 32, 128, 1024, 8192})
-    for (int64_t nb : {0, 1, 3, 2000}) {
-      if (S * nb > (int64_t{1} << 22)) continue;
+    for (int64_t nb : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{2000}, (int64_t{1} << 20) + 5}) {
+      // the last count exceeds the kernel's grid (2^20 thread blocks): blocks are reused
+      if (S * nb > (int64_t{1} << 26)) continue;
       SCOPED_TRACE("S " + std::to_string(S) + " blocks " + std::to_string(nb));
       const int64_t n = S * nb;
       for (bool inverse : {false, true}) {

@@ -607,6 +607,21 @@ TEST(OneBitPlan, RotatedPlanRejectsNaNLeavingGradientAndStateAndKeepsRotateInThe
     }
     EXPECT_TRUE(same_bytes(g.data(), before.data(), 4 * n));
     EXPECT_EQ(plan.state_dict(), st);
+    // finite but too large to rotate (the butterflies overflow): refused, state unchanged, and
+    // the gradient too when the plan rotates a copy (separate output)
+    std::vector<float> huge = normal(n, 4), out(n);
+    for (int64_t i = 256; i < 384; ++i) huge[i] = 3.0e38f;
+    const auto huge_before = huge;
+    try {
+      plan.begin(TensorView::cpu(huge.data(), n), TensorView::cpu(out.data(), n));
+      ADD_FAILURE() << "overflow accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("block 2 overflows"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(same_bytes(huge.data(), huge_before.data(), 4 * n));
+    EXPECT_EQ(plan.state_dict(), st);
+    EXPECT_THROW(plan.begin(TensorView::cpu(huge.data(), n)), InvalidArgument);  // in place
+    EXPECT_EQ(plan.state_dict(), st);
     // the state records rotate: an unrotated plan of the same shape refuses it
     OneBitConfig plain = cfg;
     plain.rotate = false;
