@@ -193,6 +193,11 @@ void run_decode_average(Device dev, const uint32_t* const* bits, const float* co
   else
     k::cpu::onebit_decode_average(bits, scales, count, geo, scale, acc, dense);
 }
+int64_t run_first_nonfinite(Device dev, const void* x, DType t, int64_t n, k::SelectWorkspace& ws,
+                            void* stream) {
+  return dev == Device::kCUDA ? k::cuda::first_nonfinite(x, t, n, ws, stream)
+                              : k::cpu::first_nonfinite(x, t, n);
+}
 void run_rotate(Device dev, float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse,
                 void* stream) {
   if (dev == Device::kCUDA)
@@ -520,9 +525,7 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
     // sum or the rotated values, whose first bad index is not the gradient's): a rejected step
     // changes nothing
     const int64_t bad =
-        device_ == Device::kCUDA
-            ? k::cuda::first_nonfinite(grad.data, grad.dtype, numel_, s.sws, s.stream)
-            : k::cpu::first_nonfinite(grad.data, grad.dtype, numel_);
+        run_first_nonfinite(device_, grad.data, grad.dtype, numel_, s.sws, s.stream);
     GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
                  ": gradient has a non-finite value (NaN or Inf) at index ", bad,
                  "; nothing was changed");
@@ -542,10 +545,7 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
     if (cfg_.check_finite) {
       // finite values above about FLT_MAX / S overflow in the butterflies: refused before any
       // state changes (one more read pass, only with check_finite)
-      const int64_t big =
-          device_ == Device::kCUDA
-              ? k::cuda::first_nonfinite(r, DType::kFloat32, numel_, s.sws, s.stream)
-              : k::cpu::first_nonfinite(r, DType::kFloat32, numel_);
+      const int64_t big = run_first_nonfinite(device_, r, DType::kFloat32, numel_, s.sws, s.stream);
       GC_CHECK_ARG(big < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
                    ": gradient values too large to rotate (block ", big / scale_block_,
                    " overflows fp32; |g| must stay below about 3.4e38 / ", scale_block_,
