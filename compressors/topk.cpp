@@ -9,7 +9,7 @@
 #include <limits>
 
 #include "core/state_io.hpp"
-#include "kernels/topk.hpp"
+#include "kernels/dispatch.hpp"
 #include "kernels/topk_math.h"
 
 namespace gradcomp {
@@ -62,8 +62,8 @@ double SparsifyConfig::local_clip_norm(int world) const {
 SparsifyConfig::ClipScaling parse_clip_scaling(const std::string& name) {
   if (name == "sqrt_world") return SparsifyConfig::ClipScaling::kSqrtWorld;
   if (name == "none") return SparsifyConfig::ClipScaling::kNone;
-  throw InvalidArgument(detail::cat("unknown clip_scaling '", name,
-                                    "' (expected sqrt_world or none)"));
+  throw InvalidArgument(
+      detail::cat("unknown clip_scaling '", name, "' (expected sqrt_world or none)"));
 }
 
 double SparsifyConfig::ratio_at(int64_t step) const {
@@ -91,9 +91,7 @@ int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, 
                " elements; indices are uint32 (split the tensor)");
   GC_CHECK_ARG(kk == 0 || out != nullptr, "output index pointer is null");
   k::SelectWorkspace ws(x.device);
-  if (x.is_cuda())
-    return k::cuda::select(x.as<float>(), x.numel, kk, opt, key, out, ws, x.stream);
-  return k::cpu::select(x.as<float>(), x.numel, kk, opt, key, out, ws);
+  return k::dispatch::select({x.device, x.stream}, x.as<float>(), x.numel, kk, opt, key, out, ws);
 }
 
 namespace {
@@ -112,10 +110,12 @@ void check_grad(const TensorView& g, int64_t numel, Device dev, int dev_index, u
 }
 
 void check_finite(const TensorView& g, uint32_t tid, const char* who, k::SelectWorkspace& ws) {
-  const int64_t bad = g.is_cuda() ? k::cuda::first_nonfinite(g.data, g.dtype, g.numel, ws, g.stream)
-                                  : k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
-  GC_CHECK_ARG(bad < 0, who, " tensor ", tid, ": gradient has a non-finite value (NaN or Inf) at "
-               "index ", bad, "; nothing was changed (disable check_finite to skip this test)");
+  const int64_t bad =
+      k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel, ws);
+  GC_CHECK_ARG(bad < 0, who, " tensor ", tid,
+               ": gradient has a non-finite value (NaN or Inf) at "
+               "index ",
+               bad, "; nothing was changed (disable check_finite to skip this test)");
 }
 
 void check_dense(const TensorView& d, int64_t numel, Device dev, const char* who) {
@@ -175,33 +175,28 @@ class SparsifyState {
   float* v() { return static_cast<float*>(v_.data()); }
   const float* v() const { return static_cast<const float*>(v_.data()); }
   float* u() { return cfg_.momentum > 0.0 ? static_cast<float*>(u_.data()) : nullptr; }
-  const float* u() const { return cfg_.momentum > 0.0 ? static_cast<const float*>(u_.data()) : nullptr; }
+  const float* u() const {
+    return cfg_.momentum > 0.0 ? static_cast<const float*>(u_.data()) : nullptr;
+  }
 
   /// v += (momentum-corrected) coef * g, coef from local clipping; v zeroed first without EF.
   void accumulate(const TensorView& g, k::SelectWorkspace& ws) {
-    const bool cuda = dev_ == Device::kCUDA;
+    const k::Exec ex{dev_, stream_};
     float coef = 1.0f;
     if (cfg_.clip_norm > 0.0 && n_ > 0) {
-      const double ss = cuda ? k::cuda::sum_squares(g.data, g.dtype, n_, ws, stream_)
-                             : k::cpu::sum_squares(g.data, g.dtype, n_);
+      const double ss = k::dispatch::sum_squares(ex, g.data, g.dtype, n_, ws);
       coef = k::clip_coefficient(std::sqrt(ss), cfg_.clip_norm);
     }
     if (!cfg_.error_feedback) device_zero(dev_, v(), n_ * sizeof(float), stream_);
     if (n_ == 0) return;
     const float m = static_cast<float>(cfg_.momentum);
-    if (cuda)
-      k::cuda::dgc_accumulate(g.data, g.dtype, n_, coef, m, cfg_.nesterov, u(), v(), stream_);
-    else
-      k::cpu::dgc_accumulate(g.data, g.dtype, n_, coef, m, cfg_.nesterov, u(), v());
+    k::dispatch::dgc_accumulate(ex, g.data, g.dtype, n_, coef, m, cfg_.nesterov, u(), v());
   }
 
   /// values[j] = v[idx[j]] in the value dtype; v[idx] = 0 and, with masking, u[idx] = 0.
   void take(const uint32_t* idx, int64_t c, void* values) {
     float* mask_u = cfg_.momentum_masking ? u() : nullptr;
-    if (dev_ == Device::kCUDA)
-      k::cuda::gather_and_clear(v(), mask_u, idx, c, values, cfg_.value_dtype, stream_);
-    else
-      k::cpu::gather_and_clear(v(), mask_u, idx, c, values, cfg_.value_dtype);
+    k::dispatch::gather_and_clear({dev_, stream_}, v(), mask_u, idx, c, values, cfg_.value_dtype);
   }
 
   void save(detail::StateWriter& w) const {
@@ -256,7 +251,8 @@ TopKCompressor::TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_
   GC_CHECK_ARG(numel < (int64_t{1} << 32), "tensor has ", numel,
                " elements; indices are uint32 (split the tensor)");
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");
-  if (device == Device::kCUDA && !built_with_cuda()) throw_not_built_with_cuda("TopKCompressor on CUDA");
+  if (device == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda("TopKCompressor on CUDA");
   impl_ = std::make_unique<Impl>(cfg_, numel, device, stream);
   impl_->device_index = device_index;
   stats_.numel = numel;
@@ -279,8 +275,7 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
-  const int64_t c = cuda ? k::cuda::select(v, n, kk, cfg_.select, key, idx, s.ws, s.stream)
-                         : k::cpu::select(v, n, kk, cfg_.select, key, idx, s.ws);
+  const int64_t c = k::dispatch::select({device_, s.stream}, v, n, kk, cfg_.select, key, idx, s.ws);
 
   // ---- payload: header | indices | values ----
   prepare_payload(out, device_, s.stream);
@@ -327,7 +322,8 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
   Impl& s = *impl_;
   check_dense(dense, numel_, device_, "topk");
   const PayloadHeader h = read_header(payload, nbytes, device_, s.stream);
-  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kSparse), "expected a sparse (top-k) payload, got ",
+  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kSparse),
+                   "expected a sparse (top-k) payload, got ",
                    payload_kind_name(PayloadKind(h.kind)));
   GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
                    " elements, the output has ", numel_);
@@ -377,7 +373,8 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
       break;
     }
     default:
-      GC_CHECK_PAYLOAD(false, "index coding ", int(h.index_coding), " is not valid for sparse payloads");
+      GC_CHECK_PAYLOAD(false, "index coding ", int(h.index_coding),
+                       " is not valid for sparse payloads");
   }
   k::cuda::scatter_add(use, values, DType(h.value_dtype), c, scale, dense.as<float>(), s.stream);
 }
@@ -432,10 +429,7 @@ const float* RandomKCompressor::momentum_buffer() const { return impl_->dgc.u();
 int64_t RandomKCompressor::indices_at(int64_t step, uint32_t* out) const {
   const int64_t kk = topk_count(cfg_.ratio_at(step), numel_);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step), cfg_.tensor_id};
-  if (device_ == Device::kCUDA)
-    k::cuda::randomk_indices(numel_, kk, key, out, impl_->stream);
-  else
-    k::cpu::randomk_indices(numel_, kk, key, out);
+  k::dispatch::randomk_indices({device_, impl_->stream}, numel_, kk, key, out);
   return kk;
 }
 
@@ -495,10 +489,8 @@ void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const Ten
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
   indices_at(static_cast<int64_t>(h.aux), idx);
   const void* values = static_cast<const uint8_t*>(payload) + h.section_offset(1);
-  if (device_ == Device::kCUDA)
-    k::cuda::scatter_add(idx, values, DType(h.value_dtype), kk, scale, dense.as<float>(), s.stream);
-  else
-    k::cpu::scatter_add(idx, values, DType(h.value_dtype), kk, scale, dense.as<float>());
+  k::dispatch::scatter_add({device_, s.stream}, idx, values, DType(h.value_dtype), kk, scale,
+                           dense.as<float>());
 }
 
 std::vector<uint8_t> RandomKCompressor::state_dict() const {

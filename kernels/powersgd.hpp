@@ -97,7 +97,6 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
 }  // namespace cpu
 
 namespace cuda {
-int64_t first_nonfinite(const void* g, DType t, int64_t n, PsgdContext& ctx);
 void load(const void* g, DType t, int64_t n, float* dst, bool add, void* stream);
 void divide(float* x, int64_t n, float world, void* stream);
 void store_mean(const float* src, int64_t n, float world, void* g, DType t, void* stream);

@@ -71,12 +71,6 @@ cusolverDnHandle_t solver(PsgdContext& ctx) {
   return h;
 }
 
-__global__ void nonfinite_kernel(const void* g, DType t, int64_t n, unsigned long long* out) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    if (!is_finite_bits(psgd_load(g, i, t))) atomicMin(out, static_cast<unsigned long long>(i));
-}
-
 __global__ void load_kernel(const void* g, DType t, int64_t n, float* dst, bool add) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -215,19 +209,6 @@ int to_int(int64_t v, const char* what) {
 }
 
 }  // namespace
-
-int64_t first_nonfinite(const void* g, DType t, int64_t n, PsgdContext& ctx) {
-  if (n == 0) return -1;
-  cudaStream_t s = as_stream(ctx.stream);
-  auto* slot = ctx.info.get<unsigned long long>(1);
-  GC_CUDA_CHECK(cudaMemsetAsync(slot, 0xFF, sizeof(unsigned long long), s));
-  nonfinite_kernel<<<blocks_for(n), kThreads, 0, s>>>(g, t, n, slot);
-  GC_CUDA_CHECK_LAUNCH();
-  unsigned long long host = 0;
-  GC_CUDA_CHECK(cudaMemcpyAsync(&host, slot, sizeof(host), cudaMemcpyDeviceToHost, s));
-  GC_CUDA_CHECK(cudaStreamSynchronize(s));  // validation must finish before any state changes
-  return host == ULLONG_MAX ? -1 : static_cast<int64_t>(host);
-}
 
 void load(const void* g, DType t, int64_t n, float* dst, bool add, void* stream) {
   if (n == 0) return;

@@ -7,9 +7,6 @@ namespace gradcomp::kernels {
 PsgdContext::~PsgdContext() = default;
 
 namespace cuda {
-int64_t first_nonfinite(const void*, DType, int64_t, PsgdContext&) {
-  throw_not_built_with_cuda("PowerSGD finiteness check on a CUDA tensor");
-}
 void load(const void*, DType, int64_t, float*, bool, void*) {
   throw_not_built_with_cuda("PowerSGD on a CUDA tensor");
 }

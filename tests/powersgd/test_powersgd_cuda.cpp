@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "gradcomp/numeric.hpp"
+#include "kernels/dispatch.hpp"
 #include "kernels/powersgd.hpp"
 #include "psgd_test_util.hpp"
 
@@ -135,7 +136,10 @@ TEST(PowerSGDCuda, ElementwiseTwins) {
       x[n / 2] = std::nanf("");
       x[n - 1] = INFINITY;
       Dev<float> dx(x);
-      EXPECT_EQ(kernels::cuda::first_nonfinite(dx.p, DType::kFloat32, n, gctx), n / 2);
+      kernels::SelectWorkspace ws(Device::kCUDA);  // the scan every family shares
+      EXPECT_EQ(kernels::dispatch::first_nonfinite({Device::kCUDA, nullptr}, dx.p, DType::kFloat32,
+                                                   n, ws),
+                n / 2);
       EXPECT_EQ(kernels::cpu::first_nonfinite(x.data(), DType::kFloat32, n), n / 2);
     }
   }

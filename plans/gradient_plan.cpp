@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+// The shared part of the flat-bucket plans (GradientPlan): binding a step's gradient, checks,
+// collectives on the plan's device and stream.
+#include "gradcomp/error.hpp"
+#include "gradcomp/runtime.hpp"
+#include "gradcomp/plans.hpp"
+
+namespace gradcomp {
+
+ElemType elem_type(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return ElemType::kF32;
+    case DType::kFloat16:
+      return ElemType::kF16;
+    case DType::kBFloat16:
+      return ElemType::kBF16;
+  }
+  return ElemType::kF32;
+}
+
+GradientPlan::GradientPlan(int64_t numel, DType dtype, int world, Device device, int device_index,
+                           void* stream)
+    : numel_(numel),
+      dtype_(dtype),
+      world_(world),
+      device_(device),
+      device_index_(device_index),
+      stream_(stream) {
+  GC_CHECK_ARG(numel >= 0, "plan: numel must be >= 0, got ", numel);
+  GC_CHECK_ARG(world >= 1, "plan: the number of ranks must be >= 1, got ", world);
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(dtype)), "plan: unsupported gradient dtype");
+  if (device == Device::kCUDA && !built_with_cuda()) throw_not_built_with_cuda("a plan on CUDA");
+}
+
+void GradientPlan::begin(const TensorView& grad) {
+  GC_CHECK_ARG(grad.numel == numel_, "plan '", name(), "': gradient has ", grad.numel,
+               " elements, the plan was built for ", numel_, " (", grad.describe(), ")");
+  GC_CHECK_ARG(grad.dtype == dtype_, "plan '", name(), "': gradient is ", dtype_name(grad.dtype),
+               ", the plan was built for ", dtype_name(dtype_));
+  GC_CHECK_ARG(grad.device == device_, "plan '", name(), "': gradient is on ",
+               device_name(grad.device), ", the plan was built for ", device_name(device_));
+  GC_CHECK_ARG(grad.data != nullptr || numel_ == 0, "plan '", name(), "': null gradient");
+  grad_ = grad;
+  phase_ = 0;
+  on_begin();
+}
+
+void GradientPlan::require_begun() const {
+  GC_CHECK_ARG(phase_ >= 0, "plan '", name(), "': next() called before begin(grad)");
+}
+
+Collective GradientPlan::make(CollectiveKind kind, ElemType type, const void* send, void* recv,
+                              size_t count, const char* tag) const {
+  Collective c;
+  c.kind = kind;
+  c.type = type;
+  c.send = send;
+  c.recv = recv;
+  c.count = count;
+  c.device = device_;
+  c.stream = stream_;
+  c.tag = tag;
+  c.world = world_;
+  return c;
+}
+
+}  // namespace gradcomp

@@ -1,0 +1,337 @@
+// SPDX-License-Identifier: Apache-2.0
+// 1-bit Adam's two-phase compressed allreduce plan (OneBitAllreducePlan, gradcomp/onebit.hpp):
+// worker compression and all-to-all of the chunks, server averaging and compression, allgather.
+// Local work goes through kernels/dispatch.hpp; the collectives are only asked for.
+#include "gradcomp/onebit.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "compressors/onebit_internal.hpp"
+#include "core/state_io.hpp"
+#include "kernels/dispatch.hpp"
+#include "kernels/onebit_math.h"
+#include "kernels/reduce.hpp"  // convert: the in-place result in the gradient's dtype
+
+namespace gradcomp {
+
+namespace k = kernels;
+using detail::check_dense;
+using detail::check_grad;
+using detail::norm_of;
+using detail::sign_geom;
+
+struct OneBitAllreducePlan::Impl {
+  Impl(Device dev, void* s)
+      : we(dev, s),
+        se(dev, s),
+        scales(dev, s),
+        bits(dev, s),
+        send(dev, s),
+        recv(dev, s),
+        avg(dev, s),
+        gsend(dev, s),
+        grecv(dev, s),
+        u(dev, s),
+        rot(dev, s),
+        ws(dev),
+        sws(dev),
+        stream(s),
+        ex{dev, s} {}
+  Buffer we, se, scales, bits, send, recv, avg, gsend, grecv, u;
+  Buffer rot;  ///< cfg.rotate: the rotated gradient, unless it is rotated in place
+  k::OneBitWorkspace ws;
+  k::SelectWorkspace sws;
+  void* stream;
+  k::Exec ex;
+  int device_index = 0;
+  TensorView grad, out;       ///< out is grad itself when in place
+  const void* src = nullptr;  ///< what phase 1 compresses: grad, or its rotation (fp32)
+  DType src_t = DType::kFloat32;
+  std::vector<const uint32_t*> bit_ptrs;
+  std::vector<const float*> scale_ptrs;
+};
+
+OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel, int world,
+                                         int rank, Device device, int device_index, void* stream)
+    : cfg_(cfg), numel_(numel), world_(world), rank_(rank), device_(device) {
+  cfg_.validate();
+  GC_CHECK_ARG(cfg_.scaling != OneBitScaling::kColumnMeans,
+               "the 1-bit allreduce plan uses a sign scaling (kSignL1 or kSignL2), got ",
+               onebit_scaling_name(cfg_.scaling));
+  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "numel must be in [0, 2^40], got ",
+               numel);
+  GC_CHECK_ARG(world >= 1, "world size must be >= 1, got ", world);
+  GC_CHECK_ARG(rank >= 0 && rank < world, "rank ", rank, " is outside [0, ", world, ")");
+  if (device == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda("OneBitAllreducePlan on CUDA");
+  const int64_t words = k::onebit::num_words(numel);
+  words_per_chunk_ = (words + world - 1) / world;
+  if (cfg_.chunk_size > 0) {  // chunks hold whole scale blocks
+    const int64_t wb = cfg_.chunk_size / 32;
+    words_per_chunk_ = (words_per_chunk_ + wb - 1) / wb * wb;
+    scale_block_ = cfg_.chunk_size;
+  } else {
+    scale_block_ = std::max<int64_t>(32, chunk_elems());
+  }
+  scales_per_chunk_ = (chunk_elems() + scale_block_ - 1) / scale_block_;
+  if (chunk_elems() == 0) scales_per_chunk_ = 1;
+  impl_ = std::make_unique<Impl>(device, stream);
+  impl_->device_index = device_index;
+  Impl& s = *impl_;
+  const size_t P = static_cast<size_t>(world), B = block_bytes();
+  const size_t ce = static_cast<size_t>(chunk_elems());
+  device_zero(device, s.we.get<float>(static_cast<size_t>(numel)), numel * sizeof(float), stream);
+  device_zero(device, s.se.get<float>(ce), ce * sizeof(float), stream);
+  if (cfg_.momentum > 0.0)
+    device_zero(device, s.u.get<float>(static_cast<size_t>(numel)), numel * sizeof(float), stream);
+  s.scales.get<float>(P * static_cast<size_t>(scales_per_chunk_) + 1);
+  s.bits.get<uint32_t>(static_cast<size_t>(words) + 1);
+  s.send.get<uint8_t>(P * B);
+  s.recv.get<uint8_t>(P * B);
+  s.avg.get<float>(ce + 1);
+  s.gsend.get<uint8_t>(B);
+  s.grecv.get<uint8_t>(P * B);
+  s.bit_ptrs.resize(P);
+  s.scale_ptrs.resize(P);
+}
+
+OneBitAllreducePlan::~OneBitAllreducePlan() = default;
+
+const float* OneBitAllreducePlan::worker_error() const {
+  return static_cast<const float*>(impl_->we.data());
+}
+const float* OneBitAllreducePlan::momentum_buffer() const {
+  return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u.data()) : nullptr;
+}
+const float* OneBitAllreducePlan::server_error() const {
+  return static_cast<const float*>(impl_->se.data());
+}
+
+void OneBitAllreducePlan::begin(const TensorView& grad) { start(grad, nullptr); }
+
+void OneBitAllreducePlan::begin(const TensorView& grad, const TensorView& out) {
+  start(grad, &out);
+}
+
+void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
+  Impl& s = *impl_;
+  GC_CHECK_ARG(phase_ == 0, "onebit-allreduce rank ", rank_,
+               ": begin() called while a step is in progress (run next() until it returns "
+               "nullopt)");
+  check_grad(grad, numel_, device_, s.device_index, cfg_.tensor_id, "onebit-allreduce");
+  if (out) {
+    check_dense(*out, numel_, device_, "onebit-allreduce");
+    GC_CHECK_ARG(numel_ == 0 || out->data != grad.data,
+                 "onebit-allreduce: out aliases grad; call begin(grad) to average in place");
+  }
+  const k::OneBitGeom geo = sign_geom(numel_, scale_block_);
+  auto* scales = static_cast<float*>(s.scales.data());
+  if (cfg_.check_finite && (cfg_.momentum > 0.0 || cfg_.rotate)) {
+    // checked before anything is written (the scale pass's own check would see the momentum
+    // sum or the rotated values, whose first bad index is not the gradient's): a rejected step
+    // changes nothing
+    const int64_t bad = k::dispatch::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
+    GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                 ": gradient has a non-finite value (NaN or Inf) at index ", bad,
+                 "; nothing was changed");
+  }
+  s.src = grad.data;
+  s.src_t = grad.dtype;
+  if (cfg_.rotate && numel_ > 0) {
+    // in place on an fp32 gradient that receives the average anyway; else into a scratch copy
+    float* r;
+    if (!out && grad.dtype == DType::kFloat32) {
+      r = static_cast<float*>(grad.data);
+    } else {
+      r = s.rot.get<float>(static_cast<size_t>(numel_));
+      k::convert(device_, grad.data, grad.dtype, r, DType::kFloat32, numel_, 1.0f, s.stream);
+    }
+    k::dispatch::hadamard_rotate(s.ex, r, numel_ / scale_block_, scale_block_, 0, false);
+    if (cfg_.check_finite) {
+      // finite values above about FLT_MAX / S overflow in the butterflies: refused before any
+      // state changes (one more read pass, only with check_finite)
+      const int64_t big = k::dispatch::first_nonfinite(s.ex, r, DType::kFloat32, numel_, s.sws);
+      GC_CHECK_ARG(big < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                   ": gradient values too large to rotate (block ", big / scale_block_,
+                   " overflows fp32; |g| must stay below about 3.4e38 / ", scale_block_,
+                   "); the plan's state was not changed",
+                   r == grad.data ? ", the gradient (rotated in place) holds rotated values" : "");
+    }
+    s.src = r;
+    s.src_t = DType::kFloat32;
+  }
+  if (cfg_.momentum > 0.0) {
+    // u = m u + g and x = u + e, written into the worker-error buffer (x is compressed in
+    // place by next())
+    float* x = static_cast<float*>(s.we.data());
+    float* u = static_cast<float*>(s.u.data());
+    if (!cfg_.error_feedback) device_zero(device_, x, numel_ * sizeof(float), s.stream);
+    const auto m = static_cast<float>(cfg_.momentum);
+    if (numel_ > 0) {
+      k::dispatch::dgc_accumulate(s.ex, s.src, s.src_t, numel_, 1.0f, m, false, u, x);
+    }
+    k::dispatch::onebit_scales(s.ex, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling), false,
+                               scales, s.ws);
+  } else {
+    const float* e_in = cfg_.error_feedback ? static_cast<const float*>(s.we.data()) : nullptr;
+    const int64_t bad =
+        k::dispatch::onebit_scales(s.ex, s.src, s.src_t, e_in, geo, norm_of(cfg_.scaling),
+                                   cfg_.check_finite && !cfg_.rotate, scales, s.ws);
+    GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                 ": gradient has a non-finite value (NaN or Inf) at index ", bad,
+                 "; nothing was changed");
+  }
+  s.grad = grad;
+  s.out = out ? *out : grad;
+  phase_ = 1;
+}
+
+std::optional<Collective> OneBitAllreducePlan::next() {
+  Impl& s = *impl_;
+  const size_t P = static_cast<size_t>(world_), B = block_bytes();
+  const int64_t W = words_per_chunk_, CE = chunk_elems(), words = k::onebit::num_words(numel_);
+  const int64_t S = scale_block_, NB = scales_per_chunk_;
+  auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
+  Collective c;
+  c.device = device_;
+  c.stream = s.stream;
+  c.world = world_;
+  c.type = ElemType::kU8;
+  c.count = B;
+  switch (phase_) {
+    case 1: {  // (1) worker compress (one scale per block of S) + split into P blocks
+      const k::OneBitGeom geo = sign_geom(numel_, S);
+      float* we = static_cast<float*>(s.we.data());
+      const bool ef = cfg_.error_feedback;
+      auto* bits = static_cast<uint32_t*>(s.bits.data());
+      const auto* scales = static_cast<const float*>(s.scales.data());
+      if (cfg_.momentum > 0.0)  // begin() formed x = u + e in `we`
+        k::dispatch::onebit_quantize(s.ex, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo,
+                                     scales, bits);
+      else
+        k::dispatch::onebit_quantize(s.ex, s.src, s.src_t, ef ? we : nullptr, ef ? we : nullptr,
+                                     geo, scales, bits);
+      auto* send = static_cast<uint8_t*>(s.send.data());
+      device_zero(device_, send, P * B, s.stream);
+      const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
+      const int64_t total_scales = geo.num_scales();
+      for (int64_t q = 0; q < K; ++q) {
+        uint8_t* blk = send + q * B;
+        const int64_t s0 = q * NB, s1 = std::min(total_scales, s0 + NB);
+        device_copy(blk, device_, scales + s0, device_, 4 * (s1 - s0), s.stream);
+        const int64_t w0 = q * W, w1 = std::min(words, w0 + W);
+        device_copy(blk + 4 * NB, device_, bits + w0, device_, 4 * (w1 - w0), s.stream);
+      }
+      c.kind = CollectiveKind::kAllToAll;
+      c.send = send;
+      c.recv = s.recv.data();
+      c.tag = "onebit worker chunks";
+      phase_ = 2;
+      return c;
+    }
+    case 2: {  // (3) server: average chunk `rank` of every worker, add server error, recompress
+      const int64_t L = chunk_len(rank_);
+      auto* gsend = static_cast<uint8_t*>(s.gsend.data());
+      device_zero(device_, gsend, B, s.stream);
+      if (L > 0) {
+        const auto* recv = static_cast<const uint8_t*>(s.recv.data());
+        for (size_t q = 0; q < P; ++q) {
+          s.scale_ptrs[q] = reinterpret_cast<const float*>(recv + q * B);
+          s.bit_ptrs[q] = reinterpret_cast<const uint32_t*>(recv + q * B + 4 * NB);
+        }
+        const k::OneBitGeom geo = sign_geom(L, S);
+        float* avg = static_cast<float*>(s.avg.data());
+        k::dispatch::onebit_decode_average(s.ex, s.bit_ptrs.data(), s.scale_ptrs.data(), world_,
+                                           geo, 1.0f / static_cast<float>(world_), false, avg,
+                                           s.ws);
+        float* se = cfg_.error_feedback ? static_cast<float*>(s.se.data()) : nullptr;
+        auto* scale = reinterpret_cast<float*>(gsend);
+        k::dispatch::onebit_scales(s.ex, avg, DType::kFloat32, se, geo, norm_of(cfg_.scaling),
+                                   false, scale, s.ws);
+        k::dispatch::onebit_quantize(s.ex, avg, DType::kFloat32, se, se, geo, scale,
+                                     reinterpret_cast<uint32_t*>(gsend + 4 * NB));
+      }
+      c.kind = CollectiveKind::kAllgather;
+      c.send = gsend;
+      c.recv = s.grecv.data();
+      c.tag = "onebit server chunks";
+      phase_ = 3;
+      return c;
+    }
+    case 3: {  // (5) decode every server chunk into the output (the gradient when in place)
+      // grad was last read in phase 1, so writing the average over it is safe; an fp16/bf16
+      // gradient gets each chunk decoded in fp32 (into `avg`, free since phase 2) and rounded
+      const auto* grecv = static_cast<const uint8_t*>(s.grecv.data());
+      const DType ot = s.out.dtype;
+      const size_t es = dtype_size(ot);
+      for (size_t q = 0; q < P; ++q) {
+        const int64_t L = chunk_len(static_cast<int64_t>(q));
+        if (L == 0) continue;
+        const uint32_t* bits = reinterpret_cast<const uint32_t*>(grecv + q * B + 4 * NB);
+        const float* scale = reinterpret_cast<const float*>(grecv + q * B);
+        void* dst = static_cast<uint8_t*>(s.out.data) + static_cast<size_t>(q * CE) * es;
+        float* f =
+            ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
+        k::dispatch::onebit_decode_average(s.ex, &bits, &scale, 1, sign_geom(L, S), 1.0f, false, f,
+                                           s.ws);
+        if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
+          k::dispatch::hadamard_rotate(s.ex, f, L / S, S, static_cast<int64_t>(q) * CE / S, true);
+        if (ot != DType::kFloat32)
+          k::convert(device_, f, DType::kFloat32, dst, ot, L, 1.0f, s.stream);
+      }
+      phase_ = 0;
+      ++step_;
+      return std::nullopt;
+    }
+    default:
+      GC_CHECK_ARG(false, "onebit-allreduce rank ", rank_,
+                   ": next() called before begin() (no step in progress)");
+  }
+  return std::nullopt;
+}
+
+std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
+  detail::StateWriter w("onebit-allreduce");
+  w.put<int64_t>(numel_);
+  w.put<int32_t>(world_);
+  w.put<int32_t>(rank_);
+  w.put<uint8_t>(static_cast<uint8_t>(cfg_.scaling));
+  w.put<uint8_t>(cfg_.error_feedback);
+  w.put<int64_t>(cfg_.chunk_size);
+  w.put<uint8_t>(cfg_.momentum > 0.0);
+  w.put<uint8_t>(cfg_.rotate);
+  w.put<int64_t>(step_);
+  w.put_array(impl_->we.data(), device_, numel_ * sizeof(float), impl_->stream);
+  w.put_array(impl_->se.data(), device_, chunk_elems() * sizeof(float), impl_->stream);
+  if (cfg_.momentum > 0.0)
+    w.put_array(impl_->u.data(), device_, numel_ * sizeof(float), impl_->stream);
+  return w.take();
+}
+
+void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
+  GC_CHECK_ARG(phase_ == 0, "onebit-allreduce: load_state_dict() during a step");
+  detail::StateReader r(data, nbytes, "onebit-allreduce");
+  r.expect<int64_t>("numel", numel_);
+  r.expect<int32_t>("world", world_);
+  r.expect<int32_t>("rank", rank_);
+  r.expect<uint8_t>("scaling", static_cast<uint8_t>(cfg_.scaling));
+  r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
+  r.expect<int64_t>("chunk_size", cfg_.chunk_size);
+  r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
+  r.expect<uint8_t>("rotate", cfg_.rotate);
+  const auto step = r.get_step();
+  const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
+  const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);
+  const uint8_t* we = r.finite_array("worker_error", wb);
+  const uint8_t* se = r.finite_array("server_error", sb);
+  const uint8_t* u = cfg_.momentum > 0.0 ? r.finite_array("momentum", wb) : nullptr;
+  r.finish();
+  if (u) device_copy(impl_->u.data(), device_, u, Device::kCPU, wb, impl_->stream);
+  device_copy(impl_->we.data(), device_, we, Device::kCPU, wb, impl_->stream);
+  device_copy(impl_->se.data(), device_, se, Device::kCPU, sb, impl_->stream);
+  step_ = step;
+}
+
+}  // namespace gradcomp

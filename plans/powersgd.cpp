@@ -1,0 +1,348 @@
+// SPDX-License-Identifier: Apache-2.0
+// One PowerSGD step on a bucket as a plan (PowerSGDPlan, gradcomp/powersgd.hpp): compress
+// (M, P = M Q), allreduce P, orthogonalize, Q = M^T P, allreduce Q, reconstruct. The CPU runs the
+// fused phases of kernels/powersgd.hpp; CUDA runs them group by group (cuBLAS / cuSOLVER).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "compressors/powersgd_impl.hpp"
+#include "gradcomp/runtime.hpp"
+#include "kernels/dispatch.hpp"
+#include "kernels/scan.hpp"
+
+namespace gradcomp {
+
+using detail::kGpuScratchFloats;
+using detail::member_of;
+
+PowerSGDPlan::PowerSGDPlan(PowerSGDState& state, int world) : st_(state), world_(world) {
+  GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
+}
+
+void PowerSGDPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
+  GC_CHECK_ARG(phase_ == Phase::kIdle || phase_ == Phase::kDone,
+               "PowerSGD plan: load_state_dict() called while a step is in progress");
+  st_.load_state_dict(data, nbytes);
+}
+
+void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
+  GC_CHECK_ARG(phase_ == Phase::kIdle || phase_ == Phase::kDone,
+               "PowerSGD plan: begin() called while a step is in progress");
+  const auto& shapes = st_.impl_->shapes;
+  GC_CHECK_ARG(grads.size() == shapes.size(), "PowerSGD: the bucket has ", shapes.size(),
+               " tensors, got ", grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const TensorView& g = grads[i];
+    GC_CHECK_ARG(g.dtype == st_.dtype_, "PowerSGD: tensor ", i, " must be ", dtype_name(st_.dtype_),
+                 ", got ", g.describe());
+    GC_CHECK_ARG(g.device == st_.device_ &&
+                     (st_.device_ == Device::kCPU || g.device_index == st_.device_index_),
+                 "PowerSGD: tensor ", i, " must be on ", device_name(st_.device_),
+                 st_.device_ == Device::kCUDA ? detail::cat(":", st_.device_index_) : "", ", got ",
+                 g.describe());
+    bool same = static_cast<size_t>(g.ndim) == shapes[i].size() ||
+                (shapes[i].empty() && g.ndim == 1 && g.numel == 1);
+    for (size_t d = 0; same && d < shapes[i].size(); ++d) same = g.shape[d] == shapes[i][d];
+    if (!same) {
+      std::string want = "[";
+      for (size_t d = 0; d < shapes[i].size(); ++d)
+        want += (d ? ", " : "") + std::to_string(shapes[i][d]);
+      GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " must have shape ", want, "], got ",
+                   g.describe());
+    }
+    GC_CHECK_ARG(g.numel == 0 || g.data != nullptr, "PowerSGD: tensor ", i, " has null data");
+  }
+  // CPU: the finiteness check rides on P and the uncompressed pack in the first next() phase
+  // (phase_compress): no extra pass over the bucket. CUDA: one scan here.
+  if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const TensorView& g = grads[i];
+      const int64_t bad = k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype,
+                                                       g.numel, st_.impl_->sws);
+      GC_CHECK_ARG(bad < 0, "PowerSGD: tensor ", i, " (", g.describe(),
+                   ") holds a non-finite value at index ", bad,
+                   " (check_finite rejects NaN/Inf before any state changes)");
+    }
+  }
+  grads_ = grads;
+  issued_.clear();
+  phase_ = Phase::kStart;
+}
+
+Collective PowerSGDPlan::make(void* buf, size_t count, const char* tag) const {
+  Collective c;
+  c.kind = CollectiveKind::kAllreduceSum;
+  c.type = ElemType::kF32;
+  c.send = buf;
+  c.recv = buf;
+  c.count = count;
+  c.device = st_.device_;
+  c.stream = st_.impl_->stream;
+  c.tag = tag;
+  c.world = world_;
+  return c;
+}
+
+std::optional<Collective> PowerSGDPlan::next() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const float world = static_cast<float>(world_);
+  float* pbuf = static_cast<float*>(im.pbuf.data());
+  float* ubuf = pbuf + st_.p_numel_;
+  auto issue = [&](Collective c) {
+    issued_.push_back(c);
+    return std::optional<Collective>(std::move(c));
+  };
+  auto done = [&](bool compressed) {
+    PowerSGDStats& s = st_.stats_;
+    s.step = st_.step_;
+    s.compressed = compressed;
+    s.dense_bytes = 0;
+    for (const auto& g : grads_) s.dense_bytes += static_cast<uint64_t>(g.nbytes());
+    s.sent_bytes = 0;
+    for (const auto& c : issued_) s.sent_bytes += c.send_bytes();
+    s.collectives = static_cast<int>(issued_.size());
+    for (size_t i = 0; i < st_.info_.size(); ++i)
+      s.rank_used[i] = compressed ? st_.info_[i].rank : 0;
+    ++st_.step_;
+    phase_ = Phase::kDone;
+    grads_.clear();
+    return std::optional<Collective>();
+  };
+  switch (phase_) {
+    case Phase::kIdle:
+      GC_CHECK_ARG(false, "PowerSGD plan: next() called before begin()");
+      return std::nullopt;
+    case Phase::kDone:
+      return std::nullopt;
+    case Phase::kStart: {
+      if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
+        if (!gpu && st_.cfg_.check_finite) reject_nonfinite();  // (CUDA: checked in begin())
+        if (im.total_numel == 0) return done(false);
+        float* b = static_cast<float*>(im.plain.data());
+        int64_t off = 0;
+        for (const auto& g : grads_) {
+          if (gpu)
+            k::cuda::load(g.data, g.dtype, g.numel, b + off, false, im.stream);
+          else
+            k::cpu::load(g.data, g.dtype, g.numel, b + off, false);
+          off += g.numel;
+        }
+        phase_ = Phase::kPlainWait;
+        return issue(make(b, static_cast<size_t>(im.total_numel), "powersgd plain"));
+      }
+      phase_compress();
+      const size_t np = static_cast<size_t>(st_.p_numel_), nu = static_cast<size_t>(st_.u_numel_);
+      if (np == 0 && nu == 0) return done(true);
+      if (np > 0 && (nu == 0 || st_.cfg_.fuse_uncompressed_with_p)) {
+        phase_ = Phase::kWaitP;
+        return issue(make(pbuf, np + nu, nu ? "powersgd P+uncompressed" : "powersgd P"));
+      }
+      phase_ = Phase::kWaitU;
+      return issue(make(ubuf, nu, "powersgd uncompressed"));
+    }
+    case Phase::kPlainWait: {
+      const float* b = static_cast<const float*>(im.plain.data());
+      int64_t off = 0;
+      for (const auto& g : grads_) {
+        if (gpu)
+          k::cuda::store_mean(b + off, g.numel, world, g.data, g.dtype, im.stream);
+        else
+          k::cpu::store_mean(b + off, g.numel, world, g.data, g.dtype);
+        off += g.numel;
+      }
+      return done(false);
+    }
+    case Phase::kWaitU:
+      if (st_.p_numel_ > 0) {
+        phase_ = Phase::kWaitP;
+        return issue(make(pbuf, static_cast<size_t>(st_.p_numel_), "powersgd P"));
+      }
+      phase_finish();
+      return done(true);
+    case Phase::kWaitP:
+      phase_project();
+      phase_ = Phase::kWaitQ;
+      return issue(make(im.qbuf.data(), static_cast<size_t>(st_.q_numel_), "powersgd Q"));
+    case Phase::kWaitQ:
+      phase_finish();
+      return done(true);
+  }
+  return std::nullopt;
+}
+
+// local: M = grad (+ error); Q drawn / kept; P = M Q; uncompressed tensors packed.
+void PowerSGDPlan::phase_compress() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const auto& cfg = st_.cfg_;
+  float* M = static_cast<float*>(im.mbuf.data());
+  float* U = static_cast<float*>(im.pbuf.data()) + st_.p_numel_;
+  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+    auto& ptrs = im.member_grads[gi];
+    for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
+  }
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const TensorView& g = grads_[i];
+    const PowerSGDTensorInfo& t = st_.info_[i];
+    if (!gpu && t.rank > 0) continue;    // the CPU forms M tile by tile in compress_p below
+    if (t.rank > 0 && direct) continue;  // fp32 without error feedback: the gradient is M
+    float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
+    const bool add = t.rank > 0 && cfg.error_feedback;
+    if (gpu)
+      k::cuda::load(g.data, g.dtype, g.numel, dst, add, im.stream);
+    else
+      k::cpu::load(g.data, g.dtype, g.numel, dst, add);
+  }
+  // CPU with check_finite: Q as it was, restored if the step is rejected below (Q is small).
+  const bool check = !gpu && cfg.check_finite;
+  const bool q_ready_before = st_.q_ready_;
+  if (check && st_.q_numel_ > 0)
+    std::memcpy(im.qsave.data(), im.qbuf.data(), static_cast<size_t>(st_.q_numel_) * 4);
+  // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
+  // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
+  const bool fresh = !cfg.warm_start || !st_.q_ready_;
+  const uint64_t step = static_cast<uint64_t>(st_.step_);
+  for (const auto& grp : im.groups) {
+    if (gpu)
+      k::cuda::fill_q(grp, cfg.seed, step, !fresh, im.stream);
+    else
+      k::cpu::fill_q(grp, cfg.seed, step, !fresh);
+  }
+  st_.q_ready_ = true;
+  if (gpu) {  // direct: one GEMM per member on its gradient (no copy pass); else strided batch
+    for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+      if (!direct) {
+        k::cuda::compute_p(im.groups[gi], im.ctx);
+        continue;
+      }
+      for (int64_t b = 0; b < im.groups[gi].batch; ++b)
+        k::cuda::compute_p(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
+                           im.ctx);
+    }
+    return;
+  }
+  // CPU: M = grad (+ error) and P = M Q fused per cache-resident tile; fp32 without error
+  // feedback reads the gradient as M directly (no copy).
+  k::cpu::compress_p(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct, im.ctx);
+  if (!check) return;
+  // A NaN/Inf in M = grad + error makes its row of P non-finite (NaN * 0 and Inf * 0 are NaN, so
+  // even a zero Q row cannot hide it); an uncompressed one lands in the pack as it is. So P and
+  // the pack (small) are tested, and the bucket is scanned only to name the first bad index.
+  // compress_p wrote no state (the error is not stored before finish()), Q is restored: the
+  // rejection leaves the state exactly as before the step. A non-finite P from a finite gradient
+  // (overflow) is not rejected, as before.
+  const float* pu = static_cast<const float*>(im.pbuf.data());
+  if (k::cpu::first_nonfinite(pu, DType::kFloat32, st_.p_numel_ + st_.u_numel_) < 0) return;
+  try {
+    reject_nonfinite();
+  } catch (...) {
+    if (st_.q_numel_ > 0)
+      std::memcpy(im.qbuf.data(), im.qsave.data(), static_cast<size_t>(st_.q_numel_) * 4);
+    st_.q_ready_ = q_ready_before;
+    throw;
+  }
+}
+
+// CPU: scans the gradients in bucket order; on the first non-finite value makes the plan idle and
+// throws InvalidArgument naming the tensor and the index. Changes no state of the bucket.
+void PowerSGDPlan::reject_nonfinite() {
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const TensorView& g = grads_[i];
+    const int64_t bad = k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
+    if (bad < 0) continue;
+    const std::string what = g.describe();
+    grads_.clear();
+    issued_.clear();
+    phase_ = Phase::kIdle;
+    GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " (", what, ") holds a non-finite value at index ",
+                 bad, " (check_finite rejects NaN/Inf before any state changes)");
+  }
+}
+
+// local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
+void PowerSGDPlan::phase_project() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const auto& cfg = st_.cfg_;
+  float* P = static_cast<float*>(im.pbuf.data());
+  const float world = static_cast<float>(world_);
+  if (gpu)
+    k::cuda::divide(P, st_.p_numel_, world, im.stream);
+  else
+    k::cpu::divide(P, st_.p_numel_, world);
+  if (!gpu) {  // one parallel region per phase over all groups (see kernels/powersgd.hpp)
+    k::cpu::orthogonalize_groups(im.groups, cfg.orthogonalization_epsilon, cfg.orthogonalization,
+                                 im.ctx);
+    const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+    k::cpu::compute_q_fused(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct,
+                            im.ctx);
+    return;
+  }
+  for (const auto& grp : im.groups)
+    k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
+                           cfg.orthogonalization, im.ctx);
+  const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
+  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
+    if (!direct) {
+      k::cuda::compute_q(im.groups[gi], im.ctx);
+      continue;
+    }
+    for (int64_t b = 0; b < im.groups[gi].batch; ++b)
+      k::cuda::compute_q(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
+                         im.ctx);
+  }
+}
+
+// local: Q = Q_sum / world; grad = P_hat Q^T; error = M - grad; uncompressed = sum / world.
+void PowerSGDPlan::phase_finish() {
+  auto& im = *st_.impl_;
+  const bool gpu = st_.device_ == Device::kCUDA;
+  const bool ef = st_.cfg_.error_feedback;
+  const float world = static_cast<float>(world_);
+  if (gpu)
+    k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
+  else
+    k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
+  float* scratch = static_cast<float*>(im.scratch.data());
+  // CPU: per tile, R = P Q^T in cache, grad = R, error = M - grad (one pass, one region).
+  if (!gpu) k::cpu::finish(im.groups, im.member_grads, st_.dtype_, ef, im.ctx);
+  const bool direct = st_.dtype_ == DType::kFloat32 && !ef;
+  for (size_t gi = 0; gi < im.groups.size() && gpu; ++gi) {
+    const k::PsgdGroup& grp = im.groups[gi];
+    const auto& mem = im.members[gi];
+    const int64_t nm = grp.n * grp.m;
+    if (direct) {  // as on the CPU: the GEMM writes the gradient, no scratch, no copy pass
+      for (int64_t b = 0; b < grp.batch; ++b) {
+        float* g = static_cast<float*>(im.member_grads[gi][b]);
+        k::cuda::reconstruct(member_of(grp, b, g), 0, 1, g, im.ctx);
+      }
+      continue;
+    }
+    const int64_t chunk = std::max<int64_t>(
+        1, static_cast<int64_t>(im.scratch.capacity() / 4) / std::max<int64_t>(1, nm));
+    for (int64_t b0 = 0; b0 < grp.batch; b0 += chunk) {
+      const int64_t cnt = std::min(chunk, grp.batch - b0);
+      k::cuda::reconstruct(grp, b0, cnt, scratch, im.ctx);
+      for (int64_t b = b0; b < b0 + cnt; ++b) {
+        const TensorView& g = grads_[mem[b]];
+        k::cuda::store_result(scratch + (b - b0) * nm, g.data, g.dtype, nm,
+                              ef ? grp.M + b * nm : nullptr, im.stream);
+      }
+    }
+  }
+  const float* U = static_cast<const float*>(im.pbuf.data()) + st_.p_numel_;
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const PowerSGDTensorInfo& t = st_.info_[i];
+    if (t.rank > 0) continue;
+    const TensorView& g = grads_[i];
+    if (gpu)
+      k::cuda::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype, im.stream);
+    else
+      k::cpu::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype);
+  }
+}
+
+}  // namespace gradcomp

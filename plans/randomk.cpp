@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+// Random-k allreduce plan: shared indices, so the values alone are summed.
+#include "gradcomp/error.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/runtime.hpp"
+#include "kernels/reduce.hpp"
+#include "plans/per_rank.hpp"
+
+namespace gradcomp {
+
+namespace k = kernels;
+
+RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t numel, int world,
+                                           DType grad_dtype, Device device, int device_index,
+                                           void* stream)
+    : GradientPlan(numel, grad_dtype, world, device, device_index, stream),
+      comp_(detail::per_rank(cfg, world), numel, grad_dtype, device, device_index, stream),
+      payload_(device),
+      acc_(device, stream) {
+  payload_.bytes.set_stream(stream);
+}
+
+size_t RandomKAllreducePlan::workspace_bytes() const {
+  return payload_.bytes.capacity() + acc_.capacity();
+}
+
+std::optional<Collective> RandomKAllreducePlan::next() {
+  require_begun();
+  switch (phase_) {
+    case 0: {  // encode; sum the values section of every rank in place
+      comp_.encode(grad_, payload_);
+      const PayloadHeader& h = payload_.header;
+      auto* values = static_cast<uint8_t*>(payload_.bytes.data()) + h.section_offset(1);
+      phase_ = 1;
+      return make(CollectiveKind::kAllreduceSum, elem_type(DType(h.value_dtype)), values, values,
+                  static_cast<size_t>(h.count), "randomk values");
+    }
+    case 1: {  // one decode of the summed values, scaled by 1/P (into the gradient when fp32)
+      const auto n = static_cast<size_t>(numel_);
+      const bool direct = dtype_ == DType::kFloat32;
+      float* acc = direct ? static_cast<float*>(grad_.data) : acc_.get<float>(n);
+      device_zero(device_, acc, n * sizeof(float), stream_);
+      comp_.decode_add(payload_.data(), payload_.size(),
+                       TensorView(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_),
+                       1.0f / float(world_));
+      if (!direct)
+        k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
+      phase_ = 2;
+      return std::nullopt;
+    }
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace gradcomp
