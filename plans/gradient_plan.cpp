@@ -2,10 +2,15 @@
 // The shared part of the flat-bucket plans (GradientPlan): binding a step's gradient, checks,
 // collectives on the plan's device and stream.
 #include "gradcomp/error.hpp"
-#include "gradcomp/runtime.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/runtime.hpp"
 
 namespace gradcomp {
+
+void BucketPlan::load_state_dict(const uint8_t*, size_t nbytes) {
+  GC_CHECK_ARG(nbytes == 0, name(), " plan: carries no state between steps, but got a ", nbytes,
+               "-byte state");
+}
 
 ElemType elem_type(DType t) {
   switch (t) {

@@ -13,11 +13,45 @@
 
 namespace gradcomp {
 
+namespace {
+std::unique_ptr<PowerSGDState> checked(std::unique_ptr<PowerSGDState> s) {
+  GC_CHECK_ARG(s != nullptr, "PowerSGD plan: null state");
+  return s;
+}
+}  // namespace
+
 using detail::kGpuScratchFloats;
 using detail::member_of;
 
 PowerSGDPlan::PowerSGDPlan(PowerSGDState& state, int world) : st_(state), world_(world) {
   GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
+}
+
+PowerSGDPlan::PowerSGDPlan(std::unique_ptr<PowerSGDState> state, int world)
+    : owned_(checked(std::move(state))), st_(*owned_), world_(world) {
+  GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
+}
+
+void PowerSGDPlan::begin(const TensorView& bucket) {
+  GC_CHECK_ARG(bucket.numel == numel(), "PowerSGD: the bucket has ", numel(), " elements, got ",
+               bucket.describe());
+  GC_CHECK_ARG(bucket.numel == 0 || bucket.data != nullptr, "PowerSGD: null bucket data");
+  const auto& shapes = st_.impl_->shapes;
+  std::vector<TensorView> views;
+  views.reserve(shapes.size());
+  auto* p = static_cast<uint8_t*>(bucket.data);
+  const size_t elem = dtype_size(bucket.dtype);
+  for (const auto& s : shapes) {
+    const int64_t one = 1;
+    const TensorView v = s.empty()
+                             ? TensorView(p, &one, 1, bucket.dtype, bucket.device,
+                                          bucket.device_index, bucket.stream)
+                             : TensorView(p, s.data(), static_cast<int>(s.size()), bucket.dtype,
+                                          bucket.device, bucket.device_index, bucket.stream);
+    if (p != nullptr) p += static_cast<size_t>(v.numel) * elem;
+    views.push_back(v);
+  }
+  begin(views);  // checks dtype and device per tensor
 }
 
 void PowerSGDPlan::load_state_dict(const uint8_t* data, size_t nbytes) {

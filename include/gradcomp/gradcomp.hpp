@@ -5,6 +5,7 @@
 #include "gradcomp/comm.hpp"
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/error.hpp"
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/plans.hpp"

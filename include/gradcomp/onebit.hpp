@@ -188,7 +188,7 @@ class OneBitAllreducePlan : public BucketPlan {
   /// rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
   /// fp16/bf16 gradients, and the form with `out`, are rotated in a scratch copy (4 bytes per
   /// element, kept by the plan).
-  void begin(const TensorView& grad);
+  void begin(const TensorView& grad) override;
   /// The same, with the average written to a separate fp32 `out` (numel, not aliasing grad);
   /// grad is left as it was.
   void begin(const TensorView& grad, const TensorView& out);
@@ -214,9 +214,10 @@ class OneBitAllreducePlan : public BucketPlan {
   const float* server_error() const;
   /// Bytes this rank sends per step (all-to-all + allgather), for compression-ratio reports.
   uint64_t bytes_sent() const { return block_bytes() * static_cast<uint64_t>(world_ + 1); }
-  std::vector<uint8_t> state_dict() const;
+  bool stateful() const override { return true; }
+  std::vector<uint8_t> state_dict() const override;
   /// Restores state_dict(); throws InvalidArgument on a mismatch and then changes nothing.
-  void load_state_dict(const uint8_t* data, size_t nbytes);
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
 
  private:
   void start(const TensorView& grad, const TensorView* out);

@@ -4,7 +4,8 @@
 // in-process simulator used by tests) executes it the same way:
 //
 //   plan.begin(...);                          // plan-specific input (the gradient bucket)
-//   while (auto c = plan.next()) driver.run(*c);  // next() runs the local op, asks for a collective
+//   while (auto c = plan.next()) driver.run(*c);  // next() runs the local op, asks for a
+//   collective
 //   // after next() returned nullopt the plan's output (the averaged gradient) is complete
 //
 // next() consumes the result of the previous collective (already in the buffers it named), does
@@ -32,10 +33,16 @@ enum class ElemType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kU32 = 4
 
 inline size_t elem_size(ElemType t) {
   switch (t) {
-    case ElemType::kF32: case ElemType::kU32: return 4;
-    case ElemType::kF16: case ElemType::kBF16: return 2;
-    case ElemType::kU8: return 1;
-    case ElemType::kI64: return 8;
+    case ElemType::kF32:
+    case ElemType::kU32:
+      return 4;
+    case ElemType::kF16:
+    case ElemType::kBF16:
+      return 2;
+    case ElemType::kU8:
+      return 1;
+    case ElemType::kI64:
+      return 8;
   }
   return 0;
 }
@@ -52,9 +59,11 @@ struct Collective {
   int root = 0;      ///< broadcast only
   Device device = Device::kCPU;
   void* stream = nullptr;
-  std::string tag;   ///< what it carries ("topk sizes", "powersgd P", ...) for logs and statistics
-  size_t send_bytes() const { return count * elem_size(type) * (kind == CollectiveKind::kAllToAll ? world : 1); }
-  int world = 1;     ///< filled by the plan: number of ranks it was built for
+  std::string tag;  ///< what it carries ("topk sizes", "powersgd P", ...) for logs and statistics
+  size_t send_bytes() const {
+    return count * elem_size(type) * (kind == CollectiveKind::kAllToAll ? world : 1);
+  }
+  int world = 1;  ///< filled by the plan: number of ranks it was built for
 };
 
 /// Every plan must: ask only for collectives of the vocabulary above; name buffers that stay
@@ -80,6 +89,19 @@ class BucketPlan : public Plan {
   /// Elements of the gradient bucket.
   virtual int64_t numel() const = 0;
   int64_t bucket_numel() const final { return numel(); }
+  /// Binds this step's bucket: numel() contiguous elements (a flat view of the bucket's tensors,
+  /// laid out back to back), of the dtype and on the device the plan was built for. The average
+  /// is written back into it, in its dtype, when next() returns nullopt; the caller keeps the
+  /// memory alive until then. Checks before any state changes (InvalidArgument).
+  virtual void begin(const TensorView& bucket) = 0;
+  /// Whether the plan carries state between steps (error feedback, momentum, Q), which must be
+  /// checkpointed with the model through state_dict().
+  virtual bool stateful() const { return false; }
+  /// The state between steps, as bytes (empty for a stateless plan).
+  virtual std::vector<uint8_t> state_dict() const { return {}; }
+  /// Restores state_dict(); InvalidArgument on a mismatch, and then nothing changes. A stateless
+  /// plan accepts only an empty state.
+  virtual void load_state_dict(const uint8_t* data, size_t nbytes);
 };
 
 /// Executes one plan per simulated rank in this process, summing in rank order. For tests and

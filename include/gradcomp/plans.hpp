@@ -38,7 +38,7 @@ class GradientPlan : public BucketPlan {
   /// Binds this step's gradient (numel, dtype and device fixed at construction; checked) and
   /// restarts the step machine. The average is written back into `grad` when next() returns
   /// nullopt.
-  void begin(const TensorView& grad);
+  void begin(const TensorView& grad) override;
   int64_t numel() const override { return numel_; }
   int world() const { return world_; }
   /// Bytes of workspace this plan holds (grow-only; stable after the first steps).
@@ -131,7 +131,7 @@ struct TopKPlanStats {
   int64_t sparse_steps = 0;
   int64_t dense_steps = 0;
   TopKRoute last_route = TopKRoute::kAuto;
-  uint64_t last_max_payload = 0;  ///< largest payload of the last step (bytes)
+  uint64_t last_max_payload = 0;    ///< largest payload of the last step (bytes)
   uint64_t last_total_payload = 0;  ///< sum over ranks of the last step's payloads
   double last_sparse_cost_s = 0, last_dense_cost_s = 0;  ///< the model's estimates
 };
@@ -159,6 +159,12 @@ class TopKAllreducePlan : public GradientPlan {
   std::string name() const override { return "topk"; }
   size_t workspace_bytes() const override;
   TopKCompressor& compressor() { return comp_; }
+  bool stateful() const override { return true; }
+  /// The compressor's state (residual, momentum, step).
+  std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
+  void load_state_dict(const uint8_t* data, size_t nbytes) override {
+    comp_.load_state_dict(data, nbytes);
+  }
   const TopKPlanStats& stats() const { return stats_; }
   /// The route the cost model picks for these sizes (exposed for tests and the benchmark).
   TopKRoute choose(uint64_t max_payload_bytes) const;
@@ -189,6 +195,12 @@ class RandomKAllreducePlan : public GradientPlan {
   std::string name() const override { return "randomk"; }
   size_t workspace_bytes() const override;
   RandomKCompressor& compressor() { return comp_; }
+  bool stateful() const override { return true; }
+  /// The compressor's state (residual, momentum, step).
+  std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
+  void load_state_dict(const uint8_t* data, size_t nbytes) override {
+    comp_.load_state_dict(data, nbytes);
+  }
 
  private:
   RandomKCompressor comp_;

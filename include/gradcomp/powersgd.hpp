@@ -163,9 +163,15 @@ class PowerSGDState {
 ///           gradcomp::run_plans_in_process({&plan0, &plan1, &plan2, &plan3});
 class PowerSGDPlan : public BucketPlan {
  public:
+  /// A plan over a state the caller keeps alive (several plans may step it in turn).
   PowerSGDPlan(PowerSGDState& state, int world);
+  /// A plan that owns its state (what make_plan() builds).
+  PowerSGDPlan(std::unique_ptr<PowerSGDState> state, int world);
   /// The bucket's gradients, in the order of the shapes given to the state; written in place.
   void begin(const std::vector<TensorView>& grads);
+  /// The bucket as one flat view of its tensors laid out back to back in the state's order (a
+  /// DDP bucket: its gradients are views into it); each tensor is viewed with its shape.
+  void begin(const TensorView& bucket) override;
   std::optional<Collective> next() override;
   std::string name() const override { return "powersgd"; }
   /// Elements of the bucket (all its tensors), for run_plan()'s size handshake.
@@ -173,10 +179,11 @@ class PowerSGDPlan : public BucketPlan {
   /// The state the plan steps (error, Q, step): checkpoint it through the plan as through any
   /// other bucket plan.
   PowerSGDState& state() { return st_; }
-  std::vector<uint8_t> state_dict() const { return st_.state_dict(); }
+  bool stateful() const override { return true; }
+  std::vector<uint8_t> state_dict() const override { return st_.state_dict(); }
   /// Restores state_dict() into the state (see PowerSGDState::load_state_dict); throws
   /// InvalidArgument while a step is in progress.
-  void load_state_dict(const uint8_t* data, size_t nbytes);
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
 
  private:
   enum class Phase : uint8_t { kIdle, kStart, kPlainWait, kWaitU, kWaitP, kWaitQ, kDone };
@@ -185,6 +192,7 @@ class PowerSGDPlan : public BucketPlan {
   void phase_project();
   void phase_finish();
   void reject_nonfinite();
+  std::unique_ptr<PowerSGDState> owned_;  ///< null when the caller keeps the state
   PowerSGDState& st_;
   int world_;
   Phase phase_ = Phase::kIdle;

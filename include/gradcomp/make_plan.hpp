@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+// One way to build a bucket plan of any family by name, for C++ callers and for the Python hooks
+// alike: the option names, their defaults and their parsing live here, once.
+//
+// Example:
+//   gradcomp::BucketSpec b;  b.numel = n;  b.world = comm.size();  b.rank = comm.rank();
+//   auto plan = gradcomp::make_plan("topk", b, {{"ratio", 0.01}, {"momentum", 0.9}});
+//   plan->begin(grad);  gradcomp::run_plan(*plan, comm);   // grad now holds the average
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "gradcomp/onebit.hpp"
+#include "gradcomp/orthogonalization.hpp"
+#include "gradcomp/plan.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/select.hpp"
+
+namespace gradcomp {
+
+/// An option value: a flag, an integer, a real, a name, or a list of reals (warm-up ratios).
+/// An integer is accepted where a real is expected; nothing else is converted.
+using PlanOption = std::variant<bool, int64_t, double, std::string, std::vector<double>>;
+using PlanOptions = std::map<std::string, PlanOption>;
+
+/// The bucket a plan is built for, and where it runs.
+struct BucketSpec {
+  int64_t numel = 0;              ///< elements of the flat bucket
+  DType dtype = DType::kFloat32;  ///< the gradients' dtype
+  int world = 1;                  ///< ranks in the group
+  int rank = 0;                   ///< this rank in the group (the 1-bit plan's server chunk)
+  Device device = Device::kCPU;
+  int device_index = 0;
+  void* stream = nullptr;  ///< cudaStream_t for CUDA buckets
+  /// The bucket's tensors in order, laid out back to back (PowerSGD needs their matrix shapes;
+  /// {} = one 1-D tensor of numel elements). A 0-d tensor is {} inside the list ({1} works too).
+  std::vector<std::vector<int64_t>> shapes;
+  /// Which bucket of the model this is: keys the RNG of top-k sampling, random-k and PowerSGD's
+  /// initial Q, so buckets draw differently. Identical on every rank.
+  uint32_t bucket_id = 0;
+  /// The backend that will run the collectives ("gloo", "nccl", "mpi", ...; "" = unknown). Only
+  /// the cast plans' route="auto" reads it: gloo sums half precision slowly on the CPU, so the
+  /// cast then goes all-to-all + rank-ordered fp32 sum + allgather (CastRoute::kReduceScatter);
+  /// elsewhere one allreduce in the wire type. Unknown: kReduceScatter on the CPU.
+  std::string backend;
+};
+
+/// The families make_plan() knows, in a fixed order: "allreduce", "fp16", "bf16", "topk",
+/// "randomk", "onebit", "powersgd".
+std::vector<std::string> plan_names();
+
+/// Every option of a family with its default (InvalidArgument for an unknown family). These are
+/// the recommended settings, and for most options the configuration structs' own defaults; where
+/// they differ it is on purpose and said here:
+///  - onebit: scaling "sign_l2", block_size 128, rotate true (OneBitConfig{} is the 1-bit Adam
+///    paper's form: one scale per server chunk, no rotation; issue 16 measured that form
+///    collapse or trail plain DDP on Fashion-MNIST).
+PlanOptions plan_defaults(const std::string& name);
+
+/// Whether the family's plans carry state between steps (error feedback, momentum, Q): their
+/// state_dict() must be checkpointed with the model.
+bool plan_is_stateful(const std::string& name);
+
+/// Builds the plan of family `name` for the bucket. Options not given take plan_defaults(name);
+/// an unknown option, a value of the wrong type or an invalid value is an InvalidArgument naming
+/// it (and the known options), before anything is allocated.
+std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& bucket,
+                                      const PlanOptions& options = {});
+
+// ---- the names the options use (also for the bindings' keyword arguments) ----
+DType parse_dtype(const std::string& s);  ///< float32|fp32|float, float16|fp16|half, bfloat16|bf16
+Device parse_device(const std::string& s);                 ///< cpu, cuda
+SelectMethod parse_select_method(const std::string& s);    ///< exact, sampled
+OneBitScaling parse_onebit_scaling(const std::string& s);  ///< column_means, sign_l1, sign_l2
+Orthogonalization parse_orthogonalization(const std::string& s);  ///< auto, gram_schmidt, ...
+TopKRoute parse_topk_route(const std::string& s);                 ///< auto, sparse, dense
+CastRoute parse_cast_route(const std::string& s);                 ///< allreduce, reduce_scatter
+const char* topk_route_name(TopKRoute r);
+const char* cast_route_name(CastRoute r);
+
+}  // namespace gradcomp

@@ -1,0 +1,339 @@
+// SPDX-License-Identifier: Apache-2.0
+// make_plan(): every family's options (names, defaults, parsing) in one table each.
+#include "gradcomp/make_plan.hpp"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "gradcomp/error.hpp"
+#include "gradcomp/powersgd.hpp"
+#include "gradcomp/topk.hpp"
+
+namespace gradcomp {
+
+// ---- names ----
+DType parse_dtype(const std::string& s) {
+  if (s == "float32" || s == "fp32" || s == "float") return DType::kFloat32;
+  if (s == "float16" || s == "fp16" || s == "half") return DType::kFloat16;
+  if (s == "bfloat16" || s == "bf16") return DType::kBFloat16;
+  throw InvalidArgument("unknown dtype '" + s + "' (expected float32, float16 or bfloat16)");
+}
+
+Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::kCPU;
+  if (s == "cuda") return Device::kCUDA;
+  throw InvalidArgument("unknown device '" + s + "' (expected cpu or cuda)");
+}
+
+SelectMethod parse_select_method(const std::string& s) {
+  if (s == "exact") return SelectMethod::kExact;
+  if (s == "sampled") return SelectMethod::kSampled;
+  throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
+}
+
+OneBitScaling parse_onebit_scaling(const std::string& s) {
+  if (s == "column_means" || s == "1bit_sgd") return OneBitScaling::kColumnMeans;
+  if (s == "sign_l1") return OneBitScaling::kSignL1;
+  if (s == "sign_l2") return OneBitScaling::kSignL2;
+  throw InvalidArgument("unknown 1-bit scaling '" + s +
+                        "' (expected column_means, sign_l1 or sign_l2)");
+}
+
+Orthogonalization parse_orthogonalization(const std::string& s) {
+  if (s == "auto") return Orthogonalization::kAuto;
+  if (s == "gram_schmidt") return Orthogonalization::kGramSchmidt;
+  if (s == "householder") return Orthogonalization::kHouseholder;
+  if (s == "gram_schmidt_unfused") return Orthogonalization::kGramSchmidtUnfused;
+  throw InvalidArgument("unknown orthogonalization '" + s +
+                        "' (expected auto, gram_schmidt, householder, gram_schmidt_unfused)");
+}
+
+TopKRoute parse_topk_route(const std::string& s) {
+  if (s == "auto") return TopKRoute::kAuto;
+  if (s == "sparse") return TopKRoute::kSparse;
+  if (s == "dense") return TopKRoute::kDense;
+  throw InvalidArgument("unknown top-k route '" + s + "' (expected auto, sparse or dense)");
+}
+
+CastRoute parse_cast_route(const std::string& s) {
+  if (s == "allreduce") return CastRoute::kAllreduce;
+  if (s == "reduce_scatter") return CastRoute::kReduceScatter;
+  throw InvalidArgument("unknown cast route '" + s + "' (expected allreduce or reduce_scatter)");
+}
+
+const char* topk_route_name(TopKRoute r) {
+  switch (r) {
+    case TopKRoute::kAuto:
+      return "auto";
+    case TopKRoute::kSparse:
+      return "sparse";
+    case TopKRoute::kDense:
+      return "dense";
+  }
+  return "?";
+}
+
+const char* cast_route_name(CastRoute r) {
+  return r == CastRoute::kAllreduce ? "allreduce" : "reduce_scatter";
+}
+
+namespace {
+
+const char* dtype_option_name(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  return "?";
+}
+
+const char* clip_scaling_name(SparsifyConfig::ClipScaling c) {
+  return c == SparsifyConfig::ClipScaling::kSqrtWorld ? "sqrt_world" : "none";
+}
+
+const char* select_method_name(SelectMethod m) {
+  return m == SelectMethod::kExact ? "exact" : "sampled";
+}
+
+const char* orthogonalization_option_name(Orthogonalization o) {
+  switch (o) {
+    case Orthogonalization::kAuto:
+      return "auto";
+    case Orthogonalization::kGramSchmidt:
+      return "gram_schmidt";
+    case Orthogonalization::kHouseholder:
+      return "householder";
+    case Orthogonalization::kGramSchmidtUnfused:
+      return "gram_schmidt_unfused";
+  }
+  return "?";
+}
+
+// ---- the option tables (defaults from the configuration structs) ----
+PlanOptions sparsify_defaults(const SparsifyConfig& d) {
+  return {{"ratio", d.ratio},
+          {"momentum", d.momentum},
+          {"nesterov", d.nesterov},
+          {"momentum_masking", d.momentum_masking},
+          {"clip_norm", d.clip_norm},
+          {"clip_scaling", std::string(clip_scaling_name(d.clip_scaling))},
+          {"warmup_ratios", d.warmup_ratios},
+          {"warmup_steps", d.warmup_steps},
+          {"value_dtype", std::string(dtype_option_name(d.value_dtype))},
+          {"error_feedback", d.error_feedback},
+          {"check_finite", d.check_finite},
+          {"seed", static_cast<int64_t>(d.seed)}};
+}
+
+PlanOptions defaults_of(const std::string& name) {
+  if (name == "allreduce") return {};
+  if (name == "fp16" || name == "bf16") return {{"route", std::string("auto")}};
+  if (name == "topk") {
+    const TopKConfig d;
+    const TopKPlanOptions p;
+    PlanOptions o = sparsify_defaults(d);
+    o["method"] = std::string(select_method_name(d.select.method));
+    o["sample_rate"] = d.select.sample_rate;
+    o["route"] = std::string(topk_route_name(p.route));
+    o["latency_s"] = p.cost.latency_s;
+    o["bandwidth_Bps"] = p.cost.bandwidth_Bps;
+    return o;
+  }
+  if (name == "randomk") return sparsify_defaults(RandomKConfig{});
+  if (name == "onebit") {
+    const OneBitConfig d;
+    // The recommended plan settings (see plan_defaults() in the header): not OneBitConfig{}'s.
+    return {{"scaling", std::string("sign_l2")},
+            {"block_size", int64_t{128}},
+            {"rotate", true},
+            {"error_feedback", d.error_feedback},
+            {"check_finite", d.check_finite},
+            {"momentum", d.momentum}};
+  }
+  if (name == "powersgd") {
+    const PowerSGDConfig d;
+    return {{"rank", int64_t{d.rank}},
+            {"min_compression_rate", d.min_compression_rate},
+            {"use_error_feedback", d.error_feedback},
+            {"warm_start", d.warm_start},
+            {"orthogonalization_epsilon", static_cast<double>(d.orthogonalization_epsilon)},
+            {"seed", static_cast<int64_t>(d.seed)},
+            {"orthogonalization", std::string(orthogonalization_option_name(d.orthogonalization))},
+            {"check_finite", d.check_finite}};
+  }
+  std::string known;
+  for (const auto& n : plan_names()) known += (known.empty() ? "" : ", ") + n;
+  throw InvalidArgument("unknown compressor '" + name + "'; choose one of " + known);
+}
+
+const char* type_name(const PlanOption& v) {
+  switch (v.index()) {
+    case 0:
+      return "a flag (bool)";
+    case 1:
+      return "an integer";
+    case 2:
+      return "a number";
+    case 3:
+      return "a name (str)";
+    default:
+      return "a list of numbers";
+  }
+}
+
+/// The given options over the family's defaults, read with the type each default has.
+class Options {
+ public:
+  Options(const std::string& family, const PlanOptions& given)
+      : family_(family), values_(defaults_of(family)) {
+    std::vector<std::string> unknown;
+    for (const auto& [k, v] : given) {
+      auto it = values_.find(k);
+      if (it == values_.end()) {
+        unknown.push_back(k);
+        continue;
+      }
+      const bool same = it->second.index() == v.index();
+      const bool int_for_real = it->second.index() == 2 && v.index() == 1;
+      GC_CHECK_ARG(same || int_for_real, "invalid option for compressor '", family, "': ", k,
+                   " must be ", type_name(it->second), ", got ", type_name(v));
+      it->second = int_for_real ? PlanOption(static_cast<double>(std::get<int64_t>(v))) : v;
+    }
+    if (!unknown.empty()) {
+      std::string u, known;
+      for (const auto& k : unknown) u += (u.empty() ? "'" : ", '") + k + "'";
+      for (const auto& [k, v] : values_) known += (known.empty() ? "'" : ", '") + k + "'";
+      throw InvalidArgument(detail::cat("unknown option(s) [", u, "] for compressor '", family,
+                                        "'; known: [", known, "]"));
+    }
+  }
+  bool flag(const char* k) const { return std::get<bool>(values_.at(k)); }
+  int64_t integer(const char* k) const { return std::get<int64_t>(values_.at(k)); }
+  double real(const char* k) const { return std::get<double>(values_.at(k)); }
+  const std::string& name(const char* k) const { return std::get<std::string>(values_.at(k)); }
+  const std::vector<double>& list(const char* k) const {
+    return std::get<std::vector<double>>(values_.at(k));
+  }
+  /// A non-negative integer option (a seed).
+  uint64_t seed(const char* k) const {
+    const int64_t v = integer(k);
+    GC_CHECK_ARG(v >= 0, "invalid option for compressor '", family_, "': ", k,
+                 " must be >= 0, got ", v);
+    return static_cast<uint64_t>(v);
+  }
+
+ private:
+  std::string family_;
+  PlanOptions values_;
+};
+
+template <class C>
+C sparsify_config(const Options& o, uint32_t bucket_id) {
+  C c;
+  c.ratio = o.real("ratio");
+  c.momentum = o.real("momentum");
+  c.nesterov = o.flag("nesterov");
+  c.momentum_masking = o.flag("momentum_masking");
+  c.clip_norm = o.real("clip_norm");
+  c.clip_scaling = parse_clip_scaling(o.name("clip_scaling"));
+  c.warmup_ratios = o.list("warmup_ratios");
+  c.warmup_steps = o.integer("warmup_steps");
+  c.value_dtype = parse_dtype(o.name("value_dtype"));
+  c.error_feedback = o.flag("error_feedback");
+  c.check_finite = o.flag("check_finite");
+  c.seed = o.seed("seed");
+  c.tensor_id = bucket_id;
+  return c;
+}
+
+}  // namespace
+
+std::vector<std::string> plan_names() {
+  return {"allreduce", "fp16", "bf16", "topk", "randomk", "onebit", "powersgd"};
+}
+
+PlanOptions plan_defaults(const std::string& name) { return defaults_of(name); }
+
+bool plan_is_stateful(const std::string& name) {
+  defaults_of(name);  // checks the name
+  return name == "topk" || name == "randomk" || name == "onebit" || name == "powersgd";
+}
+
+std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& b,
+                                      const PlanOptions& options) {
+  const Options o(name, options);
+  if (name == "allreduce")
+    return std::make_unique<DenseAllreducePlan>(b.numel, b.dtype, b.world, b.device, b.device_index,
+                                                b.stream);
+  if (name == "fp16" || name == "bf16") {
+    const std::string& r = o.name("route");
+    CastRoute route;
+    if (r == "auto")
+      route = b.backend == "gloo" || (b.backend.empty() && b.device == Device::kCPU)
+                  ? CastRoute::kReduceScatter
+                  : CastRoute::kAllreduce;
+    else
+      route = parse_cast_route(r);
+    return std::make_unique<CastAllreducePlan>(b.numel, b.dtype,
+                                               name == "fp16" ? DType::kFloat16 : DType::kBFloat16,
+                                               b.world, b.device, b.device_index, b.stream, route);
+  }
+  if (name == "topk") {
+    auto c = sparsify_config<TopKConfig>(o, b.bucket_id);
+    c.select.method = parse_select_method(o.name("method"));
+    c.select.sample_rate = o.real("sample_rate");
+    TopKPlanOptions p;
+    p.route = parse_topk_route(o.name("route"));
+    p.cost.latency_s = o.real("latency_s");
+    p.cost.bandwidth_Bps = o.real("bandwidth_Bps");
+    GC_CHECK_ARG(p.cost.latency_s >= 0 && p.cost.bandwidth_Bps > 0,
+                 "cost model needs latency_s >= 0 and bandwidth_Bps > 0, got ", p.cost.latency_s,
+                 ", ", p.cost.bandwidth_Bps);
+    return std::make_unique<TopKAllreducePlan>(c, b.numel, b.world, p, b.dtype, b.device,
+                                               b.device_index, b.stream);
+  }
+  if (name == "randomk")
+    return std::make_unique<RandomKAllreducePlan>(sparsify_config<RandomKConfig>(o, b.bucket_id),
+                                                  b.numel, b.world, b.dtype, b.device,
+                                                  b.device_index, b.stream);
+  if (name == "onebit") {
+    OneBitConfig c;
+    c.scaling = parse_onebit_scaling(o.name("scaling"));
+    c.chunk_size = o.integer("block_size");
+    c.rotate = o.flag("rotate");
+    c.error_feedback = o.flag("error_feedback");
+    c.check_finite = o.flag("check_finite");
+    c.momentum = o.real("momentum");
+    c.tensor_id = b.bucket_id;
+    return std::make_unique<OneBitAllreducePlan>(c, b.numel, b.world, b.rank, b.device,
+                                                 b.device_index, b.stream);
+  }
+  // powersgd
+  PowerSGDConfig c;
+  c.rank = static_cast<int>(std::min<int64_t>(o.integer("rank"), int64_t{1} << 30));
+  c.min_compression_rate = o.real("min_compression_rate");
+  c.error_feedback = o.flag("use_error_feedback");
+  c.warm_start = o.flag("warm_start");
+  c.orthogonalization_epsilon = static_cast<float>(o.real("orthogonalization_epsilon"));
+  c.seed = o.seed("seed");
+  c.orthogonalization = parse_orthogonalization(o.name("orthogonalization"));
+  c.check_finite = o.flag("check_finite");
+  GC_CHECK_ARG(b.bucket_id < 65536, "powersgd: bucket_id must be < 65536 (tensor ids ",
+               "bucket_id * 65536 + i), got ", b.bucket_id);
+  c.first_tensor_id = b.bucket_id * 65536u;
+  std::vector<std::vector<int64_t>> shapes = b.shapes;
+  if (shapes.empty()) shapes.push_back({b.numel});
+  // the state checks every shape (dimensions, bounds) and the plan that they fill the bucket
+  auto st = std::make_unique<PowerSGDState>(c, shapes, b.dtype, b.device, b.device_index, b.stream);
+  GC_CHECK_ARG(st->compressed_numel() + st->uncompressed_numel() == b.numel,
+               "powersgd: the shapes hold ", st->compressed_numel() + st->uncompressed_numel(),
+               " elements but the bucket has ", b.numel);
+  return std::make_unique<PowerSGDPlan>(std::move(st), b.world);
+}
+
+}  // namespace gradcomp

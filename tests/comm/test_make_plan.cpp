@@ -1,0 +1,250 @@
+// SPDX-License-Identifier: Apache-2.0
+// make_plan(): every family by name gives the same bits as the plan built by hand from the
+// configuration it documents; defaults, unknown names/options, wrong types and bad values are
+// refused with a clear message; the BucketPlan contract (flat in-place begin, state_dict round
+// trip, stateless plans refuse a state) holds for every family.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm_reference.hpp"
+#include "gradcomp/make_plan.hpp"
+#include "gradcomp/powersgd.hpp"
+
+namespace gc = gradcomp;
+using gc::test::rank_input;
+
+namespace {
+
+using Plans = std::vector<std::unique_ptr<gc::BucketPlan>>;
+
+/// Runs `steps` steps of the P plans on rank inputs; returns every rank's bucket after each step.
+std::vector<std::vector<float>> run(Plans& plans, int64_t n, int steps) {
+  std::vector<gc::Plan*> raw;
+  for (auto& p : plans) raw.push_back(p.get());
+  std::vector<std::vector<float>> out;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<float>> work;
+    for (size_t r = 0; r < plans.size(); ++r) work.push_back(rank_input(n, static_cast<int>(r), s));
+    for (size_t r = 0; r < plans.size(); ++r)
+      plans[r]->begin(gc::TensorView::cpu(work[r].data(), n));
+    gc::run_plans_in_process(raw);
+    for (auto& w : work) out.push_back(w);
+  }
+  return out;
+}
+
+gc::BucketSpec spec(int64_t n, int world, int rank, uint32_t bucket_id = 3) {
+  gc::BucketSpec b;
+  b.numel = n;
+  b.world = world;
+  b.rank = rank;
+  b.bucket_id = bucket_id;
+  return b;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const gc::InvalidArgument& e) {
+    return e.what();
+  }
+  return "(no InvalidArgument)";
+}
+
+}  // namespace
+
+TEST(MakePlan, EveryFamilyMatchesThePlanBuiltByHand) {
+  const int P = 3;
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{20011}}) {
+    for (const std::string& name : gc::plan_names()) {
+      SCOPED_TRACE(name + " n=" + std::to_string(n));
+      Plans by_name, by_hand;
+      for (int r = 0; r < P; ++r) {
+        gc::PlanOptions o;
+        if (name == "topk" || name == "randomk") o = {{"ratio", 0.05}, {"momentum", 0.9}};
+        if (name == "onebit") o = {{"momentum", 0.5}};
+        if (name == "powersgd") o = {{"rank", int64_t{2}}};
+        gc::BucketSpec b = spec(n, P, r);
+        if (name == "powersgd" && n == 20011) b.shapes = {{100, 200}, {11}};
+        by_name.push_back(gc::make_plan(name, b, o));
+        if (name == "allreduce") {
+          by_hand.push_back(std::make_unique<gc::DenseAllreducePlan>(n, gc::DType::kFloat32, P));
+        } else if (name == "fp16" || name == "bf16") {  // CPU, no backend named: reduce-scatter
+          by_hand.push_back(std::make_unique<gc::CastAllreducePlan>(
+              n, gc::DType::kFloat32, name == "fp16" ? gc::DType::kFloat16 : gc::DType::kBFloat16,
+              P, gc::Device::kCPU, 0, nullptr, gc::CastRoute::kReduceScatter));
+        } else if (name == "topk") {
+          gc::TopKConfig c;
+          c.ratio = 0.05;
+          c.momentum = 0.9;
+          c.tensor_id = 3;
+          by_hand.push_back(std::make_unique<gc::TopKAllreducePlan>(c, n, P));
+        } else if (name == "randomk") {
+          gc::RandomKConfig c;
+          c.ratio = 0.05;
+          c.momentum = 0.9;
+          c.tensor_id = 3;
+          by_hand.push_back(std::make_unique<gc::RandomKAllreducePlan>(c, n, P));
+        } else if (name == "onebit") {  // the documented recommended settings
+          gc::OneBitConfig c;
+          c.scaling = gc::OneBitScaling::kSignL2;
+          c.chunk_size = 128;
+          c.rotate = true;
+          c.momentum = 0.5;
+          c.tensor_id = 3;
+          by_hand.push_back(std::make_unique<gc::OneBitAllreducePlan>(c, n, P, r));
+        } else {
+          gc::PowerSGDConfig c;
+          c.rank = 2;
+          c.first_tensor_id = 3 * 65536;
+          const std::vector<std::vector<int64_t>> shapes =
+              n == 20011 ? std::vector<std::vector<int64_t>>{{100, 200}, {11}}
+                         : std::vector<std::vector<int64_t>>{{n}};
+          by_hand.push_back(std::make_unique<gc::PowerSGDPlan>(
+              std::make_unique<gc::PowerSGDState>(c, shapes, gc::DType::kFloat32), P));
+        }
+      }
+      EXPECT_EQ(by_name[0]->stateful(), gc::plan_is_stateful(name));
+      const auto a = run(by_name, n, 3), b = run(by_hand, n, 3);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_TRUE(gc::test::same_bits(b[i], a[i].data())) << "output " << i;
+    }
+  }
+}
+
+TEST(MakePlan, DefaultsComeFromTheConfigurationStructs) {
+  EXPECT_EQ(std::get<double>(gc::plan_defaults("topk").at("ratio")), gc::TopKConfig{}.ratio);
+  EXPECT_EQ(std::get<double>(gc::plan_defaults("randomk").at("ratio")), gc::RandomKConfig{}.ratio);
+  EXPECT_EQ(std::get<int64_t>(gc::plan_defaults("powersgd").at("rank")), gc::PowerSGDConfig{}.rank);
+  EXPECT_EQ(std::get<std::string>(gc::plan_defaults("onebit").at("scaling")), "sign_l2");
+  EXPECT_TRUE(gc::plan_defaults("allreduce").empty());
+  for (const auto& name : gc::plan_names()) {  // every default is accepted as given
+    const gc::PlanOptions d = gc::plan_defaults(name);
+    EXPECT_NO_THROW(gc::make_plan(name, spec(64, 2, 1), d)) << name;
+  }
+}
+
+TEST(MakePlan, RefusesUnknownNamesOptionsTypesAndValues) {
+  const auto b = spec(64, 2, 0);
+  EXPECT_NE(message_of([&] { gc::make_plan("top-k", b); }).find("unknown compressor 'top-k'"),
+            std::string::npos);
+  const std::string unknown = message_of([&] { gc::make_plan("topk", b, {{"rato", 0.1}}); });
+  EXPECT_NE(unknown.find("unknown option(s) ['rato']"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("'ratio'"), std::string::npos) << unknown;  // lists the known ones
+  const std::string type = message_of([&] {
+    gc::make_plan("topk", b, {{"ratio", std::string("0.1")}});
+  });
+  EXPECT_NE(type.find("ratio must be a number, got a name"), std::string::npos) << type;
+  EXPECT_NE(message_of([&] {
+              gc::make_plan("onebit", b, {{"rotate", int64_t{1}}});
+            }).find("rotate must be a flag"),
+            std::string::npos);
+  EXPECT_NO_THROW(gc::make_plan("topk", b, {{"ratio", int64_t{1}}}));  // an integer for a real
+  EXPECT_THROW(gc::make_plan("topk", b, {{"ratio", 2.0}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::make_plan("topk", b, {{"method", std::string("fast")}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::make_plan("topk", b, {{"seed", int64_t{-1}}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::make_plan("fp16", b, {{"route", std::string("ring")}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::make_plan("onebit", b, {{"block_size", int64_t{100}}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::make_plan("powersgd", b, {{"rank", int64_t{0}}}), gc::InvalidArgument);
+  gc::BucketSpec s = b;
+  s.shapes = {{8, 7}};  // 56 elements for a 64-element bucket
+  EXPECT_NE(message_of([&] { gc::make_plan("powersgd", s); }).find("hold 56 elements"),
+            std::string::npos);
+  s = b;
+  s.rank = 2;  // outside the group of 2
+  EXPECT_THROW(gc::make_plan("onebit", s), gc::InvalidArgument);
+}
+
+TEST(MakePlan, CastRouteAutoFollowsTheBackend) {
+  auto route_of = [](const char* backend) {
+    gc::BucketSpec b = spec(64, 2, 0);
+    b.backend = backend;
+    auto p = gc::make_plan("fp16", b);
+    return dynamic_cast<gc::CastAllreducePlan&>(*p).route();
+  };
+  EXPECT_EQ(route_of("gloo"), gc::CastRoute::kReduceScatter);
+  EXPECT_EQ(route_of("nccl"), gc::CastRoute::kAllreduce);
+  EXPECT_EQ(route_of("mpi"), gc::CastRoute::kAllreduce);
+  EXPECT_EQ(route_of(""), gc::CastRoute::kReduceScatter);  // unknown, on the CPU
+  auto p = gc::make_plan("bf16", spec(64, 2, 0), {{"route", std::string("allreduce")}});
+  EXPECT_EQ(dynamic_cast<gc::CastAllreducePlan&>(*p).route(), gc::CastRoute::kAllreduce);
+}
+
+TEST(MakePlan, StateRoundTripsThroughTheContract) {
+  const int P = 2;
+  const int64_t n = 3000;
+  for (const std::string& name : gc::plan_names()) {
+    SCOPED_TRACE(name);
+    Plans a, b;
+    for (int r = 0; r < P; ++r) {
+      a.push_back(gc::make_plan(name, spec(n, P, r)));
+      b.push_back(gc::make_plan(name, spec(n, P, r)));
+    }
+    run(a, n, 2);
+    if (!a[0]->stateful()) {
+      EXPECT_TRUE(a[0]->state_dict().empty());
+      const uint8_t byte = 0;
+      EXPECT_NO_THROW(a[0]->load_state_dict(nullptr, 0));
+      EXPECT_THROW(a[0]->load_state_dict(&byte, 1), gc::InvalidArgument);
+      continue;
+    }
+    for (int r = 0; r < P; ++r) {
+      const auto st = a[r]->state_dict();
+      ASSERT_FALSE(st.empty());
+      b[r]->load_state_dict(st.data(), st.size());
+      EXPECT_EQ(b[r]->state_dict(), st);
+    }
+    // restored plans continue exactly as the originals
+    const auto x = run(a, n, 2), y = run(b, n, 2);
+    for (size_t i = 0; i < x.size(); ++i)
+      ASSERT_TRUE(gc::test::same_bits(x[i], y[i].data())) << "output " << i;
+  }
+}
+
+TEST(MakePlan, PowerSGDFlatBucketEqualsItsTensorViews) {
+  const std::vector<std::vector<int64_t>> shapes = {{40, 30}, {}, {7}, {6, 5, 2}};
+  const int64_t n = 1200 + 1 + 7 + 60;
+  const int P = 2;
+  gc::PowerSGDConfig c;
+  c.rank = 2;
+  std::vector<std::unique_ptr<gc::PowerSGDState>> st;
+  std::vector<std::unique_ptr<gc::PowerSGDPlan>> flat, views;
+  for (int r = 0; r < P; ++r) {
+    gc::BucketSpec b = spec(n, P, r, 0);
+    b.shapes = shapes;
+    flat.emplace_back(static_cast<gc::PowerSGDPlan*>(
+        gc::make_plan("powersgd", b, {{"rank", int64_t{2}}}).release()));
+    st.push_back(std::make_unique<gc::PowerSGDState>(c, shapes, gc::DType::kFloat32));
+    views.push_back(std::make_unique<gc::PowerSGDPlan>(*st.back(), P));
+  }
+  for (int s = 0; s < 3; ++s) {
+    std::vector<std::vector<float>> a, b;
+    for (int r = 0; r < P; ++r) a.push_back(rank_input(n, r, s));
+    b = a;
+    for (int r = 0; r < P; ++r) {
+      flat[r]->begin(gc::TensorView::cpu(a[r].data(), n));
+      float* p = b[r].data();
+      std::vector<gc::TensorView> v;
+      v.emplace_back(p, std::initializer_list<int64_t>{40, 30}, gc::DType::kFloat32,
+                     gc::Device::kCPU);
+      v.emplace_back(p + 1200, std::initializer_list<int64_t>{1}, gc::DType::kFloat32,
+                     gc::Device::kCPU);
+      v.emplace_back(p + 1201, std::initializer_list<int64_t>{7}, gc::DType::kFloat32,
+                     gc::Device::kCPU);
+      v.emplace_back(p + 1208, std::initializer_list<int64_t>{6, 5, 2}, gc::DType::kFloat32,
+                     gc::Device::kCPU);
+      views[r]->begin(v);
+    }
+    gc::run_plans_in_process({flat[0].get(), flat[1].get()});
+    gc::run_plans_in_process({views[0].get(), views[1].get()});
+    for (int r = 0; r < P; ++r) ASSERT_TRUE(gc::test::same_bits(b[r], a[r].data()));
+  }
+  // a bucket of the wrong size or dtype is refused before the step starts
+  std::vector<float> small(static_cast<size_t>(n - 1));
+  EXPECT_THROW(flat[0]->begin(gc::TensorView::cpu(small.data(), n - 1)), gc::InvalidArgument);
+}
