@@ -3,10 +3,11 @@
 
 ``import gradcomp`` needs only NumPy; the PyTorch integration lives in ``gradcomp.torch`` and
 imports torch when it is used. Every public class and function of the extension is here under
-``gradcomp.<name>``: the compressors, the allreduce plans, PowerSGD, and the DropCompute / QSR
+``gradcomp.<name>``: the compressors, the allreduce plans (built by ``make_plan(name, ...)``), PowerSGD, and the DropCompute / QSR
 analytics (also grouped in ``gradcomp.dropcompute`` with the helpers written in Python).
 """
 from gradcomp._C import (  # noqa: F401
+    BucketPlan,
     CastAllreducePlan,
     Collective,
     DenseAllreducePlan,
@@ -23,6 +24,10 @@ from gradcomp._C import (  # noqa: F401
     built_with_cuda,
     cpu_threads,
     cuda_device_count,
+    make_plan,
+    plan_defaults,
+    plan_is_stateful,
+    plan_names,
     set_cpu_threads,
     topk_indices,
 )
@@ -33,8 +38,9 @@ from gradcomp.dropcompute import *  # noqa: E402,F401,F403  (the straggler and Q
 __version__ = "0.1.0"
 
 __all__ = [
-    "CastAllreducePlan", "Collective", "DenseAllreducePlan", "OneBitAllreducePlan",
+    "BucketPlan", "CastAllreducePlan", "Collective", "DenseAllreducePlan", "OneBitAllreducePlan",
     "OneBitCompressor", "Payload", "Plan", "PowerSGDPlan", "PowerSGDState", "RandomKAllreducePlan",
     "RandomKCompressor", "TopKAllreducePlan", "TopKCompressor", "built_with_cuda", "cpu_threads",
-    "cuda_device_count", "set_cpu_threads", "topk_indices", "dropcompute",
+    "cuda_device_count", "make_plan", "plan_defaults", "plan_is_stateful", "plan_names",
+    "set_cpu_threads", "topk_indices", "dropcompute",
 ] + dropcompute.__all__

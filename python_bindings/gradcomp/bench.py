@@ -224,7 +224,8 @@ class _Cast(Setting):
 
     def make(self, buckets):
         from gradcomp import _C
-        self.plans = [_C.CastAllreducePlan(b.numel, "float32", "float16", 1) for b in buckets]
+        self.plans = [_C.make_plan("fp16", b.numel, "float32", 1,
+                                    options=dict(route="allreduce")) for b in buckets]
 
     def step(self, buckets):
         for b, p in zip(buckets, self.plans):

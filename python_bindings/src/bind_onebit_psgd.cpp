@@ -11,23 +11,6 @@ nb::bytes to_bytes(const std::vector<uint8_t>& b) {
   return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
-OneBitScaling parse_scaling(const std::string& s) {
-  if (s == "column_means" || s == "1bit_sgd") return OneBitScaling::kColumnMeans;
-  if (s == "sign_l1") return OneBitScaling::kSignL1;
-  if (s == "sign_l2") return OneBitScaling::kSignL2;
-  throw InvalidArgument("unknown 1-bit scaling '" + s +
-                        "' (expected column_means, sign_l1 or sign_l2)");
-}
-
-Orthogonalization parse_orth(const std::string& s) {
-  if (s == "auto") return Orthogonalization::kAuto;
-  if (s == "gram_schmidt") return Orthogonalization::kGramSchmidt;
-  if (s == "householder") return Orthogonalization::kHouseholder;
-  if (s == "gram_schmidt_unfused") return Orthogonalization::kGramSchmidtUnfused;
-  throw InvalidArgument("unknown orthogonalization '" + s +
-                        "' (expected auto, gram_schmidt, householder, gram_schmidt_unfused)");
-}
-
 void bind(nb::module_& m) {
   nb::class_<OneBitCompressor> onebit(
       m, "OneBitCompressor", "1-bit SGD / scaled sign with error feedback for one tensor.");
@@ -38,7 +21,7 @@ void bind(nb::module_& m) {
          const std::string& grad_dtype, const std::string& device, int device_index,
          uintptr_t stream) {
         OneBitConfig c;
-        c.scaling = parse_scaling(scaling);
+        c.scaling = parse_onebit_scaling(scaling);
         c.error_feedback = error_feedback;
         c.chunk_size = chunk_size;
         c.check_finite = check_finite;
@@ -52,37 +35,13 @@ void bind(nb::module_& m) {
       nb::arg("device_index") = 0, nb::arg("stream") = 0);
   def_compressor_methods(onebit);
 
-  nb::class_<OneBitAllreducePlan, Plan>(m, "OneBitAllreducePlan",
-                                        "1-bit Adam's two-phase compressed allreduce (one rank).")
-      .def(
-          "__init__",
-          [](OneBitAllreducePlan* self, int64_t numel, int world, int rank,
-             const std::string& scaling, bool error_feedback, bool check_finite, int64_t block_size,
-             double momentum, bool rotate, const std::string& device, int device_index,
-             uintptr_t stream) {
-            OneBitConfig c;
-            c.scaling = parse_scaling(scaling);
-            c.error_feedback = error_feedback;
-            c.check_finite = check_finite;
-            c.chunk_size = block_size;
-            c.momentum = momentum;
-            c.rotate = rotate;
-            new (self) OneBitAllreducePlan(c, numel, world, rank, parse_device(device),
-                                           device_index, reinterpret_cast<void*>(stream));
-          },
-          nb::arg("numel"), nb::arg("world"), nb::arg("rank"), nb::kw_only(),
-          nb::arg("scaling") = "sign_l1", nb::arg("error_feedback") = true,
-          nb::arg("check_finite") = true, nb::arg("block_size") = 0, nb::arg("momentum") = 0.0,
-          nb::arg("rotate") = false, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
-          nb::arg("stream") = 0,
-          "block_size: elements per scale (a positive multiple of 32), 0 = one scale per server "
-          "chunk (the 1-bit Adam paper's form). momentum: each rank compresses its momentum "
-          "u = m u + g (the optimizer then applies none). rotate: a fixed randomized Hadamard "
-          "rotation of each block before the sign (block_size a power of two in [32, 8192]).")
+  nb::class_<OneBitAllreducePlan, BucketPlan>(
+      m, "OneBitAllreducePlan",
+      "1-bit Adam's two-phase compressed allreduce (one rank); built by make_plan('onebit', ...).")
       .def(
           "begin",
-          [](nb::pointer_and_handle<OneBitAllreducePlan> self, nb::handle grad, nb::handle out,
-             uintptr_t stream) {
+          [](nb::pointer_and_handle<OneBitAllreducePlan> self, nb::handle grad, uintptr_t stream,
+             nb::handle out) {
             if (out.is_none()) {  // in place, like every other bucket plan
               const AnyArray ga = take_array(grad, Access::kWrite, "grad");
               const TensorView g = to_view(ga, stream, "grad");
@@ -94,11 +53,10 @@ void bind(nb::module_& m) {
             const TensorView g = to_view(ga, stream, "grad"), o = to_view(oa, stream, "out");
             begin_holding(self.h, nb::make_tuple(ga, oa), [&] { self.p->begin(g, o); });
           },
-          nb::arg("grad"), nb::arg("out") = nb::none(), nb::arg("stream") = 0,
+          nb::arg("grad"), nb::arg("stream") = 0, nb::kw_only(), nb::arg("out") = nb::none(),
           "Starts a step. Without `out` the average replaces grad (in its dtype) when next() "
           "returns None; with `out` (fp32, not aliasing grad) it goes there and grad is left as "
           "it was. The plan holds the arrays until next() returns None." GC_ARRAY_RULE)
-      .def_prop_ro("numel", &OneBitAllreducePlan::numel)
       .def_prop_ro("step", &OneBitAllreducePlan::step)
       .def_prop_ro("bytes_sent", &OneBitAllreducePlan::bytes_sent)
       .def_prop_ro("block_size", &OneBitAllreducePlan::scale_block)
@@ -114,11 +72,7 @@ void bind(nb::module_& m) {
           [](const OneBitAllreducePlan& p) {
             return host_copy(p.server_error(), p.chunk_elems(), p.device());
           },
-          "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats).")
-      .def("state_dict", [](const OneBitAllreducePlan& p) { return to_bytes(p.state_dict()); })
-      .def("load_state_dict", [](OneBitAllreducePlan& p, nb::bytes b) {
-        p.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
-      });
+          "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats).");
 
   nb::class_<PowerSGDState>(m, "PowerSGDState", "PowerSGD state of one bucket on one rank.")
       .def(
@@ -137,7 +91,7 @@ void bind(nb::module_& m) {
             c.warm_start = warm_start;
             c.orthogonalization_epsilon = orthogonalization_epsilon;
             c.seed = seed;
-            c.orthogonalization = parse_orth(orthogonalization);
+            c.orthogonalization = parse_orthogonalization(orthogonalization);
             c.check_finite = check_finite;
             c.first_tensor_id = first_tensor_id;
             new (self) PowerSGDState(c, shapes, parse_dtype(grad_dtype), parse_device(device),
@@ -169,12 +123,21 @@ void bind(nb::module_& m) {
         return d;
       });
 
-  nb::class_<PowerSGDPlan, Plan>(m, "PowerSGDPlan", "One PowerSGD step on a bucket, as a plan.")
+  nb::class_<PowerSGDPlan, BucketPlan>(
+      m, "PowerSGDPlan",
+      "One PowerSGD step on a bucket, as a plan: make_plan('powersgd', ..., shapes=...), or "
+      "PowerSGDPlan(state, world) over a PowerSGDState you keep.")
       .def(nb::init<PowerSGDState&, int>(), nb::arg("state"), nb::arg("world"),
            nb::keep_alive<1, 2>())
       .def(
           "begin",
-          [](nb::pointer_and_handle<PowerSGDPlan> self, nb::sequence grads, uintptr_t stream) {
+          [](nb::pointer_and_handle<PowerSGDPlan> self, nb::handle grads, uintptr_t stream) {
+            if (!nb::isinstance<nb::list>(grads) && !nb::isinstance<nb::tuple>(grads)) {
+              const AnyArray a = take_array(grads, Access::kWrite, "bucket");
+              const TensorView g = to_view(a, stream, "bucket");
+              begin_holding(self.h, nb::make_tuple(a), [&] { self.p->begin(g); });
+              return;
+            }
             std::vector<TensorView> v;
             nb::list held;
             for (nb::handle g : grads) {
@@ -187,20 +150,12 @@ void bind(nb::module_& m) {
             begin_holding(self.h, nb::tuple(held), [&] { self.p->begin(v); });
           },
           nb::arg("grads"), nb::arg("stream") = 0,
-          "Binds the bucket's gradients (a sequence, in the state's order); written in place. "
-          "The plan holds them until next() returns None." GC_ARRAY_RULE)
+          "Binds the bucket: the flat bucket (its tensors back to back in the state's order), or "
+          "a list/tuple of the bucket's gradients in that order; written in place. The plan "
+          "holds them until next() returns None." GC_ARRAY_RULE)
       .def_prop_ro(
           "state", [](PowerSGDPlan& p) -> PowerSGDState& { return p.state(); },
-          nb::rv_policy::reference_internal, "The PowerSGDState this plan steps.")
-      .def(
-          "state_dict", [](const PowerSGDPlan& p) { return to_bytes(p.state_dict()); },
-          "The state's state_dict() (error, Q, step).")
-      .def(
-          "load_state_dict",
-          [](PowerSGDPlan& p, nb::bytes b) {
-            p.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
-          },
-          "Restores state_dict() into the state; refused while a step is in progress.");
+          nb::rv_policy::reference_internal, "The PowerSGDState this plan steps.");
 }
 
 Register reg(30, bind);

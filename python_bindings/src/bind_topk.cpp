@@ -72,7 +72,7 @@ void bind_topk(nb::module_& m) {
         GC_CHECK_ARG(k >= 0 && k <= v.numel, "k must be in [0, n] = [0, ", v.numel, "], got ", k);
         auto* out = new std::vector<uint32_t>(static_cast<size_t>(k));
         SelectOptions opt;
-        opt.method = parse_method(method);
+        opt.method = parse_select_method(method);
         int64_t c;
         try {
           nb::gil_scoped_release nogil;

@@ -25,7 +25,7 @@ namespace nb = nanobind;
 using AnyArray = nb::ndarray<>;
 
 /// The rule for array arguments, appended to the docstrings of the bindings that take arrays.
-#define GC_ARRAY_RULE                                                                          \
+#define GC_ARRAY_RULE                                                                            \
   "\n\nArrays (NumPy, torch or anything with DLPack or the buffer protocol) are used in place, " \
   "never copied or converted: every array must be C-contiguous and aligned to its element "      \
   "size (ValueError otherwise: pass np.ascontiguousarray(x) or x.contiguous()), and an array "   \
@@ -40,9 +40,12 @@ inline AnyArray take_array(nb::handle h, Access access, const char* what) {
   if (!nb::try_cast(h, a, /*convert=*/false)) {
     nb::ndarray<nb::ro> ro;
     if (!nb::try_cast(h, ro, /*convert=*/false))
-      throw nb::type_error(detail::cat(what, ": expected an array that shares its memory through "
+      throw nb::type_error(detail::cat(what,
+                                       ": expected an array that shares its memory through "
                                        "DLPack or the buffer protocol (NumPy, torch; native byte "
-                                       "order), got ", nb::inst_name(h).c_str()).c_str());
+                                       "order), got ",
+                                       nb::inst_name(h).c_str())
+                               .c_str());
     GC_CHECK_ARG(access == Access::kRead, what,
                  " is read-only, but gradcomp writes into it: pass a writable array");
     a = AnyArray(ro);
@@ -103,7 +106,8 @@ inline TensorView to_view(const AnyArray& a, uintptr_t stream = 0, const char* w
     t = DType::kBFloat16;
   else
     throw InvalidArgument(detail::cat(what, ": unsupported dtype (code ", int(dt.code), ", ",
-                                      int(dt.bits), " bits); expected float32, float16 or bfloat16"));
+                                      int(dt.bits),
+                                      " bits); expected float32, float16 or bfloat16"));
   Device dev;
   if (a.device_type() == nb::device::cpu::value)
     dev = Device::kCPU;
@@ -118,27 +122,8 @@ inline TensorView to_view(const AnyArray& a, uintptr_t stream = 0, const char* w
   for (size_t i = 0; i < a.ndim(); ++i) shape[i] = static_cast<int64_t>(a.shape(i));
   GC_CHECK_ARG(a.ndim() <= TensorView::kMaxDims, what, ": at most ", TensorView::kMaxDims,
                " dimensions, got ", a.ndim());
-  return TensorView(a.data(), shape.data(), static_cast<int>(shape.size()), t, dev,
-                    a.device_id(), reinterpret_cast<void*>(stream));
-}
-
-inline DType parse_dtype(const std::string& s) {
-  if (s == "float32" || s == "fp32" || s == "float") return DType::kFloat32;
-  if (s == "float16" || s == "fp16" || s == "half") return DType::kFloat16;
-  if (s == "bfloat16" || s == "bf16") return DType::kBFloat16;
-  throw InvalidArgument("unknown dtype '" + s + "' (expected float32, float16 or bfloat16)");
-}
-
-inline Device parse_device(const std::string& s) {
-  if (s == "cpu") return Device::kCPU;
-  if (s == "cuda") return Device::kCUDA;
-  throw InvalidArgument("unknown device '" + s + "' (expected cpu or cuda)");
-}
-
-inline SelectMethod parse_method(const std::string& s) {
-  if (s == "exact") return SelectMethod::kExact;
-  if (s == "sampled") return SelectMethod::kSampled;
-  throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
+  return TensorView(a.data(), shape.data(), static_cast<int>(shape.size()), t, dev, a.device_id(),
+                    reinterpret_cast<void*>(stream));
 }
 
 /// The options top-k and random-k share (SparsifyConfig) from the keyword arguments of their
@@ -172,11 +157,10 @@ inline TopKConfig topk_config(double ratio, const std::string& method, double sa
                               int64_t warmup_steps, const std::string& value_dtype,
                               bool error_feedback, bool check_finite, uint64_t seed,
                               uint32_t tensor_id) {
-  TopKConfig c = sparsify_config<TopKConfig>(ratio, momentum, nesterov, momentum_masking,
-                                             clip_norm, std::move(warmup_ratios), warmup_steps,
-                                             value_dtype, error_feedback, check_finite, seed,
-                                             tensor_id);
-  c.select.method = parse_method(method);
+  TopKConfig c = sparsify_config<TopKConfig>(ratio, momentum, nesterov, momentum_masking, clip_norm,
+                                             std::move(warmup_ratios), warmup_steps, value_dtype,
+                                             error_feedback, check_finite, seed, tensor_id);
+  c.select.method = parse_select_method(method);
   c.select.sample_rate = sample_rate;
   return c;
 }
@@ -217,14 +201,15 @@ void def_compressor_methods(nb::class_<C>& cls) {
             GC_CHECK_ARG(reinterpret_cast<uintptr_t>(p.data()) % 8 == 0,
                          "payload must start at an 8-byte aligned address (its sections are "
                          "8-byte aligned)");
-            const TensorView d = to_view(take_array(dense, Access::kWrite, "dense"), stream, "dense");
+            const TensorView d =
+                to_view(take_array(dense, Access::kWrite, "dense"), stream, "dense");
             nb::gil_scoped_release nogil;
             c.decode_add(p.data(), p.shape(0), d, scale);
           },
           nb::arg("payload"), nb::arg("dense"), nb::arg("scale") = 1.0f, nb::arg("stream") = 0,
           "dense += scale * decode(payload); the payload (1-D uint8, 8-byte aligned, e.g. "
-          "Payload.array() or bytes) is validated first, dense (fp32) is written in place."
-          GC_ARRAY_RULE)
+          "Payload.array() or bytes) is validated first, dense (fp32) is written in "
+          "place." GC_ARRAY_RULE)
       .def("state_dict",
            [](const C& c) {
              const auto b = c.state_dict();

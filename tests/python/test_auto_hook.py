@@ -221,7 +221,7 @@ def _prefetch_order(rank, world, out_dir):
             raise ValueError("bad bucket B")
 
     a = torch.ones(1000)
-    plan_a = _C.DenseAllreducePlan(a.numel(), "float32", 1)
+    plan_a = _C.make_plan("allreduce", a.numel(), "float32", 1)
     plan_a.begin(a, 0)
     f0 = w.submit(Blocker(), lambda: None)
     fa = w.submit(plan_a, lambda: a)

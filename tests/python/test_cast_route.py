@@ -37,7 +37,8 @@ def _worker(rank, world, out_dir):
             _driver.P2P_ALL_TO_ALL_BYTES = p2p
         for n in SIZES:
             g = _grad(rank, n)
-            plan = _C.CastAllreducePlan(n, "float32", wire, world, route="reduce_scatter")
+            plan = _C.make_plan({"float16": "fp16", "bfloat16": "bf16"}[wire], n, "float32", world,
+                                options=dict(route="reduce_scatter"))
             assert plan.route == "reduce_scatter"
             plan.begin(g)
             stats = run_sync(plan, None)

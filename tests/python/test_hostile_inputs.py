@@ -290,18 +290,27 @@ def test_load_state_dict_refuses_bad_state_and_keeps_state(codec, case):
 
 
 # ---- plans -------------------------------------------------------------------------------------
+def onebit_plan(world=1, n=None, **kw):
+    """The 1-bit plan in the paper's form (one scale per server chunk, L1 scale, no rotation),
+    unless kw says otherwise."""
+    o = dict(scaling="sign_l1", block_size=0, rotate=False)
+    o.update(kw)
+    return _C.make_plan("onebit", N if n is None else n, "float32", world, options=o)
+
+
 def make_plan(name, world=1):
     """(plan, begin(grad) -> None, state_dict() or None)."""
     if name == "dense":
-        p = _C.DenseAllreducePlan(N, "float32", world)
+        p = _C.make_plan("allreduce", N, "float32", world)
     elif name == "cast":
-        p = _C.CastAllreducePlan(N, "float32", "float16", world)
+        p = _C.make_plan("fp16", N, "float32", world, options=dict(route="allreduce"))
     elif name == "topk":
-        p = _C.TopKAllreducePlan(N, world, ratio=0.25, method="exact")
+        p = _C.make_plan("topk", N, "float32", world,
+                         options=dict(ratio=0.25, method="exact"))
     elif name == "randomk":
-        p = _C.RandomKAllreducePlan(N, world, ratio=0.25)
+        p = _C.make_plan("randomk", N, "float32", world, options=dict(ratio=0.25))
     elif name == "onebit":
-        p = _C.OneBitAllreducePlan(N, world, 0)
+        p = onebit_plan(world)
         return p, p.begin, p.state_dict  # in place, as the hook runs it
     else:
         st = _C.PowerSGDState([[ROWS, COLS]], rank=2, min_compression_rate=0.0)
@@ -347,12 +356,12 @@ def test_plan_refuses_bad_gradient_and_keeps_state(name, case):
 
 @pytest.mark.parametrize("case", sorted(set(BAD_OUTPUTS) - set(NONCONTIG)))
 def test_onebit_plan_refuses_bad_output(case):
-    plan = _C.OneBitAllreducePlan(N, 1, 0)
+    plan = onebit_plan(1)
     before = plan.state_dict()
     out = BAD_OUTPUTS[case]()
     vals = _unchanged(out)
     with pytest.raises(ERRORS):
-        plan.begin(good_grad(), out)
+        plan.begin(good_grad(), out=out)
         run_local(plan)
     assert _same_values(out, vals)
     assert plan.state_dict() == before
@@ -374,10 +383,10 @@ def test_decode_add_takes_payload_bytes(codec):
 
 
 def test_onebit_plan_refuses_output_aliasing_gradient():
-    plan = _C.OneBitAllreducePlan(N, 1, 0)
+    plan = onebit_plan(1)
     g = good_grad()
     with pytest.raises(ERRORS):
-        plan.begin(g, g)
+        plan.begin(g, out=g)
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -388,12 +397,12 @@ def test_onebit_plan_in_place_equals_separate_output(dtype, rotate):
     With rotate the in-place fp32 form rotates the gradient itself, the others a copy."""
     world = 1
     kw = dict(rotate=True, block_size=32) if rotate else {}
-    a, b = _C.OneBitAllreducePlan(N, world, 0, **kw), _C.OneBitAllreducePlan(N, world, 0, **kw)
+    a, b = onebit_plan(world, **kw), onebit_plan(world, **kw)
     assert a.rotate is rotate
     for step in range(3):
         g = (good_grad() * (step + 1)).astype(dtype)
         out = np.zeros((ROWS, COLS), np.float32)
-        a.begin(g.copy(), out)
+        a.begin(g.copy(), out=out)
         run_local(a)
         inplace = g.copy()
         b.begin(inplace)
@@ -451,7 +460,7 @@ def _world1_result(name, g):
     plan, begin, _ = make_plan(name)
     if name == "onebit":
         out = np.zeros((ROWS, COLS), np.float32)
-        plan.begin(g, out)
+        plan.begin(g, out=out)
         run_local(plan)
         return out
     begin(g)
@@ -469,7 +478,7 @@ def test_plan_keeps_its_arrays_alive_until_the_step_ends(name):
     if name == "onebit":
         out = np.zeros((ROWS, COLS), np.float32)
         ref_out = weakref.ref(out)
-        plan.begin(g, out)
+        plan.begin(g, out=out)
         del out
     elif name == "powersgd":
         plan.begin([g])
@@ -489,7 +498,7 @@ def test_plan_keeps_its_arrays_alive_until_the_step_ends(name):
 _PRELUDE = """
 import numpy as np
 from gradcomp import _C
-from test_hostile_inputs import run_local
+from test_hostile_inputs import onebit_plan, run_local
 """
 
 CRASH_CASES = {
@@ -512,10 +521,10 @@ CRASH_CASES = {
                 begin(t.good_grad())
                 t.run_local(plan)
         for case, make in sorted(t.NONCONTIG.items()):
-            plan = _C.OneBitAllreducePlan(t.N, 1, 0)
+            plan = onebit_plan(1, n=t.N)
             out = make()
             try:
-                plan.begin(t.good_grad(), out)
+                plan.begin(t.good_grad(), out=out)
                 t.run_local(plan)
             except ValueError as e:
                 assert "contiguous" in str(e), (case, e)
@@ -534,7 +543,7 @@ CRASH_CASES = {
     # issue 11's reproducer: a strided gradient used to be copied, the copy freed after begin()
     "strided-gradient": """
         g = np.zeros(2_000_000, np.float32)[::2]
-        plan = _C.TopKAllreducePlan(10**6, 1, ratio=0.01)
+        plan = _C.make_plan("topk", 10**6, "float32", 1, options=dict(ratio=0.01))
         try:
             plan.begin(g)
         except ValueError as e:
@@ -546,22 +555,22 @@ CRASH_CASES = {
     """,
     "topk-dropped-gradient": """
         n = 10**6
-        plan = _C.TopKAllreducePlan(n, 1, ratio=0.01)
+        plan = _C.make_plan("topk", n, "float32", 1, options=dict(ratio=0.01))
         plan.begin(np.full(n, 0.5, np.float32))  # the caller keeps no reference
         run_local(plan)
         print("OK")
     """,
     "dense-dropped-gradient": """
         n = 10**6
-        plan = _C.DenseAllreducePlan(n, "float32", 1)
+        plan = _C.make_plan("allreduce", n, "float32", 1)
         plan.begin(np.full(n, 0.5, np.float32))
         run_local(plan)
         print("OK")
     """,
     "onebit-dropped-gradient-and-output": """
         n = 10**6
-        plan = _C.OneBitAllreducePlan(n, 1, 0)
-        plan.begin(np.full(n, 0.5, np.float32), np.zeros(n, np.float32))
+        plan = onebit_plan(1, n=n)
+        plan.begin(np.full(n, 0.5, np.float32), out=np.zeros(n, np.float32))
         run_local(plan)
         print("OK")
     """,

@@ -204,7 +204,7 @@ class AutoState:
         it is ordered with the hook's collectives on every rank)."""
         if local.numel() == 0 or not (dist.is_available() and dist.is_initialized()):
             return local
-        plan = _C.DenseAllreducePlan(local.numel(), "float32", self.world)
+        plan = _C.make_plan("allreduce", local.numel(), "float32", self.world)
         plan.begin(local, 0)
         worker = self._worker or self._make_worker()
         return worker.submit(plan, lambda: local).wait()

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""_C.make_plan from Python: the one path by which the hooks build plans. Options cross as plain
+Python values (checked by type in C++), defaults come from C++, every family's plan honours the
+BucketPlan contract, and the plan classes have no second constructor."""
+import numpy as np
+import pytest
+
+import gradcomp
+from gradcomp import _C
+from gradcomp.bench import run_local  # drives a world-size-1 plan
+from gradcomp.torch import COMPRESSORS
+
+
+def test_names_and_defaults_are_the_hooks():
+    assert set(_C.plan_names()) == set(COMPRESSORS)
+    for name in _C.plan_names():
+        fam = COMPRESSORS[name]
+        assert fam.defaults == _C.plan_defaults(name)
+        assert fam.stateful == _C.plan_is_stateful(name)
+    assert _C.plan_defaults("onebit")["block_size"] == 128
+    assert _C.plan_defaults("topk")["ratio"] == 0.001
+    with pytest.raises(ValueError, match="unknown compressor 'top-k'"):
+        _C.plan_defaults("top-k")
+
+
+@pytest.mark.parametrize("name", ["allreduce", "fp16", "bf16", "topk", "randomk", "onebit",
+                                  "powersgd"])
+def test_every_family_takes_its_defaults_and_averages_in_place(name):
+    n = 1000
+    p = _C.make_plan(name, n, "float32", 1, options=_C.plan_defaults(name))
+    assert isinstance(p, _C.BucketPlan) and p.numel == n and p.stateful == _C.plan_is_stateful(name)
+    g = np.linspace(-1, 1, n, dtype=np.float32)
+    p.begin(g)
+    run_local(p)
+    assert np.isfinite(g).all()
+    st = p.state_dict()
+    assert (len(st) > 0) == p.stateful
+    p.load_state_dict(st)
+    if not p.stateful:
+        with pytest.raises(ValueError, match="carries no state"):
+            p.load_state_dict(b"x")
+
+
+@pytest.mark.parametrize("opts, message", [
+    (dict(rato=0.1), r"unknown option\(s\) \['rato'\]"),
+    (dict(ratio="0.1"), "ratio must be a number, got a name"),
+    (dict(nesterov=1), "nesterov must be a flag"),
+    (dict(warmup_ratios=[0.5, True]), "warmup_ratios must be a list of numbers"),
+    (dict(warmup_ratios=0.5), "warmup_ratios must be a list of numbers, got a number"),
+    (dict(seed=2**70), "does not fit a 64-bit integer"),
+    (dict(seed=-1), "seed must be >= 0"),
+    (dict(method=object()), "has type object"),
+    (dict(ratio=1.5), "ratio"),
+])
+def test_bad_options_are_value_errors(opts, message):
+    with pytest.raises(ValueError, match=message):
+        _C.make_plan("topk", 100, "float32", 1, options=opts)
+
+
+def test_integers_are_accepted_for_reals():
+    p = _C.make_plan("topk", 100, "float32", 1, options=dict(ratio=1, warmup_ratios=[1, 0.5],
+                                                                warmup_steps=10))
+    assert p.stateful
+
+
+def test_plan_classes_are_built_by_make_plan_only():
+    for cls in (_C.DenseAllreducePlan, _C.CastAllreducePlan, _C.TopKAllreducePlan,
+                _C.RandomKAllreducePlan, _C.OneBitAllreducePlan):
+        with pytest.raises(TypeError):
+            cls(100, "float32", 1)
+
+
+def test_powersgd_flat_bucket_equals_its_tensor_list():
+    shapes = [[30, 20], [], [7]]
+    n = 600 + 1 + 7
+    a = _C.make_plan("powersgd", n, "float32", 1, shapes=shapes, options=dict(rank=2))
+    b = _C.make_plan("powersgd", n, "float32", 1, shapes=shapes, options=dict(rank=2))
+    for step in range(3):
+        g = np.random.default_rng(step).standard_normal(n).astype(np.float32)
+        h = g.copy()
+        a.begin(g)
+        run_local(a)
+        b.begin([h[:600].reshape(30, 20), h[600:601].reshape(()), h[601:]])
+        run_local(b)
+        assert np.array_equal(g, h)
+    with pytest.raises(ValueError, match="shapes hold 607 elements"):
+        _C.make_plan("powersgd", n, "float32", 1, shapes=[[30, 20], [7]])
+
+
+def test_onebit_out_is_keyword_only():
+    p = _C.make_plan("onebit", 64, "float32", 1)
+    g, out = np.ones(64, np.float32), np.zeros(64, np.float32)
+    p.begin(g, out=out)
+    run_local(p)
+    assert np.allclose(out, 1.0, atol=0.5) and np.array_equal(g, np.ones(64, np.float32))
+    with pytest.raises(TypeError):
+        p.begin(g, out)  # the second positional argument is the stream, as for every plan
+
+
+def test_version_exports_make_plan():
+    assert gradcomp.make_plan is _C.make_plan
