@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "compressors/checks.hpp"
 #include "core/state_io.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/topk_math.h"
@@ -15,6 +16,8 @@
 namespace gradcomp {
 
 namespace k = kernels;
+using detail::check_dense;
+using detail::check_grad;
 
 void SelectOptions::validate() const {
   GC_CHECK_ARG(method == SelectMethod::kExact || method == SelectMethod::kSampled,
@@ -96,19 +99,6 @@ int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, 
 
 namespace {
 
-/// Checks shared by the compressors' encode().
-void check_grad(const TensorView& g, int64_t numel, Device dev, int dev_index, uint32_t tid,
-                const char* who) {
-  GC_CHECK_ARG(g.numel == numel, who, " tensor ", tid, ": gradient has ", g.numel,
-               " elements but the state was built for ", numel, " (", g.describe(), ")");
-  GC_CHECK_ARG(g.device == dev && (dev == Device::kCPU || g.device_index == dev_index), who,
-               " tensor ", tid, ": gradient is on ", device_name(g.device), " but the state is on ",
-               device_name(dev));
-  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(g.dtype)), who, " tensor ", tid,
-               ": unsupported gradient dtype code ", int(g.dtype), " (expected fp32, fp16, bf16)");
-  GC_CHECK_ARG(g.numel == 0 || g.data != nullptr, who, " tensor ", tid, ": null gradient data");
-}
-
 void check_finite(const TensorView& g, uint32_t tid, const char* who, k::SelectWorkspace& ws) {
   const int64_t bad =
       k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel, ws);
@@ -116,15 +106,6 @@ void check_finite(const TensorView& g, uint32_t tid, const char* who, k::SelectW
                ": gradient has a non-finite value (NaN or Inf) at "
                "index ",
                bad, "; nothing was changed (disable check_finite to skip this test)");
-}
-
-void check_dense(const TensorView& d, int64_t numel, Device dev, const char* who) {
-  GC_CHECK_ARG(d.dtype == DType::kFloat32, who, " decode: the output must be fp32, got ",
-               d.describe());
-  GC_CHECK_ARG(d.numel == numel, who, " decode: output has ", d.numel, " elements, expected ",
-               numel);
-  GC_CHECK_ARG(d.device == dev, who, " decode: output is on ", device_name(d.device),
-               ", the compressor on ", device_name(dev));
 }
 
 /// Reads the header of a payload on any device into host memory and validates its structure.
