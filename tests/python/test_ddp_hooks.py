@@ -139,7 +139,7 @@ def _pickles(rank, world, out_dir):
             torch.nn.functional.mse_loss(model(x), y).backward()
         s2 = pickle.loads(pickle.dumps(state))
         assert s2.iter == state.iter
-        assert set(s2._pending) == set(state.buckets)
+        assert set(s2.table.pending) == set(state.buckets)
         assert s2.state_dict()["buckets"].keys() == state.state_dict()["buckets"].keys()
         # a checkpoint whose bucket size differs is rejected before anything changes
         sd = state.state_dict()

@@ -45,49 +45,10 @@ __all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "f
 log = logging.getLogger("gradcomp")
 TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
 
+from ._buckets import BucketTable, _Bucket  # noqa: E402,F401
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
                         _ProbeBucket, _stream_of)
 from ._auto import AutoState, auto_hook  # noqa: E402,F401
-
-
-class _Bucket:
-    __slots__ = ("plan", "numel", "dtype", "layout", "shapes", "steps")
-
-    def __init__(self, plan, numel, dtype, layout, shapes):
-        self.plan, self.numel, self.dtype, self.layout = plan, numel, dtype, layout
-        self.shapes, self.steps = shapes, 0
-
-
-class _PermutedBucket:
-    """A DDP bucket seen in another parameter order: its gradients gathered into a scratch buffer
-    in the order the compression state was made with, and scattered back at the end."""
-
-    def __init__(self, bucket, order):
-        self._bucket = bucket
-        grads = bucket.gradients()
-        self._grads = [grads[j] for j in order]
-        self._buf = torch.cat([g.reshape(-1) for g in self._grads])
-        off = 0
-        self._views = []
-        for g in self._grads:
-            self._views.append(self._buf[off:off + g.numel()].view(g.shape))
-            off += g.numel()
-
-    def buffer(self):
-        return self._buf
-
-    def gradients(self):
-        return self._views
-
-    def index(self):
-        return self._bucket.index()
-
-    def is_last(self):
-        return self._bucket.is_last()
-
-    def scatter(self):
-        for g, v in zip(self._grads, self._views):
-            g.copy_(v)
 
 
 class GradcompState:
@@ -120,20 +81,16 @@ class GradcompState:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         self.log_every = int(log_every)
         self.iter = 0
-        self.buckets: Dict[int, _Bucket] = {}
         self.last_stats: Dict[int, Dict[str, Any]] = {}
         self.history: list = []  # per iteration: dense bytes, bytes sent, local seconds, ...
         # the last plan runs, per bucket: when queued and started, and each local phase and
         # collective with its start and end (see timeline())
         self.timeline: "collections.deque" = collections.deque(maxlen=TIMELINE_RUNS)
-        self._pending: Dict[int, Dict[str, Any]] = {}
-        self._param_index = None
-        self._local_keys: Dict[int, int] = {}
+        # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
+        self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
         self._worker: Optional[Worker] = None
         if live and not lazy:
             self._make_worker()
-        if model is not None:
-            self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
 
     def _make_worker(self) -> Worker:
         """A process group of our own (same ranks and backend as the user's) and the thread
@@ -189,97 +146,22 @@ class GradcompState:
                      self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],
                      acc["dense_bytes"] / max(1, acc["bytes_sent"]), 1e3 * acc["local_seconds"])
 
-    def _layout(self, bucket) -> Tuple:
-        """The bucket's parameters as keys: their index in model.parameters() when the model is
-        known; otherwise keys given to the Parameter objects at first sight in this process
-        (stable while the process lives, so DDP's bucket rebuild is followed either way)."""
-        keys = []
-        for p in bucket.parameters():
-            if self._param_index is not None:
-                k = self._param_index.get(id(p))
-                if k is None:
-                    raise ValueError("gradcomp: a bucket holds a parameter that is not in the "
-                                     "model given to gradcomp.torch.hook(model=...)")
-            else:
-                k = self._local_keys.setdefault(id(p), len(self._local_keys))
-            keys.append(k)
-        return tuple(keys)
-
-    @staticmethod
-    def _shapes(bucket) -> list:
-        return [list(g.shape) for g in bucket.gradients()]
+    # -- buckets and checkpoints (gradcomp/torch/_buckets.py) -----------------------------------
+    @property
+    def buckets(self) -> Dict[int, "_Bucket"]:
+        """The compressed buckets: plan, size, dtype, parameter layout, by DDP bucket index."""
+        return self.table.buckets
 
     def _resolve(self, bucket):
-        """Returns (bucket-like, _Bucket, permuted) for a compressed step."""
-        buf = bucket.buffer()
-        idx = bucket.index()
-        dt = _dtype_name(buf)
-        layout = self._layout(bucket)
-        b = self.buckets.get(idx)
-        if b is not None and b.layout != layout and not COMPRESSORS[self.compressor].stateful:
-            # plain and cast plans hold no state: follow DDP's bucket rebuild with a new plan
-            # (they compress from iteration 0, before the rebuild)
-            b = None
-            del self.buckets[idx]
-        if b is None and idx in self._pending:
-            p = self._pending[idx]
-            if p["numel"] != buf.numel() or p["dtype"] != dt:
-                raise ValueError(f"gradcomp: checkpoint has bucket {idx} with {p['numel']} "
-                                 f"{p['dtype']} elements but the model's bucket has "
-                                 f"{buf.numel()} {dt}")
-            if p.get("keyed_by_model") and self._param_index is not None:
-                saved = tuple(p["layout"])
-            elif p["shapes"] == self._shapes(bucket):
-                saved = layout  # no parameter identities to compare: trust the same shapes order
-            else:
-                raise RuntimeError(
-                    f"gradcomp: checkpoint bucket {idx} holds tensors of shapes {p['shapes']} but "
-                    f"the model's bucket {self._shapes(bucket)}: DDP has not rebuilt its buckets "
-                    f"yet. Pass model=... to gradcomp.torch.hook (before saving and when "
-                    f"restoring) so that state follows parameters")
-            view = bucket if saved == layout else self._permute(bucket, layout, saved, idx)
-            plan = COMPRESSORS[self.compressor].make(self.options, view, self.world, idx,
-                                                     self.process_group)
-            plan.load_state_dict(p["state"])
-            del self._pending[idx]
-            b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, saved, self._shapes(view))
-        elif b is None:
-            plan = COMPRESSORS[self.compressor].make(self.options, bucket, self.world, idx,
-                                                     self.process_group)
-            b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, layout, self._shapes(bucket))
-        if b.numel != buf.numel() or b.dtype != dt:
-            raise RuntimeError(
-                f"gradcomp: bucket {idx} changed from {b.numel} {b.dtype} elements to "
-                f"{buf.numel()} {dt} after its compression state was created; increase "
-                f"start_iter past DDP's bucket rebuild (iteration 1)")
-        if b.layout == layout:
-            return bucket, b, False
-        return self._permute(bucket, layout, b.layout, idx), b, True
+        return self.table.resolve(bucket, lambda view, idx: COMPRESSORS[self.compressor].make(
+            self.options, view, self.world, idx, self.process_group))
 
-    def _permute(self, bucket, layout, saved, idx):
-        if sorted(layout) != sorted(saved):
-            raise RuntimeError(
-                f"gradcomp: bucket {idx} now holds other parameters than its compression state "
-                f"was made with (DDP regrouped its buckets); start compression after DDP's bucket "
-                f"rebuild (start_iter >= 2), or restore checkpoints with the same bucket sizes")
-        pos = {k: j for j, k in enumerate(layout)}
-        return _PermutedBucket(bucket, [pos[k] for k in saved])
-
-    # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Per-rank state: options, iteration and each bucket's compressor state (bytes)."""
-        buckets = {}
-        for i, b in self.buckets.items():
-            if hasattr(b.plan, "state_dict"):
-                buckets[i] = {"numel": b.numel, "dtype": b.dtype, "layout": list(b.layout),
-                              "keyed_by_model": self._param_index is not None,
-                              "shapes": b.shapes, "state": b.plan.state_dict()}
-        for i, p in self._pending.items():
-            buckets.setdefault(i, p)
         return {"compressor": self.compressor, "options": dict(self.options),
                 "start_iter": self.start_iter, "iter": self.iter,
                 "world_size": self.world if dist.is_initialized() else None,
-                "buckets": buckets}
+                "buckets": self.table.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`. A different compressor or world size, or a bucket whose
@@ -292,13 +174,7 @@ class GradcompState:
         if ws is not None and dist.is_initialized() and ws != self.world:
             raise ValueError(f"state was saved with world size {ws}, the process group has "
                              f"{self.world}")
-        for i, b in sd["buckets"].items():
-            cur = self.buckets.get(int(i))
-            if cur is not None and (cur.numel != b["numel"] or cur.dtype != b["dtype"]):
-                raise ValueError(f"bucket {i}: saved {b['numel']} {b['dtype']} elements, "
-                                 f"the model has {cur.numel} {cur.dtype}")
-        self.buckets = {}
-        self._pending = {int(i): dict(b) for i, b in sd["buckets"].items()}
+        self.table.load_state_dict(sd["buckets"])
         self.iter = int(sd["iter"])
         self.start_iter = int(sd["start_iter"])
 
