@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The compressor families behind gradcomp.torch.hook: each builds its C++ plan for a DDP bucket
-(``make``), starts a step on the bucket (``begin``) and hands back the averaged bucket
-(``result``). COMPRESSORS maps the names ``hook`` accepts to them."""
+(``make``) and starts a step on the bucket (``begin``), which the plan averages in place.
+COMPRESSORS maps the names ``hook`` accepts to them."""
 from typing import Any, Dict, Tuple
 
 import torch
@@ -63,11 +63,9 @@ class _Family:
                             bucket_id=tensor_id, backend=backend, options=dict(opts))
 
     def begin(self, plan, bucket) -> None:
+        """Starts a step: the plan averages the flat bucket in place."""
         buf = bucket.buffer()
         plan.begin(buf, _stream_of(buf))
-
-    def result(self, plan, bucket) -> torch.Tensor:
-        return bucket.buffer()
 
 
 class _ProbeBucket:
