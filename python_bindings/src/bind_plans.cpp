@@ -15,6 +15,8 @@ nb::bytes to_bytes(const std::vector<uint8_t>& b) {
 
 /// A Python option value as a PlanOption: bool, int, float, str, or a list/tuple of numbers.
 PlanOption to_option(const std::string& name, const std::string& key, nb::handle v) {
+  // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name
+  if (nb::hasattr(v, "__gradcomp_option__")) return nb::cast<std::string>(v.attr("name"));
   if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
   if (nb::isinstance<nb::int_>(v)) {
     int64_t i = 0;
@@ -44,7 +46,39 @@ nb::object from_option(const PlanOption& v) {
   return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }
 
+/// Binds an enum whose members are named as its option values, marked so that make_plan and the
+/// hooks take a member wherever they take the name.
+template <class E>
+nb::enum_<E> option_enum(nb::module_& m, const char* py_name, const char* doc,
+                         std::initializer_list<std::pair<const char*, E>> values) {
+  nb::enum_<E> e(m, py_name, doc);
+  for (const auto& [n, v] : values) e.value(n, v);
+  e.attr("__gradcomp_option__") = true;
+  return e;
+}
+
 void bind_plans(nb::module_& m) {
+  option_enum<DType>(
+      m, "DType", "Gradient / value dtypes (options: value_dtype).",
+      {{"float32", DType::kFloat32}, {"float16", DType::kFloat16}, {"bfloat16", DType::kBFloat16}});
+  option_enum<SelectMethod>(m, "SelectMethod", "Top-k selection (option: method).",
+                            {{"exact", SelectMethod::kExact}, {"sampled", SelectMethod::kSampled}});
+  option_enum<TopKRoute>(
+      m, "TopKRoute", "Top-k exchange (option: route).",
+      {{"auto", TopKRoute::kAuto}, {"sparse", TopKRoute::kSparse}, {"dense", TopKRoute::kDense}});
+  option_enum<CastRoute>(
+      m, "CastRoute", "fp16/bf16 summation route (option: route).",
+      {{"allreduce", CastRoute::kAllreduce}, {"reduce_scatter", CastRoute::kReduceScatter}});
+  option_enum<OneBitScaling>(m, "OneBitScaling", "1-bit scales (option: scaling).",
+                             {{"column_means", OneBitScaling::kColumnMeans},
+                              {"sign_l1", OneBitScaling::kSignL1},
+                              {"sign_l2", OneBitScaling::kSignL2}});
+  option_enum<Orthogonalization>(
+      m, "Orthogonalization", "PowerSGD orthogonalization (option: orthogonalization).",
+      {{"auto", Orthogonalization::kAuto},
+       {"gram_schmidt", Orthogonalization::kGramSchmidt},
+       {"householder", Orthogonalization::kHouseholder},
+       {"gram_schmidt_unfused", Orthogonalization::kGramSchmidtUnfused}});
   nb::class_<BucketPlan, Plan> bucket(
       m, "BucketPlan",
       "A plan over one gradient bucket (every family; built by make_plan). Every step: "

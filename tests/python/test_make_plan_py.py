@@ -99,3 +99,27 @@ def test_onebit_out_is_keyword_only():
 
 def test_version_exports_make_plan():
     assert gradcomp.make_plan is _C.make_plan
+
+
+def test_bound_enums_stand_for_their_option_names():
+    """gradcomp.TopKRoute.dense etc. are accepted wherever the name is, with the same result."""
+    import pickle
+    assert _C.TopKRoute.dense.name == "dense" and _C.OneBitScaling.sign_l1.name == "sign_l1"
+    g0 = np.linspace(-1, 1, 500, dtype=np.float32)
+    out = []
+    for opts in (dict(route="dense", method="exact", value_dtype="float16"),
+                 dict(route=_C.TopKRoute.dense, method=_C.SelectMethod.exact,
+                      value_dtype=_C.DType.float16)):
+        p = _C.make_plan("topk", 500, "float32", 1, options=dict(opts, ratio=0.1))
+        g = g0.copy()
+        p.begin(g)
+        run_local(p)
+        assert p.route_stats["last_route"] == "dense"
+        out.append(g)
+    assert np.array_equal(out[0], out[1])
+    p = _C.make_plan("onebit", 64, "float32", 1,
+                     options=dict(scaling=_C.OneBitScaling.sign_l1, rotate=False))
+    assert not p.rotate
+    assert pickle.loads(pickle.dumps(_C.CastRoute.reduce_scatter)) is _C.CastRoute.reduce_scatter
+    with pytest.raises(ValueError, match="ratio must be a number, got a name"):
+        _C.make_plan("topk", 10, "float32", 1, options=dict(ratio=_C.TopKRoute.dense))
