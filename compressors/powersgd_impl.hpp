@@ -49,16 +49,6 @@ struct PowerSGDState::Impl {
 
 namespace detail {
 
-// Member b of a group as a batch of one whose M is `M` (the gradient itself in direct mode).
-inline k::PsgdGroup member_of(const k::PsgdGroup& g, int64_t b, float* M) {
-  k::PsgdGroup one = g;
-  one.batch = 1;
-  one.M = M;
-  one.P = g.P + b * g.n * g.r;
-  one.Q = g.Q + b * g.m * g.r;
-  one.ids = g.ids + b;
-  return one;
-}
 // GPU reconstruction scratch: at most this many floats per strided-batched GEMM (one member at
 // least); bounds the memory for models with many same-shape layers.
 inline constexpr int64_t kGpuScratchFloats = int64_t{1} << 24;

@@ -4,17 +4,18 @@
 // the contract of its kernels::cpu / kernels::cuda twin (kernels/onebit.hpp, kernels/topk.hpp,
 // kernels/scan.hpp); on the CPU the stream is ignored.
 //
-// Covered so far: the shared scans (first_nonfinite), the 1-bit family and the DGC/top-k local
-// steps. PowerSGD's CPU step is a fused algorithm of its own and still branches in
-// plans/powersgd.cpp (docs/ARCHITECTURE.md, known debts).
+// Covered: the shared scan (first_nonfinite), the 1-bit family, the DGC/top-k local steps and
+// PowerSGD's phases (the same phase API; the CPU runs fused tile passes, CUDA per-group BLAS).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "gradcomp/rng.hpp"
 #include "gradcomp/select.hpp"
 #include "gradcomp/tensor.hpp"
 #include "kernels/onebit.hpp"
+#include "kernels/powersgd.hpp"
 #include "kernels/topk.hpp"
 
 namespace gradcomp::kernels {
@@ -60,6 +61,34 @@ void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, in
 void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out);
 void scatter_add(const Exec& e, const uint32_t* idx, const void* values, DType vt, int64_t k,
                  float scale, float* dense);
+
+// ---- PowerSGD ----
+/// One step's view of a bucket's batch groups: grads[g][b] is the gradient of member b of group g
+/// (dtype), direct: fp32 without error feedback (the gradient itself is M).
+struct PsgdBucket {
+  const std::vector<PsgdGroup>& groups;
+  const std::vector<std::vector<void*>>& grads;
+  DType dtype;
+  bool error_feedback;
+  bool direct;
+};
+void psgd_load(const Exec& e, const void* g, DType t, int64_t n, float* dst, bool add);
+void psgd_divide(const Exec& e, float* x, int64_t n, float world);
+void psgd_store_mean(const Exec& e, const float* src, int64_t n, float world, void* g, DType t);
+void psgd_fill_q(const Exec& e, const PsgdGroup& g, uint64_t seed, uint64_t step,
+                 bool only_zero_columns);
+/// Whether psgd_compute_p forms M = grad (+ error) itself (the CPU, tile by tile, storing nothing)
+/// rather than reading an M the caller loaded with psgd_load (CUDA; direct: the gradient is M).
+bool psgd_forms_m_itself(const Exec& e);
+/// P = M Q for every group.
+void psgd_compute_p(const Exec& e, const PsgdBucket& b, PsgdContext& ctx);
+/// P_hat = orth(P), then Q = M^T P_hat, for every group.
+void psgd_project(const Exec& e, const PsgdBucket& b, float eps, Orthogonalization how,
+                  PsgdContext& ctx);
+/// grad = P_hat Q^T in its dtype and, with error feedback, error = M - grad, for every group.
+/// scratch (CUDA): scratch_floats floats for the batched reconstruction.
+void psgd_finish(const Exec& e, const PsgdBucket& b, float* scratch, int64_t scratch_floats,
+                 PsgdContext& ctx);
 
 }  // namespace dispatch
 }  // namespace gradcomp::kernels

@@ -21,7 +21,6 @@ std::unique_ptr<PowerSGDState> checked(std::unique_ptr<PowerSGDState> s) {
 }  // namespace
 
 using detail::kGpuScratchFloats;
-using detail::member_of;
 
 PowerSGDPlan::PowerSGDPlan(PowerSGDState& state, int world) : st_(state), world_(world) {
   GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
@@ -157,10 +156,7 @@ std::optional<Collective> PowerSGDPlan::next() {
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
         for (const auto& g : grads_) {
-          if (gpu)
-            k::cuda::load(g.data, g.dtype, g.numel, b + off, false, im.stream);
-          else
-            k::cpu::load(g.data, g.dtype, g.numel, b + off, false);
+          k::dispatch::psgd_load(im.ex, g.data, g.dtype, g.numel, b + off, false);
           off += g.numel;
         }
         phase_ = Phase::kPlainWait;
@@ -180,10 +176,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       const float* b = static_cast<const float*>(im.plain.data());
       int64_t off = 0;
       for (const auto& g : grads_) {
-        if (gpu)
-          k::cuda::store_mean(b + off, g.numel, world, g.data, g.dtype, im.stream);
-        else
-          k::cpu::store_mean(b + off, g.numel, world, g.data, g.dtype);
+        k::dispatch::psgd_store_mean(im.ex, b + off, g.numel, world, g.data, g.dtype);
         off += g.numel;
       }
       return done(false);
@@ -209,7 +202,8 @@ std::optional<Collective> PowerSGDPlan::next() {
 // local: M = grad (+ error); Q drawn / kept; P = M Q; uncompressed tensors packed.
 void PowerSGDPlan::phase_compress() {
   auto& im = *st_.impl_;
-  const bool gpu = st_.device_ == Device::kCUDA;
+  const k::Exec& ex = im.ex;
+  const bool gpu = ex.cuda();
   const auto& cfg = st_.cfg_;
   float* M = static_cast<float*>(im.mbuf.data());
   float* U = static_cast<float*>(im.pbuf.data()) + st_.p_numel_;
@@ -218,19 +212,16 @@ void PowerSGDPlan::phase_compress() {
     auto& ptrs = im.member_grads[gi];
     for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
   }
+  const bool forms_m = k::dispatch::psgd_forms_m_itself(ex);
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
-    if (!gpu && t.rank > 0) continue;    // the CPU forms M tile by tile in compress_p below
-    if (t.rank > 0 && direct) continue;  // fp32 without error feedback: the gradient is M
+    if (t.rank > 0 && (forms_m || direct)) continue;  // M formed by compute_p / the gradient is M
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
-    const bool add = t.rank > 0 && cfg.error_feedback;
-    if (gpu)
-      k::cuda::load(g.data, g.dtype, g.numel, dst, add, im.stream);
-    else
-      k::cpu::load(g.data, g.dtype, g.numel, dst, add);
+    k::dispatch::psgd_load(ex, g.data, g.dtype, g.numel, dst, t.rank > 0 && cfg.error_feedback);
   }
   // CPU with check_finite: Q as it was, restored if the step is rejected below (Q is small).
+  // (CUDA: the gradients were scanned in begin().)
   const bool check = !gpu && cfg.check_finite;
   const bool q_ready_before = st_.q_ready_;
   if (check && st_.q_numel_ > 0)
@@ -239,28 +230,10 @@ void PowerSGDPlan::phase_compress() {
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
   const uint64_t step = static_cast<uint64_t>(st_.step_);
-  for (const auto& grp : im.groups) {
-    if (gpu)
-      k::cuda::fill_q(grp, cfg.seed, step, !fresh, im.stream);
-    else
-      k::cpu::fill_q(grp, cfg.seed, step, !fresh);
-  }
+  for (const auto& grp : im.groups) k::dispatch::psgd_fill_q(ex, grp, cfg.seed, step, !fresh);
   st_.q_ready_ = true;
-  if (gpu) {  // direct: one GEMM per member on its gradient (no copy pass); else strided batch
-    for (size_t gi = 0; gi < im.groups.size(); ++gi) {
-      if (!direct) {
-        k::cuda::compute_p(im.groups[gi], im.ctx);
-        continue;
-      }
-      for (int64_t b = 0; b < im.groups[gi].batch; ++b)
-        k::cuda::compute_p(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
-                           im.ctx);
-    }
-    return;
-  }
-  // CPU: M = grad (+ error) and P = M Q fused per cache-resident tile; fp32 without error
-  // feedback reads the gradient as M directly (no copy).
-  k::cpu::compress_p(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct, im.ctx);
+  k::dispatch::psgd_compute_p(
+      ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct}, im.ctx);
   if (!check) return;
   // A NaN/Inf in M = grad + error makes its row of P non-finite (NaN * 0 and Inf * 0 are NaN, so
   // even a zero Q row cannot hide it); an uncompressed one lands in the pack as it is. So P and
@@ -299,83 +272,31 @@ void PowerSGDPlan::reject_nonfinite() {
 // local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
 void PowerSGDPlan::phase_project() {
   auto& im = *st_.impl_;
-  const bool gpu = st_.device_ == Device::kCUDA;
   const auto& cfg = st_.cfg_;
-  float* P = static_cast<float*>(im.pbuf.data());
-  const float world = static_cast<float>(world_);
-  if (gpu)
-    k::cuda::divide(P, st_.p_numel_, world, im.stream);
-  else
-    k::cpu::divide(P, st_.p_numel_, world);
-  if (!gpu) {  // one parallel region per phase over all groups (see kernels/powersgd.hpp)
-    k::cpu::orthogonalize_groups(im.groups, cfg.orthogonalization_epsilon, cfg.orthogonalization,
-                                 im.ctx);
-    const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
-    k::cpu::compute_q_fused(im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct,
-                            im.ctx);
-    return;
-  }
-  for (const auto& grp : im.groups)
-    k::cuda::orthogonalize(grp.P, grp.batch, grp.n, grp.r, cfg.orthogonalization_epsilon,
-                           cfg.orthogonalization, im.ctx);
+  k::dispatch::psgd_divide(im.ex, static_cast<float*>(im.pbuf.data()), st_.p_numel_,
+                           static_cast<float>(world_));
   const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
-  for (size_t gi = 0; gi < im.groups.size(); ++gi) {
-    if (!direct) {
-      k::cuda::compute_q(im.groups[gi], im.ctx);
-      continue;
-    }
-    for (int64_t b = 0; b < im.groups[gi].batch; ++b)
-      k::cuda::compute_q(member_of(im.groups[gi], b, static_cast<float*>(im.member_grads[gi][b])),
-                         im.ctx);
-  }
+  k::dispatch::psgd_project(im.ex,
+                            {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct},
+                            cfg.orthogonalization_epsilon, cfg.orthogonalization, im.ctx);
 }
 
 // local: Q = Q_sum / world; grad = P_hat Q^T; error = M - grad; uncompressed = sum / world.
 void PowerSGDPlan::phase_finish() {
   auto& im = *st_.impl_;
-  const bool gpu = st_.device_ == Device::kCUDA;
   const bool ef = st_.cfg_.error_feedback;
   const float world = static_cast<float>(world_);
-  if (gpu)
-    k::cuda::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world, im.stream);
-  else
-    k::cpu::divide(static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
-  float* scratch = static_cast<float*>(im.scratch.data());
-  // CPU: per tile, R = P Q^T in cache, grad = R, error = M - grad (one pass, one region).
-  if (!gpu) k::cpu::finish(im.groups, im.member_grads, st_.dtype_, ef, im.ctx);
+  k::dispatch::psgd_divide(im.ex, static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
   const bool direct = st_.dtype_ == DType::kFloat32 && !ef;
-  for (size_t gi = 0; gi < im.groups.size() && gpu; ++gi) {
-    const k::PsgdGroup& grp = im.groups[gi];
-    const auto& mem = im.members[gi];
-    const int64_t nm = grp.n * grp.m;
-    if (direct) {  // as on the CPU: the GEMM writes the gradient, no scratch, no copy pass
-      for (int64_t b = 0; b < grp.batch; ++b) {
-        float* g = static_cast<float*>(im.member_grads[gi][b]);
-        k::cuda::reconstruct(member_of(grp, b, g), 0, 1, g, im.ctx);
-      }
-      continue;
-    }
-    const int64_t chunk = std::max<int64_t>(
-        1, static_cast<int64_t>(im.scratch.capacity() / 4) / std::max<int64_t>(1, nm));
-    for (int64_t b0 = 0; b0 < grp.batch; b0 += chunk) {
-      const int64_t cnt = std::min(chunk, grp.batch - b0);
-      k::cuda::reconstruct(grp, b0, cnt, scratch, im.ctx);
-      for (int64_t b = b0; b < b0 + cnt; ++b) {
-        const TensorView& g = grads_[mem[b]];
-        k::cuda::store_result(scratch + (b - b0) * nm, g.data, g.dtype, nm,
-                              ef ? grp.M + b * nm : nullptr, im.stream);
-      }
-    }
-  }
+  k::dispatch::psgd_finish(im.ex, {im.groups, im.member_grads, st_.dtype_, ef, direct},
+                           static_cast<float*>(im.scratch.data()),
+                           static_cast<int64_t>(im.scratch.capacity() / 4), im.ctx);
   const float* U = static_cast<const float*>(im.pbuf.data()) + st_.p_numel_;
   for (size_t i = 0; i < grads_.size(); ++i) {
     const PowerSGDTensorInfo& t = st_.info_[i];
     if (t.rank > 0) continue;
     const TensorView& g = grads_[i];
-    if (gpu)
-      k::cuda::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype, im.stream);
-    else
-      k::cpu::store_mean(U + t.u_offset, g.numel, world, g.data, g.dtype);
+    k::dispatch::psgd_store_mean(im.ex, U + t.u_offset, g.numel, world, g.data, g.dtype);
   }
 }
 
