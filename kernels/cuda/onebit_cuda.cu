@@ -21,6 +21,7 @@
 #include "core/cuda/check.cuh"
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/runtime.hpp"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/onebit.hpp"
 #include "kernels/onebit_math.h"
 
@@ -30,7 +31,6 @@ namespace {
 using namespace onebit;
 using cuda_detail::as_stream;
 
-constexpr int kThreads = 256;
 constexpr int64_t kGroupCuda = 8192;  // elements per block of the flat scale pass
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -349,10 +349,7 @@ __global__ void decode_kernel(const uint32_t* const* bits_arr, const float* cons
 
 // ---- host helpers -----------------------------------------------------------------------------
 
-unsigned grid_for(int64_t work_items, int64_t per_block) {
-  const int64_t b = (work_items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{1} << 20)));
-}
+constexpr int64_t kGridCap = int64_t{1} << 20;  // the 1-bit kernels' grid-stride cap
 
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -449,7 +446,7 @@ static void quantize_impl(const void* g, DType t, const float* e_in, const float
   if (t == DType::kFloat32 && aligned16(g) && aligned16(e_in) && aligned16(e_out)) {
     const int64_t groups = geo.n / 128;
     if (groups > 0) {
-      quantize_vec4_kernel<<<grid_for(groups, kThreads / 32), kThreads, 0, s>>>(
+      quantize_vec4_kernel<<<grid_for(groups, kThreads / 32, kGridCap), kThreads, 0, s>>>(
           static_cast<const float*>(g), e_in, prev, e_out, store_x, gg, scales, bits, groups);
       GC_CUDA_CHECK_LAUNCH();
     }
@@ -457,8 +454,9 @@ static void quantize_impl(const void* g, DType t, const float* e_in, const float
   }
   if (w_begin < W) {
     with_loader(t, [&](auto L) {
-      quantize_word_kernel<decltype(L)><<<grid_for(W - w_begin, kThreads / 32), kThreads, 0, s>>>(
-          g, e_in, prev, e_out, store_x, gg, scales, bits, w_begin, W);
+      quantize_word_kernel<decltype(L)>
+          <<<grid_for(W - w_begin, kThreads / 32, kGridCap), kThreads, 0, s>>>(
+              g, e_in, prev, e_out, store_x, gg, scales, bits, w_begin, W);
     });
     GC_CUDA_CHECK_LAUNCH();
   }
@@ -489,7 +487,7 @@ int64_t onebit_compress(const void* g, DType t, const float* state_in, const flo
 
 void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales, void* stream) {
   if (geo.n == 0) return;
-  finalize_error_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, as_stream(stream)>>>(
+  finalize_error_kernel<<<grid_for(geo.n, kThreads, kGridCap), kThreads, 0, as_stream(stream)>>>(
       x, to_geo(geo), scales);
   GC_CUDA_CHECK_LAUNCH();
 }
@@ -500,7 +498,7 @@ namespace {
 void decode_one(const uint32_t* bits, const float* scales, const OneBitGeom& geo, float scale,
                 bool accumulate, float* dense, void* stream) {
   if (geo.n == 0) return;
-  decode_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, as_stream(stream)>>>(
+  decode_kernel<<<grid_for(geo.n, kThreads, kGridCap), kThreads, 0, as_stream(stream)>>>(
       nullptr, nullptr, bits, scales, 1, to_geo(geo), scale, accumulate, dense);
   GC_CUDA_CHECK_LAUNCH();
 }
@@ -525,7 +523,7 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
   // pageable source: the call returns after the source was staged, so `host` may go away
   GC_CUDA_CHECK(
       cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice, s));
-  decode_kernel<<<grid_for(geo.n, kThreads), kThreads, 0, s>>>(
+  decode_kernel<<<grid_for(geo.n, kThreads, kGridCap), kThreads, 0, s>>>(
       reinterpret_cast<const uint32_t* const*>(dev),
       reinterpret_cast<const float* const*>(dev + count), nullptr, nullptr, count, to_geo(geo),
       scale, accumulate, dense);

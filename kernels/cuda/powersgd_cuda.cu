@@ -10,6 +10,7 @@
 #include <climits>
 
 #include "core/cuda/check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/powersgd.hpp"
 #include "kernels/powersgd_math.h"
 
@@ -43,11 +44,7 @@ namespace cuda {
 namespace {
 
 using gradcomp::cuda_detail::as_stream;
-constexpr int kThreads = 256;
-
-int blocks_for(int64_t n) {
-  return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
-}
+unsigned blocks_for(int64_t n) { return grid_for(n, kThreads, 65535); }
 
 cublasHandle_t blas(PsgdContext& ctx) {
   if (!ctx.cublas) {

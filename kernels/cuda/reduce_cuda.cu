@@ -3,6 +3,7 @@
 // (same math from reduce_math.h, same rank order per element, so the bits agree).
 #include <cstring>
 
+#include "kernels/cuda/launch.cuh"
 #include "core/cuda/check.cuh"
 #include "kernels/reduce.hpp"
 #include "kernels/reduce_math.h"
@@ -10,12 +11,7 @@
 namespace gradcomp::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-inline unsigned blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 65535 * 16 ? b : 65535 * 16);
-}
+inline unsigned blocks_for(int64_t n) { return grid_for(n, kThreads, 65535 * 16); }
 
 struct AddF32 { __device__ float operator()(float a, float b) const { return add_f32(a, b); } };
 struct AddF16 { __device__ uint16_t operator()(uint16_t a, uint16_t b) const { return add_f16(a, b); } };

@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "core/cuda/check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "gradcomp/numeric.hpp"
 #include "kernels/topk.hpp"
 #include "kernels/topk_math.h"
@@ -38,7 +39,6 @@ namespace {
 
 using cuda_detail::as_stream;
 
-constexpr int kThreads = 256;                 // threads per block of every kernel here
 constexpr int kItems = 16;                    // elements per thread in the ordered passes
 constexpr int kChunk = kThreads * kItems;     // elements per block in the ordered passes
 constexpr int kBins = 2048;                   // 11-bit digits
@@ -91,13 +91,6 @@ int sm_count() {
   return std::max(sms, 1);
 }
 
-/// Blocks for a grid-stride kernel: enough for `per_block` elements each, at most `cap`.
-int grid_for(int64_t m, int64_t per_block, int64_t cap) {
-  const int64_t g = (m + per_block - 1) / per_block;
-  return static_cast<int>(std::clamp<int64_t>(g, 1, cap));
-}
-
-constexpr int64_t kMaxGrid = 1 << 16;  // for element-wise grid-stride kernels
 
 // ------------------------------------------------------------------------------------------------
 // Radix select on a "source": element i of x, or element list[i] of x when a candidate list is
