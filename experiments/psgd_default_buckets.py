@@ -41,13 +41,10 @@ def _rank(rank, world, port, hook, width, layers, steps, rank_r):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    from gradcomp.experiments.models import relu_mlp
+
     torch.manual_seed(0)
-    mods = []
-    for i in range(layers):
-        mods.append(torch.nn.Linear(width, width))
-        if i + 1 < layers:
-            mods.append(torch.nn.ReLU())
-    model = DDP(torch.nn.Sequential(*mods))  # DDP's default bucket_cap_mb (25)
+    model = DDP(relu_mlp(width, layers))  # DDP's default bucket_cap_mb (25)
     if hook == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r,

@@ -92,3 +92,18 @@ def assert_resumed_equals_straight(out_dir, world, what=""):
         b = torch.load(os.path.join(out_dir, f"final_straight_{rank}.pt"))
         for k in a:
             assert torch.equal(a[k], b[k]), f"{what}: {k} differs after restore (rank {rank})"
+
+
+def save_checkpoint(path, model, opt, state):
+    """What a training job checkpoints with a gradcomp hook: the module, the optimizer and the
+    hook's state (residuals, momenta, Q, errors), saved together."""
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                "hook": state.state_dict()}, path)
+
+
+def load_checkpoint(path, model, opt, state):
+    """Restores save_checkpoint() into a freshly built DDP model, optimizer and hook state."""
+    ck = torch.load(path)
+    model.module.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    state.load_state_dict(ck["hook"])

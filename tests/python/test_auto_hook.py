@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch._auto import choose  # noqa: E402
 
-from ddp_util import (Net, assert_resumed_equals_straight, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, tmpdir)
+from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
+                      params_equal_across_ranks, run, save_checkpoint, tmpdir)
 
 CANDS = ["allreduce", "fp16", "powersgd"]
 
@@ -96,10 +96,7 @@ def _auto_run(rank, world, out_dir, phase, cands):
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     path = os.path.join(out_dir, f"auto_{rank}.pt")
     if phase == "resume":
-        ck = torch.load(path)
-        model.module.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        state.load_state_dict(ck["hook"])
+        load_checkpoint(path, model, opt, state)
         steps = range(15, 30)
     else:
         steps = range(0, 15) if phase == "first" else range(0, 30)
@@ -113,8 +110,7 @@ def _auto_run(rank, world, out_dir, phase, cands):
         losses.append(loss.item())
     same = params_equal_across_ranks(model)
     if phase == "first":
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                    "hook": state.state_dict()}, path)
+        save_checkpoint(path, model, opt, state)
         s2 = pickle.loads(pickle.dumps(state))
         assert s2.state_dict()["choices"] == state.state_dict()["choices"]
     torch.save(model.module.state_dict(), os.path.join(out_dir, f"final_{phase}_{rank}.pt"))

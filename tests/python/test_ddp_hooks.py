@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import (Net, assert_resumed_equals_straight, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, tmpdir)
+from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
+                      params_equal_across_ranks, run, save_checkpoint, tmpdir)
 
 HOOKS = {
     "allreduce": {},
@@ -96,10 +96,7 @@ def _ckpt_run(rank, world, out_dir, name, phase):
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.0 if opts.get("momentum") else 0.9)
     path = os.path.join(out_dir, f"ckpt_{rank}.pt")
     if phase == "resume":
-        ck = torch.load(path)
-        model.module.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        state.load_state_dict(ck["hook"])
+        load_checkpoint(path, model, opt, state)
         steps = range(20, 40)
     elif phase == "first":
         steps = range(0, 20)
@@ -111,8 +108,7 @@ def _ckpt_run(rank, world, out_dir, name, phase):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     if phase == "first":
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                    "hook": state.state_dict()}, path)
+        save_checkpoint(path, model, opt, state)
     else:
         torch.save(model.module.state_dict(), os.path.join(out_dir, f"final_{phase}_{rank}.pt"))
 

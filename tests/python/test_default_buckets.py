@@ -31,16 +31,12 @@ def _rank(rank, world, port, compressor, opts):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradcomp.torch as gt
+    from gradcomp.experiments.models import relu_mlp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(0)
-    mods = []
-    for i in range(LAYERS):
-        mods.append(torch.nn.Linear(WIDTH, WIDTH))
-        if i + 1 < LAYERS:
-            mods.append(torch.nn.ReLU())
-    model = DDP(torch.nn.Sequential(*mods))  # DDP's default bucket_cap_mb (25)
+    model = DDP(relu_mlp(WIDTH, LAYERS))  # DDP's default bucket_cap_mb (25), as the experiment
     state, hook = gt.hook(compressor, model=model, **opts)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
