@@ -51,21 +51,32 @@ class _Family:
         self.make(opts, _ProbeBucket(), world, 0, group)
 
     def make(self, opts, bucket, world: int, tensor_id: int, group=None):
-        buf = bucket.buffer()
-        dev, idx = _device_of(buf)
+        """The plan for a DDP bucket (or anything with buffer() and gradients())."""
+        shapes = [list(g.shape) for g in bucket.gradients()] if self.name == "powersgd" else None
+        return self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
+
+    def make_flat(self, opts, flat: torch.Tensor, world: int, bucket_id: int = 0, group=None,
+                  shapes=None):
+        """The plan for a flat tensor of `world` ranks of `group` (shapes: its tensors, for
+        PowerSGD; None = one 1-D tensor)."""
+        dev, idx = _device_of(flat)
         if dist.is_initialized():
             rank, backend = dist.get_rank(group), str(dist.get_backend(group))
         else:  # the option probe before any process group
             rank, backend = 0, ""
-        shapes = [list(g.shape) for g in bucket.gradients()] if self.name == "powersgd" else []
-        return _C.make_plan(self.name, buf.numel(), _dtype_name(buf), world, rank=max(rank, 0),
-                            device=dev, device_index=idx, stream=_stream_of(buf), shapes=shapes,
-                            bucket_id=tensor_id, backend=backend, options=dict(opts))
+        return _C.make_plan(self.name, flat.numel(), _dtype_name(flat), world, rank=max(rank, 0),
+                            device=dev, device_index=idx, stream=_stream_of(flat),
+                            shapes=shapes or [], bucket_id=bucket_id, backend=backend,
+                            options=dict(opts))
 
     def begin(self, plan, bucket) -> None:
         """Starts a step: the plan averages the flat bucket in place."""
         buf = bucket.buffer()
         plan.begin(buf, _stream_of(buf))
+
+    @staticmethod
+    def begin_flat(plan, flat: torch.Tensor) -> None:
+        plan.begin(flat, _stream_of(flat))
 
 
 class _ProbeBucket:

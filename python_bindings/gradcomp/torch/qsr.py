@@ -26,7 +26,6 @@ float tensor ``flat`` in place, or the name of a gradcomp compressor (``"topk"``
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -35,26 +34,6 @@ import torch.distributed as dist
 from gradcomp import _C
 
 __all__ = ["QSRAverager"]
-
-
-class _FlatBucket:
-    """The subset of DDP's GradBucket that gradcomp's compressor families read."""
-
-    def __init__(self, flat: torch.Tensor, index: int = 0):
-        self._flat = flat
-        self._index = index
-
-    def buffer(self) -> torch.Tensor:
-        return self._flat
-
-    def index(self) -> int:
-        return self._index
-
-    def gradients(self) -> List[torch.Tensor]:
-        return [self._flat]
-
-    def is_last(self) -> bool:
-        return True
 
 
 class _PlanCompressor:
@@ -74,13 +53,12 @@ class _PlanCompressor:
 
     def __call__(self, flat: torch.Tensor, group) -> None:
         from gradcomp.torch import run_sync
-        bucket = _FlatBucket(flat)
         if self.plan is None or self.numel != flat.numel():
             # group: the plan's rank is the rank in the averaging group, not the global one
-            self.plan = self.family.make(self.options, bucket, dist.get_world_size(group), 0,
-                                         group=group)
+            self.plan = self.family.make_flat(self.options, flat, dist.get_world_size(group),
+                                              group=group)
             self.numel = flat.numel()
-        self.family.begin(self.plan, bucket)
+        self.family.begin_flat(self.plan, flat)
         run_sync(self.plan, group)  # every plan averages in place: flat holds the average
 
 
