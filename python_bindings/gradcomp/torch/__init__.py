@@ -46,6 +46,7 @@ log = logging.getLogger("gradcomp")
 TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
 
 from ._buckets import BucketTable, _Bucket  # noqa: E402,F401
+from ._stats import HookStats  # noqa: E402
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
                         _ProbeBucket, _stream_of)
 from ._auto import AutoState, auto_hook  # noqa: E402,F401
@@ -81,11 +82,7 @@ class GradcompState:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         self.log_every = int(log_every)
         self.iter = 0
-        self.last_stats: Dict[int, Dict[str, Any]] = {}
-        self.history: list = []  # per iteration: dense bytes, bytes sent, local seconds, ...
-        # the last plan runs, per bucket: when queued and started, and each local phase and
-        # collective with its start and end (see timeline())
-        self.timeline: "collections.deque" = collections.deque(maxlen=TIMELINE_RUNS)
+        self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
         # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
         self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
         self._worker: Optional[Worker] = None
@@ -114,37 +111,29 @@ class GradcompState:
     def world(self) -> int:
         return dist.get_world_size(self.process_group)
 
+    # -- statistics (gradcomp/torch/_stats.py) ---------------------------------------------------
+    @property
+    def history(self) -> list:
+        """Per iteration: dense bytes, bytes handed to collectives, bytes on the wire, local and
+        communication seconds, collectives, buckets."""
+        return self.stats.history
+
+    @property
+    def last_stats(self) -> Dict[int, Dict[str, Any]]:
+        """Per bucket: the numbers of its last step."""
+        return self.stats.last
+
+    @property
+    def timeline(self) -> "collections.deque":
+        """The last plan runs (see gradcomp.torch.timeline())."""
+        return self.stats.runs
+
     def _iteration(self, it: int) -> Dict[str, Any]:
-        """The statistics of iteration `it` (collectives complete asynchronously, so a bucket's
-        numbers are added to the iteration that launched it, whenever they arrive)."""
-        while len(self.history) <= it:
-            self.history.append({"iter": len(self.history), "dense_bytes": 0, "bytes_sent": 0,
-                                 "wire_bytes": 0, "local_seconds": 0.0, "comm_seconds": 0.0,
-                                 "collectives": 0, "buckets": 0})
-        return self.history[it]
+        return self.stats.iteration(it)
 
     def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
                 last: bool) -> None:
-        self.timeline.append({"iter": it, "bucket": bucket_index, "compressor": self.compressor,
-                              "submitted": stats.submitted, "started": stats.started,
-                              "events": list(stats.events)})
-        s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
-             "wire_bytes": stats.wire_bytes,
-             "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
-             "collectives": stats.collectives, "tags": list(stats.tags)}
-        self.last_stats[bucket_index] = s
-        acc = self._iteration(it)
-        acc["dense_bytes"] += dense
-        acc["bytes_sent"] += stats.bytes_sent
-        acc["wire_bytes"] += stats.wire_bytes
-        acc["local_seconds"] += stats.local_seconds
-        acc["comm_seconds"] += stats.comm_seconds
-        acc["collectives"] += stats.collectives
-        acc["buckets"] += 1
-        if last and self.log_every and it % self.log_every == 0:
-            log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
-                     self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],
-                     acc["dense_bytes"] / max(1, acc["bytes_sent"]), 1e3 * acc["local_seconds"])
+        self.stats.record(it, bucket_index, dense, stats, last, self.log_every)
 
     # -- buckets and checkpoints (gradcomp/torch/_buckets.py) -----------------------------------
     @property
