@@ -78,9 +78,14 @@ class OneBitPlanSubject : public StateSubject {
 
  private:
   static constexpr int64_t kN = 80;
+  // the hook's recommended form (rotated 32-element blocks, L2 scales) with momentum, so that the
+  // fuzzed state holds every array the plan can save: worker and server error and the momentum
   static OneBitConfig cfg(bool check_finite) {
     OneBitConfig c;
     c.scaling = OneBitScaling::kSignL2;
+    c.chunk_size = 32;
+    c.rotate = true;
+    c.momentum = 0.5;
     c.check_finite = check_finite;
     return c;
   }
