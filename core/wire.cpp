@@ -2,6 +2,7 @@
 #include "gradcomp/wire.hpp"
 
 #include <bit>
+#include <cstdint>
 #include <cstring>
 
 namespace gradcomp {
@@ -151,6 +152,9 @@ void decode_indices(const uint8_t* in, uint64_t in_bytes, IndexCoding coding, ui
         const uint64_t v = i == 0 ? gap : prev + 1 + gap;
         GC_CHECK_PAYLOAD(v < numel, "index ", v, " at position ", i, " is out of range [0, ",
                          numel, ")");
+        // indices are 32-bit: a header claiming more elements must not let one wrap around
+        GC_CHECK_PAYLOAD(v <= UINT32_MAX, "index ", v, " at position ", i,
+                         " does not fit the 32-bit index type");
         idx_out[i] = static_cast<uint32_t>(v);
         prev = v;
       }

@@ -214,6 +214,16 @@ TEST(Wire, IndexDecodeRejectsOutOfRangeAndUnordered) {
   const uint8_t varint_trunc[1] = {0x85};  // continuation bit set, then nothing
   EXPECT_THROW(decode_indices(varint_trunc, 1, IndexCoding::kDeltaVarint, 1, 1000, out.data()),
                CorruptPayload);
+  // found by fuzz_wire: a header claiming numel > 2^32 let a delta-coded index pass the range
+  // check and wrap around in the 32-bit output (here 2^32 + 1 after 5: "descending")
+  const uint8_t wraps[6] = {0x05, 0xFB, 0xFF, 0xFF, 0xFF, 0x0F};  // 5, then gap 2^32 - 5
+  EXPECT_THROW(decode_indices(wraps, 6, IndexCoding::kDeltaVarint, 2, uint64_t{1} << 40,
+                              out.data()),
+               CorruptPayload);
+  const uint8_t fits[2] = {0x05, 0x02};  // 5, 8: fine under the same large numel
+  decode_indices(fits, 2, IndexCoding::kDeltaVarint, 2, uint64_t{1} << 40, out.data());
+  EXPECT_EQ(out[0], 5u);
+  EXPECT_EQ(out[1], 8u);
   const uint8_t bitmap[2] = {0x03, 0x80};  // bits 0, 1, 15: 15 >= numel 10
   EXPECT_THROW(decode_indices(bitmap, 2, IndexCoding::kBitmap, 3, 10, out.data()), CorruptPayload);
   const uint8_t bitmap_ok[2] = {0x03, 0x02};  // bits 0, 1, 9: but header says 2
