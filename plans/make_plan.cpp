@@ -260,8 +260,8 @@ std::vector<std::string> plan_names() {
 PlanOptions plan_defaults(const std::string& name) { return defaults_of(name); }
 
 bool plan_is_stateful(const std::string& name) {
-  defaults_of(name);  // checks the name
-  return name == "topk" || name == "randomk" || name == "onebit" || name == "powersgd";
+  // the plans say it themselves (BucketPlan::stateful): ask an empty one
+  return make_plan(name, BucketSpec{})->stateful();
 }
 
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& b,

@@ -7,9 +7,6 @@
 namespace gradcomp::py {
 namespace {
 
-nb::bytes to_bytes(const std::vector<uint8_t>& b) {
-  return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
-}
 
 void bind(nb::module_& m) {
   nb::class_<OneBitCompressor> onebit(

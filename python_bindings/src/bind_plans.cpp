@@ -9,9 +9,6 @@
 namespace gradcomp::py {
 namespace {
 
-nb::bytes to_bytes(const std::vector<uint8_t>& b) {
-  return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
-}
 
 /// A Python option value as a PlanOption: bool, int, float, str, or a list/tuple of numbers.
 PlanOption to_option(const std::string& name, const std::string& key, nb::handle v) {

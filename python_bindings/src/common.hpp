@@ -165,6 +165,11 @@ inline TopKConfig topk_config(double ratio, const std::string& method, double sa
   return c;
 }
 
+/// A state_dict() as Python bytes (a copy: the bytes object owns its memory).
+inline nb::bytes to_bytes(const std::vector<uint8_t>& b) {
+  return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
 inline nb::dict stats_dict(const CompressionStats& s) {
   nb::dict d;
   d["step"] = s.step;
@@ -210,11 +215,7 @@ void def_compressor_methods(nb::class_<C>& cls) {
           "dense += scale * decode(payload); the payload (1-D uint8, 8-byte aligned, e.g. "
           "Payload.array() or bytes) is validated first, dense (fp32) is written in "
           "place." GC_ARRAY_RULE)
-      .def("state_dict",
-           [](const C& c) {
-             const auto b = c.state_dict();
-             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
-           })
+      .def("state_dict", [](const C& c) { return to_bytes(c.state_dict()); })
       .def("load_state_dict",
            [](C& c, nb::bytes b) {
              c.load_state_dict(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());

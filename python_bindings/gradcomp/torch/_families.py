@@ -71,8 +71,7 @@ class _Family:
 
     def begin(self, plan, bucket) -> None:
         """Starts a step: the plan averages the flat bucket in place."""
-        buf = bucket.buffer()
-        plan.begin(buf, _stream_of(buf))
+        self.begin_flat(plan, bucket.buffer())
 
     @staticmethod
     def begin_flat(plan, flat: torch.Tensor) -> None:
