@@ -10,6 +10,7 @@
 
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
+#include "gradcomp/enum_names.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
 
@@ -19,18 +20,6 @@ namespace k = kernels;
 using detail::check_dense;
 using detail::check_grad;
 using detail::norm_of;
-
-const char* onebit_scaling_name(OneBitScaling s) {
-  switch (s) {
-    case OneBitScaling::kColumnMeans:
-      return "column-means";
-    case OneBitScaling::kSignL1:
-      return "sign-l1";
-    case OneBitScaling::kSignL2:
-      return "sign-l2";
-  }
-  return "unknown";
-}
 
 void OneBitConfig::validate() const {
   GC_CHECK_ARG(static_cast<uint8_t>(scaling) <= 2, "unknown 1-bit scaling ", int(scaling));
@@ -47,7 +36,7 @@ void OneBitConfig::validate() const {
                            chunk_size <= 8192 && (chunk_size & (chunk_size - 1)) == 0),
                "rotate needs a sign scaling and chunk_size (block_size) a power of two in [32, "
                "8192], got ",
-               onebit_scaling_name(scaling), " with chunk_size ", chunk_size,
+               enum_name(scaling), " with chunk_size ", chunk_size,
                "; turn rotate off for other blocks");
 }
 

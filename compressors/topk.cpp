@@ -62,13 +62,6 @@ double SparsifyConfig::local_clip_norm(int world) const {
   return clip_norm / std::sqrt(static_cast<double>(world));
 }
 
-SparsifyConfig::ClipScaling parse_clip_scaling(const std::string& name) {
-  if (name == "sqrt_world") return SparsifyConfig::ClipScaling::kSqrtWorld;
-  if (name == "none") return SparsifyConfig::ClipScaling::kNone;
-  throw InvalidArgument(
-      detail::cat("unknown clip_scaling '", name, "' (expected sqrt_world or none)"));
-}
-
 double SparsifyConfig::ratio_at(int64_t step) const {
   // a negative step would index warmup_ratios below 0
   GC_CHECK_ARG(step >= 0, "step must be >= 0, got ", step);

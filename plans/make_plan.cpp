@@ -6,113 +6,14 @@
 #include <set>
 #include <utility>
 
+#include "gradcomp/enum_names.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/topk.hpp"
 
 namespace gradcomp {
 
-// ---- names ----
-DType parse_dtype(const std::string& s) {
-  if (s == "float32" || s == "fp32" || s == "float") return DType::kFloat32;
-  if (s == "float16" || s == "fp16" || s == "half") return DType::kFloat16;
-  if (s == "bfloat16" || s == "bf16") return DType::kBFloat16;
-  throw InvalidArgument("unknown dtype '" + s + "' (expected float32, float16 or bfloat16)");
-}
-
-Device parse_device(const std::string& s) {
-  if (s == "cpu") return Device::kCPU;
-  if (s == "cuda") return Device::kCUDA;
-  throw InvalidArgument("unknown device '" + s + "' (expected cpu or cuda)");
-}
-
-SelectMethod parse_select_method(const std::string& s) {
-  if (s == "exact") return SelectMethod::kExact;
-  if (s == "sampled") return SelectMethod::kSampled;
-  throw InvalidArgument("unknown selection method '" + s + "' (expected exact or sampled)");
-}
-
-OneBitScaling parse_onebit_scaling(const std::string& s) {
-  if (s == "column_means" || s == "1bit_sgd") return OneBitScaling::kColumnMeans;
-  if (s == "sign_l1") return OneBitScaling::kSignL1;
-  if (s == "sign_l2") return OneBitScaling::kSignL2;
-  throw InvalidArgument("unknown 1-bit scaling '" + s +
-                        "' (expected column_means, sign_l1 or sign_l2)");
-}
-
-Orthogonalization parse_orthogonalization(const std::string& s) {
-  if (s == "auto") return Orthogonalization::kAuto;
-  if (s == "gram_schmidt") return Orthogonalization::kGramSchmidt;
-  if (s == "householder") return Orthogonalization::kHouseholder;
-  if (s == "gram_schmidt_unfused") return Orthogonalization::kGramSchmidtUnfused;
-  throw InvalidArgument("unknown orthogonalization '" + s +
-                        "' (expected auto, gram_schmidt, householder, gram_schmidt_unfused)");
-}
-
-TopKRoute parse_topk_route(const std::string& s) {
-  if (s == "auto") return TopKRoute::kAuto;
-  if (s == "sparse") return TopKRoute::kSparse;
-  if (s == "dense") return TopKRoute::kDense;
-  throw InvalidArgument("unknown top-k route '" + s + "' (expected auto, sparse or dense)");
-}
-
-CastRoute parse_cast_route(const std::string& s) {
-  if (s == "allreduce") return CastRoute::kAllreduce;
-  if (s == "reduce_scatter") return CastRoute::kReduceScatter;
-  throw InvalidArgument("unknown cast route '" + s + "' (expected allreduce or reduce_scatter)");
-}
-
-const char* topk_route_name(TopKRoute r) {
-  switch (r) {
-    case TopKRoute::kAuto:
-      return "auto";
-    case TopKRoute::kSparse:
-      return "sparse";
-    case TopKRoute::kDense:
-      return "dense";
-  }
-  return "?";
-}
-
-const char* cast_route_name(CastRoute r) {
-  return r == CastRoute::kAllreduce ? "allreduce" : "reduce_scatter";
-}
-
 namespace {
-
-const char* dtype_option_name(DType t) {
-  switch (t) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kBFloat16:
-      return "bfloat16";
-  }
-  return "?";
-}
-
-const char* clip_scaling_name(SparsifyConfig::ClipScaling c) {
-  return c == SparsifyConfig::ClipScaling::kSqrtWorld ? "sqrt_world" : "none";
-}
-
-const char* select_method_name(SelectMethod m) {
-  return m == SelectMethod::kExact ? "exact" : "sampled";
-}
-
-const char* orthogonalization_option_name(Orthogonalization o) {
-  switch (o) {
-    case Orthogonalization::kAuto:
-      return "auto";
-    case Orthogonalization::kGramSchmidt:
-      return "gram_schmidt";
-    case Orthogonalization::kHouseholder:
-      return "householder";
-    case Orthogonalization::kGramSchmidtUnfused:
-      return "gram_schmidt_unfused";
-  }
-  return "?";
-}
 
 // ---- the option tables (defaults from the configuration structs) ----
 PlanOptions sparsify_defaults(const SparsifyConfig& d) {
@@ -121,10 +22,10 @@ PlanOptions sparsify_defaults(const SparsifyConfig& d) {
           {"nesterov", d.nesterov},
           {"momentum_masking", d.momentum_masking},
           {"clip_norm", d.clip_norm},
-          {"clip_scaling", std::string(clip_scaling_name(d.clip_scaling))},
+          {"clip_scaling", std::string(enum_name(d.clip_scaling))},
           {"warmup_ratios", d.warmup_ratios},
           {"warmup_steps", d.warmup_steps},
-          {"value_dtype", std::string(dtype_option_name(d.value_dtype))},
+          {"value_dtype", std::string(enum_name(d.value_dtype))},
           {"error_feedback", d.error_feedback},
           {"check_finite", d.check_finite},
           {"seed", static_cast<int64_t>(d.seed)}};
@@ -137,9 +38,9 @@ PlanOptions defaults_of(const std::string& name) {
     const TopKConfig d;
     const TopKPlanOptions p;
     PlanOptions o = sparsify_defaults(d);
-    o["method"] = std::string(select_method_name(d.select.method));
+    o["method"] = std::string(enum_name(d.select.method));
     o["sample_rate"] = d.select.sample_rate;
-    o["route"] = std::string(topk_route_name(p.route));
+    o["route"] = std::string(enum_name(p.route));
     o["latency_s"] = p.cost.latency_s;
     o["bandwidth_Bps"] = p.cost.bandwidth_Bps;
     return o;
@@ -163,7 +64,7 @@ PlanOptions defaults_of(const std::string& name) {
             {"warm_start", d.warm_start},
             {"orthogonalization_epsilon", static_cast<double>(d.orthogonalization_epsilon)},
             {"seed", static_cast<int64_t>(d.seed)},
-            {"orthogonalization", std::string(orthogonalization_option_name(d.orthogonalization))},
+            {"orthogonalization", std::string(enum_name(d.orthogonalization))},
             {"check_finite", d.check_finite}};
   }
   std::string known;
@@ -240,10 +141,10 @@ C sparsify_config(const Options& o, uint32_t bucket_id) {
   c.nesterov = o.flag("nesterov");
   c.momentum_masking = o.flag("momentum_masking");
   c.clip_norm = o.real("clip_norm");
-  c.clip_scaling = parse_clip_scaling(o.name("clip_scaling"));
+  c.clip_scaling = parse_enum<SparsifyConfig::ClipScaling>(o.name("clip_scaling"));
   c.warmup_ratios = o.list("warmup_ratios");
   c.warmup_steps = o.integer("warmup_steps");
-  c.value_dtype = parse_dtype(o.name("value_dtype"));
+  c.value_dtype = parse_enum<DType>(o.name("value_dtype"));
   c.error_feedback = o.flag("error_feedback");
   c.check_finite = o.flag("check_finite");
   c.seed = o.seed("seed");
@@ -278,17 +179,17 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
                   ? CastRoute::kReduceScatter
                   : CastRoute::kAllreduce;
     else
-      route = parse_cast_route(r);
+      route = parse_enum<CastRoute>(r);
     return std::make_unique<CastAllreducePlan>(b.numel, b.dtype,
                                                name == "fp16" ? DType::kFloat16 : DType::kBFloat16,
                                                b.world, b.device, b.device_index, b.stream, route);
   }
   if (name == "topk") {
     auto c = sparsify_config<TopKConfig>(o, b.bucket_id);
-    c.select.method = parse_select_method(o.name("method"));
+    c.select.method = parse_enum<SelectMethod>(o.name("method"));
     c.select.sample_rate = o.real("sample_rate");
     TopKPlanOptions p;
-    p.route = parse_topk_route(o.name("route"));
+    p.route = parse_enum<TopKRoute>(o.name("route"));
     p.cost.latency_s = o.real("latency_s");
     p.cost.bandwidth_Bps = o.real("bandwidth_Bps");
     GC_CHECK_ARG(p.cost.latency_s >= 0 && p.cost.bandwidth_Bps > 0,
@@ -303,7 +204,7 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
                                                   b.device_index, b.stream);
   if (name == "onebit") {
     OneBitConfig c;
-    c.scaling = parse_onebit_scaling(o.name("scaling"));
+    c.scaling = parse_enum<OneBitScaling>(o.name("scaling"));
     c.chunk_size = o.integer("block_size");
     c.rotate = o.flag("rotate");
     c.error_feedback = o.flag("error_feedback");
@@ -321,7 +222,7 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
   c.warm_start = o.flag("warm_start");
   c.orthogonalization_epsilon = static_cast<float>(o.real("orthogonalization_epsilon"));
   c.seed = o.seed("seed");
-  c.orthogonalization = parse_orthogonalization(o.name("orthogonalization"));
+  c.orthogonalization = parse_enum<Orthogonalization>(o.name("orthogonalization"));
   c.check_finite = o.flag("check_finite");
   GC_CHECK_ARG(b.bucket_id < 65536, "powersgd: bucket_id must be < 65536 (tensor ids ",
                "bucket_id * 65536 + i), got ", b.bucket_id);

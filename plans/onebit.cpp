@@ -10,6 +10,7 @@
 
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
+#include "gradcomp/enum_names.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
 #include "kernels/reduce.hpp"  // convert: the in-place result in the gradient's dtype
@@ -59,7 +60,7 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   cfg_.validate();
   GC_CHECK_ARG(cfg_.scaling != OneBitScaling::kColumnMeans,
                "the 1-bit allreduce plan uses a sign scaling (kSignL1 or kSignL2), got ",
-               onebit_scaling_name(cfg_.scaling));
+               enum_name(cfg_.scaling));
   GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "numel must be in [0, 2^40], got ",
                numel);
   GC_CHECK_ARG(world >= 1, "world size must be >= 1, got ", world);

@@ -15,6 +15,7 @@
 #include <variant>
 #include <vector>
 
+#include "gradcomp/enum_names.hpp"  // parse_enum / enum_name: the names the options use
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/plan.hpp"
@@ -71,16 +72,5 @@ bool plan_is_stateful(const std::string& name);
 /// it (and the known options), before anything is allocated.
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& bucket,
                                       const PlanOptions& options = {});
-
-// ---- the names the options use (also for the bindings' keyword arguments) ----
-DType parse_dtype(const std::string& s);  ///< float32|fp32|float, float16|fp16|half, bfloat16|bf16
-Device parse_device(const std::string& s);                 ///< cpu, cuda
-SelectMethod parse_select_method(const std::string& s);    ///< exact, sampled
-OneBitScaling parse_onebit_scaling(const std::string& s);  ///< column_means, sign_l1, sign_l2
-Orthogonalization parse_orthogonalization(const std::string& s);  ///< auto, gram_schmidt, ...
-TopKRoute parse_topk_route(const std::string& s);                 ///< auto, sparse, dense
-CastRoute parse_cast_route(const std::string& s);                 ///< allreduce, reduce_scatter
-const char* topk_route_name(TopKRoute r);
-const char* cast_route_name(CastRoute r);
 
 }  // namespace gradcomp

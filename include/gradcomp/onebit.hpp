@@ -55,7 +55,6 @@ enum class OneBitScaling : uint8_t {
   kSignL1 = 1,       ///< scaled sign: +-||x||_1 / n per tensor or chunk (EF-SignSGD)
   kSignL2 = 2,       ///< scaled sign: +-||x||_2 / sqrt(n) per tensor or chunk (1-bit Adam)
 };
-const char* onebit_scaling_name(OneBitScaling s);
 
 struct OneBitConfig {
   OneBitScaling scaling = OneBitScaling::kColumnMeans;

@@ -78,9 +78,6 @@ struct SparsifyConfig {
   double local_clip_norm(int world) const;
 };
 
-/// "sqrt_world" / "none"; InvalidArgument naming the accepted names otherwise.
-SparsifyConfig::ClipScaling parse_clip_scaling(const std::string& name);
-
 struct TopKConfig : SparsifyConfig {
   SelectOptions select;
   void validate() const;

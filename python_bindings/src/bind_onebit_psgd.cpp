@@ -18,13 +18,14 @@ void bind(nb::module_& m) {
          const std::string& grad_dtype, const std::string& device, int device_index,
          uintptr_t stream) {
         OneBitConfig c;
-        c.scaling = parse_onebit_scaling(scaling);
+        c.scaling = parse_enum<OneBitScaling>(scaling);
         c.error_feedback = error_feedback;
         c.chunk_size = chunk_size;
         c.check_finite = check_finite;
         c.tensor_id = tensor_id;
-        new (self) OneBitCompressor(c, rows, cols, parse_dtype(grad_dtype), parse_device(device),
-                                    device_index, reinterpret_cast<void*>(stream));
+        new (self) OneBitCompressor(c, rows, cols, parse_enum<DType>(grad_dtype),
+                                    parse_enum<Device>(device), device_index,
+                                    reinterpret_cast<void*>(stream));
       },
       nb::arg("rows"), nb::arg("cols") = 1, nb::kw_only(), nb::arg("scaling") = "column_means",
       nb::arg("error_feedback") = true, nb::arg("chunk_size") = 0, nb::arg("check_finite") = true,
@@ -88,11 +89,12 @@ void bind(nb::module_& m) {
             c.warm_start = warm_start;
             c.orthogonalization_epsilon = orthogonalization_epsilon;
             c.seed = seed;
-            c.orthogonalization = parse_orthogonalization(orthogonalization);
+            c.orthogonalization = parse_enum<Orthogonalization>(orthogonalization);
             c.check_finite = check_finite;
             c.first_tensor_id = first_tensor_id;
-            new (self) PowerSGDState(c, shapes, parse_dtype(grad_dtype), parse_device(device),
-                                     device_index, reinterpret_cast<void*>(stream));
+            new (self)
+                PowerSGDState(c, shapes, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
+                              device_index, reinterpret_cast<void*>(stream));
           },
           nb::arg("shapes"), nb::kw_only(), nb::arg("rank") = 1, nb::arg("start_iter") = 0,
           nb::arg("min_compression_rate") = 2.0, nb::arg("use_error_feedback") = true,

@@ -43,39 +43,24 @@ nb::object from_option(const PlanOption& v) {
   return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }
 
-/// Binds an enum whose members are named as its option values, marked so that make_plan and the
-/// hooks take a member wherever they take the name.
+/// Binds an enum with its canonical option names (enum_names.hpp) as members, marked so that
+/// make_plan and the hooks take a member wherever they take the name.
 template <class E>
-nb::enum_<E> option_enum(nb::module_& m, const char* py_name, const char* doc,
-                         std::initializer_list<std::pair<const char*, E>> values) {
+void option_enum(nb::module_& m, const char* py_name, const char* doc) {
   nb::enum_<E> e(m, py_name, doc);
-  for (const auto& [n, v] : values) e.value(n, v);
+  for (std::size_t i = 0; i < EnumNames<E>::members; ++i)
+    e.value(EnumNames<E>::table[i].name, EnumNames<E>::table[i].value);
   e.attr("__gradcomp_option__") = true;
-  return e;
 }
 
 void bind_plans(nb::module_& m) {
-  option_enum<DType>(
-      m, "DType", "Gradient / value dtypes (options: value_dtype).",
-      {{"float32", DType::kFloat32}, {"float16", DType::kFloat16}, {"bfloat16", DType::kBFloat16}});
-  option_enum<SelectMethod>(m, "SelectMethod", "Top-k selection (option: method).",
-                            {{"exact", SelectMethod::kExact}, {"sampled", SelectMethod::kSampled}});
-  option_enum<TopKRoute>(
-      m, "TopKRoute", "Top-k exchange (option: route).",
-      {{"auto", TopKRoute::kAuto}, {"sparse", TopKRoute::kSparse}, {"dense", TopKRoute::kDense}});
-  option_enum<CastRoute>(
-      m, "CastRoute", "fp16/bf16 summation route (option: route).",
-      {{"allreduce", CastRoute::kAllreduce}, {"reduce_scatter", CastRoute::kReduceScatter}});
-  option_enum<OneBitScaling>(m, "OneBitScaling", "1-bit scales (option: scaling).",
-                             {{"column_means", OneBitScaling::kColumnMeans},
-                              {"sign_l1", OneBitScaling::kSignL1},
-                              {"sign_l2", OneBitScaling::kSignL2}});
-  option_enum<Orthogonalization>(
-      m, "Orthogonalization", "PowerSGD orthogonalization (option: orthogonalization).",
-      {{"auto", Orthogonalization::kAuto},
-       {"gram_schmidt", Orthogonalization::kGramSchmidt},
-       {"householder", Orthogonalization::kHouseholder},
-       {"gram_schmidt_unfused", Orthogonalization::kGramSchmidtUnfused}});
+  option_enum<DType>(m, "DType", "Gradient / value dtypes (options: value_dtype).");
+  option_enum<SelectMethod>(m, "SelectMethod", "Top-k selection (option: method).");
+  option_enum<TopKRoute>(m, "TopKRoute", "Top-k exchange (option: route).");
+  option_enum<CastRoute>(m, "CastRoute", "fp16/bf16 summation route (option: route).");
+  option_enum<OneBitScaling>(m, "OneBitScaling", "1-bit scales (option: scaling).");
+  option_enum<Orthogonalization>(m, "Orthogonalization",
+                                 "PowerSGD orthogonalization (option: orthogonalization).");
   nb::class_<BucketPlan, Plan> bucket(
       m, "BucketPlan",
       "A plan over one gradient bucket (every family; built by make_plan). Every step: "
@@ -112,10 +97,10 @@ void bind_plans(nb::module_& m) {
          nb::dict options) {
         BucketSpec b;
         b.numel = numel;
-        b.dtype = parse_dtype(dtype);
+        b.dtype = parse_enum<DType>(dtype);
         b.world = world;
         b.rank = rank;
-        b.device = parse_device(device);
+        b.device = parse_enum<Device>(device);
         b.device_index = device_index;
         b.stream = reinterpret_cast<void*>(stream);
         b.shapes = std::move(shapes);
@@ -158,7 +143,7 @@ void bind_plans(nb::module_& m) {
       "the backend sums half precision, NCCL); 'reduce_scatter': all-to-all of wire-type chunks, "
       "a rank-ordered fp32 sum, an allgather (the same bytes on the wire; the backend only moves "
       "bytes, for gloo).")
-      .def_prop_ro("route", [](const CastAllreducePlan& p) { return cast_route_name(p.route()); });
+      .def_prop_ro("route", [](const CastAllreducePlan& p) { return enum_name(p.route()); });
   nb::class_<TopKAllreducePlan, BucketPlan>(
       m, "TopKAllreducePlan",
       "Top-k / DGC allreduce: sparse allgather or densify-then-allreduce, chosen per step by a "
@@ -171,7 +156,7 @@ void bind_plans(nb::module_& m) {
         d["steps"] = s.steps;
         d["sparse_steps"] = s.sparse_steps;
         d["dense_steps"] = s.dense_steps;
-        d["last_route"] = std::string(topk_route_name(s.last_route));
+        d["last_route"] = std::string(enum_name(s.last_route));
         d["last_max_payload"] = s.last_max_payload;
         d["last_total_payload"] = s.last_total_payload;
         d["last_sparse_cost_s"] = s.last_sparse_cost_s;

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "common.hpp"
+#include "gradcomp/enum_names.hpp"
 #include "gradcomp/straggler.hpp"
 
 namespace gradcomp::py {
@@ -22,48 +23,10 @@ using namespace gradcomp::straggler;
 
 using F64Array = nb::ndarray<const double, nb::c_contig, nb::device::cpu>;
 
-// -- enumerations as strings ----------------------------------------------------------------------
-DropPoint parse_drop_point(const std::string& s) {
-  if (s == "before_forward") return DropPoint::kBeforeForward;
-  if (s == "between_forward_backward") return DropPoint::kBetweenForwardBackward;
-  if (s == "after_backward") return DropPoint::kAfterBackward;
-  throw InvalidArgument("unknown drop point '" + s +
-                        "' (expected before_forward, between_forward_backward or after_backward)");
-}
-const char* drop_point_name(DropPoint p) {
-  switch (p) {
-    case DropPoint::kBeforeForward:
-      return "before_forward";
-    case DropPoint::kBetweenForwardBackward:
-      return "between_forward_backward";
-    case DropPoint::kAfterBackward:
-      return "after_backward";
-  }
-  return "unknown";
-}
-StopModel parse_stop_model(const std::string& s) {
-  if (s == "preemptive") return StopModel::kPreemptive;
-  if (s == "boundary" || s == "micro_batch_boundary") return StopModel::kMicroBatchBoundary;
-  throw InvalidArgument("unknown stop model '" + s + "' (expected preemptive or boundary)");
-}
-Normalization parse_normalization(const std::string& s) {
-  if (s == "nominal") return Normalization::kNominal;
-  if (s == "actual") return Normalization::kActual;
-  throw InvalidArgument("unknown normalization '" + s + "' (expected nominal or actual)");
-}
-DelayKind parse_delay_kind(const std::string& s) {
-  if (s == "normal") return DelayKind::kNormal;
-  if (s == "lognormal" || s == "bounded_lognormal") return DelayKind::kBoundedLogNormal;
-  throw InvalidArgument("unknown delay kind '" + s + "' (expected normal or lognormal)");
-}
-const char* delay_kind_name(DelayKind k) {
-  return k == DelayKind::kNormal ? "normal" : "lognormal";
-}
-
 TauOptions tau_options(double serial_time, const std::string& model, double min_gain) {
   TauOptions o;
   o.serial_time = serial_time;
-  o.model = parse_stop_model(model);
+  o.model = parse_enum<StopModel>(model);
   o.min_gain = min_gain;
   o.validate();
   return o;
@@ -350,7 +313,7 @@ void bind_controller(nb::module_& m) {
             ThresholdConfig c;
             c.micro_batches = micro_batches;
             c.tau = tau;
-            c.drop_point = parse_drop_point(drop_point);
+            c.drop_point = parse_enum<DropPoint>(drop_point);
             c.history_steps = history_steps;
             GC_CHECK_ARG(clock.is_none() || PyCallable_Check(clock.ptr()),
                          "ThresholdController: clock must be None or a callable returning seconds");
@@ -363,12 +326,14 @@ void bind_controller(nb::module_& m) {
       .def("begin_step", [](PyController& w) { w.ctl.begin_step(); })
       .def(
           "proceed",
-          [](PyController& w, const std::string& p) { return w.ctl.proceed(parse_drop_point(p)); },
+          [](PyController& w, const std::string& p) {
+            return w.ctl.proceed(parse_enum<DropPoint>(p));
+          },
           nb::arg("point"), "Whether to go on past this point of the current micro-batch.")
       .def(
           "proceed_elapsed",
           [](PyController& w, const std::string& p, double elapsed) {
-            return w.ctl.proceed_elapsed(parse_drop_point(p), elapsed);
+            return w.ctl.proceed_elapsed(parse_enum<DropPoint>(p), elapsed);
           },
           nb::arg("point"), nb::arg("elapsed"),
           "proceed() judged on an elapsed time measured by the caller (seconds).")
@@ -383,10 +348,9 @@ void bind_controller(nb::module_& m) {
           "New threshold from the next begin_step(); ValueError for tau <= 0 or NaN.")
       .def_prop_ro("micro_batches",
                    [](const PyController& w) { return w.ctl.config().micro_batches; })
-      .def_prop_ro("drop_point",
-                   [](const PyController& w) {
-                     return std::string(drop_point_name(w.ctl.config().drop_point));
-                   })
+      .def_prop_ro(
+          "drop_point",
+          [](const PyController& w) { return std::string(enum_name(w.ctl.config().drop_point)); })
       .def_prop_ro(
           "history",
           [](const PyController& w) {
@@ -401,7 +365,7 @@ void bind_controller(nb::module_& m) {
   m.def(
       "gradient_scale",
       [](const std::string& norm, int64_t workers, int64_t micro_batches, int64_t total) {
-        return gradient_scale(parse_normalization(norm), workers, micro_batches, total);
+        return gradient_scale(parse_enum<Normalization>(norm), workers, micro_batches, total);
       },
       nb::arg("normalization"), nb::arg("workers"), nb::arg("micro_batches"),
       nb::arg("total_completed"),
@@ -420,13 +384,13 @@ void bind_simulator(nb::module_& m) {
           "__init__",
           [](DelayModel* self, const std::string& kind, double mean, double stddev, double log_mu,
              double log_sigma, double cap) {
-            DelayModel d{parse_delay_kind(kind), mean, stddev, log_mu, log_sigma, cap};
+            DelayModel d{parse_enum<DelayKind>(kind), mean, stddev, log_mu, log_sigma, cap};
             d.validate();
             new (self) DelayModel(d);
           },
           nb::arg("kind") = "normal", nb::kw_only(), nb::arg("mean") = 1.0, nb::arg("stddev") = 0.0,
           nb::arg("log_mu") = 0.0, nb::arg("log_sigma") = 1.0, nb::arg("cap") = 1.0)
-      .def_prop_ro("kind", [](const DelayModel& d) { return std::string(delay_kind_name(d.kind)); })
+      .def_prop_ro("kind", [](const DelayModel& d) { return std::string(enum_name(d.kind)); })
       .def_ro("mean", &DelayModel::mean)
       .def_ro("stddev", &DelayModel::stddev)
       .def_ro("log_mu", &DelayModel::log_mu)

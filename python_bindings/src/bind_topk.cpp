@@ -23,8 +23,9 @@ void bind_topk(nb::module_& m) {
                                              momentum_masking, clip_norm, std::move(warmup_ratios),
                                              warmup_steps, value_dtype, error_feedback,
                                              check_finite, seed, tensor_id);
-            new (self) TopKCompressor(c, numel, parse_dtype(grad_dtype), parse_device(device),
-                                      device_index, reinterpret_cast<void*>(stream));
+            new (self)
+                TopKCompressor(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
+                               device_index, reinterpret_cast<void*>(stream));
           },
           nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.001, nb::arg("method") = "sampled",
           nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
@@ -50,8 +51,9 @@ void bind_topk(nb::module_& m) {
             const auto c = sparsify_config<RandomKConfig>(
                 ratio, momentum, nesterov, momentum_masking, clip_norm, std::move(warmup_ratios),
                 warmup_steps, value_dtype, error_feedback, check_finite, seed, tensor_id);
-            new (self) RandomKCompressor(c, numel, parse_dtype(grad_dtype), parse_device(device),
-                                         device_index, reinterpret_cast<void*>(stream));
+            new (self) RandomKCompressor(c, numel, parse_enum<DType>(grad_dtype),
+                                         parse_enum<Device>(device), device_index,
+                                         reinterpret_cast<void*>(stream));
           },
           nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.01,
           nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
@@ -72,7 +74,7 @@ void bind_topk(nb::module_& m) {
         GC_CHECK_ARG(k >= 0 && k <= v.numel, "k must be in [0, n] = [0, ", v.numel, "], got ", k);
         auto* out = new std::vector<uint32_t>(static_cast<size_t>(k));
         SelectOptions opt;
-        opt.method = parse_select_method(method);
+        opt.method = parse_enum<SelectMethod>(method);
         int64_t c;
         try {
           nb::gil_scoped_release nogil;

@@ -141,7 +141,7 @@ C sparsify_config(double ratio, double momentum, bool nesterov, bool momentum_ma
   c.clip_norm = clip_norm;
   c.warmup_ratios = std::move(warmup_ratios);
   c.warmup_steps = warmup_steps;
-  c.value_dtype = parse_dtype(value_dtype);
+  c.value_dtype = parse_enum<DType>(value_dtype);
   c.error_feedback = error_feedback;
   c.check_finite = check_finite;
   c.seed = seed;
@@ -160,7 +160,7 @@ inline TopKConfig topk_config(double ratio, const std::string& method, double sa
   TopKConfig c = sparsify_config<TopKConfig>(ratio, momentum, nesterov, momentum_masking, clip_norm,
                                              std::move(warmup_ratios), warmup_steps, value_dtype,
                                              error_feedback, check_finite, seed, tensor_id);
-  c.select.method = parse_select_method(method);
+  c.select.method = parse_enum<SelectMethod>(method);
   c.select.sample_rate = sample_rate;
   return c;
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "comm_reference.hpp"
+#include "gradcomp/enum_names.hpp"
 #include "gradcomp/plans.hpp"
 #include "kernels/reduce.hpp"
 #include "kernels/reduce_math.h"
@@ -379,6 +380,7 @@ TEST(CommPlans, SparsifyPlansClipEachRankAtNormOverSqrtWorld) {
   EXPECT_DOUBLE_EQ(c.local_clip_norm(9), 1.0);
   EXPECT_DOUBLE_EQ(c.local_clip_norm(1), 3.0);
   EXPECT_THROW(c.local_clip_norm(0), gc::InvalidArgument);
-  EXPECT_EQ(gc::parse_clip_scaling("none"), gc::SparsifyConfig::ClipScaling::kNone);
-  EXPECT_THROW(gc::parse_clip_scaling("sqrt"), gc::InvalidArgument);
+  EXPECT_EQ(gc::parse_enum<gc::SparsifyConfig::ClipScaling>("none"),
+            gc::SparsifyConfig::ClipScaling::kNone);
+  EXPECT_THROW(gc::parse_enum<gc::SparsifyConfig::ClipScaling>("sqrt"), gc::InvalidArgument);
 }

@@ -248,3 +248,64 @@ TEST(MakePlan, PowerSGDFlatBucketEqualsItsTensorViews) {
   std::vector<float> small(static_cast<size_t>(n - 1));
   EXPECT_THROW(flat[0]->begin(gc::TensorView::cpu(small.data(), n - 1)), gc::InvalidArgument);
 }
+
+// ---- the enum name tables (enum_names.hpp) ----
+namespace {
+
+/// Every member's canonical name parses back to it, names are distinct, every alias parses to a
+/// member, and an unknown name is refused with the member names listed.
+template <class E>
+void check_enum_table(std::vector<std::string> expected_members) {
+  using N = gc::EnumNames<E>;
+  ASSERT_EQ(N::members, expected_members.size()) << N::what;
+  std::vector<std::string> seen;
+  for (const auto& e : N::table) {
+    for (const auto& s : seen) EXPECT_NE(s, e.name) << N::what << ": name listed twice";
+    seen.emplace_back(e.name);
+    EXPECT_EQ(gc::parse_enum<E>(e.name), e.value) << e.name;
+  }
+  for (std::size_t i = 0; i < N::members; ++i) {
+    EXPECT_EQ(expected_members[i], N::table[i].name) << N::what;
+    EXPECT_STREQ(gc::enum_name(N::table[i].value), N::table[i].name) << N::what;
+    for (std::size_t j = 0; j < i; ++j)  // one canonical name per value
+      EXPECT_NE(N::table[j].value, N::table[i].value) << N::what << " " << N::table[i].name;
+  }
+  const std::string msg = message_of([] { gc::parse_enum<E>("no-such-name"); });
+  EXPECT_NE(msg.find(std::string("unknown ") + N::what + " 'no-such-name'"), std::string::npos)
+      << msg;
+  for (const auto& m : expected_members) EXPECT_NE(msg.find(m), std::string::npos) << msg;
+  EXPECT_THROW(gc::parse_enum<E>(""), gc::InvalidArgument);
+  EXPECT_STREQ(gc::enum_name(static_cast<E>(200)), "?");
+}
+
+}  // namespace
+
+TEST(EnumNames, EveryTableParsesItsNamesAndRefusesOthers) {
+  check_enum_table<gc::DType>({"float32", "float16", "bfloat16"});
+  check_enum_table<gc::Device>({"cpu", "cuda"});
+  check_enum_table<gc::SelectMethod>({"exact", "sampled"});
+  check_enum_table<gc::OneBitScaling>({"column_means", "sign_l1", "sign_l2"});
+  check_enum_table<gc::Orthogonalization>(
+      {"auto", "gram_schmidt", "householder", "gram_schmidt_unfused"});
+  check_enum_table<gc::TopKRoute>({"auto", "sparse", "dense"});
+  check_enum_table<gc::CastRoute>({"allreduce", "reduce_scatter"});
+  check_enum_table<gc::SparsifyConfig::ClipScaling>({"sqrt_world", "none"});
+  check_enum_table<gc::straggler::DropPoint>(
+      {"before_forward", "between_forward_backward", "after_backward"});
+  check_enum_table<gc::straggler::StopModel>({"preemptive", "boundary"});
+  check_enum_table<gc::straggler::Normalization>({"nominal", "actual"});
+  check_enum_table<gc::straggler::DelayKind>({"normal", "lognormal"});
+  // the aliases the bindings have always accepted
+  EXPECT_EQ(gc::parse_enum<gc::DType>("fp16"), gc::DType::kFloat16);
+  EXPECT_EQ(gc::parse_enum<gc::DType>("half"), gc::DType::kFloat16);
+  EXPECT_EQ(gc::parse_enum<gc::DType>("bf16"), gc::DType::kBFloat16);
+  EXPECT_EQ(gc::parse_enum<gc::DType>("float"), gc::DType::kFloat32);
+  EXPECT_EQ(gc::parse_enum<gc::OneBitScaling>("1bit_sgd"), gc::OneBitScaling::kColumnMeans);
+  EXPECT_EQ(gc::parse_enum<gc::straggler::StopModel>("micro_batch_boundary"),
+            gc::straggler::StopModel::kMicroBatchBoundary);
+  EXPECT_EQ(gc::parse_enum<gc::straggler::DelayKind>("bounded_lognormal"),
+            gc::straggler::DelayKind::kBoundedLogNormal);
+  // a name is matched whole and case-sensitively
+  EXPECT_THROW(gc::parse_enum<gc::TopKRoute>("Sparse"), gc::InvalidArgument);
+  EXPECT_THROW(gc::parse_enum<gc::TopKRoute>("sparse "), gc::InvalidArgument);
+}

@@ -33,8 +33,8 @@ OneBitConfig make_cfg(OneBitScaling s, int64_t chunk = 0, bool ef = true) {
 }
 
 std::string label(const OneBitConfig& c, Shape s) {
-  return std::string(onebit_scaling_name(c.scaling)) + " chunk " + std::to_string(c.chunk_size) +
-         " shape " + std::to_string(s.R) + "x" + std::to_string(s.C);
+  return std::string(enum_name(c.scaling)) + " chunk " + std::to_string(c.chunk_size) + " shape " +
+         std::to_string(s.R) + "x" + std::to_string(s.C);
 }
 
 /// Runs `steps` encodes on random data and checks every step against the scalar reference:

@@ -65,7 +65,7 @@ struct Shape {
 /// `offset` (elements) misaligns the gradient to force the scalar quantize path.
 void compare_twins(const OneBitConfig& cfg, Shape sh, DType dt, int steps, int64_t offset = 0) {
   const int64_t n = sh.R * sh.C;
-  SCOPED_TRACE(std::string(onebit_scaling_name(cfg.scaling)) + " " + std::to_string(sh.R) + "x" +
+  SCOPED_TRACE(std::string(enum_name(cfg.scaling)) + " " + std::to_string(sh.R) + "x" +
                std::to_string(sh.C) + " " + dtype_name(dt) + " chunk " +
                std::to_string(cfg.chunk_size) + " offset " + std::to_string(offset));
   OneBitCompressor cpu(cfg, sh.R, sh.C, dt);
@@ -256,7 +256,7 @@ TEST(OneBitCuda, LazyStateMatchesMaterializedStateAndRejectsInPlace) {
   for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1, OneBitScaling::kSignL2})
     for (Shape s : {Shape{300, 37}, Shape{64, 2048}, Shape{100003, 1}}) {
       const int64_t n = s.R * s.C;
-      SCOPED_TRACE(std::string(onebit_scaling_name(sc)) + " " + std::to_string(s.R) + "x" +
+      SCOPED_TRACE(std::string(enum_name(sc)) + " " + std::to_string(s.R) + "x" +
                    std::to_string(s.C));
       OneBitCompressor a(make_cfg(sc), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
       OneBitCompressor b(make_cfg(sc), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "gradcomp/enum_names.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"
@@ -98,7 +99,7 @@ TEST(DecodeTensorId, EveryDecoderChecksTheHeaderTensorId) {
   for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1, OneBitScaling::kSignL2}) {
     OneBitConfig ob;
     ob.scaling = sc;
-    expect_tensor_id_checked<OneBitCompressor>(ob, 200, onebit_scaling_name(sc));
+    expect_tensor_id_checked<OneBitCompressor>(ob, 200, enum_name(sc));
   }
 }
 
