@@ -24,6 +24,7 @@
 
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
+#include "kernels/onebit.hpp"
 
 using namespace gradcomp;
 using gradcomp::bench::LoopTimer;
@@ -131,7 +132,7 @@ void BM_onebit_compress(benchmark::State& st) {
     it.stop();
   }
   const double secs = timer.seconds();
-  st.SetLabel(std::string(onebit_scaling_name(static_cast<OneBitScaling>(mode))) +
+  st.SetLabel(std::string(enum_name(static_cast<OneBitScaling>(mode))) +
               (cfg.check_finite ? "" : " in-place"));
   set_counters(st, 12.0 * n + n / 8.0, n, secs, it, comp.last_stats().compression_ratio());
 }
@@ -191,7 +192,7 @@ void BM_onebit_decompress_accumulate(benchmark::State& st) {
     it.stop();
   }
   const double secs = timer.seconds();
-  st.SetLabel(onebit_scaling_name(static_cast<OneBitScaling>(mode)));
+  st.SetLabel(enum_name(static_cast<OneBitScaling>(mode)));
   set_counters(st, 8.0 * n + n / 8.0, n, secs, it, comp.last_stats().compression_ratio());
 }
 
@@ -251,6 +252,26 @@ void BM_onebit_plan_p8(benchmark::State& st) {
                4.0 * n / static_cast<double>(plans[0]->bytes_sent()));
 }
 
+/// The 1-bit plan's block rotation (S = 128, forward) in place over n elements: arg 1 = 0 the
+/// library's baseline build, 1 the dispatched one (AVX2 where the CPU has it; the label says);
+/// the two in the same run give the ratio. bytes_per_second counts 4 n bytes per transform.
+void BM_onebit_rotate(benchmark::State& st) {
+  const int64_t n = st.range(0), S = 128;
+  const bool dispatched = st.range(1) != 0;
+  std::vector<float> x = data(n, 7);
+  for (auto _ : st) {
+    if (dispatched)
+      kernels::cpu::hadamard_rotate(x.data(), n / S, S, 0, false);
+    else
+      kernels::cpu::hadamard_rotate_baseline(x.data(), n / S, S, 0, false);
+    benchmark::DoNotOptimize(x.data());
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * 4 * n);
+  st.SetLabel(!dispatched
+                  ? "baseline"
+                  : (kernels::cpu::hadamard_rotate_uses_avx2() ? "avx2" : "baseline (no avx2)"));
+}
+
 constexpr int64_t k1M = 1 << 20, k25M = 25'000'000, k110M = 110'000'000;
 
 void sizes(benchmark::internal::Benchmark* b, bool modes) {
@@ -288,6 +309,14 @@ BENCHMARK(BM_onebit_decompress_accumulate)
 BENCHMARK(BM_onebit_decode_average8)
     ->Apply([](auto* b) { sizes(b, false); }) -> Unit(benchmark::kMillisecond) -> MinTime(0.3)
         -> UseRealTime();
+BENCHMARK(BM_onebit_rotate)
+    ->Args({6'460'000, 0})
+    ->Args({6'460'000, 1})
+    ->Args({k25M, 0})
+    ->Args({k25M, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.3)
+    ->UseRealTime();
 BENCHMARK(BM_onebit_plan_p8)
     ->Arg(k1M)
     ->Arg(k25M)

@@ -87,7 +87,13 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
 /// inverse == false: z = H D x / sqrt(S); true: x = D H z / sqrt(S). S: a power of two in
 /// [2, 8192]. Stage by stage the same butterflies in the same order on both backends, so the
 /// results are bitwise equal (for finite inputs: NaN payload bits may differ).
+/// On x86-64 CPUs with AVX2 the loop runs in an AVX2 build (same bits, wider vectors).
 void hadamard_rotate(float* x, int64_t nblocks, int64_t S, int64_t first_block, bool inverse);
+/// The same in the library's baseline build, whatever the CPU (tests and the benchmark compare).
+void hadamard_rotate_baseline(float* x, int64_t nblocks, int64_t S, int64_t first_block,
+                              bool inverse);
+/// Whether hadamard_rotate runs the AVX2 build on this CPU.
+bool hadamard_rotate_uses_avx2();
 }  // namespace cpu
 
 namespace cuda {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -138,9 +139,25 @@ TEST(OneBitPlan, HadamardRotationIsTheStagewiseSequenceBitwise) {
         x[0] = 0.0f;
         if (S >= 2) x[1] = -0.0f;
         const auto want = rotate_stagewise(x, S, 5, inverse);
+        // the dispatched form (AVX2 where the CPU has it) and the baseline build
+        std::vector<float> base = x;
         kernels::cpu::hadamard_rotate(x.data(), nb, S, 5, inverse);
+        kernels::cpu::hadamard_rotate_baseline(base.data(), nb, S, 5, inverse);
         ASSERT_TRUE(same_bytes(x.data(), want.data(), 4 * x.size()));
+        ASSERT_TRUE(same_bytes(base.data(), want.data(), 4 * x.size()));
       }
+  // more blocks than one thread's run of 64, with a block offset: both builds, every block
+  for (bool inverse : {false, true}) {
+    const int64_t S = 128, nb = 1000;
+    std::vector<float> x = normal(S * nb, 21, 3.0f), base = x;
+    const auto want = rotate_stagewise(x, S, 5, inverse);
+    kernels::cpu::hadamard_rotate(x.data(), nb, S, 5, inverse);
+    kernels::cpu::hadamard_rotate_baseline(base.data(), nb, S, 5, inverse);
+    ASSERT_TRUE(same_bytes(x.data(), want.data(), 4 * x.size()));
+    ASSERT_TRUE(same_bytes(base.data(), want.data(), 4 * x.size()));
+  }
+  std::printf("hadamard_rotate runs the %s build on this CPU\n",
+              kernels::cpu::hadamard_rotate_uses_avx2() ? "AVX2" : "baseline");
 }
 
 TEST(OneBitPlan, HadamardRotationMatchesMatrixReferenceAndInverts) {
