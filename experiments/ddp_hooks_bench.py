@@ -56,6 +56,9 @@ CONFIGS = [
     # the compute floor: DDP with a hook that returns each bucket untouched (no communication);
     # what a perfect compressor would approach
     ("no-comm", "no-comm", {}),
+    # the compute floor plus one 1-element allreduce per bucket: the floor of any synchronous
+    # hook (the step then waits for the slowest rank; on shared cores that is the skew)
+    ("sync-floor", "sync-floor", {}),
     ("ours-allreduce", "allreduce", {}),
     ("torch-fp16", "torch-fp16", {}),
     ("ours-fp16", "fp16", {}),
@@ -68,6 +71,8 @@ CONFIGS = [
     ("ours-topk-0.01", "topk", {"ratio": 0.01}),
     ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
     ("ours-onebit", "onebit", {}),
+    # the 1-bit plan without the block rotation (issue 16's accuracy fix): what the rotation costs
+    ("ours-onebit-norotate", "onebit", {"rotate": False}),
     # the same hooks without pipelining (each bucket's phases strictly after the previous
     # bucket's): the A/B of the worker's overlap of compression with transfers
     ("ours-fp16-serial", "fp16", {"pipeline": False}),
@@ -260,9 +265,11 @@ def _table(rows):
     by = {r["name"]: r for r in rows}
     base = by.get("ddp")
     floor = by.get("no-comm")
+    sync = by.get("sync-floor")
     out = []
-    hdr = ("config", "steps/s", "ms/step (median)", "ms/step (mean)", "vs plain DDP",
-           "over compute floor",
+    hdr = ("config", "steps/s", "ms/step (median)", "ms/step (mean)",
+           "ms/step (median of rounds)", "vs plain DDP",
+           "over compute floor", "over sync floor",
            "bytes/step", "wire bytes/step", "bytes source", "vs PyTorch counterpart",
            "hook local ms/step")
     out.append(hdr)
@@ -276,8 +283,9 @@ def _table(rows):
         vc = f"{c['median_s'] / r['median_s']:.2f}x vs {c['name']}" if c else "-"
         loc = f"{1e3 * r['local_s']:.1f}" if r["local_s"] is not None else "-"
         over = f"{100 * (r['median_s'] / floor['median_s'] - 1):+.0f}%" if floor else "-"
+        over_sync = f"{100 * (r['median_s'] / sync['median_s'] - 1):+.0f}%" if sync else "-"
         out.append((r["name"], f"{sps:.2f}", f"{1e3 * r['median_s']:.1f}",
-                    f"{1e3 * r['mean_s']:.1f}", vs, over, _fmt_bytes(r["bytes"]), _fmt_bytes(r["wire"]),
+                    f"{1e3 * r['mean_s']:.1f}", f"{1e3 * statistics.median(r['all_rounds']):.1f}", vs, over, over_sync, _fmt_bytes(r["bytes"]), _fmt_bytes(r["wire"]),
                     r["bytes_source"], vc, loc))
     return out
 
@@ -403,14 +411,15 @@ def main():
                 f"{n_params:,} parameters ({n_params * 4 / 1e6:.0f} MB fp32 gradient), batch "
                 f"{args.batch} per rank, MSE loss, SGD lr 1e-3; DDP bucket_cap_mb "
                 f"{args.bucket_cap_mb:g}"
-                + (" (one bucket, ready at the end of backward)"
-                   if args.bucket_cap_mb * 1024 * 1024 >= n_params * 4
-                   else " (DDP's first bucket is 1 MB, the rest up to the cap)")
+                + " (DDP closes its first bucket once it holds 1 MB, the others at the cap; the "
+                "hooks' bucket indices show how many)"
                 + ". torch's powerSGD_hook is waited for inside the hook: unwaited, torch 1.13 + "
                 "gloo aborted (gloo size mismatch) or hung on this model, as it issues its P and "
                 "Q allreduces from gloo's completion threads.\n")
         f.write(f"- Per configuration: {args.warmup} warm-up steps, then {args.steps} timed steps; "
-                f"{args.rounds} rounds (round 2 in reverse order), the better round kept. Step time "
+                f"{args.rounds} rounds (odd rounds in reverse order), the best round kept (the "
+                "median of the round medians beside it: the steadier figure for configurations "
+                "within a few percent of each other). Step time "
                 f"= slowest rank; steps/s = 1 / median step time. Wall time {wall:.0f} s.\n")
         f.write("- PowerSGD (both): start iteration 2, warm start, error feedback, "
                 "min_compression_rate 2. Bytes/step: bytes one rank hands to collectives per step; wire "

@@ -5,6 +5,7 @@ CSV, table, plots) and the loader errors. Accuracy itself: test_training_accurac
 import csv
 import json
 import math
+import os
 
 import pytest
 
@@ -36,10 +37,44 @@ def test_baseline_bytes():
     assert baselines.bytes_per_step("ddp", m) == 4 * n
     assert baselines.bytes_per_step("torch-fp16", m) == 2 * n
     assert baselines.bytes_per_step("no-comm", m) == 0
+    assert baselines.bytes_per_step("sync-floor", m) == 0
     # rank 4: 100x50 is compressed to (50 + 100) 4 floats; 50x2 is not worth it (2 < 2x);
     # the biases travel as they are
     assert baselines.bytes_per_step("torch-powersgd", m, {"rank": 4}) == \
         4 * ((50 + 100) * 4 + 50 + 2 * 50 + 2)
+
+
+def _floor_hooks_rank(rank, world, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddp_util import Net
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    local = Net()
+    torch.nn.functional.mse_loss(local(x), torch.zeros(8, 8)).backward()
+    for kind in ("no-comm", "sync-floor"):
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.01)  # several buckets
+        baselines.register(kind, model)
+        for _ in range(2):  # the second step runs on DDP's rebuilt buckets
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), torch.zeros(8, 8)).backward()
+        # every bucket comes back as this rank computed it: nothing averaged
+        for p, q in zip(model.module.parameters(), local.parameters()):
+            assert torch.equal(p.grad, q.grad), kind
+    with open(os.path.join(out_dir, f"ok{rank}"), "w"):
+        pass
+
+
+def test_floor_hooks_leave_each_ranks_gradient_untouched(tmp_path):
+    """The compute-floor baselines of ddp_hooks_bench: "no-comm" and "sync-floor" (one 1-element
+    allreduce per bucket) return every bucket as the rank computed it, on 2 ranks with different
+    data and several buckets; sync-floor's allreduce completes on both ranks."""
+    import ddp_util
+
+    ddp_util.run(_floor_hooks_rank, 2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
 
 
 def _fake(config, times_accs, steps=100, spe=50, seed=0, wire=1000.0):
@@ -134,3 +169,18 @@ def test_from_results_writes_a_report(tmp_path, tiny_runs):
     for cfg in tiny_runs:
         assert f"| {cfg} |" in table
     assert (out / "meta.json").exists() and (out / "accuracy_vs_time.png").exists()
+
+
+def test_report_setting_comes_from_the_runs():
+    """--from-results labels the report with what the runs recorded, not the command's defaults
+    (a report of wide-model runs once said "cnn, loopback"); differing runs are marked mixed, and
+    a key no run recorded takes the command's value."""
+    runs = [dict(model="wide", world=4, lr=0.05, link="links of 1gbit (network namespaces)"),
+            dict(model="wide", world=4, lr=0.1, link="links of 1gbit (network namespaces)")]
+    s = fm.setting_of(runs, {"model": "cnn", "link": "loopback", "eval_every": 25, "batch": 32})
+    assert s["model"] == "wide" and s["world"] == 4
+    assert s["link"] == "links of 1gbit (network namespaces)"
+    assert s["lr"] == "mixed: 0.05 / 0.1"
+    assert s["eval_every"] == 25 and s["batch"] == 32  # not recorded by these runs
+    assert "momentum" not in s
+    assert fm.setting_of([dict(model="cnn")], {})["model"] == "cnn"

@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 #: second step (PyTorch's default start_powerSGD_iter=1000 would run plain allreduce that long)
 PSGD = dict(start_iter=2, min_compression_rate=2.0, use_error_feedback=True, warm_start=True)
 
-KINDS = ("torch-fp16", "torch-powersgd", "no-comm")
+KINDS = ("torch-fp16", "torch-powersgd", "no-comm", "sync-floor")
 
 
 def _torch_psgd_waited(state, bucket):
@@ -34,15 +34,28 @@ def _no_comm(state, bucket):
     return fut
 
 
+def _sync_floor(state, bucket):
+    """One 1-element allreduce per bucket, then the bucket untouched: what synchronising the
+    ranks once per bucket costs (the floor of any synchronous compressor: with ranks sharing
+    cores, every step then waits for the slowest rank's backward)."""
+    flag = torch.zeros(1, dtype=bucket.buffer().dtype)
+    buf = bucket.buffer()
+    return torch.distributed.all_reduce(flag, async_op=True).get_future().then(lambda _: buf)
+
+
 def register(kind: str, model, opts: Optional[Dict[str, Any]] = None) -> None:
     """Registers PyTorch's hook `kind` on the DDP `model`: "torch-fp16" (fp16_compress_hook),
-    "torch-powersgd" (powerSGD_hook, waited; opts["rank"], PSGD settings) or "no-comm" (returns
-    each bucket untouched: the compute floor, no communication)."""
+    "torch-powersgd" (powerSGD_hook, waited; opts["rank"], PSGD settings), "no-comm" (returns
+    each bucket untouched: the compute floor, no communication) or "sync-floor" (each bucket
+    untouched after a 1-element allreduce: the compute floor with one synchronisation per
+    bucket)."""
     opts = opts or {}
     if kind == "torch-fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif kind == "no-comm":
         model.register_comm_hook(None, _no_comm)
+    elif kind == "sync-floor":
+        model.register_comm_hook(None, _sync_floor)
     elif kind == "torch-powersgd":
         st = ps.PowerSGDState(process_group=None, matrix_approximation_rank=int(opts["rank"]),
                               start_powerSGD_iter=PSGD["start_iter"],
@@ -73,8 +86,8 @@ def bytes_per_step(kind: str, model: torch.nn.Module, opts: Optional[Dict[str, A
     """Bytes handed to allreduce per step by plain DDP ("ddp") or a PyTorch baseline (all of
     them ring allreduces; fp32 parameters)."""
     n = sum(p.numel() for p in model.parameters())
-    if kind == "no-comm":
-        return 0
+    if kind in ("no-comm", "sync-floor"):
+        return 0  # sync-floor: 4 bytes per bucket, not counted
     if kind == "ddp":
         return 4 * n
     if kind == "torch-fp16":

@@ -636,6 +636,22 @@ def write_report(results: Sequence[Dict[str, Any]], out_dir: str, target: float,
     return rows
 
 
+def setting_of(results: Sequence[Dict[str, Any]], fallback: Dict[str, Any]) -> Dict[str, Any]:
+    """The setting (model, world, link, lr, momentum, batch, eval_every) the runs recorded: a value
+    shared by every run; "mixed: a / b" where they differ. A key no run recorded (runs from before
+    it was recorded) takes ``fallback``'s value (the command's own options), if any."""
+    out: Dict[str, Any] = {}
+    for k in ("model", "world", "link", "lr", "momentum", "batch", "eval_every"):
+        vals = sorted({json.dumps(r[k]) for r in results if k in r})
+        if len(vals) == 1:
+            out[k] = json.loads(vals[0])
+        elif vals:
+            out[k] = "mixed: " + " / ".join(str(json.loads(v)) for v in vals)
+        elif fallback.get(k) is not None:
+            out[k] = fallback[k]
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="plain,onebit",
@@ -695,10 +711,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_config(cfg)
         config_flags(cfg)
     load_split("test")  # fail early with the package hint
-    if a.netns:
+    if a.netns and not a.from_results:  # with --from-results, --netns only labels old runs
         from gradcomp.experiments import netem
 
         netem.require_root()
+    link = f"links of {a.netns} (network namespaces)" if a.netns else "loopback"
     results: List[Dict[str, Any]] = []
     failed: List[Dict[str, Any]] = []
     if a.from_results:  # regenerate the report from earlier runs' JSON lines
@@ -727,6 +744,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{cfg:24s} seed {seed}: FAILED: {e}", flush=True)
                 failed.append({"config": cfg, "seed": seed, "error": str(e)})
                 continue
+            r.update(link=link, momentum=a.momentum, batch=a.batch, eval_every=a.eval_every)
             results.append(r)
             bps = r["bytes_sent_per_step"]
             ratio = f"{r['dense_bytes'] / bps:7.1f}x" if bps else "    n/a"
@@ -755,9 +773,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     + " ".join(sys.argv[1:] if argv is None else argv),
                     load_before=load_before, load_after=os.getloadavg()[0],
                     wall_s=time.time() - t_start, model=a.model, world=a.world,
-                    link=(f"links of {a.netns} (network namespaces)" if a.netns else "loopback"),
-                    lr=a.lr, momentum=a.momentum, batch=a.batch, eval_every=a.eval_every)
-        if a.from_results:  # the runs' own metadata, where their report folder has it
+                    link=link, lr=a.lr, momentum=a.momentum, batch=a.batch,
+                    eval_every=a.eval_every)
+        if a.from_results:  # the setting as the runs recorded it, not this command's defaults
+            meta.update(setting_of(results, dict(meta, link=link if a.netns else (
+                "not recorded by these runs (--netns RATE labels them)"))))  # the runs' own metadata, where their report folder has it
             mpath = os.path.join(os.path.dirname(a.from_results.split(",")[0]), "meta.json")
             if os.path.exists(mpath):
                 with open(mpath) as f:
