@@ -78,6 +78,15 @@ int64_t topk_count(double ratio, int64_t n) {
   return std::clamp<int64_t>(static_cast<int64_t>(c), 1, n);
 }
 
+uint64_t sparse_payload_bound(int64_t count, int64_t n, DType value_dtype) {
+  GC_CHECK_ARG(count >= 0 && n >= 0 && count <= n,
+               "sparse_payload_bound: need 0 <= count <= n, got ", count, " and ", n);
+  const auto c = static_cast<uint64_t>(count);
+  const uint64_t idx = std::min<uint64_t>(4 * c, (static_cast<uint64_t>(n) + 7) / 8);
+  return sizeof(PayloadHeader) + PayloadHeader::align(idx) +
+         PayloadHeader::align(c * dtype_size(value_dtype));
+}
+
 int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, const RngKey& key,
                      uint32_t* out) {
   opt.validate();
@@ -235,6 +244,10 @@ TopKCompressor::TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_
 TopKCompressor::~TopKCompressor() = default;
 
 const float* TopKCompressor::residual() const { return impl_->dgc.v(); }
+
+uint64_t TopKCompressor::payload_bound(int64_t step) const {
+  return sparse_payload_bound(topk_count(cfg_.ratio_at(step), numel_), numel_, cfg_.value_dtype);
+}
 const float* TopKCompressor::momentum_buffer() const { return impl_->dgc.u(); }
 
 void TopKCompressor::encode(const TensorView& g, Payload& out) {

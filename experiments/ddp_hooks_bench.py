@@ -69,6 +69,10 @@ CONFIGS = [
     ("ours-powersgd-r4", "powersgd", {"rank": 4}),
     ("ours-topk-0.001", "topk", {"ratio": 0.001}),
     ("ours-topk-0.01", "topk", {"ratio": 0.01}),
+    # top-k with the size allgather before every payload allgather (the exchange before
+    # "auto"/"bound" padded payloads to the step's bound and dropped it): the A/B of that round
+    ("ours-topk-0.001-sizes", "topk", {"ratio": 0.001, "exchange": "sizes"}),
+    ("ours-topk-0.01-sizes", "topk", {"ratio": 0.01, "exchange": "sizes"}),
     ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
     ("ours-onebit", "onebit", {}),
     # the 1-bit plan without the block rotation (issue 16's accuracy fix): what the rotation costs

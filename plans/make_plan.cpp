@@ -41,6 +41,7 @@ PlanOptions defaults_of(const std::string& name) {
     o["method"] = std::string(enum_name(d.select.method));
     o["sample_rate"] = d.select.sample_rate;
     o["route"] = std::string(enum_name(p.route));
+    o["exchange"] = std::string(enum_name(p.exchange));
     o["latency_s"] = p.cost.latency_s;
     o["bandwidth_Bps"] = p.cost.bandwidth_Bps;
     return o;
@@ -190,6 +191,7 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
     c.select.sample_rate = o.real("sample_rate");
     TopKPlanOptions p;
     p.route = parse_enum<TopKRoute>(o.name("route"));
+    p.exchange = parse_enum<TopKExchange>(o.name("exchange"));
     p.cost.latency_s = o.real("latency_s");
     p.cost.bandwidth_Bps = o.real("bandwidth_Bps");
     GC_CHECK_ARG(p.cost.latency_s >= 0 && p.cost.bandwidth_Bps > 0,

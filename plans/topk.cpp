@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Top-k / DGC allreduce plan: encode, size exchange, then the sparse allgather or the densified
-// allreduce chosen by the cost model.
+// Top-k / DGC allreduce plan: encode, size exchange (or padding to the step's bound), then the
+// sparse allgather or the densified allreduce chosen by the cost model.
 #include <algorithm>
 #include <cstring>
 
@@ -33,10 +33,7 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   // min(raw, bitmap)), so that no step allocates.
   double ratio = cfg.ratio;
   for (double r : cfg.warmup_ratios) ratio = std::max(ratio, r);
-  const auto kmax = static_cast<uint64_t>(topk_count(ratio, numel));
-  const uint64_t idx = std::min<uint64_t>(4 * kmax, (static_cast<uint64_t>(numel) + 7) / 8);
-  const uint64_t most = sizeof(PayloadHeader) + PayloadHeader::align(idx) +
-                        PayloadHeader::align(kmax * dtype_size(cfg.value_dtype));
+  const uint64_t most = sparse_payload_bound(topk_count(ratio, numel), numel, cfg.value_dtype);
   payload_.bytes.reserve(most);
   gathered_.reserve(most * static_cast<uint64_t>(world));
   if (grad_dtype != DType::kFloat32) acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
@@ -67,13 +64,77 @@ TopKRoute TopKAllreducePlan::choose(uint64_t max_payload_bytes) const {
   return dense < sparse ? TopKRoute::kDense : TopKRoute::kSparse;
 }
 
+TopKExchange TopKAllreducePlan::next_exchange() const {
+  // the first step checks the bucket sizes across ranks; every input below is the same on every
+  // rank (the configuration, the step, and what the last step gathered)
+  if (stats_.steps == 0) return TopKExchange::kSizes;
+  if (opt_.exchange != TopKExchange::kAuto) return opt_.exchange;
+  const uint64_t estimate = stats_.last_max_payload;
+  if (estimate == 0) return TopKExchange::kBound;  // unknown (a dense step without sizes)
+  const double P = world_;
+  const auto bound = static_cast<double>(comp_.payload_bound(comp_.step()));
+  const double by_bound = opt_.cost.seconds(bound * (P - 1), P - 1);
+  const double by_sizes = opt_.cost.seconds(2.0 * sizeof(int64_t) * (P - 1), P - 1) +
+                          opt_.cost.seconds(double(estimate) * (P - 1), P - 1);
+  return by_bound <= by_sizes ? TopKExchange::kBound : TopKExchange::kSizes;
+}
+
+std::optional<Collective> TopKAllreducePlan::send(uint64_t longest) {
+  const auto P = static_cast<size_t>(world_);
+  const auto n = static_cast<size_t>(numel_);
+  {  // the model's estimates, for the statistics
+    const double Pd = world_;
+    stats_.last_sparse_cost_s = opt_.cost.seconds(double(longest) * (Pd - 1), Pd - 1);
+    stats_.last_dense_cost_s =
+        opt_.cost.seconds(2.0 * double(n) * sizeof(float) * (Pd - 1) / Pd, 2 * (Pd - 1));
+  }
+  route_ = choose(longest);
+  stats_.last_route = route_;
+  stats_.last_exchange = exchange_;
+  stats_.steps += 1;
+  if (exchange_ == TopKExchange::kBound) stats_.bound_steps += 1;
+  // fp32 gradients are decoded straight into the gradient (its values were consumed by encode);
+  // fp16/bf16 ones through an fp32 accumulator
+  float* acc = target();
+  if (route_ == TopKRoute::kDense) {
+    stats_.dense_steps += 1;
+    stats_.last_stride = 0;
+    const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
+    device_zero(device_, acc, n * sizeof(float), stream_);
+    comp_.decode_add(payload_.data(), payload_.size(), dense, 1.0f / float(world_));
+    phase_ = 2;
+    return make(CollectiveKind::kAllreduceSum, ElemType::kF32, acc, acc, n, "topk dense sum");
+  }
+  stats_.sparse_steps += 1;
+  stride_ = static_cast<size_t>((longest + 7) / 8 * 8);
+  stats_.last_stride = stride_;
+  const size_t mine = payload_.size();
+  GC_CHECK(mine <= stride_, "topk plan: a payload of ", mine, " bytes exceeds the stride ",
+           stride_);
+  payload_.bytes.resize(stride_, true);
+  if (stride_ > mine)
+    device_zero(device_, static_cast<uint8_t*>(payload_.bytes.data()) + mine, stride_ - mine,
+                stream_);
+  auto* all = gathered_.get<uint8_t>(stride_ * P);
+  phase_ = 3;
+  return make(CollectiveKind::kAllgather, ElemType::kU8, payload_.bytes.data(), all, stride_,
+              exchange_ == TopKExchange::kBound ? "topk payloads (bound)" : "topk payloads");
+}
+
 std::optional<Collective> TopKAllreducePlan::next() {
   require_begun();
   const auto P = static_cast<size_t>(world_);
   const auto n = static_cast<size_t>(numel_);
   switch (phase_) {
-    case 0: {  // encode, then exchange (numel, payload bytes)
+    case 0: {  // encode; then exchange (numel, payload bytes), or pad to the bound and send
+      exchange_ = next_exchange();
+      const uint64_t bound = comp_.payload_bound(comp_.step());  // before encode moves the step
       comp_.encode(grad_, payload_);
+      if (exchange_ == TopKExchange::kBound) {
+        stats_.last_max_payload = 0;  // known once the headers are gathered (sparse route)
+        stats_.last_total_payload = 0;
+        return send(bound);
+      }
       host_sizes_[2 * P] = numel_;
       host_sizes_[2 * P + 1] = static_cast<int64_t>(payload_.size());
       auto* d = sizes_.get<int64_t>(2 * P + 2);
@@ -87,6 +148,7 @@ std::optional<Collective> TopKAllreducePlan::next() {
                   stream_);
       if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
       uint64_t longest = 0, total = 0;
+      payload_bytes_.resize(P);
       for (size_t r = 0; r < P; ++r) {
         GC_CHECK_ARG(host_sizes_[2 * r] == host_sizes_[0],
                      "plan 'topk': bucket sizes differ across ranks: rank 0 has ", host_sizes_[0],
@@ -94,42 +156,13 @@ std::optional<Collective> TopKAllreducePlan::next() {
         const auto b = static_cast<uint64_t>(host_sizes_[2 * r + 1]);
         GC_CHECK_ARG(b >= sizeof(PayloadHeader), "plan 'topk': rank ", r,
                      " announced a payload of ", b, " bytes (less than a header)");
+        payload_bytes_[r] = b;
         longest = std::max(longest, b);
         total += b;
       }
       stats_.last_max_payload = longest;
       stats_.last_total_payload = total;
-      {  // the model's estimates, for the statistics
-        const double Pd = world_;
-        stats_.last_sparse_cost_s = opt_.cost.seconds(double(longest) * (Pd - 1), Pd - 1);
-        stats_.last_dense_cost_s =
-            opt_.cost.seconds(2.0 * double(n) * sizeof(float) * (Pd - 1) / Pd, 2 * (Pd - 1));
-      }
-      route_ = choose(longest);
-      stats_.last_route = route_;
-      stats_.steps += 1;
-      // fp32 gradients are decoded straight into the gradient (its values were consumed by
-      // encode); fp16/bf16 ones through an fp32 accumulator
-      float* acc = target();
-      const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
-      if (route_ == TopKRoute::kDense) {
-        stats_.dense_steps += 1;
-        device_zero(device_, acc, n * sizeof(float), stream_);
-        comp_.decode_add(payload_.data(), payload_.size(), dense, 1.0f / float(world_));
-        phase_ = 2;
-        return make(CollectiveKind::kAllreduceSum, ElemType::kF32, acc, acc, n, "topk dense sum");
-      }
-      stats_.sparse_steps += 1;
-      stride_ = static_cast<size_t>((longest + 7) / 8 * 8);
-      const size_t mine = payload_.size();
-      payload_.bytes.resize(stride_, true);
-      if (stride_ > mine)
-        device_zero(device_, static_cast<uint8_t*>(payload_.bytes.data()) + mine, stride_ - mine,
-                    stream_);
-      auto* all = gathered_.get<uint8_t>(stride_ * P);
-      phase_ = 3;
-      return make(CollectiveKind::kAllgather, ElemType::kU8, payload_.bytes.data(), all, stride_,
-                  "topk payloads");
+      return send(longest);
     }
     case 2: {  // dense route: the sum of the scaled decodes is the average
       finish();
@@ -137,12 +170,13 @@ std::optional<Collective> TopKAllreducePlan::next() {
       return std::nullopt;
     }
     case 3: {  // sparse route: decode all (scaled by 1/P) in rank order
+      const auto* all = static_cast<const uint8_t*>(gathered_.data());
+      if (exchange_ == TopKExchange::kBound) read_gathered_sizes(all);
       float* acc = target();
       const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
       device_zero(device_, acc, n * sizeof(float), stream_);
-      const auto* all = static_cast<const uint8_t*>(gathered_.data());
       for (size_t r = 0; r < P; ++r)
-        comp_.decode_add(all + r * stride_, static_cast<size_t>(host_sizes_[2 * r + 1]), dense,
+        comp_.decode_add(all + r * stride_, static_cast<size_t>(payload_bytes_[r]), dense,
                          1.0f / float(world_));
       finish();
       phase_ = 4;
@@ -151,6 +185,37 @@ std::optional<Collective> TopKAllreducePlan::next() {
     default:
       return std::nullopt;
   }
+}
+
+void TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {
+  // Each rank's header says how long its payload is; decode_add validates the rest. Checked here:
+  // that the sections fit the stride (so that nothing is read beyond it, and the sum cannot wrap)
+  // and that the rank's bucket has this plan's size.
+  const auto P = static_cast<size_t>(world_);
+  headers_.resize(P);
+  for (size_t r = 0; r < P; ++r)
+    device_copy(&headers_[r], Device::kCPU, all + r * stride_, device_, sizeof(PayloadHeader),
+                stream_);
+  if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
+  payload_bytes_.resize(P);
+  uint64_t longest = 0, total = 0;
+  for (size_t r = 0; r < P; ++r) {
+    const PayloadHeader& h = headers_[r];
+    for (const uint64_t b : h.section_bytes)
+      GC_CHECK_PAYLOAD(b <= stride_, "plan 'topk': rank ", r, "'s payload declares a section of ",
+                       b, " bytes in a stride of ", stride_);
+    const uint64_t b = h.total_bytes();
+    GC_CHECK_PAYLOAD(b <= stride_, "plan 'topk': rank ", r, "'s payload declares ", b,
+                     " bytes in a stride of ", stride_);
+    GC_CHECK_ARG(h.numel == static_cast<uint64_t>(numel_),
+                 "plan 'topk': bucket sizes differ across ranks: this rank has ", numel_,
+                 " elements, rank ", r, " has ", h.numel);
+    payload_bytes_[r] = b;
+    longest = std::max(longest, b);
+    total += b;
+  }
+  stats_.last_max_payload = longest;
+  stats_.last_total_payload = total;
 }
 
 }  // namespace gradcomp

@@ -91,6 +91,15 @@ struct EnumNames<TopKRoute> {
 };
 
 template <>
+struct EnumNames<TopKExchange> {
+  static constexpr const char* what = "top-k size exchange";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<TopKExchange> table[] = {{"auto", TopKExchange::kAuto},
+                                                     {"bound", TopKExchange::kBound},
+                                                     {"sizes", TopKExchange::kSizes}};
+};
+
+template <>
 struct EnumNames<CastRoute> {
   static constexpr const char* what = "cast route";
   static constexpr std::size_t members = 2;

@@ -119,8 +119,16 @@ enum class TopKRoute : uint8_t {
   kDense = 2,   ///< decode own payload into a dense fp32 vector, rank-ordered allreduce
 };
 
+/// How a top-k step learns the payload sizes before the payload allgather.
+enum class TopKExchange : uint8_t {
+  kAuto = 0,   ///< (option) the cost model chooses per step from the last step's payloads
+  kBound = 1,  ///< one allgather, every payload padded to the largest a step can write
+  kSizes = 2,  ///< allgather of the sizes first, then the payloads padded to the longest
+};
+
 struct TopKPlanOptions {
   TopKRoute route = TopKRoute::kAuto;
+  TopKExchange exchange = TopKExchange::kAuto;
   /// Measured speed of the communicator (measure_cost_model); identical on every rank.
   CostModel cost;
 };
@@ -130,22 +138,33 @@ struct TopKPlanStats {
   int64_t steps = 0;
   int64_t sparse_steps = 0;
   int64_t dense_steps = 0;
+  int64_t bound_steps = 0;  ///< steps that exchanged no sizes (one collective)
   TopKRoute last_route = TopKRoute::kAuto;
-  uint64_t last_max_payload = 0;    ///< largest payload of the last step (bytes)
-  uint64_t last_total_payload = 0;  ///< sum over ranks of the last step's payloads
+  TopKExchange last_exchange = TopKExchange::kAuto;
+  uint64_t last_stride = 0;         ///< bytes per rank of the last payload allgather
+  uint64_t last_max_payload = 0;    ///< largest payload of the last step (bytes; 0: unknown)
+  uint64_t last_total_payload = 0;  ///< sum over ranks of the last step's payloads (0: unknown)
   double last_sparse_cost_s = 0, last_dense_cost_s = 0;  ///< the model's estimates
 };
 
-/// Top-k / DGC allreduce. Phases: encode; allgather (numel, payload bytes) of every rank (the
-/// bucket sizes are checked here: a mismatch throws on every rank with both sizes); the cost
-/// model picks the route from the gathered sizes (the same decision on every rank):
-///   sparse: allgather of the payloads padded to the longest (~ k (P-1) index/value pairs per
-///           rank), then every rank decodes all payloads in rank order;
+/// Top-k / DGC allreduce. Phases: encode; then the sizes, in one of two ways (option exchange):
+///   sizes: allgather (numel, payload bytes) of every rank, payloads later padded to the longest;
+///   bound: no collective: every rank pads to the largest payload the step's k allows
+///          (TopKCompressor::payload_bound, the same on every rank); the gathered headers give
+///          the real sizes. Saves one collective (a latency and the skew between ranks) per
+///          bucket for up to ~1.6x the payload bytes (raw-index worst case vs. delta varint).
+/// The first step of a plan always exchanges sizes, so that buckets whose sizes differ across
+/// ranks throw on every rank with both sizes; later steps use `exchange` (auto: the cheaper by
+/// the cost model, with the last step's longest payload, known to every rank, as the estimate).
+/// The cost model picks the route from the longest payload (the bound when no sizes were
+/// exchanged; the same decision on every rank):
+///   sparse: allgather of the padded payloads (~ k (P-1) index/value pairs per rank), then
+///           every rank decodes all payloads in rank order;
 ///   dense:  own payload decoded into an fp32 vector, rank-ordered allreduce (~ 2 n (P-1)/P
 ///           values per rank);
 /// every payload is decoded with scale 1/P, so the average is the rank-ordered sum of the scaled
-/// decodes. Both routes give the same bits (0 + v and v + 0 are exact). fp32 gradients are
-/// decoded straight into the gradient (no extra pass).
+/// decodes. Both routes and both exchanges give the same bits (0 + v and v + 0 are exact;
+/// padding is never decoded). fp32 gradients are decoded straight into the gradient.
 ///
 /// Example:
 ///   gradcomp::TopKConfig cfg;  cfg.ratio = 0.001;
@@ -168,18 +187,27 @@ class TopKAllreducePlan : public GradientPlan {
   const TopKPlanStats& stats() const { return stats_; }
   /// The route the cost model picks for these sizes (exposed for tests and the benchmark).
   TopKRoute choose(uint64_t max_payload_bytes) const;
+  /// The exchange the next step uses (the same on every rank; exposed for tests).
+  TopKExchange next_exchange() const;
 
  private:
   float* target();  ///< where the fp32 average is accumulated (the gradient itself when fp32)
   void finish();    ///< casts the accumulator into an fp16/bf16 gradient
+  /// Records the route for the longest payload and starts it (dense allreduce or payloads).
+  std::optional<Collective> send(uint64_t longest);
+  /// Bound exchange: each rank's payload size from the gathered headers (checked).
+  void read_gathered_sizes(const uint8_t* gathered);
   TopKCompressor comp_;
   TopKPlanOptions opt_;
   TopKPlanStats stats_;
   Payload payload_;
   Buffer sizes_, gathered_, acc_;
   std::vector<int64_t> host_sizes_;
+  std::vector<uint64_t> payload_bytes_;  ///< each rank's payload size (sparse route)
+  std::vector<PayloadHeader> headers_;   ///< bound exchange: the gathered headers, on the host
   size_t stride_ = 0;
   TopKRoute route_ = TopKRoute::kSparse;
+  TopKExchange exchange_ = TopKExchange::kSizes;
 };
 
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone

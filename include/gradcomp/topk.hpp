@@ -86,6 +86,11 @@ struct TopKConfig : SparsifyConfig {
 /// Number of elements sent for a density: ceil(ratio * n), at least 1 when n > 0.
 int64_t topk_count(double ratio, int64_t n);
 
+/// The largest sparse payload (bytes, header included) of `count` elements of an n-element
+/// tensor: the index section is at most min(4 count, ceil(n / 8)) bytes whichever coding is
+/// chosen, the values count * sizeof(value_dtype). A multiple of 8.
+uint64_t sparse_payload_bound(int64_t count, int64_t n, DType value_dtype);
+
 /// Top-k / DGC compressor for one tensor. Not thread-safe; one object per tensor (or bucket).
 class TopKCompressor : public Compressor {
  public:
@@ -103,6 +108,9 @@ class TopKCompressor : public Compressor {
   Device device() const override { return device_; }
   const CompressionStats& last_stats() const override { return stats_; }
   const TopKConfig& config() const { return cfg_; }
+  /// The largest payload encode() can write at `step` (warm-up aware): what a fixed-stride
+  /// exchange pads every rank's payload to.
+  uint64_t payload_bound(int64_t step) const;
   /// The accumulated residual v (what was not sent yet), on the compressor's device.
   const float* residual() const;
   /// The corrected momentum u (null when momentum == 0), on the compressor's device.

@@ -57,6 +57,8 @@ void bind_plans(nb::module_& m) {
   option_enum<DType>(m, "DType", "Gradient / value dtypes (options: value_dtype).");
   option_enum<SelectMethod>(m, "SelectMethod", "Top-k selection (option: method).");
   option_enum<TopKRoute>(m, "TopKRoute", "Top-k exchange (option: route).");
+  option_enum<TopKExchange>(m, "TopKExchange",
+                            "How a top-k step learns the payload sizes (option: exchange).");
   option_enum<CastRoute>(m, "CastRoute", "fp16/bf16 summation route (option: route).");
   option_enum<OneBitScaling>(m, "OneBitScaling", "1-bit scales (option: scaling).");
   option_enum<Orthogonalization>(m, "Orthogonalization",
@@ -147,7 +149,8 @@ void bind_plans(nb::module_& m) {
   nb::class_<TopKAllreducePlan, BucketPlan>(
       m, "TopKAllreducePlan",
       "Top-k / DGC allreduce: sparse allgather or densify-then-allreduce, chosen per step by a "
-      "cost model (identical decision on every rank).")
+      "cost model (identical decision on every rank); the payload sizes are exchanged first or "
+      "every payload is padded to the step's bound (option exchange: auto, bound, sizes).")
       .def_prop_ro("compressor_stats",
                    [](TopKAllreducePlan& p) { return stats_dict(p.compressor().last_stats()); })
       .def_prop_ro("route_stats", [](TopKAllreducePlan& p) {
@@ -156,7 +159,10 @@ void bind_plans(nb::module_& m) {
         d["steps"] = s.steps;
         d["sparse_steps"] = s.sparse_steps;
         d["dense_steps"] = s.dense_steps;
+        d["bound_steps"] = s.bound_steps;
         d["last_route"] = std::string(enum_name(s.last_route));
+        d["last_exchange"] = std::string(enum_name(s.last_exchange));
+        d["last_stride"] = s.last_stride;
         d["last_max_payload"] = s.last_max_payload;
         d["last_total_payload"] = s.last_total_payload;
         d["last_sparse_cost_s"] = s.last_sparse_cost_s;

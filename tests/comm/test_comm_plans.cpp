@@ -219,22 +219,232 @@ TEST(CommPlans, CastReduceScatterAsksForAllToAllThenAllgather) {
 }
 
 TEST(CommPlans, TopKBothRoutesMatchReference) {
-  for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense, gc::TopKRoute::kAuto})
-    for (int P = 1; P <= 4; ++P)
-      for (int64_t n : kSizes) {
-        gc::TopKConfig cfg;
-        cfg.ratio = 0.01;
-        gc::test::TopKReference ref(cfg, n, P);
-        gc::TopKPlanOptions opt;
-        opt.route = route;
-        check_plan(
-            P, n, 3, [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
-            [&](const auto& in) {
-              auto v = ref.step(in);
-              if (n == 0) v.clear();
-              return v;
-            });
+  for (auto exchange :
+       {gc::TopKExchange::kAuto, gc::TopKExchange::kBound, gc::TopKExchange::kSizes})
+    for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense, gc::TopKRoute::kAuto})
+      for (int P = 1; P <= 4; ++P)
+        for (int64_t n : kSizes) {
+          gc::TopKConfig cfg;
+          cfg.ratio = 0.01;
+          gc::test::TopKReference ref(cfg, n, P);
+          gc::TopKPlanOptions opt;
+          opt.route = route;
+          opt.exchange = exchange;
+          check_plan(
+              P, n, 3, [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
+              [&](const auto& in) {
+                auto v = ref.step(in);
+                if (n == 0) v.clear();
+                return v;
+              });
+        }
+}
+
+namespace {
+
+/// Runs P top-k plans for `steps` steps on rank_input; returns every rank's averaged gradient per
+/// step and the collectives of each step.
+struct TopKRun {
+  std::vector<std::vector<std::vector<float>>> out;  // [step][rank]
+  std::vector<std::vector<gc::Collective>> log;      // [step]
+  std::vector<std::unique_ptr<gc::TopKAllreducePlan>> plans;
+};
+TopKRun run_topk(const gc::TopKConfig& cfg, const gc::TopKPlanOptions& opt, int P, int64_t n,
+                 int steps) {
+  TopKRun run;
+  std::vector<gc::Plan*> raw;
+  for (int r = 0; r < P; ++r) {
+    run.plans.push_back(std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt));
+    raw.push_back(run.plans.back().get());
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<float>> g;
+    for (int r = 0; r < P; ++r) g.push_back(rank_input(n, r, s));
+    for (int r = 0; r < P; ++r) run.plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+    run.log.push_back(gc::run_plans_in_process(raw));
+    run.out.push_back(g);
+  }
+  return run;
+}
+
+}  // namespace
+
+TEST(CommPlans, TopKBoundExchangeIsOneCollectiveWithTheSameBits) {
+  // A warm-up schedule, so that k (and with it the bound) changes from step to step; fp16 values
+  // and a momentum, so that payloads are not trivially alike; n odd and large enough for the
+  // delta coding (shorter than the bound) to be chosen.
+  for (int P : {1, 2, 3, 4})
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{20011}}) {
+      gc::TopKConfig cfg;
+      cfg.ratio = 0.001;
+      cfg.warmup_ratios = {0.25, 0.02};
+      cfg.warmup_steps = 1;
+      cfg.momentum = 0.9;
+      cfg.value_dtype = gc::DType::kFloat16;
+      gc::TopKPlanOptions bound, sizes;
+      bound.exchange = gc::TopKExchange::kBound;
+      sizes.exchange = gc::TopKExchange::kSizes;
+      bound.route = sizes.route = gc::TopKRoute::kSparse;
+      const int steps = 5;
+      const TopKRun a = run_topk(cfg, bound, P, n, steps);
+      const TopKRun b = run_topk(cfg, sizes, P, n, steps);
+      for (int s = 0; s < steps; ++s) {
+        for (int r = 0; r < P; ++r)
+          ASSERT_TRUE(gc::test::same_bits(b.out[s][r], a.out[s][r].data()))
+              << "P=" << P << " n=" << n << " step " << s << " rank " << r << " first differs at "
+              << gc::test::first_diff(b.out[s][r], a.out[s][r].data());
+        // the first step exchanges sizes either way (it checks the bucket sizes across ranks)
+        ASSERT_EQ(b.log[s].size(), 2u);
+        ASSERT_EQ(a.log[s].size(), s == 0 ? 2u : 1u) << "step " << s;
+        const gc::Collective& c = a.log[s].back();
+        EXPECT_EQ(c.kind, gc::CollectiveKind::kAllgather);
+        if (s > 0) {
+          EXPECT_EQ(c.tag, "topk payloads (bound)");
+          // the stride is the bound of the step's k, the same on every rank
+          const uint64_t want =
+              gc::sparse_payload_bound(gc::topk_count(cfg.ratio_at(s), n), n, cfg.value_dtype);
+          EXPECT_EQ(c.count, want) << "step " << s;
+          EXPECT_GE(c.count, b.log[s].back().count);
+        }
       }
+      for (int r = 0; r < P; ++r) {
+        const gc::TopKPlanStats& st = a.plans[r]->stats();
+        EXPECT_EQ(st.steps, steps);
+        EXPECT_EQ(st.bound_steps, steps - 1);
+        EXPECT_EQ(st.last_exchange, gc::TopKExchange::kBound);
+        // the real sizes, read from the gathered headers, are the ones the size exchange gives
+        EXPECT_EQ(st.last_max_payload, b.plans[r]->stats().last_max_payload);
+        EXPECT_EQ(st.last_total_payload, b.plans[r]->stats().last_total_payload);
+        EXPECT_EQ(b.plans[r]->stats().bound_steps, 0);
+      }
+    }
+}
+
+TEST(CommPlans, TopKPayloadBoundHoldsForEveryCoding) {
+  // Independent of the plan: encode with every density where each index coding wins and check
+  // that the payload never exceeds the bound (which the bound exchange pads to).
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{9}, int64_t{1000}, int64_t{65537}})
+    for (double ratio : {1e-4, 0.01, 0.1, 0.3, 1.0})
+      for (auto vt : {gc::DType::kFloat32, gc::DType::kFloat16}) {
+        gc::TopKConfig cfg;
+        cfg.ratio = ratio;
+        cfg.value_dtype = vt;
+        gc::TopKCompressor c(cfg, n);
+        gc::Payload p;
+        std::vector<float> g = rank_input(n, 0, 0);
+        c.encode(gc::TensorView::cpu(g.data(), n), p);
+        const uint64_t bound = c.payload_bound(0);
+        EXPECT_LE(p.size(), bound) << "n=" << n << " ratio " << ratio;
+        EXPECT_EQ(bound % 8, 0u);
+        // and the bound is tight for raw indices: 64 + 8-aligned 4k + 8-aligned k * value size
+        const auto k = static_cast<uint64_t>(gc::topk_count(ratio, n));
+        if (4 * k <= (static_cast<uint64_t>(n) + 7) / 8)
+          EXPECT_EQ(bound, 64 + (4 * k + 7) / 8 * 8 + (k * gc::dtype_size(vt) + 7) / 8 * 8);
+      }
+  EXPECT_THROW(gc::sparse_payload_bound(5, 4, gc::DType::kFloat32), gc::InvalidArgument);
+}
+
+TEST(CommPlans, TopKAutoExchangeFollowsTheCostModel) {
+  // Latency-bound link: skipping a round is worth the padding; bandwidth-bound (no latency):
+  // the padding is not, and the size exchange is kept.
+  const int P = 3;
+  const int64_t n = 20011;
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.01;
+  for (double latency : {1e-3, 0.0}) {
+    gc::TopKPlanOptions opt;
+    opt.cost.latency_s = latency;
+    opt.cost.bandwidth_Bps = 1e8;
+    const TopKRun run = run_topk(cfg, opt, P, n, 3);
+    for (int r = 0; r < P; ++r) {
+      const gc::TopKPlanStats& st = run.plans[r]->stats();
+      EXPECT_EQ(st.bound_steps, latency > 0 ? 2 : 0) << "latency " << latency;
+      EXPECT_EQ(run.plans[r]->next_exchange(),
+                latency > 0 ? gc::TopKExchange::kBound : gc::TopKExchange::kSizes);
+    }
+    EXPECT_EQ(run.log[2].size(), latency > 0 ? 1u : 2u);
+  }
+  // a fresh plan always starts with the size exchange
+  gc::TopKAllreducePlan fresh(cfg, n, P);
+  EXPECT_EQ(fresh.next_exchange(), gc::TopKExchange::kSizes);
+}
+
+TEST(CommPlans, TopKBucketSizesThatDifferAcrossRanksThrowOnTheFirstStep) {
+  // Bound exchange asked for, but the first step exchanges sizes: a mismatch is a clear error.
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.1;
+  gc::TopKPlanOptions opt;
+  opt.exchange = gc::TopKExchange::kBound;
+  gc::TopKAllreducePlan a(cfg, 100, 2, opt), b(cfg, 101, 2, opt);
+  std::vector<float> ga(100, 1.0f), gb(101, 1.0f);
+  a.begin(gc::TensorView::cpu(ga.data(), 100));
+  b.begin(gc::TensorView::cpu(gb.data(), 101));
+  std::vector<gc::Plan*> raw{&a, &b};
+  try {
+    gc::run_plans_in_process(raw);
+    FAIL() << "expected InvalidArgument";
+  } catch (const gc::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("bucket sizes differ across ranks"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CommPlans, TopKBoundExchangeRefusesAHeaderThatOverrunsTheStride) {
+  // Two ranks driven by hand: after a normal first step, the second (bound) step's gathered
+  // payload of rank 1 is altered to declare more bytes than its stride: CorruptPayload, and the
+  // gradient is not written.
+  const int P = 2;
+  const int64_t n = 1000;
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.01;
+  gc::TopKPlanOptions opt;
+  opt.exchange = gc::TopKExchange::kBound;
+  opt.route = gc::TopKRoute::kSparse;
+  std::vector<std::unique_ptr<gc::TopKAllreducePlan>> plans;
+  std::vector<gc::Plan*> raw;
+  for (int r = 0; r < P; ++r) {
+    plans.push_back(std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt));
+    raw.push_back(plans.back().get());
+  }
+  std::vector<std::vector<float>> g;
+  for (int r = 0; r < P; ++r) g.push_back(rank_input(n, r, 0));
+  for (int r = 0; r < P; ++r) plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+  gc::run_plans_in_process(raw);
+  for (int field : {0, 1}) {  // 0: a section longer than the stride; 1: the sum of sections
+    SCOPED_TRACE(field);
+    for (int r = 0; r < P; ++r) g[r] = rank_input(n, r, 1);
+    std::vector<std::vector<float>> before = g;
+    for (int r = 0; r < P; ++r) plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+    std::vector<gc::Collective> cs;
+    for (int r = 0; r < P; ++r) cs.push_back(*plans[r]->next());
+    ASSERT_EQ(cs[0].tag, "topk payloads (bound)");
+    const size_t stride = cs[0].count;
+    for (int r = 0; r < P; ++r)  // the allgather, by hand
+      for (int q = 0; q < P; ++q)
+        std::memcpy(static_cast<uint8_t*>(cs[r].recv) + q * stride, cs[q].send, stride);
+    auto* h = reinterpret_cast<gc::PayloadHeader*>(static_cast<uint8_t*>(cs[0].recv) + stride);
+    if (field == 0)
+      h->section_bytes[1] = stride + 1;
+    else
+      h->section_bytes[1] = stride - 64 - h->section_bytes[0] + 8;  // each fits, the sum does not
+    try {
+      plans[0]->next();
+      FAIL() << "expected CorruptPayload";
+    } catch (const gc::CorruptPayload& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(gc::test::same_bits(before[0], g[0].data()));
+    // rank 1 (untouched copy) finishes; rebuild the pair for the next case
+    plans.clear();
+    raw.clear();
+    for (int r = 0; r < P; ++r) {
+      plans.push_back(std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt));
+      raw.push_back(plans.back().get());
+      g[r] = rank_input(n, r, 0);
+      plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+    }
+    gc::run_plans_in_process(raw);
+  }
 }
 
 TEST(CommPlans, RandomKMatchesReference) {

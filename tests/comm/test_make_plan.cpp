@@ -288,6 +288,7 @@ TEST(EnumNames, EveryTableParsesItsNamesAndRefusesOthers) {
   check_enum_table<gc::Orthogonalization>(
       {"auto", "gram_schmidt", "householder", "gram_schmidt_unfused"});
   check_enum_table<gc::TopKRoute>({"auto", "sparse", "dense"});
+  check_enum_table<gc::TopKExchange>({"auto", "bound", "sizes"});
   check_enum_table<gc::CastRoute>({"allreduce", "reduce_scatter"});
   check_enum_table<gc::SparsifyConfig::ClipScaling>({"sqrt_world", "none"});
   check_enum_table<gc::straggler::DropPoint>(

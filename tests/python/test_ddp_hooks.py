@@ -122,6 +122,51 @@ def test_checkpoint_round_trip_is_identical_to_uninterrupted(name):
     assert_resumed_equals_straight(d, 2, name)
 
 
+def _topk_exchanges(rank, world, out_dir):
+    data = make_data(rank, 12)
+    res = {}
+    for exchange in ("auto", "bound", "sizes"):
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state, hook = gt.hook("topk", ratio=0.05, momentum=0.9, exchange=exchange)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        res[exchange] = dict(
+            params=[p.detach().clone() for p in model.parameters()],
+            last_tags=[v["tags"] for _, v in sorted(state.last_stats.items())],
+            collectives=[h["collectives"] for h in state.history],
+            buckets=[h["buckets"] for h in state.history])
+    for exchange in ("auto", "bound"):
+        for a, b in zip(res[exchange]["params"], res["sizes"]["params"]):
+            assert torch.equal(a, b), f"{exchange}: parameters differ from the size exchange's"
+    if rank == 0:
+        out = {k: {kk: vv for kk, vv in v.items() if kk != "params"} for k, v in res.items()}
+        with open(os.path.join(out_dir, "exchanges.json"), "w") as f:
+            json.dump(out, f)
+
+
+def test_topk_bound_exchange_is_one_collective_per_bucket_with_the_same_bits():
+    """exchange auto (the default) / bound: after a plan's first step (sizes, to check the
+    buckets) one allgather per bucket; the same parameters bit for bit as the size exchange."""
+    d = tmpdir()
+    run(_topk_exchanges, 2, d)
+    with open(os.path.join(d, "exchanges.json")) as f:
+        res = json.load(f)
+    sizes = res["sizes"]
+    for exchange in ("auto", "bound"):
+        r = res[exchange]
+        # iterations 0-1: plain allreduce (start_iter); 2: the plans' first step (sizes + payloads)
+        assert r["collectives"][2] == 2 * r["buckets"][2], r
+        for it in range(3, len(r["collectives"])):
+            assert r["collectives"][it] == r["buckets"][it], (exchange, it, r)
+            assert sizes["collectives"][it] == 2 * sizes["buckets"][it], (it, sizes)
+        assert all(t == ["topk payloads (bound)"] for t in r["last_tags"]), r["last_tags"]
+    assert all(t == ["topk sizes", "topk payloads"] for t in sizes["last_tags"]), sizes
+
 def _pickles(rank, world, out_dir):
     import pickle
 

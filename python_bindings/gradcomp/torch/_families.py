@@ -100,6 +100,10 @@ class _ProbeBucket:
 #   (clip_scaling="sqrt_world", DGC) or at clip_norm itself ("none"). randomk momentum > 0: DGC's
 #   momentum correction and masking (use dgc_optimizer: no optimizer momentum); error-feedback
 #   random-k under an optimizer with momentum diverges (issue 17).
+# - topk exchange "auto": after the first step (which exchanges the payload sizes and so checks
+#   that every rank's bucket has the same size) a step skips the size allgather and pads every
+#   payload to the largest its k allows, unless the cost model says the padding costs more than
+#   the saved round (the padding is up to ~1.6x a delta-coded payload).
 # - onebit block_size 128: one scale per server chunk (block_size=0, the 1-bit Adam paper's form)
 #   let layers of very different gradient size share a scale and collapsed training (issue 16);
 #   128 costs 0.25 bit per element (25.6x fewer bytes on the wire than a ring allreduce of fp32).
