@@ -73,6 +73,14 @@ def make_data(rank, steps, batch=16, d_in=32, d_out=8, seed=0):
     return [(x, x @ teacher) for x in xs]
 
 
+def train(model, opt, data):
+    """One optimizer step per (x, y) of data on the MSE loss."""
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def params_equal_across_ranks(model) -> bool:
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]

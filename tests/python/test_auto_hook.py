@@ -14,7 +14,7 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch._auto import choose  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, save_checkpoint, tmpdir)
+                      params_equal_across_ranks, run, save_checkpoint, tmpdir, train)
 
 CANDS = ["allreduce", "fp16", "powersgd"]
 
@@ -244,11 +244,7 @@ def _pipeline_bitwise(rank, world, out_dir):
             model = DDP(Net(d_hidden=600), bucket_cap_mb=0.5)  # several buckets
             state, hook = gt.hook(name, pipeline=pipeline, **opts)
             model.register_comm_hook(state, hook)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            for x, y in data:
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
+            train(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), data)
             out[(name, pipeline)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             assert state._worker.pipeline is pipeline
         assert torch.equal(out[(name, True)], out[(name, False)]), name

@@ -14,7 +14,7 @@ import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, save_checkpoint, tmpdir)
+                      params_equal_across_ranks, run, save_checkpoint, tmpdir, train)
 
 HOOKS = {
     "allreduce": {},
@@ -130,11 +130,7 @@ def _topk_exchanges(rank, world, out_dir):
         model = DDP(Net())
         state, hook = gt.hook("topk", ratio=0.05, momentum=0.9, exchange=exchange)
         model.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.02)
-        for x, y in data:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        train(model, torch.optim.SGD(model.parameters(), lr=0.02), data)
         res[exchange] = dict(
             params=[p.detach().clone() for p in model.parameters()],
             last_tags=[v["tags"] for _, v in sorted(state.last_stats.items())],
@@ -248,11 +244,7 @@ def _features(rank, world, out_dir):
     model = DDP(Net(unused=True), find_unused_parameters=True)
     state, hook = gt.hook("topk", ratio=0.2, start_iter=1)
     model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    for x, y in data[:6]:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.02), data[:6])
     assert params_equal_across_ranks(model)
 
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir  # noqa: E402
+from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir, train  # noqa: E402
 
 STEPS = 30
 RANK = 2
@@ -53,11 +53,7 @@ def _train(rank, world, out_dir, which, seed=0):
     else:
         state, hook = gt.hook("powersgd", rank=RANK, start_iter=2, min_compression_rate=2.0)
         model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x, y in data:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.05), data)
     assert params_equal_across_ranks(model)
     if rank == 0:
         final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
