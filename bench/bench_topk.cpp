@@ -2,10 +2,15 @@
 // Top-k family microbenchmarks: exact and sampled selection, DGC encode, decode, against
 // std::nth_element and std::partial_sort on |g| (baselines in the same binary).
 //   n in {1M, 25M (ResNet-50), 110M (BERT-base)}, density in {1%, 0.1%} (args: n, density * 1e4)
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
+#include "gradcomp/numeric.hpp"
+#include "kernels/scan.hpp"
 
 using namespace gradcomp;
 using gradcomp::bench::normal_data;
@@ -103,6 +108,47 @@ void BM_topk_decode(benchmark::State& st) {
   st.counters["elements"] = k;
 }
 
+/// The non-finite scan each compressor runs before it changes any state (check_finite), in
+/// bytes read per second: the library's blocked scan (a branch-free OR per block of 2048, the
+/// flagged block searched) on finite data, the common case.
+void BM_finite_scan(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const std::vector<float>& x = normal_data(n);
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) benchmark::DoNotOptimize(kernels::cpu::first_nonfinite(x.data(), DType::kFloat32, n));
+  set_bandwidth(st, 4.0 * n, n, timer.seconds());
+}
+
+/// Baseline in the same binary: the scan it replaced (2026-11-25), element by element with a
+/// stop at the first NaN/Inf, the same OpenMP split (threads of at least 64K elements).
+void BM_finite_scan_baseline(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const std::vector<float>& x = normal_data(n);
+  const int T = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), n / (int64_t{1} << 16))));
+  gradcomp::bench::LoopTimer timer;
+  for (auto _ : st) {
+    int64_t best = n;
+#pragma omp parallel num_threads(T) reduction(min : best)
+    {
+      const int t = omp_get_thread_num();
+      const int64_t b = n * t / T, e = n * (t + 1) / T;
+      for (int64_t i = b; i < e; ++i)
+        if (!is_finite_bits(x[i])) {
+          best = i;
+          break;
+        }
+    }
+    benchmark::DoNotOptimize(best);
+  }
+  set_bandwidth(st, 4.0 * n, n, timer.seconds());
+}
+
+void scan_sizes(benchmark::internal::Benchmark* b) {
+  for (int64_t n : {int64_t{1} << 20, int64_t{6'297'600}, int64_t{25'000'000}}) b->Args({n});
+  b->ArgNames({"n"})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3);
+}
+
 void sizes(benchmark::internal::Benchmark* b) {
   for (int64_t n : {int64_t{1} << 20, int64_t{25'000'000}, int64_t{110'000'000}})
     for (int64_t d : {100, 10}) b->Args({n, d});  // density 1%, 0.1%
@@ -122,5 +168,7 @@ BENCHMARK(BM_topk_exact_select)->Apply(quick);
 BENCHMARK(BM_topk_sampled_select)->Apply(quick);
 BENCHMARK(BM_topk_encode)->Apply(quick);
 BENCHMARK(BM_topk_decode)->Apply(quick);
+BENCHMARK(BM_finite_scan_baseline)->Apply(scan_sizes);
+BENCHMARK(BM_finite_scan)->Apply(scan_sizes);
 
 BENCHMARK_MAIN();

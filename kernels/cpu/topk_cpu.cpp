@@ -285,19 +285,56 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
   return exact_select(x, n, k, out, ws);
 }
 
+/// The raw-bit non-finite test per storage type: x is NaN or +-Inf iff (bits & mask) > max_finite
+/// (the largest finite magnitude's bits), a compare the compiler vectorizes.
+template <class Load>
+struct NonFiniteBits;
+template <>
+struct NonFiniteBits<F32Load> {
+  using T = uint32_t;
+  using S = int32_t;  // masked bits are below 2^31: a signed compare is exact (SSE2 has one)
+  static constexpr T mask = 0x7fffffffu, max_finite = 0x7f7fffffu;
+};
+template <>
+struct NonFiniteBits<F16Load> {
+  using T = uint16_t;
+  using S = int16_t;
+  static constexpr T mask = 0x7fff, max_finite = 0x7bff;
+};
+template <>
+struct NonFiniteBits<BF16Load> {
+  using T = uint16_t;
+  using S = int16_t;
+  static constexpr T mask = 0x7fff, max_finite = 0x7f7f;
+};
+
 template <class Load>
 int64_t first_nonfinite_t(const void* g, int64_t n) {
-  const int T = threads_for(n);
+  using B = NonFiniteBits<Load>;
+  using T = typename B::T;
+  using S = typename B::S;
+  const T* x = static_cast<const T*>(g);
+  // Blocks of kBlock elements are OR-reduced without a branch (vectorized); only a block that
+  // holds a non-finite value is searched element by element for the first one.
+  constexpr int64_t kBlock = 2048;
+  const int T_ = threads_for(n);
   int64_t best = n;
-#pragma omp parallel num_threads(T) reduction(min : best)
+#pragma omp parallel num_threads(T_) reduction(min : best)
   {
     int64_t b, e;
-    chunk(n, omp_get_thread_num(), T, &b, &e);
-    for (int64_t i = b; i < e; ++i) {
-      if (!is_finite_bits(Load::load(g, i))) {
-        best = i;
-        break;
-      }
+    chunk(n, omp_get_thread_num(), T_, &b, &e);
+    for (int64_t i = b; i < e; i += kBlock) {
+      const int64_t stop = std::min(e, i + kBlock);
+      int any = 0;
+      for (int64_t j = i; j < stop; ++j)
+        any |= static_cast<S>(x[j] & B::mask) > static_cast<S>(B::max_finite);
+      if (any == 0) continue;
+      for (int64_t j = i; j < stop; ++j)
+        if (static_cast<S>(x[j] & B::mask) > static_cast<S>(B::max_finite)) {
+          best = j;
+          break;
+        }
+      break;
     }
   }
   return best == n ? -1 : best;

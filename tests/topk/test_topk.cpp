@@ -11,6 +11,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
+#include "kernels/scan.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;
@@ -646,4 +647,82 @@ TEST(TopKBadInput, CudaTensorInCpuBuildIsAClearError) {
   if (built_with_cuda()) GTEST_SKIP() << "built with CUDA";
   TopKConfig cfg;
   EXPECT_THROW(TopKCompressor(cfg, 10, DType::kFloat32, Device::kCUDA), NotBuiltWithCuda);
+}
+
+namespace {
+
+/// Raw bits of element i as the scalar reference sees them: NaN or +-Inf after widening to float.
+bool ref_nonfinite(const std::vector<uint32_t>& raw, DType t, size_t i) {
+  float f;
+  if (t == DType::kFloat32)
+    std::memcpy(&f, &raw[i], 4);
+  else if (t == DType::kFloat16)
+    f = half_to_float(static_cast<uint16_t>(raw[i]));
+  else
+    f = bf16_to_float(static_cast<uint16_t>(raw[i]));
+  return !std::isfinite(f);
+}
+
+std::vector<uint8_t> pack(const std::vector<uint32_t>& raw, DType t) {
+  const size_t es = dtype_size(t);
+  std::vector<uint8_t> out(raw.size() * es);
+  for (size_t i = 0; i < raw.size(); ++i) {
+    if (es == 4) {
+      std::memcpy(&out[4 * i], &raw[i], 4);
+    } else {
+      const auto h = static_cast<uint16_t>(raw[i]);
+      std::memcpy(&out[2 * i], &h, 2);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(TopKCpuKernels, FirstNonfiniteMatchesAScalarScan) {
+  // The blocked scan (branch-free OR per block of 2048, then a search of the flagged block)
+  // against std::isfinite element by element: every dtype, sizes around the block and thread
+  // boundaries, the largest finite values (not flagged), NaN payloads, +-Inf, and a second bad
+  // value after the first (the first counts).
+  struct Kind {
+    DType t;
+    uint32_t max_finite, inf, nan_payload, neg_max;
+  };
+  const Kind kinds[] = {{DType::kFloat32, 0x7f7fffffu, 0x7f800000u, 0x7fc12345u, 0xff7fffffu},
+                        {DType::kFloat16, 0x7bffu, 0x7c00u, 0x7e01u, 0xfbffu},
+                        {DType::kBFloat16, 0x7f7fu, 0x7f80u, 0x7fc1u, 0xff7fu}};
+  for (const Kind& k : kinds)
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{2047}, int64_t{2048},
+                      int64_t{2049}, int64_t{4097}, int64_t{(1 << 20) + 3}}) {
+      const std::vector<float> x = normal(n, 5 + n);
+      std::vector<uint32_t> raw(static_cast<size_t>(n));
+      for (size_t i = 0; i < raw.size(); ++i) {
+        uint32_t b;
+        std::memcpy(&b, &x[i], 4);
+        raw[i] = k.t == DType::kFloat32   ? b
+                 : k.t == DType::kFloat16 ? float_to_half(x[i])
+                                          : float_to_bf16(x[i]);
+        if (i % 97 == 3) raw[i] = i % 2 ? k.max_finite : k.neg_max;  // finite extremes
+      }
+      auto clean = pack(raw, k.t);
+      ASSERT_EQ(kernels::cpu::first_nonfinite(clean.data(), k.t, n), -1)
+          << dtype_name(k.t) << " n=" << n;
+      for (int64_t pos : {int64_t{0}, int64_t{1}, int64_t{2047}, int64_t{2048}, int64_t{2049},
+                          n / 2 - 1, n / 2, n / 2 + 1, n - 1}) {
+        if (pos < 0 || pos >= n) continue;
+        for (uint32_t bad : {k.inf, k.inf | (k.t == DType::kFloat32 ? 0x80000000u : 0x8000u),
+                             k.nan_payload}) {
+          std::vector<uint32_t> y = raw;
+          y[static_cast<size_t>(pos)] = bad;
+          if (pos + 5 < n) y[static_cast<size_t>(pos + 5)] = k.nan_payload;
+          int64_t want = -1;
+          for (size_t i = 0; i < y.size() && want < 0; ++i)
+            if (ref_nonfinite(y, k.t, i)) want = static_cast<int64_t>(i);
+          ASSERT_EQ(want, pos);
+          auto b = pack(y, k.t);
+          ASSERT_EQ(kernels::cpu::first_nonfinite(b.data(), k.t, n), want)
+              << dtype_name(k.t) << " n=" << n << " pos " << pos << " bits " << bad;
+        }
+      }
+    }
 }
