@@ -135,7 +135,7 @@ class Options {
 };
 
 template <class C>
-C sparsify_config(const Options& o, uint32_t bucket_id) {
+C sparsify_config(const Options& o, uint32_t tensor_id) {
   C c;
   c.ratio = o.real("ratio");
   c.momentum = o.real("momentum");
@@ -149,11 +149,38 @@ C sparsify_config(const Options& o, uint32_t bucket_id) {
   c.error_feedback = o.flag("error_feedback");
   c.check_finite = o.flag("check_finite");
   c.seed = o.seed("seed");
-  c.tensor_id = bucket_id;
+  c.tensor_id = tensor_id;
   return c;
 }
 
+TopKConfig topk_config_of(const Options& o, uint32_t tensor_id) {
+  auto c = sparsify_config<TopKConfig>(o, tensor_id);
+  c.select.method = parse_enum<SelectMethod>(o.name("method"));
+  c.select.sample_rate = o.real("sample_rate");
+  c.validate();
+  return c;
+}
+
+/// A per-tensor codec has no world size and no exchange: the options of the plan alone are refused.
+void refuse_plan_only(const char* family, const PlanOptions& given) {
+  for (const char* k : {"route", "exchange", "latency_s", "bandwidth_Bps", "clip_scaling"})
+    GC_CHECK_ARG(given.count(k) == 0, "option '", k, "' belongs to the ", family,
+                 " plan (the bucket allreduce), not to the per-tensor codec");
+}
+
 }  // namespace
+
+TopKConfig topk_config(const PlanOptions& options, uint32_t tensor_id) {
+  refuse_plan_only("topk", options);
+  return topk_config_of(Options("topk", options), tensor_id);
+}
+
+RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id) {
+  refuse_plan_only("randomk", options);
+  auto c = sparsify_config<RandomKConfig>(Options("randomk", options), tensor_id);
+  c.validate();
+  return c;
+}
 
 std::vector<std::string> plan_names() {
   return {"allreduce", "fp16", "bf16", "topk", "randomk", "onebit", "powersgd"};
@@ -186,9 +213,7 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
                                                b.world, b.device, b.device_index, b.stream, route);
   }
   if (name == "topk") {
-    auto c = sparsify_config<TopKConfig>(o, b.bucket_id);
-    c.select.method = parse_enum<SelectMethod>(o.name("method"));
-    c.select.sample_rate = o.real("sample_rate");
+    const TopKConfig c = topk_config_of(o, b.bucket_id);
     TopKPlanOptions p;
     p.route = parse_enum<TopKRoute>(o.name("route"));
     p.exchange = parse_enum<TopKExchange>(o.name("exchange"));

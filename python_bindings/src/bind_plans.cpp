@@ -9,36 +9,6 @@
 namespace gradcomp::py {
 namespace {
 
-
-/// A Python option value as a PlanOption: bool, int, float, str, or a list/tuple of numbers.
-PlanOption to_option(const std::string& name, const std::string& key, nb::handle v) {
-  // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name
-  if (nb::hasattr(v, "__gradcomp_option__")) return nb::cast<std::string>(v.attr("name"));
-  if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
-  if (nb::isinstance<nb::int_>(v)) {
-    int64_t i = 0;
-    GC_CHECK_ARG(nb::try_cast(v, i), "invalid option for compressor '", name, "': ", key,
-                 " does not fit a 64-bit integer");
-    return i;
-  }
-  if (nb::isinstance<nb::float_>(v)) return nb::cast<double>(v);
-  if (nb::isinstance<nb::str>(v)) return nb::cast<std::string>(v);
-  if (nb::isinstance<nb::list>(v) || nb::isinstance<nb::tuple>(v)) {
-    std::vector<double> out;
-    for (nb::handle e : v) {
-      GC_CHECK_ARG(!nb::isinstance<nb::bool_>(e) &&
-                       (nb::isinstance<nb::int_>(e) || nb::isinstance<nb::float_>(e)),
-                   "invalid option for compressor '", name, "': ", key,
-                   " must be a list of numbers, got an element of type ", nb::inst_name(e).c_str());
-      out.push_back(nb::cast<double>(e));
-    }
-    return out;
-  }
-  throw InvalidArgument(detail::cat("invalid option for compressor '", name, "': ", key,
-                                    " has type ", nb::inst_name(v).c_str(),
-                                    " (expected bool, int, float, str or a list of numbers)"));
-}
-
 nb::object from_option(const PlanOption& v) {
   return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }

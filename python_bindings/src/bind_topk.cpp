@@ -5,64 +5,48 @@ namespace gradcomp::py {
 namespace {
 
 void bind_topk(nb::module_& m) {
-  nb::class_<TopKCompressor> topk(m, "TopKCompressor",
-                             "Top-k / Deep Gradient Compression state for one tensor.\n\n"
-                             "Example:\n"
-                             "    c = gradcomp.TopKCompressor(grad.numel(), ratio=0.001, momentum=0.9)\n"
-                             "    p = gradcomp.Payload()\n"
-                             "    c.encode(grad, p); c.decode_add(p.array(), out, 1.0)");
+  nb::class_<TopKCompressor> topk(
+      m, "TopKCompressor",
+      "Top-k / Deep Gradient Compression state for one tensor. Keyword options: the top-k "
+      "plan's (gradcomp.plan_defaults('topk'): ratio, method, sample_rate, momentum, nesterov, "
+      "momentum_masking, clip_norm, warmup_ratios, warmup_steps, value_dtype, error_feedback, "
+      "check_finite, seed), with the same names, types and defaults; the plan-only ones (route, "
+      "exchange, latency_s, bandwidth_Bps, clip_scaling) are refused.\n\n"
+      "Example:\n"
+      "    c = gradcomp.TopKCompressor(grad.numel(), ratio=0.001, momentum=0.9)\n"
+      "    p = gradcomp.Payload()\n"
+      "    c.encode(grad, p); c.decode_add(p.array(), out, 1.0)");
   topk.def(
-          "__init__",
-          [](TopKCompressor* self, int64_t numel, double ratio, const std::string& method,
-             double momentum, bool nesterov, bool momentum_masking, double clip_norm,
-             std::vector<double> warmup_ratios, int64_t warmup_steps,
-             const std::string& value_dtype, bool error_feedback, bool check_finite,
-             uint64_t seed, uint32_t tensor_id, double sample_rate, const std::string& grad_dtype,
-             const std::string& device, int device_index, uintptr_t stream) {
-            const TopKConfig c = topk_config(ratio, method, sample_rate, momentum, nesterov,
-                                             momentum_masking, clip_norm, std::move(warmup_ratios),
-                                             warmup_steps, value_dtype, error_feedback,
-                                             check_finite, seed, tensor_id);
-            new (self)
-                TopKCompressor(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
-                               device_index, reinterpret_cast<void*>(stream));
-          },
-          nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.001, nb::arg("method") = "sampled",
-          nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
-          nb::arg("momentum_masking") = true, nb::arg("clip_norm") = 0.0,
-          nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
-          nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
-          nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
-          nb::arg("sample_rate") = 0.01, nb::arg("grad_dtype") = "float32",
-          nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+      "__init__",
+      [](TopKCompressor* self, int64_t numel, uint32_t tensor_id, const std::string& grad_dtype,
+         const std::string& device, int device_index, uintptr_t stream, const nb::kwargs& kw) {
+        const TopKConfig c = topk_config(to_options("topk", kw), tensor_id);
+        new (self)
+            TopKCompressor(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
+                           device_index, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::kw_only(), nb::arg("tensor_id") = 0, nb::arg("grad_dtype") = "float32",
+      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
+      nb::arg("kwargs"));
   def_compressor_methods(topk);
 
-  nb::class_<RandomKCompressor> randomk(m, "RandomKCompressor",
-                                "Random-k with error feedback; indices from the shared RNG. DGC's momentum "
-                                "correction, masking, clipping and warm-up as for top-k.");
+  nb::class_<RandomKCompressor> randomk(
+      m, "RandomKCompressor",
+      "Random-k with error feedback; indices from the shared RNG. DGC's momentum correction, "
+      "masking, clipping and warm-up as for top-k. Keyword options: the random-k plan's "
+      "(gradcomp.plan_defaults('randomk'); clip_scaling, plan-only, is refused).");
   randomk.def(
-          "__init__",
-          [](RandomKCompressor* self, int64_t numel, double ratio, double momentum,
-             bool nesterov, bool momentum_masking, double clip_norm,
-             std::vector<double> warmup_ratios, int64_t warmup_steps,
-             const std::string& value_dtype, bool error_feedback, bool check_finite,
-             uint64_t seed, uint32_t tensor_id, const std::string& grad_dtype,
-             const std::string& device, int device_index, uintptr_t stream) {
-            const auto c = sparsify_config<RandomKConfig>(
-                ratio, momentum, nesterov, momentum_masking, clip_norm, std::move(warmup_ratios),
-                warmup_steps, value_dtype, error_feedback, check_finite, seed, tensor_id);
-            new (self) RandomKCompressor(c, numel, parse_enum<DType>(grad_dtype),
-                                         parse_enum<Device>(device), device_index,
-                                         reinterpret_cast<void*>(stream));
-          },
-          nb::arg("numel"), nb::kw_only(), nb::arg("ratio") = 0.01,
-          nb::arg("momentum") = 0.0, nb::arg("nesterov") = false,
-          nb::arg("momentum_masking") = true, nb::arg("clip_norm") = 0.0,
-          nb::arg("warmup_ratios") = std::vector<double>{}, nb::arg("warmup_steps") = 0,
-          nb::arg("value_dtype") = "float32", nb::arg("error_feedback") = true,
-          nb::arg("check_finite") = true, nb::arg("seed") = 0, nb::arg("tensor_id") = 0,
-          nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
-          nb::arg("device_index") = 0, nb::arg("stream") = 0);
+      "__init__",
+      [](RandomKCompressor* self, int64_t numel, uint32_t tensor_id, const std::string& grad_dtype,
+         const std::string& device, int device_index, uintptr_t stream, const nb::kwargs& kw) {
+        const RandomKConfig c = randomk_config(to_options("randomk", kw), tensor_id);
+        new (self)
+            RandomKCompressor(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
+                              device_index, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::kw_only(), nb::arg("tensor_id") = 0, nb::arg("grad_dtype") = "float32",
+      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
+      nb::arg("kwargs"));
   def_compressor_methods(randomk);
 
   m.def(

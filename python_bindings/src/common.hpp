@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gradcomp/gradcomp.hpp"
+#include "gradcomp/make_plan.hpp"
 
 namespace gradcomp::py {
 namespace nb = nanobind;
@@ -126,43 +127,44 @@ inline TensorView to_view(const AnyArray& a, uintptr_t stream = 0, const char* w
                     reinterpret_cast<void*>(stream));
 }
 
-/// The options top-k and random-k share (SparsifyConfig) from the keyword arguments of their
-/// compressors and plans.
-template <class C>
-C sparsify_config(double ratio, double momentum, bool nesterov, bool momentum_masking,
-                  double clip_norm, std::vector<double> warmup_ratios, int64_t warmup_steps,
-                  const std::string& value_dtype, bool error_feedback, bool check_finite,
-                  uint64_t seed, uint32_t tensor_id) {
-  C c;
-  c.ratio = ratio;
-  c.momentum = momentum;
-  c.nesterov = nesterov;
-  c.momentum_masking = momentum_masking;
-  c.clip_norm = clip_norm;
-  c.warmup_ratios = std::move(warmup_ratios);
-  c.warmup_steps = warmup_steps;
-  c.value_dtype = parse_enum<DType>(value_dtype);
-  c.error_feedback = error_feedback;
-  c.check_finite = check_finite;
-  c.seed = seed;
-  c.tensor_id = tensor_id;
-  return c;
+/// A Python option value as a PlanOption: bool, int, float, str, or a list/tuple of numbers.
+inline PlanOption to_option(const std::string& name, const std::string& key, nb::handle v) {
+  // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name
+  if (nb::hasattr(v, "__gradcomp_option__")) return nb::cast<std::string>(v.attr("name"));
+  if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
+  if (nb::isinstance<nb::int_>(v)) {
+    int64_t i = 0;
+    GC_CHECK_ARG(nb::try_cast(v, i), "invalid option for compressor '", name, "': ", key,
+                 " does not fit a 64-bit integer");
+    return i;
+  }
+  if (nb::isinstance<nb::float_>(v)) return nb::cast<double>(v);
+  if (nb::isinstance<nb::str>(v)) return nb::cast<std::string>(v);
+  if (nb::isinstance<nb::list>(v) || nb::isinstance<nb::tuple>(v)) {
+    std::vector<double> out;
+    for (nb::handle e : v) {
+      GC_CHECK_ARG(!nb::isinstance<nb::bool_>(e) &&
+                       (nb::isinstance<nb::int_>(e) || nb::isinstance<nb::float_>(e)),
+                   "invalid option for compressor '", name, "': ", key,
+                   " must be a list of numbers, got an element of type ", nb::inst_name(e).c_str());
+      out.push_back(nb::cast<double>(e));
+    }
+    return out;
+  }
+  throw InvalidArgument(detail::cat("invalid option for compressor '", name, "': ", key,
+                                    " has type ", nb::inst_name(v).c_str(),
+                                    " (expected bool, int, float, str or a list of numbers)"));
 }
 
-/// The top-k configuration from the keyword arguments shared by TopKCompressor and
-/// TopKAllreducePlan.
-inline TopKConfig topk_config(double ratio, const std::string& method, double sample_rate,
-                              double momentum, bool nesterov, bool momentum_masking,
-                              double clip_norm, std::vector<double> warmup_ratios,
-                              int64_t warmup_steps, const std::string& value_dtype,
-                              bool error_feedback, bool check_finite, uint64_t seed,
-                              uint32_t tensor_id) {
-  TopKConfig c = sparsify_config<TopKConfig>(ratio, momentum, nesterov, momentum_masking, clip_norm,
-                                             std::move(warmup_ratios), warmup_steps, value_dtype,
-                                             error_feedback, check_finite, seed, tensor_id);
-  c.select.method = parse_enum<SelectMethod>(method);
-  c.select.sample_rate = sample_rate;
-  return c;
+/// Keyword arguments as make_plan options of family `name` (make_plan.hpp: one table of names,
+/// types and defaults for the plans, the hooks and the per-tensor codecs).
+inline PlanOptions to_options(const std::string& name, const nb::kwargs& kw) {
+  PlanOptions o;
+  for (auto [k, v] : kw) {
+    const std::string key = nb::cast<std::string>(k);
+    o[key] = to_option(name, key, v);
+  }
+  return o;
 }
 
 /// A state_dict() as Python bytes (a copy: the bytes object owns its memory).

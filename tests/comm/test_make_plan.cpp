@@ -160,6 +160,67 @@ TEST(MakePlan, RefusesUnknownNamesOptionsTypesAndValues) {
   EXPECT_THROW(gc::make_plan("onebit", s), gc::InvalidArgument);
 }
 
+TEST(MakePlan, CodecConfigsAreThePlansConfigs) {
+  // topk_config / randomk_config (what the per-tensor codec bindings read their keyword
+  // arguments with) give the configuration make_plan hands its compressor, field by field
+  const gc::PlanOptions o = {{"ratio", 0.02},
+                             {"momentum", 0.8},
+                             {"nesterov", true},
+                             {"momentum_masking", false},
+                             {"clip_norm", 2.5},
+                             {"warmup_ratios", std::vector<double>{0.5}},
+                             {"warmup_steps", int64_t{3}},
+                             {"value_dtype", std::string("float16")},
+                             {"error_feedback", false},
+                             {"check_finite", false},
+                             {"seed", int64_t{9}}};
+  auto same = [](const gc::SparsifyConfig& a, const gc::SparsifyConfig& b) {
+    EXPECT_EQ(a.ratio, b.ratio);
+    EXPECT_EQ(a.momentum, b.momentum);
+    EXPECT_EQ(a.nesterov, b.nesterov);
+    EXPECT_EQ(a.momentum_masking, b.momentum_masking);
+    EXPECT_EQ(a.clip_norm, b.clip_norm);
+    EXPECT_EQ(a.warmup_ratios, b.warmup_ratios);
+    EXPECT_EQ(a.warmup_steps, b.warmup_steps);
+    EXPECT_EQ(a.value_dtype, b.value_dtype);
+    EXPECT_EQ(a.error_feedback, b.error_feedback);
+    EXPECT_EQ(a.check_finite, b.check_finite);
+    EXPECT_EQ(a.seed, b.seed);
+    EXPECT_EQ(a.tensor_id, b.tensor_id);
+  };
+  gc::BucketSpec b;
+  b.numel = 1000;
+  b.bucket_id = 7;  // world 1: the plan's per-rank clipping threshold is clip_norm itself
+  for (bool defaults : {true, false}) {
+    const gc::PlanOptions given = defaults ? gc::PlanOptions{} : o;
+    gc::PlanOptions topk = given;
+    topk["method"] = std::string("exact");
+    topk["sample_rate"] = 0.05;
+    const gc::TopKConfig c = gc::topk_config(topk, 7);
+    auto plan = gc::make_plan("topk", b, topk);
+    const gc::TopKConfig& pc = dynamic_cast<gc::TopKAllreducePlan&>(*plan).compressor().config();
+    same(c, pc);
+    EXPECT_EQ(c.select.method, gc::SelectMethod::kExact);
+    EXPECT_EQ(c.select.method, pc.select.method);
+    EXPECT_EQ(c.select.sample_rate, pc.select.sample_rate);
+    const gc::RandomKConfig r = gc::randomk_config(given, 7);
+    auto rplan = gc::make_plan("randomk", b, given);
+    same(r, dynamic_cast<gc::RandomKAllreducePlan&>(*rplan).compressor().config());
+    if (!defaults) EXPECT_EQ(r.ratio, 0.02);
+  }
+  // a codec refuses what only a plan has, and everything make_plan refuses
+  for (const char* k : {"route", "exchange", "clip_scaling"}) {
+    EXPECT_THROW(gc::topk_config({{k, std::string("auto")}}), gc::InvalidArgument) << k;
+    EXPECT_THROW(gc::randomk_config({{k, std::string("none")}}), gc::InvalidArgument) << k;
+  }
+  EXPECT_THROW(gc::topk_config({{"latency_s", 0.1}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::topk_config({{"bogus", 1.0}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::topk_config({{"ratio", std::string("x")}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::topk_config({{"ratio", 0.0}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::randomk_config({{"method", std::string("exact")}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::randomk_config({{"seed", int64_t{-1}}}), gc::InvalidArgument);
+}
+
 TEST(MakePlan, CastRouteAutoFollowsTheBackend) {
   auto route_of = [](const char* backend) {
     gc::BucketSpec b = spec(64, 2, 0);

@@ -57,6 +57,37 @@ def test_torch_dtypes_zero_copy():
         assert torch.equal(out[nz], g.float()[nz])
 
 
+PLAN_ONLY = ("route", "exchange", "latency_s", "bandwidth_Bps", "clip_scaling")
+
+
+@pytest.mark.parametrize("name,cls", [("topk", "TopKCompressor"), ("randomk", "RandomKCompressor")])
+def test_codec_options_are_the_plan_table(name, cls):
+    """The codecs read their keyword options with make_plan's table: the same names, types and
+    defaults (a codec given plan_defaults' values encodes byte for byte like one given nothing);
+    the plan-only options and everything make_plan refuses are ValueErrors."""
+    C = getattr(gradcomp, cls)
+    d = {k: v for k, v in gradcomp.plan_defaults(name).items() if k not in PLAN_ONLY}
+    g = np.random.default_rng(1).standard_normal(5003).astype(np.float32)
+    pa, pb = gradcomp.Payload(), gradcomp.Payload()
+    C(5003, tensor_id=3).encode(g, pa)
+    C(5003, tensor_id=3, **d).encode(g, pb)
+    assert bytes(pa.array()) == bytes(pb.array())
+    for k in PLAN_ONLY:
+        if k in gradcomp.plan_defaults(name):
+            with pytest.raises(ValueError, match=f"'{k}' belongs to the {name} plan"):
+                C(10, **{k: gradcomp.plan_defaults(name)[k]})
+    with pytest.raises(ValueError, match="unknown option"):
+        C(10, bogus=1)
+    with pytest.raises(ValueError, match="ratio must be a number"):
+        C(10, ratio="x")
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        C(10, seed=-1)
+    with pytest.raises(ValueError, match="momentum"):
+        C(10, momentum=1.5)
+    with pytest.raises(TypeError):
+        C(10, 0.1)  # options are keyword-only
+
+
 def test_bad_input_raises_value_error_and_keeps_state():
     with pytest.raises(ValueError, match="ratio"):
         gradcomp.TopKCompressor(10, ratio=0.0)
