@@ -4,6 +4,26 @@
 namespace gradcomp::py {
 namespace {
 
+/// __init__(numel, *, tensor_id, grad_dtype, device, device_index, stream, **options) of a
+/// sparsifying codec: the options go through make_plan's table (`config`: topk_config or
+/// randomk_config).
+template <class Codec, class Config>
+void def_sparse_init(nb::class_<Codec>& cls, const char* family,
+                     Config (*config)(const PlanOptions&, uint32_t)) {
+  cls.def(
+      "__init__",
+      [family, config](Codec* self, int64_t numel, uint32_t tensor_id,
+                       const std::string& grad_dtype, const std::string& device, int device_index,
+                       uintptr_t stream, const nb::kwargs& kw) {
+        const Config c = config(to_options(family, kw), tensor_id);
+        new (self) Codec(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
+                         device_index, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("numel"), nb::kw_only(), nb::arg("tensor_id") = 0,
+      nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+      nb::arg("stream") = 0, nb::arg("kwargs"));
+}
+
 void bind_topk(nb::module_& m) {
   nb::class_<TopKCompressor> topk(
       m, "TopKCompressor",
@@ -16,18 +36,7 @@ void bind_topk(nb::module_& m) {
       "    c = gradcomp.TopKCompressor(grad.numel(), ratio=0.001, momentum=0.9)\n"
       "    p = gradcomp.Payload()\n"
       "    c.encode(grad, p); c.decode_add(p.array(), out, 1.0)");
-  topk.def(
-      "__init__",
-      [](TopKCompressor* self, int64_t numel, uint32_t tensor_id, const std::string& grad_dtype,
-         const std::string& device, int device_index, uintptr_t stream, const nb::kwargs& kw) {
-        const TopKConfig c = topk_config(to_options("topk", kw), tensor_id);
-        new (self)
-            TopKCompressor(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
-                           device_index, reinterpret_cast<void*>(stream));
-      },
-      nb::arg("numel"), nb::kw_only(), nb::arg("tensor_id") = 0, nb::arg("grad_dtype") = "float32",
-      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
-      nb::arg("kwargs"));
+  def_sparse_init(topk, "topk", &topk_config);
   def_compressor_methods(topk);
 
   nb::class_<RandomKCompressor> randomk(
@@ -35,18 +44,7 @@ void bind_topk(nb::module_& m) {
       "Random-k with error feedback; indices from the shared RNG. DGC's momentum correction, "
       "masking, clipping and warm-up as for top-k. Keyword options: the random-k plan's "
       "(gradcomp.plan_defaults('randomk'); clip_scaling, plan-only, is refused).");
-  randomk.def(
-      "__init__",
-      [](RandomKCompressor* self, int64_t numel, uint32_t tensor_id, const std::string& grad_dtype,
-         const std::string& device, int device_index, uintptr_t stream, const nb::kwargs& kw) {
-        const RandomKConfig c = randomk_config(to_options("randomk", kw), tensor_id);
-        new (self)
-            RandomKCompressor(c, numel, parse_enum<DType>(grad_dtype), parse_enum<Device>(device),
-                              device_index, reinterpret_cast<void*>(stream));
-      },
-      nb::arg("numel"), nb::kw_only(), nb::arg("tensor_id") = 0, nb::arg("grad_dtype") = "float32",
-      nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0,
-      nb::arg("kwargs"));
+  def_sparse_init(randomk, "randomk", &randomk_config);
   def_compressor_methods(randomk);
 
   m.def(
