@@ -252,11 +252,13 @@ def plot(rows: List[dict], path: str, numel: int, title: str) -> bool:
         if sel:
             ax.scatter([r["encode_GBps"] for r in sel], [r["ratio"] for r in sel], s=50,
                        color=colors[comp], label=comp, zorder=3)
-        # alternate label sides along x so that points at the same ratio (1-bit) stay readable
+        # labels of points at the same ratio (the 1-bit settings) go on separate lines: above,
+        # below, further above, further below, in order of throughput
+        offsets = [(6, 5), (6, -13), (6, 17), (6, -25)]
         for i, r in enumerate(sorted(sel, key=lambda r: r["encode_GBps"])):
             ax.annotate(f'{r["setting"].replace(", ResNet-50", "")} ({_fmt("ratio", r["ratio"])})',
                         (r["encode_GBps"], r["ratio"]), textcoords="offset points",
-                        xytext=(6, 5) if i % 2 == 0 else (6, -13), fontsize=8)
+                        xytext=offsets[i % len(offsets)], fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
     from matplotlib.ticker import FuncFormatter
