@@ -184,3 +184,17 @@ def test_report_setting_comes_from_the_runs():
     assert s["eval_every"] == 25 and s["batch"] == 32  # not recorded by these runs
     assert "momentum" not in s
     assert fm.setting_of([dict(model="cnn")], {})["model"] == "cnn"
+
+
+def test_a_failing_configuration_is_recorded_and_the_others_still_run(tmp_path):
+    """Without --report, a configuration that fails (here: an invalid hook option, raised in the
+    ranks) is printed, written to --out with its error, the next configuration still trains, and
+    the exit status is 1."""
+    out = tmp_path / "runs.jsonl"
+    rc = fm.main(["--configs", "topk:ratio=2,plain", "--seeds", "0", "--world", "2", "--steps", "4",
+                  "--train-subset", "256", "--test-subset", "100", "--out", str(out)])
+    assert rc == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["config"] for r in rows] == ["plain", "topk:ratio=2"]
+    assert rows[0]["steps"] == 4 and "error" not in rows[0]
+    assert "ratio" in rows[1]["error"] and "\n" not in rows[1]["error"], rows[1]["error"]

@@ -739,10 +739,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 r = run_config(args, a.world, netns=a.netns, delay=a.delay)
             except Exception as e:  # a diverged run (non-finite check) or a failed rank
-                if not a.report:
-                    raise
-                print(f"{cfg:24s} seed {seed}: FAILED: {e}", flush=True)
-                failed.append({"config": cfg, "seed": seed, "error": str(e)})
+                # recorded, and the other configurations still run; the exit status says so
+                failed.append({"config": cfg, "seed": seed, "error": _last_line(e)})
+                print(f"{cfg:24s} seed {seed}: FAILED: {failed[-1]['error']}", flush=True)
                 continue
             r.update(link=link, momentum=a.momentum, batch=a.batch, eval_every=a.eval_every)
             results.append(r)
@@ -788,7 +787,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = write_report(results, a.report, a.target or 0.8, meta, failed)
         print(markdown_table(rows, a.target or 0.8))
         print(f"report: {a.report}")
-    return 0
+    if failed:
+        print("did not finish: " + "; ".join(f"{r['config']} (seed {r['seed']}): {r['error']}"
+                                             for r in failed), flush=True)
+    # a report records diverged runs as results; without one, a failure is the exit status
+    return 0 if (a.report or not failed) else 1
+
+
+def _last_line(e: BaseException) -> str:
+    """The last non-empty line of an exception's text: for a rank's exception (re-raised with its
+    whole traceback by torch.multiprocessing) the error itself, e.g. the non-finite check."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 if __name__ == "__main__":
