@@ -24,7 +24,7 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
       sizes_(device, stream),
       gathered_(device, stream),
       acc_(device, stream),
-      host_sizes_(2 * static_cast<size_t>(world) + 2) {
+      host_sizes_(kSizeFields * (static_cast<size_t>(world) + 1)) {
   GC_CHECK_ARG(opt.cost.bandwidth_Bps > 0 && opt.cost.latency_s >= 0,
                "TopKAllreducePlan: cost model needs bandwidth > 0 and latency >= 0, got ",
                opt.cost.bandwidth_Bps, " B/s and ", opt.cost.latency_s, " s");
@@ -37,7 +37,7 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   payload_.bytes.reserve(most);
   gathered_.reserve(most * static_cast<uint64_t>(world));
   if (grad_dtype != DType::kFloat32) acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
-  sizes_.reserve((2 * static_cast<size_t>(world) + 2) * sizeof(int64_t));
+  sizes_.reserve(kSizeFields * (static_cast<size_t>(world) + 1) * sizeof(int64_t));
 }
 
 float* TopKAllreducePlan::target() {
@@ -69,6 +69,7 @@ TopKExchange TopKAllreducePlan::next_exchange() const {
   // rank (the configuration, the step, and what the last step gathered)
   if (stats_.steps == 0) return TopKExchange::kSizes;
   if (opt_.exchange != TopKExchange::kAuto) return opt_.exchange;
+  if (opt_.route == TopKRoute::kDense) return TopKExchange::kBound;  // the sizes go unused
   const uint64_t estimate = stats_.last_max_payload;
   if (estimate == 0) return TopKExchange::kBound;  // unknown (a dense step without sizes)
   const double P = world_;
@@ -135,25 +136,37 @@ std::optional<Collective> TopKAllreducePlan::next() {
         stats_.last_total_payload = 0;
         return send(bound);
       }
-      host_sizes_[2 * P] = numel_;
-      host_sizes_[2 * P + 1] = static_cast<int64_t>(payload_.size());
-      auto* d = sizes_.get<int64_t>(2 * P + 2);
-      device_copy(d + 2 * P, device_, &host_sizes_[2 * P], Device::kCPU, 2 * sizeof(int64_t),
+      // (numel, payload bytes, step, bound): what every later bound step relies on being equal
+      int64_t* mine = &host_sizes_[kSizeFields * P];
+      mine[0] = numel_;
+      mine[1] = static_cast<int64_t>(payload_.size());
+      mine[2] = comp_.step() - 1;  // the step just encoded
+      mine[3] = static_cast<int64_t>(bound);
+      auto* d = sizes_.get<int64_t>(kSizeFields * (P + 1));
+      device_copy(d + kSizeFields * P, device_, mine, Device::kCPU, kSizeFields * sizeof(int64_t),
                   stream_);
       phase_ = 1;
-      return make(CollectiveKind::kAllgather, ElemType::kI64, d + 2 * P, d, 2, "topk sizes");
+      return make(CollectiveKind::kAllgather, ElemType::kI64, d + kSizeFields * P, d, kSizeFields,
+                  "topk sizes");
     }
     case 1: {  // check sizes, choose the route
-      device_copy(host_sizes_.data(), Device::kCPU, sizes_.data(), device_, 2 * P * sizeof(int64_t),
-                  stream_);
+      device_copy(host_sizes_.data(), Device::kCPU, sizes_.data(), device_,
+                  kSizeFields * P * sizeof(int64_t), stream_);
       if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
       uint64_t longest = 0, total = 0;
       payload_bytes_.resize(P);
+      const int64_t* first = &host_sizes_[0];
       for (size_t r = 0; r < P; ++r) {
-        GC_CHECK_ARG(host_sizes_[2 * r] == host_sizes_[0],
-                     "plan 'topk': bucket sizes differ across ranks: rank 0 has ", host_sizes_[0],
-                     " elements, rank ", r, " has ", host_sizes_[2 * r]);
-        const auto b = static_cast<uint64_t>(host_sizes_[2 * r + 1]);
+        const int64_t* f = &host_sizes_[kSizeFields * r];
+        GC_CHECK_ARG(f[0] == first[0], "plan 'topk': bucket sizes differ across ranks: rank 0 has ",
+                     first[0], " elements, rank ", r, " has ", f[0]);
+        GC_CHECK_ARG(f[2] == first[2], "plan 'topk': ranks are at different steps: rank 0 at ",
+                     first[2], ", rank ", r, " at ", f[2],
+                     " (restore every rank's state, or none)");
+        GC_CHECK_ARG(f[3] == first[3], "plan 'topk': the largest payload differs across ranks (",
+                     first[3], " bytes on rank 0, ", f[3], " on rank ", r,
+                     "): ratio, warm-up and value_dtype must be the same on every rank");
+        const auto b = static_cast<uint64_t>(f[1]);
         GC_CHECK_ARG(b >= sizeof(PayloadHeader), "plan 'topk': rank ", r,
                      " announced a payload of ", b, " bytes (less than a header)");
         payload_bytes_[r] = b;

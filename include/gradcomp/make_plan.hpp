@@ -75,10 +75,10 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
 
 /// The configuration make_plan("topk" / "randomk", ...) gives its compressor, for callers that
 /// want the per-tensor codec (TopKCompressor, RandomKCompressor) rather than a bucket plan: the
-/// same option table (names, types, defaults), so a codec and a plan built from the same options
-/// compress alike. Options that only a plan has (route, exchange, latency_s, bandwidth_Bps,
-/// clip_scaling: a codec does not know the world size, and clips at clip_norm) are refused;
-/// InvalidArgument as make_plan for unknown options, wrong types and invalid values.
+/// same option table (names, types, defaults). Options that only a plan has (route, exchange,
+/// latency_s, bandwidth_Bps, clip_scaling) are refused: a codec has no world size, and clips at
+/// clip_norm where a plan clips each rank at clip_norm / sqrt(world) by default. InvalidArgument
+/// as make_plan for unknown options, wrong types and invalid values.
 TopKConfig topk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 

@@ -153,9 +153,12 @@ struct TopKPlanStats {
 ///          (TopKCompressor::payload_bound, the same on every rank); the gathered headers give
 ///          the real sizes. Saves one collective (a latency and the skew between ranks) per
 ///          bucket for up to ~1.6x the payload bytes (raw-index worst case vs. delta varint).
-/// The first step of a plan always exchanges sizes, so that buckets whose sizes differ across
-/// ranks throw on every rank with both sizes; later steps use `exchange` (auto: the cheaper by
-/// the cost model, with the last step's longest payload, known to every rank, as the estimate).
+/// The first step of a plan always exchanges sizes, which also carry each rank's step and bound:
+/// buckets whose sizes differ, ranks at different steps (one rank's state restored, not the
+/// others') or with different densities throw on every rank naming both values. Later steps use
+/// `exchange` (auto: the cheaper by the cost model, with the last step's longest payload, known
+/// to every rank, as the estimate; the bound when the route is forced dense). All ranks must
+/// build, restore and step their plans alike (as a DDP job does).
 /// The cost model picks the route from the longest payload (the bound when no sizes were
 /// exchanged; the same decision on every rank):
 ///   sparse: allgather of the padded payloads (~ k (P-1) index/value pairs per rank), then
@@ -202,6 +205,8 @@ class TopKAllreducePlan : public GradientPlan {
   TopKPlanStats stats_;
   Payload payload_;
   Buffer sizes_, gathered_, acc_;
+  /// The size exchange's fields per rank: numel, payload bytes, step, payload bound.
+  static constexpr size_t kSizeFields = 4;
   std::vector<int64_t> host_sizes_;
   std::vector<uint64_t> payload_bytes_;  ///< each rank's payload size (sparse route)
   std::vector<PayloadHeader> headers_;   ///< bound exchange: the gathered headers, on the host

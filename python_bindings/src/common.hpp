@@ -132,22 +132,37 @@ inline PlanOption to_option(const std::string& name, const std::string& key, nb:
   // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name
   if (nb::hasattr(v, "__gradcomp_option__")) return nb::cast<std::string>(v.attr("name"));
   if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
-  if (nb::isinstance<nb::int_>(v)) {
-    int64_t i = 0;
-    GC_CHECK_ARG(nb::try_cast(v, i), "invalid option for compressor '", name, "': ", key,
-                 " does not fit a 64-bit integer");
-    return i;
-  }
-  if (nb::isinstance<nb::float_>(v)) return nb::cast<double>(v);
   if (nb::isinstance<nb::str>(v)) return nb::cast<std::string>(v);
-  if (nb::isinstance<nb::list>(v) || nb::isinstance<nb::tuple>(v)) {
+  // an integer: Python's, or any exact integer scalar (NumPy's) through __index__
+  const bool sequence = !nb::isinstance<nb::bytes>(v) && PySequence_Check(v.ptr());
+  if (nb::isinstance<nb::int_>(v) || (!sequence && nb::hasattr(v, "__index__"))) {
+    nb::object i = nb::steal(PyNumber_Index(v.ptr()));
+    if (!i.is_valid()) throw nb::python_error();
+    int64_t out = 0;
+    GC_CHECK_ARG(nb::try_cast(i, out), "invalid option for compressor '", name, "': ", key,
+                 " does not fit a 64-bit integer");
+    return out;
+  }
+  auto real = [&](nb::handle x, double* out) {  // Python's float or any type with __float__
+    if (nb::isinstance<nb::bool_>(x) || nb::isinstance<nb::str>(x) ||
+        (!nb::isinstance<nb::bytes>(x) && PySequence_Check(x.ptr())))
+      return false;
+    if (!nb::isinstance<nb::float_>(x) && !nb::isinstance<nb::int_>(x) &&
+        !nb::hasattr(x, "__float__"))
+      return false;
+    *out = PyFloat_AsDouble(x.ptr());
+    if (*out == -1.0 && PyErr_Occurred()) throw nb::python_error();
+    return true;
+  };
+  double d = 0;
+  if (real(v, &d)) return d;
+  // a list of numbers: a list, a tuple or another sequence (a NumPy array), not a string
+  if (sequence) {
     std::vector<double> out;
     for (nb::handle e : v) {
-      GC_CHECK_ARG(!nb::isinstance<nb::bool_>(e) &&
-                       (nb::isinstance<nb::int_>(e) || nb::isinstance<nb::float_>(e)),
-                   "invalid option for compressor '", name, "': ", key,
+      GC_CHECK_ARG(real(e, &d), "invalid option for compressor '", name, "': ", key,
                    " must be a list of numbers, got an element of type ", nb::inst_name(e).c_str());
-      out.push_back(nb::cast<double>(e));
+      out.push_back(d);
     }
     return out;
   }

@@ -389,6 +389,62 @@ TEST(CommPlans, TopKBucketSizesThatDifferAcrossRanksThrowOnTheFirstStep) {
   }
 }
 
+TEST(CommPlans, TopKRanksThatWouldPadDifferentlyThrowOnTheFirstStep) {
+  // What a later bound step relies on is checked in the first step's size exchange: the step
+  // (one rank restored from a checkpoint, the other not) and the payload bound (a different
+  // density on one rank); both throw on every rank, naming both values.
+  const int64_t n = 1000;
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.01;
+  cfg.warmup_ratios = {0.1};
+  cfg.warmup_steps = 2;
+  auto expect_throw = [&](gc::TopKAllreducePlan& a, gc::TopKAllreducePlan& b, const char* what) {
+    std::vector<float> ga = rank_input(n, 0, 0), gb = rank_input(n, 1, 0);
+    a.begin(gc::TensorView::cpu(ga.data(), n));
+    b.begin(gc::TensorView::cpu(gb.data(), n));
+    std::vector<gc::Plan*> raw{&a, &b};
+    try {
+      gc::run_plans_in_process(raw);
+      ADD_FAILURE() << "expected InvalidArgument: " << what;
+    } catch (const gc::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  {
+    gc::TopKAllreducePlan ran(cfg, n, 1);  // three steps alone, then its state goes to rank 0
+    for (int s = 0; s < 3; ++s) {
+      std::vector<float> g = rank_input(n, 0, s);
+      ran.begin(gc::TensorView::cpu(g.data(), n));
+      std::vector<gc::Plan*> one{&ran};
+      gc::run_plans_in_process(one);
+    }
+    gc::TopKAllreducePlan a(cfg, n, 2), b(cfg, n, 2);
+    const auto st = ran.state_dict();
+    a.load_state_dict(st.data(), st.size());
+    expect_throw(a, b, "ranks are at different steps: rank 0 at 3, rank 1 at 0");
+  }
+  {
+    gc::TopKConfig other = cfg;
+    other.warmup_ratios = {0.2};
+    gc::TopKAllreducePlan a(cfg, n, 2), b(other, n, 2);
+    expect_throw(a, b, "the largest payload differs across ranks");
+  }
+}
+
+TEST(CommPlans, TopKDenseRouteNeedsNoSizes) {
+  // route forced dense: after the first step, auto exchanges no sizes (they would go unused)
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.01;
+  gc::TopKPlanOptions opt;
+  opt.route = gc::TopKRoute::kDense;
+  opt.cost.latency_s = 0;  // the cost model alone would keep the size exchange
+  const TopKRun run = run_topk(cfg, opt, 3, 5000, 3);
+  EXPECT_EQ(run.log[0].size(), 2u);
+  EXPECT_EQ(run.log[2].size(), 1u);
+  EXPECT_EQ(run.log[2][0].kind, gc::CollectiveKind::kAllreduceSum);
+  EXPECT_EQ(run.plans[0]->stats().bound_steps, 2);
+}
+
 TEST(CommPlans, TopKBoundExchangeRefusesAHeaderThatOverrunsTheStride) {
   // Two ranks driven by hand: after a normal first step, the second (bound) step's gathered
   // payload of rank 1 is altered to declare more bytes than its stride: CorruptPayload, and the

@@ -88,6 +88,25 @@ def test_codec_options_are_the_plan_table(name, cls):
         C(10, 0.1)  # options are keyword-only
 
 
+def test_numpy_numbers_and_arrays_are_options():
+    """NumPy scalars and 1-D arrays are accepted where Python numbers and lists are (codecs,
+    make_plan and the hooks read options alike), and give the same bytes."""
+    g = np.random.default_rng(2).standard_normal(4000).astype(np.float32)
+    pa, pb = gradcomp.Payload(), gradcomp.Payload()
+    gradcomp.TopKCompressor(4000, ratio=0.05, warmup_ratios=[0.5], warmup_steps=2,
+                            seed=3).encode(g, pa)
+    gradcomp.TopKCompressor(4000, ratio=np.float64(0.05),
+                            warmup_ratios=np.array([0.5]), warmup_steps=np.int64(2),
+                            seed=np.uint64(3)).encode(g, pb)
+    assert bytes(pa.array()) == bytes(pb.array())
+    c = gradcomp.TopKCompressor(10, ratio=np.float32(0.5))  # float32 0.5 is exact
+    assert c is not None
+    with pytest.raises(ValueError, match="list of numbers"):
+        gradcomp.TopKCompressor(10, warmup_ratios=["a"], warmup_steps=1)
+    with pytest.raises(ValueError, match="has type bytes"):
+        gradcomp.TopKCompressor(10, ratio=b"x")
+
+
 def test_bad_input_raises_value_error_and_keeps_state():
     with pytest.raises(ValueError, match="ratio"):
         gradcomp.TopKCompressor(10, ratio=0.0)
