@@ -38,8 +38,10 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
                     float* u, float* v);
 /// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0.
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt);
-/// Stratified random-k indices (ascending).
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out);
+/// Stratified random-k indices over n elements (ascending), mapped through the nr ranges of
+/// `ranges` when nr > 0 (randomk_position in topk_math.h; host memory here).
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out,
+                     const uint32_t* ranges = nullptr, int64_t nr = 0);
 /// dense[idx[j]] += scale * values[j].
 void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
                  float* dense);
@@ -54,7 +56,9 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
                     float* u, float* v, void* stream);
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
                       void* stream);
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream);
+/// As the CPU twin; `ranges` in device memory.
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream,
+                     const uint32_t* ranges = nullptr, int64_t nr = 0);
 void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
                  float* dense, void* stream);
 /// Builds a bitmap index section (ceil(n/8) bytes, zeroed first) from ascending indices.

@@ -46,4 +46,27 @@ GC_HD uint32_t randomk_index(uint64_t j, uint64_t k, uint64_t n, const RngKey& k
   return static_cast<uint32_t>(lo + key.below(j, hi - lo));
 }
 
+/// Position in the tensor of element r of the concatenation of nr > 0 ranges of it. `ranges`
+/// holds 2 nr entries: the ranges' starts in the concatenation (ascending, the first 0, no empty
+/// range), then their starts in the tensor. Random-k draws over the concatenation of the
+/// tensors it samples and maps the draws here, skipping the ones sent whole (dense_below).
+GC_HD uint32_t range_position(uint32_t r, const uint32_t* ranges, int64_t nr) {
+  int64_t lo = 0, hi = nr - 1;  // the last range starting at or before r
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (ranges[mid] <= r)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return ranges[nr + lo] + (r - ranges[lo]);
+}
+
+/// Random-k index j of k over n elements, mapped through `ranges` when nr > 0.
+GC_HD uint32_t randomk_position(uint64_t j, uint64_t k, uint64_t n, const RngKey& key,
+                                const uint32_t* ranges, int64_t nr) {
+  const uint32_t r = randomk_index(j, k, n, key);
+  return nr > 0 ? range_position(r, ranges, nr) : r;
+}
+
 }  // namespace gradcomp::kernels

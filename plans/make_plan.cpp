@@ -46,7 +46,12 @@ PlanOptions defaults_of(const std::string& name) {
     o["bandwidth_Bps"] = p.cost.bandwidth_Bps;
     return o;
   }
-  if (name == "randomk") return sparsify_defaults(RandomKConfig{});
+  if (name == "randomk") {
+    const RandomKConfig d;
+    PlanOptions o = sparsify_defaults(d);
+    o["dense_below"] = d.dense_below;
+    return o;
+  }
   if (name == "onebit") {
     const OneBitConfig d;
     // The recommended plan settings (see plan_defaults() in the header): not OneBitConfig{}'s.
@@ -177,6 +182,9 @@ TopKConfig topk_config(const PlanOptions& options, uint32_t tensor_id) {
 
 RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id) {
   refuse_plan_only("randomk", options);
+  GC_CHECK_ARG(options.count("dense_below") == 0,
+               "option 'dense_below' belongs to the randomk plan (it needs the bucket's tensor "
+               "shapes), not to the per-tensor codec (set RandomKConfig::segments in C++)");
   auto c = sparsify_config<RandomKConfig>(Options("randomk", options), tensor_id);
   c.validate();
   return c;
@@ -225,10 +233,22 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
     return std::make_unique<TopKAllreducePlan>(c, b.numel, b.world, p, b.dtype, b.device,
                                                b.device_index, b.stream);
   }
-  if (name == "randomk")
-    return std::make_unique<RandomKAllreducePlan>(sparsify_config<RandomKConfig>(o, b.bucket_id),
-                                                  b.numel, b.world, b.dtype, b.device,
+  if (name == "randomk") {
+    auto c = sparsify_config<RandomKConfig>(o, b.bucket_id);
+    c.dense_below = o.integer("dense_below");
+    // the bucket's tensors, for dense_below (the compressor checks that they fill the bucket)
+    for (const auto& shape : b.shapes) {
+      int64_t e = 1;
+      for (int64_t d : shape) {
+        GC_CHECK_ARG(d >= 0 && (d == 0 || e <= b.numel / d), "randomk: shape dimension ", d,
+                     " is negative or makes a tensor larger than the bucket (", b.numel, ")");
+        e *= d;
+      }
+      c.segments.push_back(e);
+    }
+    return std::make_unique<RandomKAllreducePlan>(c, b.numel, b.world, b.dtype, b.device,
                                                   b.device_index, b.stream);
+  }
   if (name == "onebit") {
     OneBitConfig c;
     c.scaling = parse_enum<OneBitScaling>(o.name("scaling"));

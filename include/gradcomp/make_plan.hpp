@@ -38,8 +38,9 @@ struct BucketSpec {
   Device device = Device::kCPU;
   int device_index = 0;
   void* stream = nullptr;  ///< cudaStream_t for CUDA buckets
-  /// The bucket's tensors in order, laid out back to back (PowerSGD needs their matrix shapes;
-  /// {} = one 1-D tensor of numel elements). A 0-d tensor is {} inside the list ({1} works too).
+  /// The bucket's tensors in order, laid out back to back (PowerSGD needs their matrix shapes,
+  /// random-k their sizes for dense_below; {} = one 1-D tensor of numel elements). A 0-d tensor
+  /// is {} inside the list ({1} works too).
   std::vector<std::vector<int64_t>> shapes;
   /// Which bucket of the model this is: keys the RNG of top-k sampling, random-k and PowerSGD's
   /// initial Q, so buckets draw differently. Identical on every rank.

@@ -427,12 +427,13 @@ void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* 
   }
 }
 
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out) {
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, const uint32_t* ranges,
+                     int64_t nr) {
   const int T = threads_for(k * 16);
 #pragma omp parallel for num_threads(T) schedule(static)
   for (int64_t j = 0; j < k; ++j)
-    out[j] = randomk_index(static_cast<uint64_t>(j), static_cast<uint64_t>(k),
-                           static_cast<uint64_t>(n), key);
+    out[j] = randomk_position(static_cast<uint64_t>(j), static_cast<uint64_t>(k),
+                              static_cast<uint64_t>(n), key, ranges, nr);
 }
 
 void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,

@@ -578,11 +578,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    randomk_kernel(int64_t n, int64_t k, RngKey key, uint32_t* out) {
+    randomk_kernel(int64_t n, int64_t k, RngKey key, uint32_t* out, const uint32_t* ranges,
+                   int64_t nr) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<int64_t>(gridDim.x) * kThreads)
-    out[j] = randomk_index(static_cast<uint64_t>(j), static_cast<uint64_t>(k),
-                           static_cast<uint64_t>(n), key);
+    out[j] = randomk_position(static_cast<uint64_t>(j), static_cast<uint64_t>(k),
+                              static_cast<uint64_t>(n), key, ranges, nr);
 }
 
 template <class Load>
@@ -785,11 +786,12 @@ void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* 
   GC_CUDA_CHECK_LAUNCH();
 }
 
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream) {
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream,
+                     const uint32_t* ranges, int64_t nr) {
   if (k <= 0) return;
   GC_CHECK_ARG(k <= n, "random-k: k = ", k, " exceeds n = ", n);
-  randomk_kernel<<<grid_for(k, kThreads, kMaxGrid), kThreads, 0, as_stream(stream)>>>(n, k, key,
-                                                                                      out);
+  randomk_kernel<<<grid_for(k, kThreads, kMaxGrid), kThreads, 0, as_stream(stream)>>>(
+      n, k, key, out, ranges, nr);
   GC_CUDA_CHECK_LAUNCH();
 }
 

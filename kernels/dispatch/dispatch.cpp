@@ -85,11 +85,12 @@ void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, in
     cpu::gather_and_clear(v, u, idx, k, values, vt);
 }
 
-void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out) {
+void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out,
+                     const uint32_t* ranges, int64_t nr) {
   if (e.cuda())
-    cuda::randomk_indices(n, k, key, out, e.stream);
+    cuda::randomk_indices(n, k, key, out, e.stream, ranges, nr);
   else
-    cpu::randomk_indices(n, k, key, out);
+    cpu::randomk_indices(n, k, key, out, ranges, nr);
 }
 
 void scatter_add(const Exec& e, const uint32_t* idx, const void* values, DType vt, int64_t k,

@@ -87,6 +87,41 @@ def test_powersgd_flat_bucket_equals_its_tensor_list():
         _C.make_plan("powersgd", n, "float32", 1, shapes=[[30, 20], [7]])
 
 
+def test_randomk_sends_the_buckets_small_tensors_whole():
+    """dense_below (issue 17): the tensors of the bucket with fewer elements are averaged exactly
+    every step; the density applies to the others. With momentum 0.9 and world size 1, a
+    tensor sent whole gets SGD-with-momentum's update (u = 0.9 u + g) every step."""
+    shapes = [[8, 4], [20000], [], [3, 1000]]  # 32 + 20000 + 1 + 3000
+    n = 32 + 20000 + 1 + 3000
+    whole = np.zeros(n, bool)
+    whole[:32] = True
+    whole[20032:] = True
+    p = _C.make_plan("randomk", n, "float32", 1, shapes=shapes,
+                     options=dict(ratio=0.01, momentum=0.9, dense_below=5000))
+    u = np.zeros(n)
+    for step in range(4):
+        g = np.random.default_rng(step).standard_normal(n).astype(np.float32)
+        out = g.copy()
+        p.begin(out)
+        run_local(p)
+        u = 0.9 * u + g
+        assert np.allclose(out[whole], u[whole], rtol=1e-5, atol=1e-5), step
+        assert np.count_nonzero(out[~whole]) == 200, step  # ceil(0.01 x 20000)
+    # no shapes, or dense_below=0: every element sampled
+    for kw in (dict(), dict(shapes=shapes, options=dict(ratio=0.01, dense_below=0))):
+        q = _C.make_plan("randomk", n, "float32", 1, **kw)
+        g = np.ones(n, np.float32)
+        q.begin(g)
+        run_local(q)
+        assert np.count_nonzero(g) == int(np.ceil(0.01 * n)), kw
+    with pytest.raises(ValueError, match="segments hold 23000 elements but the buffer has 23033"):
+        _C.make_plan("randomk", n, "float32", 1, shapes=[[20000], [3000]])
+    with pytest.raises(ValueError, match="shape dimension -1"):
+        _C.make_plan("randomk", n, "float32", 1, shapes=[[-1, 5], [20000]])
+    with pytest.raises(ValueError, match="dense_below must be >= 0"):
+        _C.make_plan("randomk", n, "float32", 1, shapes=shapes, options=dict(dense_below=-1))
+
+
 def test_onebit_out_is_keyword_only():
     p = _C.make_plan("onebit", 64, "float32", 1)
     g, out = np.ones(64, np.float32), np.zeros(64, np.float32)

@@ -131,6 +131,7 @@ namespace {
 struct DgcReference {
   SparsifyConfig cfg;
   std::vector<double> u, v;
+  std::vector<bool> whole;  // random-k: elements sent every step keep their momentum
   int64_t step = 0;
   DgcReference(const SparsifyConfig& c, int64_t n) : cfg(c), u(n, 0.0), v(n, 0.0) {}
   /// Returns the dense vector that was sent this step.
@@ -166,7 +167,7 @@ struct DgcReference {
                 : cfg.value_dtype == DType::kBFloat16 ? bf16_to_float(float_to_bf16(vi))
                                                       : v[i];
       v[i] -= sent[i];
-      if (cfg.momentum_masking) u[i] = 0;
+      if (cfg.momentum_masking && !(i < whole.size() && whole[i])) u[i] = 0;
     }
     ++step;
     return sent;
@@ -497,6 +498,171 @@ TEST(RandomK, UnbiasedCoverageAndConservation) {
     ASSERT_NEAR(fed[i], sent[i] + comp.residual()[i], 1e-3 * (1 + std::fabs(fed[i])));
   const double mean_hits = std::accumulate(hits.begin(), hits.end(), 0.0) / n;
   EXPECT_NEAR(mean_hits, 100 * double(topk_count(0.1, n)) / n, 1e-9);
+}
+
+namespace {
+
+/// Independent model of random-k's layout: the sampled draws are those of a compressor of the
+/// sampled total alone (same seed, tensor id, step), walked segment by segment to positions;
+/// then every element of each segment below dense_below.
+std::vector<uint32_t> layout_reference(const RandomKConfig& cfg, int64_t step) {
+  int64_t sampled = 0;
+  for (int64_t s : cfg.segments) sampled += s >= cfg.dense_below ? s : 0;
+  RandomKConfig flat = cfg;
+  flat.segments.clear();
+  RandomKCompressor alone(flat, sampled);
+  std::vector<uint32_t> draws(static_cast<size_t>(topk_count(cfg.ratio_at(step), sampled)));
+  alone.indices_at(step, draws.data());
+  std::vector<uint32_t> out, dense;
+  size_t d = 0;
+  int64_t off = 0, seen = 0;  // position of the segment, sampled elements before it
+  for (int64_t s : cfg.segments) {
+    if (s < cfg.dense_below) {
+      for (int64_t i = 0; i < s; ++i) dense.push_back(static_cast<uint32_t>(off + i));
+    } else {
+      for (; d < draws.size() && draws[d] < seen + s; ++d)
+        out.push_back(static_cast<uint32_t>(off + (draws[d] - seen)));
+      seen += s;
+    }
+    off += s;
+  }
+  out.insert(out.end(), dense.begin(), dense.end());
+  return out;
+}
+
+}  // namespace
+
+TEST(RandomKDense, IndicesAreTheSampledSegmentsDrawsThenTheSmallSegmentsWhole) {
+  const std::vector<std::vector<int64_t>> layouts = {
+      {},                               // not split
+      {0},                              // empty buffer
+      {1},                              // one element, sent whole
+      {5, 20000, 3, 17001, 0, 100},     // sampled ranges apart
+      {20000, 20000, 7, 16384, 16383},  // adjacent sampled segments (one range), 16384 sampled
+      {16383, 2, 1},                    // everything whole
+      {40000, 30011},                   // nothing whole
+  };
+  for (const auto& segs : layouts) {
+    for (int64_t below : {int64_t{16384}, int64_t{0}, int64_t{4}}) {
+      RandomKConfig cfg;
+      cfg.ratio = 0.01;
+      cfg.seed = 77;
+      cfg.tensor_id = 3;
+      cfg.warmup_ratios = {0.5};
+      cfg.warmup_steps = 1;
+      cfg.segments = segs;
+      cfg.dense_below = below;
+      int64_t n = 0;
+      for (int64_t s : segs) n += s;
+      if (segs.empty()) n = 1000;
+      std::string where = "segments";
+      for (int64_t s : segs) where += " " + std::to_string(s);
+      SCOPED_TRACE(where + " dense_below " + std::to_string(below));
+      RandomKCompressor comp(cfg, n);
+      RandomKConfig ref_cfg = cfg;
+      if (segs.empty() || below == 0) ref_cfg.segments = {n}, ref_cfg.dense_below = 0;
+      int64_t whole = 0;
+      for (int64_t s : ref_cfg.segments) whole += s < ref_cfg.dense_below ? s : 0;
+      EXPECT_EQ(comp.dense_numel(), whole);
+      for (int64_t step : {0, 1, 9}) {
+        const auto expect = layout_reference(ref_cfg, step);
+        ASSERT_EQ(comp.count_at(step), int64_t(expect.size()));
+        std::vector<uint32_t> got(expect.size() + 1, 0xdeadbeef);
+        EXPECT_EQ(comp.indices_at(step, got.data()), int64_t(expect.size()));
+        EXPECT_EQ(got.back(), 0xdeadbeefu) << "wrote past count_at";
+        got.pop_back();
+        EXPECT_EQ(got, expect) << "step " << step;
+        EXPECT_EQ(std::set<uint32_t>(got.begin(), got.end()).size(), got.size());
+      }
+    }
+  }
+}
+
+TEST(RandomKDense, WholeSegmentsKeepTheirMomentumSampledOnesFollowTheReference) {
+  // a bucket as DDP lays it out: a small conv, its bias, a large matrix, a bias, a classifier
+  const std::vector<int64_t> segs = {288, 32, 25088, 256, 2570};
+  int64_t n = 0;
+  for (int64_t s : segs) n += s;
+  for (DType vt : {DType::kFloat32, DType::kFloat16})
+    for (bool nesterov : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(vt)) + " nesterov " + std::to_string(nesterov));
+      RandomKConfig cfg;
+      cfg.ratio = 0.01;
+      cfg.momentum = 0.9;
+      cfg.nesterov = nesterov;
+      cfg.value_dtype = vt;
+      cfg.clip_norm = 1e4;  // does not bind (the norm is about 170): heavy-ball comparison below
+      cfg.segments = segs;
+      cfg.dense_below = 3000;
+      RandomKCompressor comp(cfg, n);
+      DgcReference ref(cfg, n);
+      ref.whole.assign(static_cast<size_t>(n), false);
+      for (int64_t i = 0; i < n; ++i)
+        ref.whole[i] = i < 320 || i >= 320 + 25088;  // everything but the matrix
+      // heavy-ball momentum (torch.optim.SGD's, dampening 0) where elements go every step
+      std::vector<double> hb(static_cast<size_t>(n), 0.0);
+      Payload p;
+      for (int s = 0; s < 15; ++s) {
+        auto g = normal(n, 700 + s);
+        comp.encode(TensorView::cpu(g.data(), n), p);
+        std::vector<uint32_t> idx(static_cast<size_t>(comp.count_at(s)));
+        comp.indices_at(s, idx.data());
+        EXPECT_EQ(int64_t(idx.size()), topk_count(0.01, 25088) + (n - 25088));
+        const auto sent = ref.step_once(g, &idx);
+        std::vector<float> got(n, 0.0f);
+        comp.decode_add(p.data(), p.size(), TensorView::cpu(got.data(), n));
+        EXPECT_EQ(comp.last_stats().count, int64_t(idx.size()));
+        EXPECT_EQ(p.size(), 64 + PayloadHeader::align(idx.size() * dtype_size(vt)));
+        const double tol = vt == DType::kFloat32 ? 1e-4 : 2e-3;
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_NEAR(got[i], sent[i], tol * (1 + std::fabs(sent[i])))
+              << "step " << s << " i " << i;
+          // fp16: v rounds to the nearest half; the kernel's float v and the reference's double
+          // may round a near-tie apart, so the residual is compared on the scale of what was sent
+          ASSERT_NEAR(comp.residual()[i], ref.v[i],
+                      tol * (1 + std::fabs(ref.v[i]) + std::fabs(sent[i])));
+          ASSERT_NEAR(comp.momentum_buffer()[i], ref.u[i], 1e-4 * (1 + std::fabs(ref.u[i])));
+          if (ref.whole[i]) {  // torch.optim.SGD(momentum=0.9, nesterov=...) on this element
+            hb[i] = 0.9 * hb[i] + double(g[i]);
+            const double upd = nesterov ? double(g[i]) + 0.9 * hb[i] : hb[i];
+            ASSERT_NEAR(got[i], upd, tol * (1 + std::fabs(upd))) << "step " << s << " i " << i;
+          }
+        }
+        // and the reference goes on from the compressor's residual, so that a rounding tie
+        // decided apart in one step is not carried into the next
+        if (vt != DType::kFloat32)
+          for (int64_t i = 0; i < n; ++i) ref.v[i] = comp.residual()[i];
+      }
+    }
+}
+
+TEST(RandomKDense, BadLayoutsAreClearErrors) {
+  RandomKConfig cfg;
+  cfg.segments = {10, 20};
+  EXPECT_THROW(RandomKCompressor(cfg, 31), InvalidArgument);  // 30 elements in a buffer of 31
+  try {
+    RandomKCompressor(cfg, 29);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("segments hold 30"), std::string::npos) << e.what();
+  }
+  cfg.segments = {-1, 31};
+  EXPECT_THROW(RandomKCompressor(cfg, 30), InvalidArgument);
+  cfg.segments = {10, 20};
+  cfg.dense_below = -1;
+  EXPECT_THROW(RandomKCompressor(cfg, 30), InvalidArgument);
+  // a payload of another layout (other count) is refused, the output untouched
+  RandomKConfig a, b;
+  a.segments = b.segments = {100, 20000};
+  b.dense_below = 0;
+  RandomKCompressor ca(a, 20100), cb(b, 20100);
+  auto g = normal(20100, 5);
+  Payload p;
+  ca.encode(TensorView::cpu(g.data(), 20100), p);
+  std::vector<float> out(20100, 1.5f);
+  EXPECT_THROW(cb.decode_add(p.data(), p.size(), TensorView::cpu(out.data(), 20100)),
+               CorruptPayload);
+  for (float x : out) ASSERT_EQ(x, 1.5f);
 }
 
 TEST(TopKState, StateDictRoundTripContinuesIdentically) {

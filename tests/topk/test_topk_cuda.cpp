@@ -558,6 +558,27 @@ TEST(TopKCudaKernels, DgcAccumulateAlignedAndUnaligned) {
   }
 }
 
+TEST(TopKCudaKernels, RandomKRangeMapEqualsCpuTwin) {
+  GC_REQUIRE_GPU();
+  // the sampled ranges of a layout with segments sent whole: starts in the concatenation, then
+  // in the tensor (random-k's dense_below)
+  const std::vector<uint32_t> one = {0, 5}, three = {0, 20000, 37001, 5, 20008, 57109};
+  for (const auto* ranges : {&one, &three}) {
+    const int64_t nr = static_cast<int64_t>(ranges->size() / 2);
+    const int64_t n = nr == 1 ? 1000 : 40000;
+    for (int64_t k : {int64_t{1}, n / 100, n}) {
+      const RngKey key{5, static_cast<uint64_t>(k), 2};
+      std::vector<uint32_t> idx(static_cast<size_t>(k));
+      kernels::cpu::randomk_indices(n, k, key, idx.data(), ranges->data(), nr);
+      const Dev dr = upload(*ranges);
+      Dev didx(4 * static_cast<size_t>(k));
+      kernels::cuda::randomk_indices(n, k, key, didx.as<uint32_t>(), nullptr, dr.as<uint32_t>(),
+                                     nr);
+      ASSERT_EQ(download<uint32_t>(didx.as(), k), idx) << "ranges " << nr << " k=" << k;
+    }
+  }
+}
+
 TEST(TopKCudaKernels, GatherClearScatterAddRandomK) {
   GC_REQUIRE_GPU();
   for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {

@@ -52,13 +52,14 @@ class _Family:
 
     def make(self, opts, bucket, world: int, tensor_id: int, group=None):
         """The plan for a DDP bucket (or anything with buffer() and gradients())."""
-        shapes = [list(g.shape) for g in bucket.gradients()] if self.name == "powersgd" else None
+        shapes = ([list(g.shape) for g in bucket.gradients()]
+                  if self.name in ("powersgd", "randomk") else None)
         return self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
 
     def make_flat(self, opts, flat: torch.Tensor, world: int, bucket_id: int = 0, group=None,
                   shapes=None):
         """The plan for a flat tensor of `world` ranks of `group` (shapes: its tensors, for
-        PowerSGD; None = one 1-D tensor)."""
+        PowerSGD and random-k's dense_below; None = one 1-D tensor)."""
         dev, idx = _device_of(flat)
         if dist.is_initialized():
             rank, backend = dist.get_rank(group), str(dist.get_backend(group))
@@ -100,6 +101,12 @@ class _ProbeBucket:
 #   (clip_scaling="sqrt_world", DGC) or at clip_norm itself ("none"). randomk momentum > 0: DGC's
 #   momentum correction and masking (use dgc_optimizer: no optimizer momentum); error-feedback
 #   random-k under an optimizer with momentum diverges (issue 17).
+# - randomk dense_below 16384: the bucket's tensors of fewer elements (biases, norms, first
+#   convolutions, small classifiers) are sent whole every step, with their momentum kept. Sampled
+#   at 1%, each of their elements was applied about once in 100 steps with all it gathered, and
+#   those bursts made the whole CNN of the Fashion-MNIST experiment diverge under momentum 0.9;
+#   whole, they cost 0.4% more values there and random-k 1% trained to within about a point of
+#   plain DDP (experiments/results/fashion_mnist_randomk_dense_2026-11-25.md).
 # - topk exchange "auto": after the first step (which exchanges the payload sizes and so checks
 #   that every rank's bucket has the same size) a step skips the size allgather and pads every
 #   payload to the largest its k allows, unless the cost model says the padding costs more than
