@@ -9,7 +9,9 @@ One line in a DDP script::
 Compressors: ``"auto"`` (measures the others on the real model and link, then picks per bucket),
 ``"allreduce"`` (plain, through our driver), ``"fp16"`` / ``"bf16"`` (cast),
 ``"topk"`` (Deep Gradient Compression: residual, momentum correction, clipping, warm-up),
-``"randomk"``, ``"onebit"`` (two-phase compressed allreduce with worker and server error) and
+``"randomk"`` (the same state as top-k, shared random indices; the bucket's tensors of fewer
+than ``dense_below`` elements, default 32768, are sent whole), ``"onebit"`` (two-phase
+compressed allreduce with worker and server error) and
 ``"powersgd"``. The hooks run gradcomp plans over any torch.distributed process group (gloo on
 CPU, NCCL on GPU) asynchronously: a hook returns a ``torch.futures.Future`` at once, and a worker
 thread with a process group of its own issues every bucket's collectives in bucket order.
@@ -20,8 +22,9 @@ the stateful compressors) and creates per-bucket state (residuals, momenta, Q, e
 first compressed step, keyed by ``bucket.index()``. A bucket whose size or dtype changes after
 that is an error (a silent re-initialisation would drop error-feedback memory).
 
-Momentum. With ``momentum > 0`` the top-k hook applies DGC's momentum correction itself; the
-optimizer must then not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
+Momentum. With ``momentum > 0`` the top-k and random-k hooks apply DGC's momentum correction
+themselves (random-k keeps the momentum of the tensors it sends whole); the optimizer must then
+not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
 :func:`dgc_optimizer`).
 """
 import collections

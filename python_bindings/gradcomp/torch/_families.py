@@ -101,12 +101,15 @@ class _ProbeBucket:
 #   (clip_scaling="sqrt_world", DGC) or at clip_norm itself ("none"). randomk momentum > 0: DGC's
 #   momentum correction and masking (use dgc_optimizer: no optimizer momentum); error-feedback
 #   random-k under an optimizer with momentum diverges (issue 17).
-# - randomk dense_below 16384: the bucket's tensors of fewer elements (biases, norms, first
-#   convolutions, small classifiers) are sent whole every step, with their momentum kept. Sampled
-#   at 1%, each of their elements was applied about once in 100 steps with all it gathered, and
-#   those bursts made the whole CNN of the Fashion-MNIST experiment diverge under momentum 0.9;
-#   whole, they cost 0.4% more values there and random-k 1% trained to within about a point of
-#   plain DDP (experiments/results/fashion_mnist_randomk_dense_2026-11-25.md).
+# - randomk dense_below 32768: the bucket's tensors of fewer elements (biases, norms, first
+#   convolutions, small classifiers) are sent whole every step, with their momentum kept.
+#   Sampled at 1%, each of their elements was applied about once in 100 steps with all it
+#   gathered, and those bursts made the Fashion-MNIST CNN diverge under momentum 0.9; whole,
+#   random-k 1% trained to within about a point of plain DDP
+#   (experiments/results/fashion_mnist_randomk_dense_2026-11-25.md). 16384 left the 20480-weight
+#   classifier of the 2048-wide variant sampled, and it diverged. A budget of ratio x the bucket
+#   instead of a size was tried: DDP's 1 MB first bucket holds that classifier almost alone, so
+#   the budget left it sampled (85.39% against 87.28% with it whole).
 # - topk exchange "auto": after the first step (which exchanges the payload sizes and so checks
 #   that every rank's bucket has the same size) a step skips the size allgather and pads every
 #   payload to the largest its k allows, unless the cost model says the padding costs more than
