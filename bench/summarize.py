@@ -252,10 +252,15 @@ def plot(rows: List[dict], path: str, numel: int, title: str) -> bool:
         if sel:
             ax.scatter([r["encode_GBps"] for r in sel], [r["ratio"] for r in sel], s=50,
                        color=colors[comp], label=comp, zorder=3)
-        # labels of points at the same ratio (the 1-bit settings) go on separate lines: above,
-        # below, further above, further below, in order of throughput
+        # labels of points at the same ratio (within 5%: the 1-bit settings) go on separate
+        # lines: above, below, further above, further below, in order of throughput; a point
+        # alone at its ratio is labelled above right (alternating every point made PowerSGD's
+        # r=1 and r=2 labels collide)
         offsets = [(6, 5), (6, -13), (6, 17), (6, -25)]
-        for i, r in enumerate(sorted(sel, key=lambda r: r["encode_GBps"])):
+        placed: List[float] = []
+        for r in sorted(sel, key=lambda r: r["encode_GBps"]):
+            i = sum(1 for q in placed if abs(q - r["ratio"]) <= 0.05 * r["ratio"])
+            placed.append(r["ratio"])
             ax.annotate(f'{r["setting"].replace(", ResNet-50", "")} ({_fmt("ratio", r["ratio"])})',
                         (r["encode_GBps"], r["ratio"]), textcoords="offset points",
                         xytext=offsets[i % len(offsets)], fontsize=8)
