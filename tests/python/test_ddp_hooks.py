@@ -2,7 +2,9 @@
 """DDP communication hooks, multi-process with gloo on CPU: training, consensus, traffic,
 checkpoints, no_sync, AMP dtypes, unused parameters, bad input."""
 import json
+import math
 import os
+import warnings
 
 import pytest
 
@@ -349,3 +351,35 @@ def _rebuild(rank, world, out_dir):
 
 def test_stateless_hooks_follow_ddp_bucket_rebuild():
     run(_rebuild, 2, tmpdir())
+
+
+class _Bucket:
+    """A stand-in for a DDP GradBucket: a flat buffer and views of it in the given shapes."""
+
+    def __init__(self, shapes):
+        sizes = [math.prod(s) for s in shapes]
+        self._flat = torch.zeros(sum(sizes))
+        self._grads = [v.view(s) for v, s in zip(self._flat.split(sizes), shapes)]
+
+    def buffer(self):
+        return self._flat
+
+    def gradients(self):
+        return self._grads
+
+
+def test_randomk_warns_when_a_whole_bucket_is_sent_whole():
+    """A bucket whose tensors all have fewer than dense_below elements is not compressed; the
+    hook says so when it builds the bucket's plan, and is silent when something is sampled."""
+    fam = gt.COMPRESSORS["randomk"]
+    small = [[64, 32], [64], [10, 64], [10]]  # largest 2048 < 32768 (the default)
+    with pytest.warns(UserWarning, match=r"bucket 3 \(4 tensors, 2762 elements, the largest "
+                                         r"2048\) has fewer than dense_below=32768.*<= 2048"):
+        fam.make({}, _Bucket(small), 1, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        fam.make(dict(dense_below=2048), _Bucket(small), 1, 0)  # the 64 x 32 weight is sampled
+        fam.make(dict(dense_below=0), _Bucket(small), 1, 0)  # every element sampled
+        fam.make({}, _Bucket([[200, 200], [200]]), 1, 0)  # 40000 >= 32768: sampled
+        fam.make({}, _Bucket([[0]]), 1, 0)  # nothing to send
+        gt.COMPRESSORS["topk"].make({}, _Bucket(small), 1, 0)  # top-k has no dense_below

@@ -2,7 +2,9 @@
 """The compressor families behind gradcomp.torch.hook: each builds its C++ plan for a DDP bucket
 (``make``) and starts a step on the bucket (``begin``), which the plan averages in place.
 COMPRESSORS maps the names ``hook`` accepts to them."""
-from typing import Any, Dict, Tuple
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +56,29 @@ class _Family:
         """The plan for a DDP bucket (or anything with buffer() and gradients())."""
         shapes = ([list(g.shape) for g in bucket.gradients()]
                   if self.name in ("powersgd", "randomk") else None)
-        return self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
+        plan = self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
+        if self.name == "randomk":
+            self._warn_if_sent_whole(opts, shapes, tensor_id, group)
+        return plan
+
+    def _warn_if_sent_whole(self, opts, shapes: Optional[List[List[int]]], bucket_id: int,
+                            group) -> None:
+        """Random-k sends a bucket's tensors of fewer than dense_below elements whole: when that
+        is every tensor of the bucket, the bucket is not compressed at all. Say so once (rank 0,
+        once per bucket: Python shows a warning's text once), since it shows otherwise only in
+        the per-step byte counts. The plan was built already, so the options are valid here."""
+        dense_below = int(opts.get("dense_below", self.defaults["dense_below"]))
+        sizes = [math.prod(s) for s in shapes or []]
+        if dense_below <= 0 or not sizes or max(sizes) >= dense_below or sum(sizes) == 0:
+            return
+        if dist.is_initialized() and dist.get_rank(group) != 0:
+            return
+        warnings.warn(
+            f"gradcomp randomk: every tensor of bucket {bucket_id} ({len(sizes)} tensors, "
+            f"{sum(sizes)} elements, the largest {max(sizes)}) has fewer than dense_below="
+            f"{dense_below} elements, so the bucket is sent whole every step (not compressed); "
+            f"pass dense_below <= {max(sizes)} to sample its largest tensor",
+            UserWarning, stacklevel=2)
 
     def make_flat(self, opts, flat: torch.Tensor, world: int, bucket_id: int = 0, group=None,
                   shapes=None):
