@@ -1,6 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // fp16 / bf16 <-> fp32 conversions, written once for CPU and CUDA so both backends round
 // identically (round to nearest even; NaN stays NaN).
+//
+// A NaN widened to fp32 comes out quiet (payload and sign kept, quiet bit set), as the F16C
+// instruction and IEEE 754 arithmetic give it: compilers do not honour signalling NaNs (clang
+// folds `div == 1 ? x : x / div` into `x / div`, which quiets), so a signalling result would
+// differ between builds and between a kernel's vector and scalar paths.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +36,15 @@ GC_HD float bits_float(uint32_t u) {
 #endif
 }
 
-/// bf16 bits -> float (exact).
-GC_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+/// The bits of a widened NaN made quiet (see the top of this file); other values unchanged.
+GC_HD uint32_t quiet_nan_bits(uint32_t u) {
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u;
+}
+
+/// bf16 bits -> float (exact; a NaN comes out quiet).
+GC_HD float bf16_to_float(uint16_t h) {
+  return bits_float(quiet_nan_bits(static_cast<uint32_t>(h) << 16));
+}
 
 /// float -> bf16 bits, round to nearest even.
 GC_HD uint16_t float_to_bf16(float f) {
@@ -42,12 +54,12 @@ GC_HD uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-/// IEEE fp16 bits -> float (exact).
+/// IEEE fp16 bits -> float (exact; a NaN comes out quiet).
 GC_HD float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t man = h & 0x3ffu;
-  if (exp == 0x1fu) return bits_float(sign | 0x7f800000u | (man << 13));  // Inf / NaN
+  if (exp == 0x1fu) return bits_float(quiet_nan_bits(sign | 0x7f800000u | (man << 13)));
   if (exp == 0) {
     if (man == 0) return bits_float(sign);
     // subnormal: value = man * 2^-24

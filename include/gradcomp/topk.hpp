@@ -165,6 +165,10 @@ class RandomKCompressor : public Compressor {
   void encode(const TensorView& grad, Payload& out) override;
   void decode_add(const void* payload, size_t nbytes, const TensorView& dense,
                   float scale = 1.0f) override;
+  /// The state (step, per-element residual and momentum) does not record the segments: it means
+  /// the same under any layout of the same numel (an element sent whole has a zero residual after
+  /// every step and its momentum), so it loads into a compressor with other segments or another
+  /// dense_below, which then samples or sends whole from that state on.
   std::vector<uint8_t> state_dict() const override;
   void load_state_dict(const uint8_t* data, size_t nbytes) override;
   int64_t step() const override { return step_; }

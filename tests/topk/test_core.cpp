@@ -7,6 +7,10 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
 
 #include "core/state_io.hpp"
 #include "gradcomp/gradcomp.hpp"
@@ -67,6 +71,44 @@ TEST(Numeric, AllHalfBitPatternsRoundTrip) {
     if (std::isnan(f)) continue;
     ASSERT_EQ(float_to_half(f), b);
   }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/// The hardware's fp16 -> fp32 conversion (F16C), an independent reference for half_to_float.
+__attribute__((target("f16c"))) static uint32_t f16c_widen(uint16_t h) {
+  const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_castps_si128(v)));
+}
+#endif
+
+/// Every fp16 bit pattern widens to the bits the F16C instruction gives, NaNs included: they come
+/// out quiet with sign and payload kept (0x7c2a, a signalling NaN, is 0x7fc54000), so a kernel's
+/// vector path and its scalar twin agree whatever the compiler folds.
+TEST(Numeric, HalfWidensLikeTheHardwareNaNsQuiet) {
+  EXPECT_EQ(float_bits(half_to_float(0x7c2a)), 0x7fc54000u);
+  EXPECT_EQ(float_bits(half_to_float(0xfc01)), 0xffc02000u);
+  EXPECT_EQ(float_bits(half_to_float(0x7e00)), 0x7fc00000u);
+  EXPECT_EQ(float_bits(half_to_float(0x7c00)), 0x7f800000u);  // Inf stays Inf
+  EXPECT_EQ(float_bits(bf16_to_float(0x7f81)), 0x7fc10000u);  // bf16 signalling NaN
+  EXPECT_EQ(float_bits(bf16_to_float(0xffc1)), 0xffc10000u);  // already quiet
+  EXPECT_EQ(float_bits(bf16_to_float(0xff80)), 0xff800000u);  // -Inf
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const uint32_t u = b << 16;  // bf16 widening is exact except for the quiet bit of NaNs
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    ASSERT_EQ(float_bits(bf16_to_float(static_cast<uint16_t>(b))), nan ? (u | 0x400000u) : u)
+        << std::hex << b;
+  }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  unsigned a = 0, b = 0, c = 0, d = 0;  // F16C: CPUID leaf 1, ECX bit 29 (clang < 16 has no
+  if (!__get_cpuid(1, &a, &b, &c, &d) || (c & bit_F16C) == 0)  // "f16c" for cpu_supports)
+    GTEST_SKIP() << "no F16C on this CPU";
+  for (uint32_t b = 0; b < 65536; ++b)
+    ASSERT_EQ(float_bits(half_to_float(static_cast<uint16_t>(b))),
+              f16c_widen(static_cast<uint16_t>(b)))
+        << std::hex << b;
+#else
+  GTEST_SKIP() << "no F16C reference on this target";
+#endif
 }
 
 TEST(Numeric, Bf16MatchesNearestEvenReference) {

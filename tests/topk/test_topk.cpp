@@ -665,6 +665,48 @@ TEST(RandomKDense, BadLayoutsAreClearErrors) {
   for (float x : out) ASSERT_EQ(x, 1.5f);
 }
 
+TEST(RandomKDense, StateLoadsUnderAnotherLayoutAndGoesOnFromIt) {
+  // the state is per element (step, residual, momentum): saved under one layout it loads under
+  // another of the same numel, and that compressor goes on exactly as one that had its state
+  const int64_t n = 20100;
+  RandomKConfig a;
+  a.momentum = 0.9;
+  a.segments = {100, 20000};  // the 100 whole, the 20000 sampled
+  RandomKConfig b = a;
+  b.dense_below = 0;  // every element sampled
+  RandomKCompressor ca(a, n);
+  Payload p;
+  for (int s = 0; s < 4; ++s) {
+    auto g = normal(n, 40 + s);
+    ca.encode(TensorView::cpu(g.data(), n), p);
+  }
+  for (int64_t i = 0; i < 100; ++i) ASSERT_EQ(ca.residual()[i], 0.0f) << i;  // sent whole
+  const auto sd = ca.state_dict();
+  RandomKCompressor cb(b, n), cb2(b, n);
+  cb.load_state_dict(sd.data(), sd.size());
+  EXPECT_EQ(cb.step(), 4);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(cb.residual()[i], ca.residual()[i]) << i;
+    ASSERT_EQ(cb.momentum_buffer()[i], ca.momentum_buffer()[i]) << i;
+  }
+  // the same state saved from the loaded compressor loads into a twin: both go on identically
+  const auto sd2 = cb.state_dict();
+  cb2.load_state_dict(sd2.data(), sd2.size());
+  Payload p1, p2;
+  for (int s = 4; s < 7; ++s) {
+    auto g = normal(n, 40 + s);
+    cb.encode(TensorView::cpu(g.data(), n), p1);
+    cb2.encode(TensorView::cpu(g.data(), n), p2);
+    ASSERT_EQ(p1.size(), p2.size());
+    ASSERT_EQ(std::memcmp(p1.data(), p2.data(), p1.size()), 0) << s;
+    EXPECT_EQ(cb.last_stats().count, topk_count(0.01, n));  // every element sampled now
+  }
+  // another numel is refused, the target untouched
+  RandomKCompressor cc(b, n + 1);
+  EXPECT_THROW(cc.load_state_dict(sd.data(), sd.size()), InvalidArgument);
+  EXPECT_EQ(cc.step(), 0);
+}
+
 TEST(TopKState, StateDictRoundTripContinuesIdentically) {
   TopKConfig cfg = exact_cfg(0.02);
   cfg.momentum = 0.9;
