@@ -383,3 +383,4 @@ def test_randomk_warns_when_a_whole_bucket_is_sent_whole():
         fam.make({}, _Bucket([[200, 200], [200]]), 1, 0)  # 40000 >= 32768: sampled
         fam.make({}, _Bucket([[0]]), 1, 0)  # nothing to send
         gt.COMPRESSORS["topk"].make({}, _Bucket(small), 1, 0)  # top-k has no dense_below
+        gt.hook("randomk")  # the option check builds a plan for a small probe bucket: no warning

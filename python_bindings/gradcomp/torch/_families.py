@@ -49,13 +49,20 @@ class _Family:
 
     def validate(self, opts: Dict[str, Any], world: int = 1, group=None) -> None:
         """Builds this compressor's plan for a small CPU bucket from the options: C++ refuses an
-        unknown option, a wrong type or a bad value with a ValueError, before any training step."""
-        self.make(opts, _ProbeBucket(), world, 0, group)
+        unknown option, a wrong type or a bad value with a ValueError, before any training step.
+        (make_flat, not make: the probe bucket is not the user's, so nothing is said about it.)"""
+        probe = _ProbeBucket()
+        self.make_flat(opts, probe.buffer(), world, 0, group, self._shapes(probe))
+
+    def _shapes(self, bucket) -> Optional[List[List[int]]]:
+        """The bucket's tensor shapes, for the families that use them."""
+        if self.name not in ("powersgd", "randomk"):
+            return None
+        return [list(g.shape) for g in bucket.gradients()]
 
     def make(self, opts, bucket, world: int, tensor_id: int, group=None):
         """The plan for a DDP bucket (or anything with buffer() and gradients())."""
-        shapes = ([list(g.shape) for g in bucket.gradients()]
-                  if self.name in ("powersgd", "randomk") else None)
+        shapes = self._shapes(bucket)
         plan = self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
         if self.name == "randomk":
             self._warn_if_sent_whole(opts, shapes, tensor_id, group)
