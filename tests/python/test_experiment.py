@@ -31,6 +31,18 @@ def test_config_parsing_and_flags():
         baselines.register("torch-int8", None)
 
 
+def test_models_and_their_classifier_sizes():
+    """The model variants: parameter counts, and the classifier (last layer) on either side of
+    random-k's default dense_below (32768): sent whole on 'wide', sampled on 'wide4096'."""
+    want = {"cnn": (824_458, 2_570), "wide": (6_463_882, 20_490), "wide4096": (12_908_938, 40_970)}
+    for kind, (params, classifier) in want.items():
+        m = fm.make_model(kind)
+        assert sum(p.numel() for p in m.parameters()) == params, kind
+        assert sum(p.numel() for p in m[-1].parameters()) == classifier, kind
+    with pytest.raises(KeyError):
+        fm.make_model("huge")
+
+
 def test_baseline_bytes():
     m = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
     n = sum(p.numel() for p in m.parameters())
