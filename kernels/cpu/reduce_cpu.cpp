@@ -19,8 +19,9 @@ namespace {
 #ifdef GC_HAVE_F16C_PATH
 // fp16 fast paths (the baseline ISA, x86-64-v2, has no F16C; chosen at run time). They give the
 // bits of the scalar twins: the hardware conversions round to nearest even like float_to_half /
-// half_to_float, fp32 division and addition are the same IEEE operations, and a group of 8 that
-// holds a NaN is redone by the scalar code (the hardware keeps NaN payloads, the twin does not).
+// half_to_float, fp32 division and addition are the same IEEE operations, and NaNs widen quiet
+// with their payload in both. Narrowing keeps NaN payloads in hardware but not in float_to_half,
+// so there a group of 8 that holds a NaN is redone by the scalar code.
 // F16C read from CPUID leaf 1 (ECX bit 29): clang before 16 does not know "f16c" as a
 // __builtin_cpu_supports feature; "avx" also checks that the OS saves the AVX registers.
 bool have_f16c() {
@@ -74,6 +75,8 @@ void to_half_f16c(const void* src, bool src_half, uint16_t* d, int64_t n, float 
 }
 
 /// d[i] = scaled(half_to_float(src[i]), div) (fp16 -> fp32; exact conversion, then IEEE division).
+/// NaNs need no scalar redo here: half_to_float makes them quiet with their payload, as the
+/// instruction does.
 __attribute__((target("avx,f16c"))) void from_half_f16c_range(const uint16_t* src, float* d,
                                                               int64_t lo, int64_t hi, float div) {
   const __m256 vdiv = _mm256_set1_ps(div);
@@ -81,10 +84,6 @@ __attribute__((target("avx,f16c"))) void from_half_f16c_range(const uint16_t* sr
   for (int64_t i = lo; i < hi; i += 8) {
     __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     if (divide) x = _mm256_div_ps(x, vdiv);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {  // (the hardware quiets sNaN)
-      for (int64_t j = i; j < i + 8; ++j) d[j] = scaled(half_to_float(src[j]), div);
-      continue;
-    }
     _mm256_storeu_ps(d + i, x);
   }
 }

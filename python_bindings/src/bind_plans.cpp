@@ -140,7 +140,12 @@ void bind_plans(nb::module_& m) {
         return d;
       });
   nb::class_<RandomKAllreducePlan, BucketPlan>(m, "RandomKAllreducePlan",
-                                               "Random-k allreduce: values only, shared indices.");
+                                               "Random-k allreduce: values only, shared indices.")
+      .def_prop_ro(
+          "dense_numel",
+          [](RandomKAllreducePlan& p) { return p.compressor().dense_numel(); },
+          "Elements sent whole every step (the tensors below dense_below); numel when the whole "
+          "bucket is.");
 }
 
 Register reg(20, bind_plans);

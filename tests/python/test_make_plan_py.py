@@ -98,6 +98,7 @@ def test_randomk_sends_the_buckets_small_tensors_whole():
     whole[20032:] = True
     p = _C.make_plan("randomk", n, "float32", 1, shapes=shapes,
                      options=dict(ratio=0.01, momentum=0.9, dense_below=5000))
+    assert p.dense_numel == np.count_nonzero(whole) == 3033
     u = np.zeros(n)
     for step in range(4):
         g = np.random.default_rng(step).standard_normal(n).astype(np.float32)

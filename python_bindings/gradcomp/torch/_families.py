@@ -64,22 +64,19 @@ class _Family:
         """The plan for a DDP bucket (or anything with buffer() and gradients())."""
         shapes = self._shapes(bucket)
         plan = self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
-        if self.name == "randomk":
-            self._warn_if_sent_whole(opts, shapes, tensor_id, group)
+        if self.name == "randomk" and 0 < plan.numel == plan.dense_numel:
+            self._warn_sent_whole(opts, shapes, tensor_id, group)
         return plan
 
-    def _warn_if_sent_whole(self, opts, shapes: Optional[List[List[int]]], bucket_id: int,
-                            group) -> None:
-        """Random-k sends a bucket's tensors of fewer than dense_below elements whole: when that
-        is every tensor of the bucket, the bucket is not compressed at all. Say so once (rank 0,
-        once per bucket: Python shows a warning's text once), since it shows otherwise only in
-        the per-step byte counts. The plan was built already, so the options are valid here."""
-        dense_below = int(opts.get("dense_below", self.defaults["dense_below"]))
-        sizes = [math.prod(s) for s in shapes or []]
-        if dense_below <= 0 or not sizes or max(sizes) >= dense_below or sum(sizes) == 0:
-            return
+    def _warn_sent_whole(self, opts, shapes: List[List[int]], bucket_id: int, group) -> None:
+        """Random-k sends a bucket's tensors of fewer than dense_below elements whole; the plan
+        says (dense_numel) when that is every tensor of the bucket, which is then not compressed
+        at all. Say so once (rank 0, once per bucket: Python shows a warning's text once), since
+        it shows otherwise only in the per-step byte counts."""
         if dist.is_initialized() and dist.get_rank(group) != 0:
             return
+        dense_below = opts.get("dense_below", self.defaults["dense_below"])
+        sizes = [math.prod(s) for s in shapes]
         warnings.warn(
             f"gradcomp randomk: every tensor of bucket {bucket_id} ({len(sizes)} tensors, "
             f"{sum(sizes)} elements, the largest {max(sizes)}) has fewer than dense_below="
