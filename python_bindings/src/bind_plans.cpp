@@ -142,8 +142,7 @@ void bind_plans(nb::module_& m) {
   nb::class_<RandomKAllreducePlan, BucketPlan>(m, "RandomKAllreducePlan",
                                                "Random-k allreduce: values only, shared indices.")
       .def_prop_ro(
-          "dense_numel",
-          [](RandomKAllreducePlan& p) { return p.compressor().dense_numel(); },
+          "dense_numel", [](RandomKAllreducePlan& p) { return p.compressor().dense_numel(); },
           "Elements sent whole every step (the tensors below dense_below); numel when the whole "
           "bucket is.");
 }
