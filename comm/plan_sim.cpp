@@ -3,6 +3,7 @@
 // memcpy and the rank-ordered sum of kernels/reduce.hpp (the one every engine uses). CPU buffers
 // only; for ranks on threads or on CUDA buffers use InProcessGroup (inprocess_comm.cpp).
 #include <cstring>
+#include <exception>
 
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/plan.hpp"
@@ -40,7 +41,18 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
   std::vector<Collective> log;
   for (;;) {
     std::vector<std::optional<Collective>> cs(P);
-    for (size_t r = 0; r < P; ++r) cs[r] = ranks[r]->next();
+    // Every rank runs its phase, as ranks of separate processes would, even when one throws:
+    // a plan that raises on every rank (OnNonFinite::kRaise) ends its step on each of them, and
+    // the first exception is rethrown once all have run.
+    std::exception_ptr first;
+    for (size_t r = 0; r < P; ++r) {
+      try {
+        cs[r] = ranks[r]->next();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
     const bool done = !cs[0].has_value();
     for (size_t r = 1; r < P; ++r)
       GC_CHECK_ARG(cs[r].has_value() != done, "plan '", ranks[r]->name(), "': rank ", r,

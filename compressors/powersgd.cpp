@@ -153,8 +153,11 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     impl_->scratch.get<float>(
         static_cast<size_t>(std::max(max_member, std::min<int64_t>(kGpuScratchFloats, m_numel_))));
   }
-  if (device == Device::kCPU && cfg_.check_finite)
+  if (cfg_.check_finite) {
     impl_->qsave.get<float>(static_cast<size_t>(q_numel_));
+    if (device == Device::kCUDA && cfg_.error_feedback)
+      impl_->esave.get<float>(static_cast<size_t>(m_numel_));
+  }
   if (cfg_.start_iter > 0) impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel));
   stats_.rank_used.assign(info_.size(), 0);
 }

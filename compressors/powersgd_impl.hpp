@@ -20,7 +20,8 @@ struct PowerSGDState::Impl {
       : mbuf(d, s),
         pbuf(d, s),
         qbuf(d, s),
-        qsave(Device::kCPU),
+        qsave(d, s),
+        esave(d, s),
         scratch(d, s),
         plain(d, s),
         ids(d, s),
@@ -32,7 +33,9 @@ struct PowerSGDState::Impl {
   Buffer mbuf;
   Buffer pbuf;     // [P of every compressed tensor | uncompressed pack]
   Buffer qbuf;     // Q of every compressed tensor (persists with warm start)
-  Buffer qsave;    // CPU with check_finite: Q before the step's fill_q, restored on rejection
+  Buffer qsave;    // check_finite: Q before the step's fill_q, restored when the step is skipped
+  Buffer esave;    // CUDA with check_finite and error feedback: the error before M is formed in
+                   // mbuf, restored when the step is skipped (the CPU never writes it early)
   Buffer scratch;  // reconstruction P Q^T when it cannot go straight into the gradient
   Buffer plain;    // the whole bucket in fp32 for the steps before start_iter
   Buffer ids;      // RNG tensor ids, group by group (uint32)

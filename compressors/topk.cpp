@@ -157,16 +157,36 @@ void prepare_payload(Payload& out, Device dev, void* stream) {
 class SparsifyState {
  public:
   SparsifyState(const SparsifyConfig& cfg, int64_t n, Device dev, void* stream)
-      : cfg_(cfg), n_(n), dev_(dev), stream_(stream), u_(dev, stream), v_(dev, stream) {
-    device_zero(dev, v_.get<float>(static_cast<size_t>(n)), n * sizeof(float), stream);
+      : cfg_(cfg),
+        n_(n),
+        dev_(dev),
+        stream_(stream),
+        u_{Buffer(dev, stream), Buffer(dev, stream)},
+        v_{Buffer(dev, stream), Buffer(dev, stream)} {
+    device_zero(dev, v_[0].get<float>(static_cast<size_t>(n)), n * sizeof(float), stream);
     if (cfg_.momentum > 0.0)
-      device_zero(dev, u_.get<float>(static_cast<size_t>(n)), n * sizeof(float), stream);
+      device_zero(dev, u_[0].get<float>(static_cast<size_t>(n)), n * sizeof(float), stream);
   }
-  float* v() { return static_cast<float*>(v_.data()); }
-  const float* v() const { return static_cast<const float*>(v_.data()); }
-  float* u() { return cfg_.momentum > 0.0 ? static_cast<float*>(u_.data()) : nullptr; }
+  /// The committed state.
+  float* v() { return static_cast<float*>(v_[cur_].data()); }
+  const float* v() const { return static_cast<const float*>(v_[cur_].data()); }
+  float* u() { return cfg_.momentum > 0.0 ? static_cast<float*>(u_[cur_].data()) : nullptr; }
   const float* u() const {
-    return cfg_.momentum > 0.0 ? static_cast<const float*>(u_.data()) : nullptr;
+    return cfg_.momentum > 0.0 ? static_cast<const float*>(u_[cur_].data()) : nullptr;
+  }
+
+  /// Staged: a step writes its new state into the second buffers (read the committed ones,
+  /// write the others: the same traffic as in place) and commit() swaps them in; a step not
+  /// committed leaves the state as it was.
+  void set_staged(bool on) {
+    staged_ = on;
+    if (!on) return;
+    v_[1 - cur_].get<float>(static_cast<size_t>(n_));
+    if (cfg_.momentum > 0.0) u_[1 - cur_].get<float>(static_cast<size_t>(n_));
+  }
+  bool staged() const { return staged_; }
+  void commit() {
+    if (staged_) cur_ = 1 - cur_;
   }
 
   /// v += (momentum-corrected) coef * g, coef from local clipping; v zeroed first without EF.
@@ -177,17 +197,30 @@ class SparsifyState {
       const double ss = k::dispatch::sum_squares(ex, g.data, g.dtype, n_, ws);
       coef = k::clip_coefficient(std::sqrt(ss), cfg_.clip_norm);
     }
-    if (!cfg_.error_feedback) device_zero(dev_, v(), n_ * sizeof(float), stream_);
+    float* vo = work_v();
+    const float* vs = v();
+    if (!cfg_.error_feedback) {
+      device_zero(dev_, vo, n_ * sizeof(float), stream_);
+      vs = vo;
+    }
     if (n_ == 0) return;
     const float m = static_cast<float>(cfg_.momentum);
-    k::dispatch::dgc_accumulate(ex, g.data, g.dtype, n_, coef, m, cfg_.nesterov, u(), v());
+    k::dispatch::dgc_accumulate(ex, g.data, g.dtype, n_, coef, m, cfg_.nesterov, work_u(), vo, u(),
+                                vs);
+  }
+  /// The residual the step being encoded works on (the committed one unless staged).
+  float* work_v() { return static_cast<float*>(v_[staged_ ? 1 - cur_ : cur_].data()); }
+  float* work_u() {
+    return cfg_.momentum > 0.0 ? static_cast<float*>(u_[staged_ ? 1 - cur_ : cur_].data())
+                               : nullptr;
   }
 
   /// values[j] = v[idx[j]] in the value dtype; v[idx] = 0 and, with masking (and `mask`),
-  /// u[idx] = 0.
+  /// u[idx] = 0 (on the step's working state).
   void take(const uint32_t* idx, int64_t c, void* values, bool mask = true) {
-    float* mask_u = cfg_.momentum_masking && mask ? u() : nullptr;
-    k::dispatch::gather_and_clear({dev_, stream_}, v(), mask_u, idx, c, values, cfg_.value_dtype);
+    float* mask_u = cfg_.momentum_masking && mask ? work_u() : nullptr;
+    k::dispatch::gather_and_clear({dev_, stream_}, work_v(), mask_u, idx, c, values,
+                                  cfg_.value_dtype);
   }
 
   void save(detail::StateWriter& w) const {
@@ -218,7 +251,9 @@ class SparsifyState {
   int64_t n_;
   Device dev_;
   void* stream_;
-  Buffer u_, v_;
+  Buffer u_[2], v_[2];
+  int cur_ = 0;
+  bool staged_ = false;
 };
 
 }  // namespace
@@ -261,12 +296,13 @@ const float* TopKCompressor::momentum_buffer() const { return impl_->dgc.u(); }
 void TopKCompressor::encode(const TensorView& g, Payload& out) {
   Impl& s = *impl_;
   check_grad(g, numel_, device_, s.device_index, cfg_.tensor_id, "topk");
-  if (cfg_.check_finite) check_finite(g, cfg_.tensor_id, "topk", s.ws);
+  // staged: the plan checked the gradient itself (and told the other ranks)
+  if (cfg_.check_finite && !s.dgc.staged()) check_finite(g, cfg_.tensor_id, "topk", s.ws);
   // ---- from here on the state changes ----
   const bool cuda = device_ == Device::kCUDA;
   const int64_t n = numel_;
   s.dgc.accumulate(g, s.ws);
-  float* v = s.dgc.v();
+  float* v = s.dgc.work_v();  // the step's residual (staged: not yet the state)
   const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
@@ -309,7 +345,31 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   write_header(out, device_, s.stream);
 
   stats_.record(step_, n, c, g.dtype, h.total_bytes());
+  if (!s.dgc.staged()) ++step_;
+}
+
+void TopKCompressor::set_staged(bool on) { impl_->dgc.set_staged(on); }
+
+void TopKCompressor::commit() {
+  if (!impl_->dgc.staged()) return;
+  impl_->dgc.commit();
   ++step_;
+}
+
+void TopKCompressor::encode_skipped(Payload& out) {
+  Impl& s = *impl_;
+  prepare_payload(out, device_, s.stream);
+  PayloadHeader& h = out.header;
+  h = PayloadHeader{};
+  h.kind = static_cast<uint8_t>(PayloadKind::kSparse);
+  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
+  h.index_coding = static_cast<uint8_t>(IndexCoding::kRaw32);
+  h.flags = kPayloadSkipped;
+  h.tensor_id = cfg_.tensor_id;
+  h.numel = static_cast<uint64_t>(numel_);
+  h.aux = static_cast<uint64_t>(step_);
+  out.bytes.resize(h.total_bytes(), false);
+  write_header(out, device_, s.stream);
 }
 
 void TopKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,
@@ -502,7 +562,7 @@ int64_t RandomKCompressor::indices_at(int64_t step, uint32_t* out) const {
 void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   Impl& s = *impl_;
   check_grad(g, numel_, device_, s.device_index, cfg_.tensor_id, "randomk");
-  if (cfg_.check_finite) check_finite(g, cfg_.tensor_id, "randomk", s.ws);
+  if (cfg_.check_finite && !s.dgc.staged()) check_finite(g, cfg_.tensor_id, "randomk", s.ws);
   const int64_t n = numel_;
   s.dgc.accumulate(g, s.ws);
   const int64_t kk = count_at(step_), ks = kk - s.dense_n;
@@ -527,7 +587,37 @@ void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   s.dgc.take(idx + ks, s.dense_n, values + ks * dtype_size(cfg_.value_dtype), /*mask=*/false);
   write_header(out, device_, s.stream);
   stats_.record(step_, n, kk, g.dtype, h.total_bytes());
+  if (!s.dgc.staged()) ++step_;
+}
+
+void RandomKCompressor::set_staged(bool on) { impl_->dgc.set_staged(on); }
+
+void RandomKCompressor::commit() {
+  if (!impl_->dgc.staged()) return;
+  impl_->dgc.commit();
   ++step_;
+}
+
+void RandomKCompressor::encode_skipped(Payload& out) {
+  Impl& s = *impl_;
+  const int64_t kk = count_at(step_);
+  prepare_payload(out, device_, s.stream);
+  PayloadHeader& h = out.header;
+  h = PayloadHeader{};
+  h.kind = static_cast<uint8_t>(PayloadKind::kRandomK);
+  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
+  h.index_coding = static_cast<uint8_t>(IndexCoding::kNone);
+  h.flags = kPayloadSkipped;
+  h.tensor_id = cfg_.tensor_id;
+  h.numel = static_cast<uint64_t>(numel_);
+  h.count = static_cast<uint64_t>(kk);
+  h.aux = static_cast<uint64_t>(step_);
+  h.section_bytes[1] = static_cast<uint64_t>(kk) * dtype_size(cfg_.value_dtype);
+  out.bytes.resize(h.total_bytes(), false);
+  // NaN values: summed with the other ranks' values they make every sum NaN
+  device_fill_nan(device_, static_cast<uint8_t*>(out.bytes.data()) + h.section_offset(1),
+                  h.section_bytes[1], s.stream);
+  write_header(out, device_, s.stream);
 }
 
 void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,

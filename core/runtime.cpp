@@ -64,6 +64,30 @@ void device_zero(Device dev, void* p, size_t bytes, void* stream) {
   cuda::memset_async(p, 0, bytes, stream);
 }
 
+void device_fill_nan(Device dev, void* p, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  if (dev == Device::kCPU) {
+    std::memset(p, 0xFF, bytes);
+    return;
+  }
+  cuda::memset_async(p, 0xFF, bytes, stream);
+}
+
+bool device_first_is_nan(Device dev, const void* p, DType t, void* stream) {
+  uint8_t b[4] = {0, 0, 0, 0};
+  const size_t es = dtype_size(t);
+  device_copy(b, Device::kCPU, p, dev, es, stream);
+  if (t == DType::kFloat32) {
+    uint32_t u;
+    std::memcpy(&u, b, 4);
+    return (u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0;
+  }
+  uint16_t h;
+  std::memcpy(&h, b, 2);
+  if (t == DType::kFloat16) return (h & 0x7c00u) == 0x7c00u && (h & 0x03ffu) != 0;
+  return (h & 0x7f80u) == 0x7f80u && (h & 0x007fu) != 0;  // bf16
+}
+
 void set_cpu_threads(int n) {
   GC_CHECK_ARG(n >= 0, "thread count must be >= 0, got ", n);
   omp_set_num_threads(n > 0 ? n : omp_get_num_procs());

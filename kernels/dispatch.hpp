@@ -55,7 +55,8 @@ int64_t select(const Exec& e, const float* x, int64_t n, int64_t k, const Select
                const RngKey& key, uint32_t* out, SelectWorkspace& ws);
 double sum_squares(const Exec& e, const void* g, DType t, int64_t n, SelectWorkspace& ws);
 void dgc_accumulate(const Exec& e, const void* g, DType t, int64_t n, float coef, float momentum,
-                    bool nesterov, float* u, float* v);
+                    bool nesterov, float* u, float* v, const float* u_src = nullptr,
+                    const float* v_src = nullptr);
 void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, int64_t k,
                       void* values, DType vt);
 void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out,

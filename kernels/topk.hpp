@@ -33,9 +33,12 @@ int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, c
 // first_nonfinite(g, t, n): kernels/scan.hpp
 /// Sum of squares in double.
 double sum_squares(const void* g, DType t, int64_t n);
-/// u, v <- DGC update with g * coef (u may be null when momentum == 0).
+/// u, v <- DGC update with g * coef (u may be null when momentum == 0). With u_src / v_src the
+/// update reads the old values there and writes the new ones to u / v (a step whose state change
+/// can still be dropped: same traffic as in place); null: in place.
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v);
+                    float* u, float* v, const float* u_src = nullptr,
+                    const float* v_src = nullptr);
 /// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0.
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt);
 /// Stratified random-k indices over n elements (ascending), mapped through the nr ranges of
@@ -53,7 +56,8 @@ int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, c
 int64_t first_nonfinite(const void* g, DType t, int64_t n, SelectWorkspace& ws, void* stream);
 double sum_squares(const void* g, DType t, int64_t n, SelectWorkspace& ws, void* stream);
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v, void* stream);
+                    float* u, float* v, void* stream, const float* u_src = nullptr,
+                    const float* v_src = nullptr);
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
                       void* stream);
 /// As the CPU twin; `ranges` in device memory.

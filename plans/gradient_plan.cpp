@@ -4,6 +4,7 @@
 #include "gradcomp/error.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
+#include "kernels/dispatch.hpp"
 
 namespace gradcomp {
 
@@ -22,6 +23,34 @@ ElemType elem_type(DType t) {
       return ElemType::kBF16;
   }
   return ElemType::kF32;
+}
+
+struct GradientPlan::Scan {
+  explicit Scan(Device d) : ws(d) {}
+  kernels::SelectWorkspace ws;
+};
+
+GradientPlan::~GradientPlan() = default;
+
+int64_t GradientPlan::first_nonfinite() {
+  if (!scan_) scan_ = std::make_unique<Scan>(device_);
+  return kernels::dispatch::first_nonfinite({device_, stream_}, grad_.data, grad_.dtype, numel_,
+                                            scan_->ws);
+}
+
+void GradientPlan::end_step(bool skip, int64_t bad_index) {
+  set_skipped(skip);
+  if (!skip) return;
+  device_fill_nan(device_, grad_.data, static_cast<size_t>(grad_.nbytes()), stream_);
+  if (on_nonfinite_ == OnNonFinite::kRaise) {
+    if (bad_index >= 0)
+      GC_CHECK_ARG(false, "plan '", name(), "': gradient has a non-finite value (NaN or Inf) at ",
+                   "index ", bad_index, "; the step was dropped on every rank and no state ",
+                   "changed (on_nonfinite='raise')");
+    GC_CHECK_ARG(false, "plan '", name(), "': another rank's gradient held a non-finite value ",
+                 "(NaN or Inf); the step was dropped on every rank and no state changed ",
+                 "(on_nonfinite='raise')");
+  }
 }
 
 GradientPlan::GradientPlan(int64_t numel, DType dtype, int world, Device device, int device_index,

@@ -28,6 +28,7 @@ PlanOptions sparsify_defaults(const SparsifyConfig& d) {
           {"value_dtype", std::string(enum_name(d.value_dtype))},
           {"error_feedback", d.error_feedback},
           {"check_finite", d.check_finite},
+          {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
           {"seed", static_cast<int64_t>(d.seed)}};
 }
 
@@ -60,6 +61,7 @@ PlanOptions defaults_of(const std::string& name) {
             {"rotate", true},
             {"error_feedback", d.error_feedback},
             {"check_finite", d.check_finite},
+            {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
             {"momentum", d.momentum}};
   }
   if (name == "powersgd") {
@@ -71,7 +73,8 @@ PlanOptions defaults_of(const std::string& name) {
             {"orthogonalization_epsilon", static_cast<double>(d.orthogonalization_epsilon)},
             {"seed", static_cast<int64_t>(d.seed)},
             {"orthogonalization", std::string(enum_name(d.orthogonalization))},
-            {"check_finite", d.check_finite}};
+            {"check_finite", d.check_finite},
+            {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))}};
   }
   std::string known;
   for (const auto& n : plan_names()) known += (known.empty() ? "" : ", ") + n;
@@ -119,6 +122,7 @@ class Options {
                                         "'; known: [", known, "]"));
     }
   }
+  bool has(const char* k) const { return values_.count(k) != 0; }
   bool flag(const char* k) const { return std::get<bool>(values_.at(k)); }
   int64_t integer(const char* k) const { return std::get<int64_t>(values_.at(k)); }
   double real(const char* k) const { return std::get<double>(values_.at(k)); }
@@ -168,7 +172,8 @@ TopKConfig topk_config_of(const Options& o, uint32_t tensor_id) {
 
 /// A per-tensor codec has no world size and no exchange: the options of the plan alone are refused.
 void refuse_plan_only(const char* family, const PlanOptions& given) {
-  for (const char* k : {"route", "exchange", "latency_s", "bandwidth_Bps", "clip_scaling"})
+  for (const char* k :
+       {"route", "exchange", "latency_s", "bandwidth_Bps", "clip_scaling", "on_nonfinite"})
     GC_CHECK_ARG(given.count(k) == 0, "option '", k, "' belongs to the ", family,
                  " plan (the bucket allreduce), not to the per-tensor codec");
 }
@@ -201,9 +206,25 @@ bool plan_is_stateful(const std::string& name) {
   return make_plan(name, BucketSpec{})->stateful();
 }
 
+namespace {
+std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec& b,
+                                       const Options& o);
+}  // namespace
+
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& b,
                                       const PlanOptions& options) {
   const Options o(name, options);
+  const OnNonFinite policy = o.has("on_nonfinite")
+                                 ? parse_enum<OnNonFinite>(o.name("on_nonfinite"))
+                                 : OnNonFinite::kSkip;
+  auto plan = build_plan(name, b, o);
+  plan->set_on_nonfinite(policy);
+  return plan;
+}
+
+namespace {
+std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec& b,
+                                       const Options& o) {
   if (name == "allreduce")
     return std::make_unique<DenseAllreducePlan>(b.numel, b.dtype, b.world, b.device, b.device_index,
                                                 b.stream);
@@ -283,5 +304,6 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
                " elements but the bucket has ", b.numel);
   return std::make_unique<PowerSGDPlan>(std::move(st), b.world);
 }
+}  // namespace
 
 }  // namespace gradcomp

@@ -25,7 +25,7 @@ using detail::sign_geom;
 
 struct OneBitAllreducePlan::Impl {
   Impl(Device dev, void* s)
-      : we(dev, s),
+      : we{Buffer(dev, s), Buffer(dev, s)},
         se(dev, s),
         scales(dev, s),
         bits(dev, s),
@@ -34,13 +34,25 @@ struct OneBitAllreducePlan::Impl {
         avg(dev, s),
         gsend(dev, s),
         grecv(dev, s),
-        u(dev, s),
+        u{Buffer(dev, s), Buffer(dev, s)},
         rot(dev, s),
         ws(dev),
         sws(dev),
         stream(s),
         ex{dev, s} {}
-  Buffer we, se, scales, bits, send, recv, avg, gsend, grecv, u;
+  // Worker error and momentum: [cur] is the state; with check_finite a step writes its new
+  // values into [1 - cur] and a step kept on every rank swaps them in (a skipped one drops them).
+  Buffer we[2];
+  Buffer se, scales, bits, send, recv, avg, gsend, grecv;
+  Buffer u[2];
+  int cur = 0;
+  bool staged = false;
+  int64_t bad = -1;  ///< this step: this rank's first bad index (or 0 for an overflow), or -1
+  std::string bad_what;
+  float* we_in() { return static_cast<float*>(we[cur].data()); }
+  float* we_out() { return static_cast<float*>(we[staged ? 1 - cur : cur].data()); }
+  float* u_in() { return static_cast<float*>(u[cur].data()); }
+  float* u_out() { return static_cast<float*>(u[staged ? 1 - cur : cur].data()); }
   Buffer rot;  ///< cfg.rotate: the rotated gradient, unless it is rotated in place
   k::OneBitWorkspace ws;
   k::SelectWorkspace sws;
@@ -83,10 +95,20 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   Impl& s = *impl_;
   const size_t P = static_cast<size_t>(world), B = block_bytes();
   const size_t ce = static_cast<size_t>(chunk_elems());
-  device_zero(device, s.we.get<float>(static_cast<size_t>(numel)), numel * sizeof(float), stream);
+  device_zero(device, s.we[0].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
+              stream);
   device_zero(device, s.se.get<float>(ce), ce * sizeof(float), stream);
   if (cfg_.momentum > 0.0)
-    device_zero(device, s.u.get<float>(static_cast<size_t>(numel)), numel * sizeof(float), stream);
+    device_zero(device, s.u[0].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
+                stream);
+  s.staged = cfg_.check_finite;  // see OnNonFinite (gradcomp/plan.hpp)
+  if (s.staged) {  // zeroed: without error feedback a step may leave them unwritten
+    device_zero(device, s.we[1].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
+                stream);
+    if (cfg_.momentum > 0.0)
+      device_zero(device, s.u[1].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
+                  stream);
+  }
   s.scales.get<float>(P * static_cast<size_t>(scales_per_chunk_) + 1);
   s.bits.get<uint32_t>(static_cast<size_t>(words) + 1);
   s.send.get<uint8_t>(P * B);
@@ -101,10 +123,10 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
 OneBitAllreducePlan::~OneBitAllreducePlan() = default;
 
 const float* OneBitAllreducePlan::worker_error() const {
-  return static_cast<const float*>(impl_->we.data());
+  return static_cast<const float*>(impl_->we[impl_->cur].data());
 }
 const float* OneBitAllreducePlan::momentum_buffer() const {
-  return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u.data()) : nullptr;
+  return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u[impl_->cur].data()) : nullptr;
 }
 const float* OneBitAllreducePlan::server_error() const {
   return static_cast<const float*>(impl_->se.data());
@@ -129,14 +151,23 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
   }
   const k::OneBitGeom geo = sign_geom(numel_, scale_block_);
   auto* scales = static_cast<float*>(s.scales.data());
+  s.bad = -1;
+  s.grad = grad;
+  s.out = out ? *out : grad;
+  phase_ = 1;
+  // A bad gradient changes nothing here: phase 1 then sends NaN scales instead of its data, and
+  // every rank learns of it from the step's own data (OnNonFinite, gradcomp/plan.hpp).
+  auto found_bad = [&](int64_t index, std::string what) {
+    s.bad = index;
+    s.bad_what = std::move(what);
+  };
   if (cfg_.check_finite && (cfg_.momentum > 0.0 || cfg_.rotate)) {
     // checked before anything is written (the scale pass's own check would see the momentum
-    // sum or the rotated values, whose first bad index is not the gradient's): a rejected step
-    // changes nothing
+    // sum or the rotated values, whose first bad index is not the gradient's)
     const int64_t bad = k::dispatch::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
-    GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
-                 ": gradient has a non-finite value (NaN or Inf) at index ", bad,
-                 "; nothing was changed");
+    if (bad >= 0)
+      return found_bad(bad, detail::cat("gradient has a non-finite value (NaN or Inf) at index ",
+                                        bad));
   }
   s.src = grad.data;
   s.src_t = grad.dtype;
@@ -151,38 +182,41 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
     }
     k::dispatch::hadamard_rotate(s.ex, r, numel_ / scale_block_, scale_block_, 0, false);
     if (cfg_.check_finite) {
-      // finite values above about FLT_MAX / S overflow in the butterflies: refused before any
-      // state changes (one more read pass, only with check_finite)
+      // finite values above about FLT_MAX / S overflow in the butterflies: treated as a
+      // non-finite gradient (one more read pass, only with check_finite)
       const int64_t big = k::dispatch::first_nonfinite(s.ex, r, DType::kFloat32, numel_, s.sws);
-      GC_CHECK_ARG(big < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
-                   ": gradient values too large to rotate (block ", big / scale_block_,
-                   " overflows fp32; |g| must stay below about 3.4e38 / ", scale_block_,
-                   "); the plan's state was not changed",
-                   r == grad.data ? ", the gradient (rotated in place) holds rotated values" : "");
+      if (big >= 0)
+        return found_bad(big, detail::cat("gradient values too large to rotate (block ",
+                                          big / scale_block_, " overflows fp32; |g| must stay ",
+                                          "below about 3.4e38 / ", scale_block_, ")"));
     }
     s.src = r;
     s.src_t = DType::kFloat32;
   }
   if (cfg_.momentum > 0.0) {
-    // u = m u + g and x = u + e, written into the worker-error buffer (x is compressed in
-    // place by next())
-    float* x = static_cast<float*>(s.we.data());
-    float* u = static_cast<float*>(s.u.data());
-    if (!cfg_.error_feedback) device_zero(device_, x, numel_ * sizeof(float), s.stream);
+    // u = m u + g and x = u + e, written into the (step's) worker-error buffer (x is compressed
+    // in place by next())
+    float* x = s.we_out();
+    const float* e = s.we_in();
+    if (!cfg_.error_feedback) {
+      device_zero(device_, x, numel_ * sizeof(float), s.stream);
+      e = x;
+    }
     const auto m = static_cast<float>(cfg_.momentum);
     if (numel_ > 0) {
-      k::dispatch::dgc_accumulate(s.ex, s.src, s.src_t, numel_, 1.0f, m, false, u, x);
+      k::dispatch::dgc_accumulate(s.ex, s.src, s.src_t, numel_, 1.0f, m, false, s.u_out(), x,
+                                  s.u_in(), e);
     }
     k::dispatch::onebit_scales(s.ex, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling), false,
                                scales, s.ws);
   } else {
-    const float* e_in = cfg_.error_feedback ? static_cast<const float*>(s.we.data()) : nullptr;
+    const float* e_in = cfg_.error_feedback ? s.we_in() : nullptr;
     const int64_t bad =
         k::dispatch::onebit_scales(s.ex, s.src, s.src_t, e_in, geo, norm_of(cfg_.scaling),
                                    cfg_.check_finite && !cfg_.rotate, scales, s.ws);
-    GC_CHECK_ARG(bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
-                 ": gradient has a non-finite value (NaN or Inf) at index ", bad,
-                 "; nothing was changed");
+    if (bad >= 0)
+      return found_bad(bad, detail::cat("gradient has a non-finite value (NaN or Inf) at index ",
+                                        bad));
   }
   s.grad = grad;
   s.out = out ? *out : grad;
@@ -204,19 +238,29 @@ std::optional<Collective> OneBitAllreducePlan::next() {
   switch (phase_) {
     case 1: {  // (1) worker compress (one scale per block of S) + split into P blocks
       const k::OneBitGeom geo = sign_geom(numel_, S);
-      float* we = static_cast<float*>(s.we.data());
-      const bool ef = cfg_.error_feedback;
-      auto* bits = static_cast<uint32_t*>(s.bits.data());
-      const auto* scales = static_cast<const float*>(s.scales.data());
-      if (cfg_.momentum > 0.0)  // begin() formed x = u + e in `we`
-        k::dispatch::onebit_quantize(s.ex, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo,
-                                     scales, bits);
-      else
-        k::dispatch::onebit_quantize(s.ex, s.src, s.src_t, ef ? we : nullptr, ef ? we : nullptr,
-                                     geo, scales, bits);
       auto* send = static_cast<uint8_t*>(s.send.data());
       device_zero(device_, send, P * B, s.stream);
       const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
+      if (s.bad >= 0) {
+        // NaN scales in every chunk: each server sees them, and so every rank (phase 2 and 3)
+        for (int64_t q = 0; q < K; ++q) device_fill_nan(device_, send + q * B, 4 * NB, s.stream);
+        c.kind = CollectiveKind::kAllToAll;
+        c.send = send;
+        c.recv = s.recv.data();
+        c.tag = "onebit worker chunks";
+        phase_ = 2;
+        return c;
+      }
+      float* we = s.we_out();
+      const bool ef = cfg_.error_feedback;
+      auto* bits = static_cast<uint32_t*>(s.bits.data());
+      const auto* scales = static_cast<const float*>(s.scales.data());
+      if (cfg_.momentum > 0.0)  // begin() formed x = u + e in the step's worker-error buffer
+        k::dispatch::onebit_quantize(s.ex, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo,
+                                     scales, bits);
+      else
+        k::dispatch::onebit_quantize(s.ex, s.src, s.src_t, ef ? s.we_in() : nullptr,
+                                     ef ? we : nullptr, geo, scales, bits);
       const int64_t total_scales = geo.num_scales();
       for (int64_t q = 0; q < K; ++q) {
         uint8_t* blk = send + q * B;
@@ -236,7 +280,14 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       const int64_t L = chunk_len(rank_);
       auto* gsend = static_cast<uint8_t*>(s.gsend.data());
       device_zero(device_, gsend, B, s.stream);
-      if (L > 0) {
+      bool skip = false;
+      if (L > 0 && cfg_.check_finite) {  // a bad worker sent NaN scales
+        const auto* recv = static_cast<const uint8_t*>(s.recv.data());
+        for (size_t q = 0; q < P && !skip; ++q)
+          skip = device_first_is_nan(device_, recv + q * B, DType::kFloat32, s.stream);
+        if (skip) device_fill_nan(device_, gsend, 4 * NB, s.stream);  // server error untouched
+      }
+      if (L > 0 && !skip) {
         const auto* recv = static_cast<const uint8_t*>(s.recv.data());
         for (size_t q = 0; q < P; ++q) {
           s.scale_ptrs[q] = reinterpret_cast<const float*>(recv + q * B);
@@ -267,6 +318,23 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       const auto* grecv = static_cast<const uint8_t*>(s.grecv.data());
       const DType ot = s.out.dtype;
       const size_t es = dtype_size(ot);
+      // chunk 0 holds elements whenever the bucket does, and its server saw every worker's
+      // chunk 0: a NaN scale there means some rank's gradient was bad
+      if (cfg_.check_finite && numel_ > 0 &&
+          device_first_is_nan(device_, grecv, DType::kFloat32, s.stream)) {
+        device_fill_nan(device_, s.out.data, static_cast<size_t>(s.out.nbytes()), s.stream);
+        phase_ = 0;
+        set_skipped(true);
+        if (on_nonfinite_ == OnNonFinite::kRaise) {
+          GC_CHECK_ARG(s.bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                       ": ", s.bad_what, "; the step was dropped on every rank and no state ",
+                       "changed (on_nonfinite='raise')");
+          GC_CHECK_ARG(false, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
+                       ": another rank's gradient held a non-finite value (NaN or Inf); the step ",
+                       "was dropped on every rank and no state changed (on_nonfinite='raise')");
+        }
+        return std::nullopt;
+      }
       for (size_t q = 0; q < P; ++q) {
         const int64_t L = chunk_len(static_cast<int64_t>(q));
         if (L == 0) continue;
@@ -283,7 +351,9 @@ std::optional<Collective> OneBitAllreducePlan::next() {
           k::convert(device_, f, DType::kFloat32, dst, ot, L, 1.0f, s.stream);
       }
       phase_ = 0;
+      if (s.staged) s.cur = 1 - s.cur;  // the step's worker error and momentum become the state
       ++step_;
+      set_skipped(false);
       return std::nullopt;
     }
     default:
@@ -304,10 +374,10 @@ std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
   w.put<uint8_t>(cfg_.momentum > 0.0);
   w.put<uint8_t>(cfg_.rotate);
   w.put<int64_t>(step_);
-  w.put_array(impl_->we.data(), device_, numel_ * sizeof(float), impl_->stream);
+  w.put_array(impl_->we_in(), device_, numel_ * sizeof(float), impl_->stream);
   w.put_array(impl_->se.data(), device_, chunk_elems() * sizeof(float), impl_->stream);
   if (cfg_.momentum > 0.0)
-    w.put_array(impl_->u.data(), device_, numel_ * sizeof(float), impl_->stream);
+    w.put_array(impl_->u_in(), device_, numel_ * sizeof(float), impl_->stream);
   return w.take();
 }
 
@@ -329,8 +399,8 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   const uint8_t* se = r.finite_array("server_error", sb);
   const uint8_t* u = cfg_.momentum > 0.0 ? r.finite_array("momentum", wb) : nullptr;
   r.finish();
-  if (u) device_copy(impl_->u.data(), device_, u, Device::kCPU, wb, impl_->stream);
-  device_copy(impl_->we.data(), device_, we, Device::kCPU, wb, impl_->stream);
+  if (u) device_copy(impl_->u_in(), device_, u, Device::kCPU, wb, impl_->stream);
+  device_copy(impl_->we_in(), device_, we, Device::kCPU, wb, impl_->stream);
   device_copy(impl_->se.data(), device_, se, Device::kCPU, sb, impl_->stream);
   step_ = step;
 }

@@ -88,17 +88,10 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
   }
   // CPU: the finiteness check rides on P and the uncompressed pack in the first next() phase
   // (phase_compress): no extra pass over the bucket. CUDA: one scan here.
-  if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) {
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const TensorView& g = grads[i];
-      const int64_t bad = k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype,
-                                                       g.numel, st_.impl_->sws);
-      GC_CHECK_ARG(bad < 0, "PowerSGD: tensor ", i, " (", g.describe(),
-                   ") holds a non-finite value at index ", bad,
-                   " (check_finite rejects NaN/Inf before any state changes)");
-    }
-  }
   grads_ = grads;
+  bad_ = false;
+  bad_what_.clear();
+  if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) find_bad();
   issued_.clear();
   phase_ = Phase::kStart;
 }
@@ -141,6 +134,7 @@ std::optional<Collective> PowerSGDPlan::next() {
     ++st_.step_;
     phase_ = Phase::kDone;
     grads_.clear();
+    set_skipped(false);
     return std::optional<Collective>();
   };
   switch (phase_) {
@@ -151,7 +145,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       return std::nullopt;
     case Phase::kStart: {
       if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
-        if (!gpu && st_.cfg_.check_finite) reject_nonfinite();  // (CUDA: checked in begin())
+        if (!gpu && st_.cfg_.check_finite) find_bad();  // (CUDA: checked in begin())
         if (im.total_numel == 0) return done(false);
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
@@ -159,6 +153,8 @@ std::optional<Collective> PowerSGDPlan::next() {
           k::dispatch::psgd_load(im.ex, g.data, g.dtype, g.numel, b + off, false);
           off += g.numel;
         }
+        // a bad rank sends NaN: the sum's first value is NaN on every rank
+        if (bad_) device_fill_nan(st_.device_, b, static_cast<size_t>(im.total_numel) * 4, im.stream);
         phase_ = Phase::kPlainWait;
         return issue(make(b, static_cast<size_t>(im.total_numel), "powersgd plain"));
       }
@@ -174,6 +170,8 @@ std::optional<Collective> PowerSGDPlan::next() {
     }
     case Phase::kPlainWait: {
       const float* b = static_cast<const float*>(im.plain.data());
+      if (st_.cfg_.check_finite && device_first_is_nan(st_.device_, b, DType::kFloat32, im.stream))
+        return skip_step();
       int64_t off = 0;
       for (const auto& g : grads_) {
         k::dispatch::psgd_store_mean(im.ex, b + off, g.numel, world, g.data, g.dtype);
@@ -182,6 +180,9 @@ std::optional<Collective> PowerSGDPlan::next() {
       return done(false);
     }
     case Phase::kWaitU:
+      if (st_.cfg_.check_finite && device_first_is_nan(st_.device_, ubuf, DType::kFloat32,
+                                                       im.stream))
+        return skip_step();
       if (st_.p_numel_ > 0) {
         phase_ = Phase::kWaitP;
         return issue(make(pbuf, static_cast<size_t>(st_.p_numel_), "powersgd P"));
@@ -189,6 +190,9 @@ std::optional<Collective> PowerSGDPlan::next() {
       phase_finish();
       return done(true);
     case Phase::kWaitP:
+      if (st_.cfg_.check_finite && device_first_is_nan(st_.device_, pbuf, DType::kFloat32,
+                                                       im.stream))
+        return skip_step();
       phase_project();
       phase_ = Phase::kWaitQ;
       return issue(make(im.qbuf.data(), static_cast<size_t>(st_.q_numel_), "powersgd Q"));
@@ -213,6 +217,22 @@ void PowerSGDPlan::phase_compress() {
     for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
   }
   const bool forms_m = k::dispatch::psgd_forms_m_itself(ex);
+  // check_finite: Q as it was (small), restored if the step is skipped; CUDA also saves the
+  // error, which M is formed in.
+  const bool check = cfg.check_finite;
+  q_ready_saved_ = st_.q_ready_;
+  if (check && st_.q_numel_ > 0)
+    device_copy(im.qsave.data(), st_.device_, im.qbuf.data(), st_.device_,
+                static_cast<size_t>(st_.q_numel_) * 4, im.stream);
+  float* PU = static_cast<float*>(im.pbuf.data());
+  const size_t pu_bytes = static_cast<size_t>(st_.p_numel_ + st_.u_numel_) * 4;
+  if (bad_) {  // (CUDA, found in begin()) nothing of this rank's gradient is sent: NaN instead
+    device_fill_nan(st_.device_, PU, pu_bytes, im.stream);
+    return;
+  }
+  if (gpu && check && cfg.error_feedback && st_.m_numel_ > 0)
+    device_copy(im.esave.data(), st_.device_, M, st_.device_,
+                static_cast<size_t>(st_.m_numel_) * 4, im.stream);
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
@@ -220,12 +240,6 @@ void PowerSGDPlan::phase_compress() {
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
     k::dispatch::psgd_load(ex, g.data, g.dtype, g.numel, dst, t.rank > 0 && cfg.error_feedback);
   }
-  // CPU with check_finite: Q as it was, restored if the step is rejected below (Q is small).
-  // (CUDA: the gradients were scanned in begin().)
-  const bool check = !gpu && cfg.check_finite;
-  const bool q_ready_before = st_.q_ready_;
-  if (check && st_.q_numel_ > 0)
-    std::memcpy(im.qsave.data(), im.qbuf.data(), static_cast<size_t>(st_.q_numel_) * 4);
   // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
@@ -234,39 +248,59 @@ void PowerSGDPlan::phase_compress() {
   st_.q_ready_ = true;
   k::dispatch::psgd_compute_p(
       ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct}, im.ctx);
-  if (!check) return;
+  if (gpu || !check) return;
   // A NaN/Inf in M = grad + error makes its row of P non-finite (NaN * 0 and Inf * 0 are NaN, so
   // even a zero Q row cannot hide it); an uncompressed one lands in the pack as it is. So P and
-  // the pack (small) are tested, and the bucket is scanned only to name the first bad index.
-  // compress_p wrote no state (the error is not stored before finish()), Q is restored: the
-  // rejection leaves the state exactly as before the step. A non-finite P from a finite gradient
-  // (overflow) is not rejected, as before.
-  const float* pu = static_cast<const float*>(im.pbuf.data());
-  if (k::cpu::first_nonfinite(pu, DType::kFloat32, st_.p_numel_ + st_.u_numel_) < 0) return;
-  try {
-    reject_nonfinite();
-  } catch (...) {
-    if (st_.q_numel_ > 0)
-      std::memcpy(im.qbuf.data(), im.qsave.data(), static_cast<size_t>(st_.q_numel_) * 4);
-    st_.q_ready_ = q_ready_before;
-    throw;
+  // the pack (small) are tested, and the bucket is scanned only to name the first bad index. A
+  // finite gradient whose P overflows is treated alike (its step would poison the error). On the
+  // CPU compress_p wrote no state (the error is not stored before finish()).
+  if (k::cpu::first_nonfinite(PU, DType::kFloat32, st_.p_numel_ + st_.u_numel_) < 0) return;
+  find_bad();
+  if (!bad_) {
+    bad_ = true;
+    bad_what_ = "the gradient is finite but its projection P overflows fp32";
+  }
+  device_fill_nan(st_.device_, PU, pu_bytes, im.stream);
+}
+
+// This rank's first non-finite gradient value: sets bad_ and the message naming tensor and index.
+void PowerSGDPlan::find_bad() {
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    const TensorView& g = grads_[i];
+    const int64_t bad = k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype,
+                                                     g.numel, st_.impl_->sws);
+    if (bad < 0) continue;
+    bad_ = true;
+    bad_what_ = detail::cat("tensor ", i, " (", g.describe(), ") holds a non-finite value at index ",
+                            bad, " ");
+    return;
   }
 }
 
-// CPU: scans the gradients in bucket order; on the first non-finite value makes the plan idle and
-// throws InvalidArgument naming the tensor and the index. Changes no state of the bucket.
-void PowerSGDPlan::reject_nonfinite() {
-  for (size_t i = 0; i < grads_.size(); ++i) {
-    const TensorView& g = grads_[i];
-    const int64_t bad = k::cpu::first_nonfinite(g.data, g.dtype, g.numel);
-    if (bad < 0) continue;
-    const std::string what = g.describe();
-    grads_.clear();
-    issued_.clear();
-    phase_ = Phase::kIdle;
-    GC_CHECK_ARG(false, "PowerSGD: tensor ", i, " (", what, ") holds a non-finite value at index ",
-                 bad, " (check_finite rejects NaN/Inf before any state changes)");
+std::optional<Collective> PowerSGDPlan::skip_step() {
+  auto& im = *st_.impl_;
+  if (st_.step_ >= st_.cfg_.start_iter) {  // a compressed step: Q (and on CUDA the error) back
+    if (st_.q_numel_ > 0)
+      device_copy(im.qbuf.data(), st_.device_, im.qsave.data(), st_.device_,
+                  static_cast<size_t>(st_.q_numel_) * 4, im.stream);
+    st_.q_ready_ = q_ready_saved_;
+    if (st_.device_ == Device::kCUDA && st_.cfg_.error_feedback && st_.m_numel_ > 0 && !bad_)
+      device_copy(im.mbuf.data(), st_.device_, im.esave.data(), st_.device_,
+                  static_cast<size_t>(st_.m_numel_) * 4, im.stream);
   }
+  for (const TensorView& g : grads_)
+    device_fill_nan(g.device, g.data, static_cast<size_t>(g.nbytes()), g.stream);
+  grads_.clear();
+  issued_.clear();
+  phase_ = Phase::kDone;
+  set_skipped(true);
+  if (on_nonfinite_ == OnNonFinite::kRaise) {
+    GC_CHECK_ARG(!bad_, "PowerSGD: ", bad_what_, "(the step was dropped on every rank and no ",
+                 "state changed; on_nonfinite='raise')");
+    GC_CHECK_ARG(false, "PowerSGD: another rank's gradient held a non-finite value (NaN or Inf); ",
+                 "the step was dropped on every rank and no state changed (on_nonfinite='raise')");
+  }
+  return std::nullopt;
 }
 
 // local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.

@@ -18,6 +18,9 @@ RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t num
       payload_(device),
       acc_(device, stream) {
   payload_.bytes.set_stream(stream);
+  // the plan checks finiteness itself (once), so that a bad rank can tell the others
+  check_finite_ = cfg.check_finite;
+  comp_.set_staged(check_finite_);
 }
 
 size_t RandomKAllreducePlan::workspace_bytes() const {
@@ -28,7 +31,11 @@ std::optional<Collective> RandomKAllreducePlan::next() {
   require_begun();
   switch (phase_) {
     case 0: {  // encode; sum the values section of every rank in place
-      comp_.encode(grad_, payload_);
+      bad_ = check_finite_ ? first_nonfinite() : -1;
+      if (bad_ >= 0)
+        comp_.encode_skipped(payload_);  // NaN values, state untouched
+      else
+        comp_.encode(grad_, payload_);
       const PayloadHeader& h = payload_.header;
       auto* values = static_cast<uint8_t*>(payload_.bytes.data()) + h.section_offset(1);
       phase_ = 1;
@@ -37,6 +44,17 @@ std::optional<Collective> RandomKAllreducePlan::next() {
     }
     case 1: {  // one decode of the summed values, scaled by 1/P (into the gradient when fp32)
       const auto n = static_cast<size_t>(numel_);
+      const PayloadHeader& h = payload_.header;
+      // a bad rank sent NaN values: the first summed value is NaN on every rank
+      if (check_finite_ && h.count > 0 &&
+          device_first_is_nan(device_,
+                              static_cast<const uint8_t*>(payload_.bytes.data()) +
+                                  h.section_offset(1),
+                              DType(h.value_dtype), stream_)) {
+        phase_ = 2;
+        end_step(true, bad_);
+        return std::nullopt;
+      }
       const bool direct = dtype_ == DType::kFloat32;
       float* acc = direct ? static_cast<float*>(grad_.data) : acc_.get<float>(n);
       device_zero(device_, acc, n * sizeof(float), stream_);
@@ -46,6 +64,8 @@ std::optional<Collective> RandomKAllreducePlan::next() {
       if (!direct)
         k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
       phase_ = 2;
+      comp_.commit();
+      end_step(false, bad_);
       return std::nullopt;
     }
     default:

@@ -38,6 +38,9 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   gathered_.reserve(most * static_cast<uint64_t>(world));
   if (grad_dtype != DType::kFloat32) acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
   sizes_.reserve(kSizeFields * (static_cast<size_t>(world) + 1) * sizeof(int64_t));
+  // the plan checks finiteness itself (once), so that a bad rank can tell the others
+  check_finite_ = cfg.check_finite;
+  comp_.set_staged(check_finite_);
 }
 
 float* TopKAllreducePlan::target() {
@@ -101,8 +104,12 @@ std::optional<Collective> TopKAllreducePlan::send(uint64_t longest) {
     stats_.dense_steps += 1;
     stats_.last_stride = 0;
     const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
-    device_zero(device_, acc, n * sizeof(float), stream_);
-    comp_.decode_add(payload_.data(), payload_.size(), dense, 1.0f / float(world_));
+    if (bad_ >= 0) {  // NaN everywhere: the sum is NaN on every rank, which is the signal
+      device_fill_nan(device_, acc, n * sizeof(float), stream_);
+    } else {
+      device_zero(device_, acc, n * sizeof(float), stream_);
+      comp_.decode_add(payload_.data(), payload_.size(), dense, 1.0f / float(world_));
+    }
     phase_ = 2;
     return make(CollectiveKind::kAllreduceSum, ElemType::kF32, acc, acc, n, "topk dense sum");
   }
@@ -129,8 +136,13 @@ std::optional<Collective> TopKAllreducePlan::next() {
   switch (phase_) {
     case 0: {  // encode; then exchange (numel, payload bytes), or pad to the bound and send
       exchange_ = next_exchange();
-      const uint64_t bound = comp_.payload_bound(comp_.step());  // before encode moves the step
-      comp_.encode(grad_, payload_);
+      const int64_t step = comp_.step();  // the step encoded now
+      const uint64_t bound = comp_.payload_bound(step);
+      bad_ = check_finite_ ? first_nonfinite() : -1;
+      if (bad_ >= 0)
+        comp_.encode_skipped(payload_);  // no data, state untouched
+      else
+        comp_.encode(grad_, payload_);
       if (exchange_ == TopKExchange::kBound) {
         stats_.last_max_payload = 0;  // known once the headers are gathered (sparse route)
         stats_.last_total_payload = 0;
@@ -140,7 +152,7 @@ std::optional<Collective> TopKAllreducePlan::next() {
       int64_t* mine = &host_sizes_[kSizeFields * P];
       mine[0] = numel_;
       mine[1] = static_cast<int64_t>(payload_.size());
-      mine[2] = comp_.step() - 1;  // the step just encoded
+      mine[2] = step;
       mine[3] = static_cast<int64_t>(bound);
       auto* d = sizes_.get<int64_t>(kSizeFields * (P + 1));
       device_copy(d + kSizeFields * P, device_, mine, Device::kCPU, kSizeFields * sizeof(int64_t),
@@ -178,13 +190,21 @@ std::optional<Collective> TopKAllreducePlan::next() {
       return send(longest);
     }
     case 2: {  // dense route: the sum of the scaled decodes is the average
-      finish();
+      const bool skip = check_finite_ && n > 0 &&
+                        device_first_is_nan(device_, target(), DType::kFloat32, stream_);
+      if (!skip) finish();
       phase_ = 4;
+      settle(skip);
       return std::nullopt;
     }
     case 3: {  // sparse route: decode all (scaled by 1/P) in rank order
       const auto* all = static_cast<const uint8_t*>(gathered_.data());
       if (exchange_ == TopKExchange::kBound) read_gathered_sizes(all);
+      if (check_finite_ && any_skipped(all)) {
+        phase_ = 4;
+        settle(true);
+        return std::nullopt;
+      }
       float* acc = target();
       const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
       device_zero(device_, acc, n * sizeof(float), stream_);
@@ -193,11 +213,29 @@ std::optional<Collective> TopKAllreducePlan::next() {
                          1.0f / float(world_));
       finish();
       phase_ = 4;
+      settle(false);
       return std::nullopt;
     }
     default:
       return std::nullopt;
   }
+}
+
+void TopKAllreducePlan::settle(bool skip) {
+  if (!skip) comp_.commit();  // (a skipped step's staged state is simply not taken)
+  end_step(skip, bad_);
+}
+
+bool TopKAllreducePlan::any_skipped(const uint8_t* all) {
+  const auto P = static_cast<size_t>(world_);
+  headers_.resize(P);
+  for (size_t r = 0; r < P; ++r)
+    device_copy(&headers_[r], Device::kCPU, all + r * stride_, device_, sizeof(PayloadHeader),
+                stream_);
+  if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
+  for (const PayloadHeader& h : headers_)
+    if (h.flags & kPayloadSkipped) return true;
+  return false;
 }
 
 void TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {

@@ -47,6 +47,14 @@ struct EnumNames<DType> {
 };
 
 template <>
+struct EnumNames<OnNonFinite> {
+  static constexpr const char* what = "on_nonfinite policy";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<OnNonFinite> table[] = {{"skip", OnNonFinite::kSkip},
+                                                    {"raise", OnNonFinite::kRaise}};
+};
+
+template <>
 struct EnumNames<Device> {
   static constexpr const char* what = "device";
   static constexpr std::size_t members = 2;

@@ -182,8 +182,11 @@ class OneBitAllreducePlan : public BucketPlan {
   ~OneBitAllreducePlan() override;
   /// Starts a step that averages in place, like every other bucket plan: grad (numel elements,
   /// fp32/fp16/bf16, on the plan's device) receives the average (rounded to its dtype) when
-  /// next() returns nullopt. Checks everything (including finiteness) before any state changes;
-  /// throws InvalidArgument if a step is still in progress. With cfg.rotate an fp32 grad is
+  /// next() returns nullopt. Checks sizes, dtype and device before any state changes (throws
+  /// InvalidArgument, also if a step is still in progress); a NaN/Inf gradient (check_finite)
+  /// does not throw here: the step goes on and is skipped on every rank, or raises on every rank
+  /// at its end (OnNonFinite, gradcomp/plan.hpp). With check_finite the worker error and momentum
+  /// are double-buffered (4 more bytes per element, 8 with momentum). With cfg.rotate an fp32 grad is
   /// rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
   /// fp16/bf16 gradients, and the form with `out`, are rotated in a scratch copy (4 bytes per
   /// element, kept by the plan).

@@ -79,6 +79,22 @@ class Plan {
   virtual int64_t bucket_numel() const { return -1; }
 };
 
+/// What a stateful bucket plan does when some rank's gradient holds NaN or Inf (found by the
+/// plan's finiteness check, `check_finite`):
+///  kSkip  (default; what plain DDP amounts to under a loss scaler) the step is skipped on every
+///         rank: the averaged bucket comes out NaN everywhere (so every rank's GradScaler skips
+///         the same optimizer step), no exception, and the plan's state (residuals, momenta,
+///         errors, Q, step counter) is exactly as before the step; skipped() says so.
+///  kRaise InvalidArgument on every rank at the end of the step (the rank that found the value
+///         names its index), state as before the step.
+/// The agreement rides on what the step sends anyway (a payload header flag, NaN values or
+/// scales, NaN in PowerSGD's P): no extra collective. A rank whose gradient is bad sends no
+/// compressed data of it and leaves its state alone; the others compute the step as usual into a
+/// second copy of the state they change (double-buffered, so committing is a swap and dropping is
+/// free) and keep or drop it once the step's data says whether some rank was bad.
+/// With check_finite off nothing is checked: a NaN/Inf enters the state and stays there.
+enum class OnNonFinite : uint8_t { kSkip = 0, kRaise = 1 };
+
 /// A plan over one gradient bucket that knows the bucket's size (every plan of plans.hpp, the
 /// 1-bit and PowerSGD plans), so that a rank that passes a different bucket is reported by
 /// run_plan() with both sizes.
@@ -102,6 +118,26 @@ class BucketPlan : public Plan {
   /// Restores state_dict(); InvalidArgument on a mismatch, and then nothing changes. A stateless
   /// plan accepts only an empty state.
   virtual void load_state_dict(const uint8_t* data, size_t nbytes);
+  /// The policy for a NaN/Inf gradient on some rank (see OnNonFinite); every rank must use the
+  /// same. Set it between steps.
+  void set_on_nonfinite(OnNonFinite p) { on_nonfinite_ = p; }
+  OnNonFinite on_nonfinite() const { return on_nonfinite_; }
+  /// Whether the last finished step was skipped because some rank's bucket held NaN or Inf (the
+  /// average is then NaN on every rank and no state changed). Stateless plans have nothing to
+  /// protect and check nothing: their NaN simply propagates into the sum (false here).
+  bool skipped() const { return skipped_; }
+  /// Steps skipped so far by this plan object.
+  int64_t skipped_steps() const { return skipped_steps_; }
+
+ protected:
+  /// Records the outcome of a finished step (skipped or not).
+  void set_skipped(bool s) {
+    skipped_ = s;
+    if (s) ++skipped_steps_;
+  }
+  OnNonFinite on_nonfinite_ = OnNonFinite::kSkip;
+  bool skipped_ = false;
+  int64_t skipped_steps_ = 0;
 };
 
 /// Executes one plan per simulated rank in this process, summing in rank order. For tests and

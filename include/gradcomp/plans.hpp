@@ -35,6 +35,7 @@ class GradientPlan : public BucketPlan {
  public:
   GradientPlan(int64_t numel, DType dtype, int world, Device device, int device_index,
                void* stream);
+  ~GradientPlan() override;
   /// Binds this step's gradient (numel, dtype and device fixed at construction; checked) and
   /// restarts the step machine. The average is written back into `grad` when next() returns
   /// nullopt.
@@ -51,6 +52,12 @@ class GradientPlan : public BucketPlan {
   /// Checks that begin() was called; next() after completion returns nullopt.
   void require_begun() const;
   virtual void on_begin() {}
+  /// The first index of the bound gradient that holds NaN or Inf, or -1.
+  int64_t first_nonfinite();
+  /// Ends a step whose data said whether some rank's gradient was not finite (`skip`): a skipped
+  /// step fills the gradient with NaN, records it and, with OnNonFinite::kRaise, throws
+  /// InvalidArgument on this rank (`bad_index`: this rank's first bad index, or -1).
+  void end_step(bool skip, int64_t bad_index);
 
   int64_t numel_;
   DType dtype_;
@@ -60,6 +67,10 @@ class GradientPlan : public BucketPlan {
   void* stream_;
   TensorView grad_;
   int phase_ = -1;  ///< -1: no step bound; 0: begun; higher: plan-specific
+
+ private:
+  struct Scan;
+  std::unique_ptr<Scan> scan_;
 };
 
 /// Plain allreduce: sum in the gradient's dtype (in place), then divide by the rank count.
@@ -213,6 +224,12 @@ class TopKAllreducePlan : public GradientPlan {
   size_t stride_ = 0;
   TopKRoute route_ = TopKRoute::kSparse;
   TopKExchange exchange_ = TopKExchange::kSizes;
+  bool check_finite_ = true;
+  int64_t bad_ = -1;  ///< this step: this rank's first non-finite index, or -1
+  /// Sparse route: whether a gathered payload is flagged kPayloadSkipped.
+  bool any_skipped(const uint8_t* gathered);
+  /// Keeps (commit) or drops the step's state change and ends the step (GradientPlan::end_step).
+  void settle(bool skip);
 };
 
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
@@ -239,6 +256,8 @@ class RandomKAllreducePlan : public GradientPlan {
   RandomKCompressor comp_;
   Payload payload_;
   Buffer acc_;
+  bool check_finite_ = true;
+  int64_t bad_ = -1;
 };
 
 }  // namespace gradcomp

@@ -65,10 +65,13 @@ struct PowerSGDConfig {
   Orthogonalization orthogonalization = Orthogonalization::kAuto;
   /// Send the uncompressed pack and P in one allreduce (2 collectives per step instead of 3).
   bool fuse_uncompressed_with_p = true;
-  /// Reject a gradient holding NaN/Inf (naming tensor and first bad index) before any state
-  /// changes. CPU: nearly free, the test rides on P and the uncompressed pack in the first next()
-  /// phase (which throws InvalidArgument, before any collective, and leaves error, Q and step as
-  /// they were); the bucket is scanned only to name the index. CUDA: begin() scans the bucket.
+  /// Find a gradient holding NaN/Inf and skip (or raise on) the step on every rank, error, Q and
+  /// step as they were (OnNonFinite, gradcomp/plan.hpp). CPU: nearly free, the test rides on P
+  /// and the uncompressed pack in the first next() phase (a finite gradient whose P overflows
+  /// counts as bad too); the bucket is scanned only to name the index. CUDA: begin() scans the
+  /// bucket, and the error is saved before each step (a device copy) since M is formed in it.
+  /// The bad rank sends NaN in place of P (and the pack); every rank reads the first reduced
+  /// value. Off: a NaN/Inf enters the error and Q and stays there.
   bool check_finite = true;
   void validate() const;
 };
@@ -151,8 +154,8 @@ class PowerSGDState {
 };
 
 /// One step of PowerSGD on a bucket, as a plan (see plan.hpp). begin() checks the gradients and
-/// changes nothing when it throws; the first next() may still reject a non-finite gradient (CPU,
-/// see check_finite), also changing nothing (the plan is then idle). next() runs the phases:
+/// changes nothing when it throws; a non-finite gradient (check_finite) makes the step skipped
+/// (or raising) on every rank at its first collective, changing nothing. next() runs the phases:
 ///   local (M, P = M Q, pack)  -> allreduce(uncompressed + P)  [or two allreduces, see config]
 ///   local (P /= world, orth, Q = M^T P_hat) -> allreduce(Q)
 ///   local (Q /= world, grad = P_hat Q^T, error = M - grad, unpack uncompressed / world)
@@ -191,8 +194,14 @@ class PowerSGDPlan : public BucketPlan {
   void phase_compress();
   void phase_project();
   void phase_finish();
-  void reject_nonfinite();
-  std::unique_ptr<PowerSGDState> owned_;  ///< null when the caller keeps the state
+  /// This rank's first bad value, for the message (CPU: a scan of the bucket).
+  void find_bad();
+  /// Ends a step found bad on some rank: error, Q and step restored, gradients NaN.
+  std::optional<Collective> skip_step();
+  std::unique_ptr<PowerSGDState> owned_;
+  bool bad_ = false;  ///< this step: this rank's gradient (or its P) was not finite
+  bool q_ready_saved_ = false;
+  std::string bad_what_;  ///< null when the caller keeps the state
   PowerSGDState& st_;
   int world_;
   Phase phase_ = Phase::kIdle;

@@ -41,6 +41,12 @@ void device_free(Device dev, void* p, void* stream) noexcept;
 void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes,
                  void* stream);
 void device_zero(Device dev, void* p, size_t bytes, void* stream);
+/// Sets every byte to 0xFF: a NaN in fp32, fp16 and bf16 alike (what a skipped step's output and
+/// its "some rank was bad" signal are made of; a NaN survives every sum it enters).
+void device_fill_nan(Device dev, void* p, size_t bytes, void* stream);
+/// Whether the first element of a float array (fp32, fp16 or bf16, on any device) is NaN. Reads
+/// one element (synchronises the stream for a device array).
+bool device_first_is_nan(Device dev, const void* p, DType t, void* stream);
 
 /// Number of CPU threads the CPU kernels use (OpenMP). 0 = OpenMP's default.
 void set_cpu_threads(int n);

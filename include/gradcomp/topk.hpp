@@ -108,6 +108,17 @@ class TopKCompressor : public Compressor {
   Device device() const override { return device_; }
   const CompressionStats& last_stats() const override { return stats_; }
   const TopKConfig& config() const { return cfg_; }
+  /// For the allreduce plans (OnNonFinite, gradcomp/plan.hpp): with staging on, each encode()
+  /// writes the step's new residual and momentum into a second buffer set and leaves the state,
+  /// step counter included, as it was until commit(); an encode() not committed is dropped by the
+  /// next one. encode() then leaves the finiteness check to the plan, which checks the bucket
+  /// once and tells the other ranks. Costs a second residual (and momentum) buffer.
+  void set_staged(bool on);
+  /// Makes the last encode()'s state change permanent (staged mode; a no-op otherwise).
+  void commit();
+  /// A payload for this step that carries no data and is flagged kPayloadSkipped (the sender's
+  /// gradient held NaN or Inf). The state does not change.
+  void encode_skipped(Payload& out);
   /// The largest payload encode() can write at `step` (warm-up aware): what a fixed-stride
   /// exchange pads every rank's payload to.
   uint64_t payload_bound(int64_t step) const;
@@ -175,6 +186,17 @@ class RandomKCompressor : public Compressor {
   int64_t numel() const override { return numel_; }
   Device device() const override { return device_; }
   const CompressionStats& last_stats() const override { return stats_; }
+  /// For the allreduce plans (OnNonFinite, gradcomp/plan.hpp): with staging on, each encode()
+  /// writes the step's new residual and momentum into a second buffer set and leaves the state,
+  /// step counter included, as it was until commit(); an encode() not committed is dropped by the
+  /// next one. encode() then leaves the finiteness check to the plan, which checks the bucket
+  /// once and tells the other ranks. Costs a second residual (and momentum) buffer.
+  void set_staged(bool on);
+  /// Makes the last encode()'s state change permanent (staged mode; a no-op otherwise).
+  void commit();
+  /// A payload for this step that carries no data and is flagged kPayloadSkipped (the sender's
+  /// gradient held NaN or Inf): count_at(step) NaN values, which make the summed values NaN on every rank. The state does not change.
+  void encode_skipped(Payload& out);
   /// Indices sent at a step, into `out` (capacity count_at(step)) on the compressor's device:
   /// the sampled ones (ascending), then those of the segments sent whole (ascending).
   int64_t indices_at(int64_t step, uint32_t* out) const;

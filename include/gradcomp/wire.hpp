@@ -36,6 +36,10 @@ enum class IndexCoding : uint8_t {
 
 const char* payload_kind_name(PayloadKind k);
 
+/// PayloadHeader::flags: the sender's gradient held NaN or Inf, so the payload carries no data of
+/// it and the step is skipped on every rank (OnNonFinite, gradcomp/plan.hpp).
+inline constexpr uint8_t kPayloadSkipped = 1;
+
 struct PayloadHeader {
   uint32_t magic = kPayloadMagic;
   uint16_t version = kPayloadVersion;
@@ -43,7 +47,7 @@ struct PayloadHeader {
   uint8_t kind = 0;          ///< PayloadKind
   uint8_t value_dtype = 0;   ///< DType of the values section
   uint8_t index_coding = 0;  ///< IndexCoding
-  uint8_t flags = 0;
+  uint8_t flags = 0;         ///< kPayloadSkipped or 0
   uint32_t tensor_id = 0;
   uint64_t numel = 0;  ///< dense element count of the tensor
   uint64_t count = 0;  ///< number of encoded elements (k for sparse)

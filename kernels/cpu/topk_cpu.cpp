@@ -354,16 +354,16 @@ double sum_squares_t(const void* g, int64_t n) {
 
 template <class Load>
 void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nesterov, float* u,
-                      float* v) {
+                      float* v, const float* us, const float* vs) {
   const int T = threads_for(n);
   if (u == nullptr) {
 #pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t i = 0; i < n; ++i) v[i] += coef * Load::load(g, i);
+    for (int64_t i = 0; i < n; ++i) v[i] = vs[i] + coef * Load::load(g, i);
     return;
   }
 #pragma omp parallel for num_threads(T) schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    float uu = u[i], vv = v[i];
+    float uu = us[i], vv = vs[i];
     dgc_update(coef * Load::load(g, i), m, nesterov, uu, vv);
     u[i] = uu;
     v[i] = vv;
@@ -415,8 +415,12 @@ double sum_squares(const void* g, DType t, int64_t n) {
 }
 
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v) {
-  with_loader(t, [&](auto L) { dgc_accumulate_t<decltype(L)>(g, n, coef, momentum, nesterov, u, v); });
+                    float* u, float* v, const float* u_src, const float* v_src) {
+  const float* us = u_src ? u_src : u;
+  const float* vs = v_src ? v_src : v;
+  with_loader(t, [&](auto L) {
+    dgc_accumulate_t<decltype(L)>(g, n, coef, momentum, nesterov, u, v, us, vs);
+  });
 }
 
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt) {

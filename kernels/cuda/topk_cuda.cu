@@ -504,21 +504,23 @@ __device__ __forceinline__ void load4(const void* g, int64_t q, float (&f)[4]) {
 
 template <class Load, bool kMomentum>
 __device__ __forceinline__ void dgc_one(const void* g, int64_t i, float coef, float m,
-                                        bool nesterov, float* u, float* v) {
+                                        bool nesterov, const float* us, const float* vs, float* u,
+                                        float* v) {
   if constexpr (kMomentum) {
-    float uu = u[i], vv = v[i];
+    float uu = us[i], vv = vs[i];
     dgc_update(coef * Load::load(g, i), m, nesterov, uu, vv);
     u[i] = uu;
     v[i] = vv;
   } else {
-    v[i] += coef * Load::load(g, i);
+    v[i] = vs[i] + coef * Load::load(g, i);
   }
 }
 
 /// Vectorised DGC update: groups of four (g, u, v aligned), then the tail one by one.
 template <class Load, bool kMomentum, bool kVector>
 __global__ void __launch_bounds__(kThreads)
-    dgc_kernel(const void* g, int64_t n, float coef, float m, bool nesterov, float* u, float* v) {
+    dgc_kernel(const void* g, int64_t n, float coef, float m, bool nesterov, const float* us,
+               const float* vs, float* u, float* v) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   int64_t done = 0;
@@ -527,9 +529,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t q = tid; q < n4; q += stride) {
       float gf[4];
       load4<Load>(g, q, gf);
-      float4 vv = reinterpret_cast<float4*>(v)[q];
+      float4 vv = reinterpret_cast<const float4*>(vs)[q];
       if constexpr (kMomentum) {
-        float4 uu = reinterpret_cast<float4*>(u)[q];
+        float4 uu = reinterpret_cast<const float4*>(us)[q];
         dgc_update(coef * gf[0], m, nesterov, uu.x, vv.x);
         dgc_update(coef * gf[1], m, nesterov, uu.y, vv.y);
         dgc_update(coef * gf[2], m, nesterov, uu.z, vv.z);
@@ -546,7 +548,7 @@ __global__ void __launch_bounds__(kThreads)
     done = n4 * 4;
   }
   for (int64_t i = done + tid; i < n; i += stride)
-    dgc_one<Load, kMomentum>(g, i, coef, m, nesterov, u, v);
+    dgc_one<Load, kMomentum>(g, i, coef, m, nesterov, us, vs, u, v);
 }
 
 /// Stores x as value j in the value dtype; returns what a receiver decodes from it.
@@ -748,28 +750,30 @@ double sum_squares(const void* g, DType t, int64_t n, SelectWorkspace& ws, void*
 }
 
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v, void* stream) {
+                    float* u, float* v, void* stream, const float* u_src, const float* v_src) {
   if (n <= 0) return;
   const cudaStream_t s = as_stream(stream);
+  const float* us = u_src ? u_src : u;
+  const float* vs = v_src ? v_src : v;
   const bool vec = aligned(g, 4 * static_cast<size_t>(dtype_size(t))) && aligned(v, 16) &&
-                   (u == nullptr || aligned(u, 16));
+                   aligned(vs, 16) && (u == nullptr || (aligned(u, 16) && aligned(us, 16)));
   const int grid = grid_for(vec ? (n + 3) / 4 : n, kThreads, kMaxGrid);
   with_loader(t, [&](auto L) {
     using Load = decltype(L);
     if (u == nullptr) {
       if (vec)
         dgc_kernel<Load, false, true>
-            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, us, vs, u, v);
       else
         dgc_kernel<Load, false, false>
-            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, us, vs, u, v);
     } else {
       if (vec)
         dgc_kernel<Load, true, true>
-            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, us, vs, u, v);
       else
         dgc_kernel<Load, true, false>
-            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, u, v);
+            <<<grid, kThreads, 0, s>>>(g, n, coef, momentum, nesterov, us, vs, u, v);
     }
   });
   GC_CUDA_CHECK_LAUNCH();

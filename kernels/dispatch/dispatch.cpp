@@ -70,11 +70,11 @@ double sum_squares(const Exec& e, const void* g, DType t, int64_t n, SelectWorks
 }
 
 void dgc_accumulate(const Exec& e, const void* g, DType t, int64_t n, float coef, float momentum,
-                    bool nesterov, float* u, float* v) {
+                    bool nesterov, float* u, float* v, const float* u_src, const float* v_src) {
   if (e.cuda())
-    cuda::dgc_accumulate(g, t, n, coef, momentum, nesterov, u, v, e.stream);
+    cuda::dgc_accumulate(g, t, n, coef, momentum, nesterov, u, v, e.stream, u_src, v_src);
   else
-    cpu::dgc_accumulate(g, t, n, coef, momentum, nesterov, u, v);
+    cpu::dgc_accumulate(g, t, n, coef, momentum, nesterov, u, v, u_src, v_src);
 }
 
 void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, int64_t k,

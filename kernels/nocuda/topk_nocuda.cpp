@@ -14,7 +14,8 @@ int64_t first_nonfinite(const void*, DType, int64_t, SelectWorkspace&, void*) {
 double sum_squares(const void*, DType, int64_t, SelectWorkspace&, void*) {
   throw_not_built_with_cuda("norm of a CUDA tensor");
 }
-void dgc_accumulate(const void*, DType, int64_t, float, float, bool, float*, float*, void*) {
+void dgc_accumulate(const void*, DType, int64_t, float, float, bool, float*, float*, void*,
+                    const float*, const float*) {
   throw_not_built_with_cuda("DGC accumulation on a CUDA tensor");
 }
 void gather_and_clear(float*, float*, const uint32_t*, int64_t, void*, DType, void*) {

@@ -516,13 +516,18 @@ TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   run_plans_in_process({&plan});
   const auto st = plan.state_dict();
   g[123] = std::numeric_limits<float>::quiet_NaN();
+  // a NaN gradient: raised at the end of the step (on every rank), naming the index
+  plan.set_on_nonfinite(OnNonFinite::kRaise);
   try {
     plan.begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n));
+    run_plans_in_process({&plan});
     ADD_FAILURE() << "NaN accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("index 123"), std::string::npos) << e.what();
   }
   EXPECT_EQ(plan.state_dict(), st);
+  EXPECT_TRUE(plan.skipped());
+  plan.set_on_nonfinite(OnNonFinite::kSkip);
   g[123] = 0.5f;
   std::vector<float> small(n - 1);
   EXPECT_THROW(plan.begin(TensorView::cpu(small.data(), n - 1), TensorView::cpu(out.data(), n)),
@@ -577,11 +582,18 @@ TEST(OneBitPlan, MomentumCompressesTheVelocityAndKeepsItInTheState) {
     if (n > 0) {
       std::vector<float> g = normal(n, 7), out(n);
       g[n / 2] = std::numeric_limits<float>::infinity();
-      const auto st = with.plans[0]->state_dict();
-      EXPECT_THROW(
-          with.plans[0]->begin(TensorView::cpu(g.data(), n), TensorView::cpu(out.data(), n)),
-          InvalidArgument);
-      EXPECT_EQ(with.plans[0]->state_dict(), st);
+      std::vector<std::vector<uint8_t>> st;
+      std::vector<std::vector<float>> gs;
+      for (int r = 0; r < P; ++r) {
+        st.push_back(with.plans[r]->state_dict());
+        gs.push_back(r == 0 ? g : normal(n, 8 + r));
+      }
+      with.step(gs);  // skipped on every rank: momenta and errors untouched, the average NaN
+      for (int r = 0; r < P; ++r) {
+        EXPECT_TRUE(with.plans[r]->skipped());
+        EXPECT_EQ(with.plans[r]->state_dict(), st[r]);
+        EXPECT_TRUE(std::isnan(with.out[r][0]) && std::isnan(with.out[r][n - 1]));
+      }
     }
     // the momentum travels with the state; a state without it is rejected
     OneBitAllreducePlan back(mc, n, P, 0);
@@ -613,32 +625,50 @@ TEST(OneBitPlan, RotatedPlanRejectsNaNLeavingGradientAndStateAndKeepsRotateInThe
     run_plans_in_process({&plan, &peer});
     const auto st = plan.state_dict();
     // in place on fp32: a NaN found before the gradient is rotated leaves it and the state
-    std::vector<float> g = normal(n, 3);
+    const auto peer_st = peer.state_dict();
+    // a NaN found before the gradient is rotated: raised on both ranks (raise policy), the
+    // index named where it was found, both states unchanged
+    plan.set_on_nonfinite(OnNonFinite::kRaise);
+    peer.set_on_nonfinite(OnNonFinite::kRaise);
+    std::vector<float> g = normal(n, 3), gp = normal(n, 5);
     g[700] = std::numeric_limits<float>::quiet_NaN();
-    const auto before = g;
+    auto run_both = [&](std::vector<float>& a, std::vector<float>* out_a) {
+      if (out_a)
+        plan.begin(TensorView::cpu(a.data(), n), TensorView::cpu(out_a->data(), n));
+      else
+        plan.begin(TensorView::cpu(a.data(), n));
+      peer.begin(TensorView::cpu(gp.data(), n));
+      run_plans_in_process({&plan, &peer});
+    };
     try {
-      plan.begin(TensorView::cpu(g.data(), n));
+      run_both(g, nullptr);
       ADD_FAILURE() << "NaN accepted";
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("index 700"), std::string::npos) << e.what();
     }
-    EXPECT_TRUE(same_bytes(g.data(), before.data(), 4 * n));
     EXPECT_EQ(plan.state_dict(), st);
-    // finite but too large to rotate (the butterflies overflow): refused, state unchanged, and
-    // the gradient too when the plan rotates a copy (separate output)
+    EXPECT_EQ(peer.state_dict(), peer_st);
+    // finite but too large to rotate (the butterflies overflow): treated as a bad gradient,
+    // state unchanged, the gradient too when the plan rotates a copy (separate output)
     std::vector<float> huge = normal(n, 4), out(n);
     for (int64_t i = 256; i < 384; ++i) huge[i] = 3.0e38f;
     const auto huge_before = huge;
     try {
-      plan.begin(TensorView::cpu(huge.data(), n), TensorView::cpu(out.data(), n));
+      run_both(huge, &out);
       ADD_FAILURE() << "overflow accepted";
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("block 2 overflows"), std::string::npos) << e.what();
     }
     EXPECT_TRUE(same_bytes(huge.data(), huge_before.data(), 4 * n));
     EXPECT_EQ(plan.state_dict(), st);
-    EXPECT_THROW(plan.begin(TensorView::cpu(huge.data(), n)), InvalidArgument);  // in place
+    // the skip policy: no exception, the average NaN on both ranks, states unchanged
+    plan.set_on_nonfinite(OnNonFinite::kSkip);
+    peer.set_on_nonfinite(OnNonFinite::kSkip);
+    run_both(huge, nullptr);  // in place
+    EXPECT_TRUE(plan.skipped() && peer.skipped());
+    EXPECT_TRUE(std::isnan(huge[0]) && std::isnan(gp[n - 1]));
     EXPECT_EQ(plan.state_dict(), st);
+    EXPECT_EQ(peer.state_dict(), peer_st);
     // the state records rotate: an unrotated plan of the same shape refuses it
     OneBitConfig plain = cfg;
     plain.rotate = false;

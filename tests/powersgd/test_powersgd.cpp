@@ -543,11 +543,12 @@ TEST(PowerSGDBad, RejectsBadConfigAndInputLeavingStateUnchanged) {
     w[0] = TensorView(b.data[0].data(), {16, 12}, DType::kFloat32, Device::kCUDA);
     expect_rejected(w, "device");
   }
-  // The finiteness check runs in the first next() phase on the CPU (see check_finite): a step =
-  // begin() + next() until the first collective.
+  // The finiteness check runs in the first next() phase on the CPU (see check_finite); with the
+  // raise policy the step raises at its end, state unchanged.
+  plan.set_on_nonfinite(OnNonFinite::kRaise);
   auto start_step = [](PowerSGDPlan& p, std::vector<TensorView> g) {
     p.begin(g);
-    return p.next();
+    return run_plans_in_process({&p});
   };
   b.data[1][7] = std::nanf("");
   try {
@@ -557,7 +558,7 @@ TEST(PowerSGDBad, RejectsBadConfigAndInputLeavingStateUnchanged) {
     EXPECT_NE(std::string(e.what()).find("index 7"), std::string::npos) << e.what();
   }
   EXPECT_EQ(st.state_dict(), before);
-  EXPECT_THROW(plan.next(), InvalidArgument) << "a rejected step leaves the plan idle";
+  EXPECT_FALSE(plan.next().has_value()) << "a rejected step is over";
   b.data[1][7] = 0.0f;
   b.data[0][100] = INFINITY;
   EXPECT_THROW(start_step(plan, b.views()), InvalidArgument);
@@ -635,6 +636,7 @@ TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
       c.warm_start = mode != 2;  // mode 2: Q re-drawn every step (a rejection must restore it)
       PowerSGDState st(c, shapes, dt);
       PowerSGDPlan plan(st, 1);
+      plan.set_on_nonfinite(OnNonFinite::kRaise);  // (the skip policy: test_nonfinite_skip.cpp)
       ASSERT_EQ(st.tensor(0).rank, 2);
       ASSERT_EQ(st.tensor(1).rank, 0);
       // Gradients in dtype dt; column 5 of tensor 2 is zero in the first step, so Q's row 5 is 0.
@@ -696,7 +698,8 @@ TEST(PowerSGDPlan, NonFiniteRejectedInFirstPhaseStateUnchanged) {
         EXPECT_EQ(st.step(), step_before);
         EXPECT_EQ(st.last_stats().step, stats_step);
         EXPECT_EQ(st.q(2), q2);
-        EXPECT_THROW(plan.next(), InvalidArgument) << "the plan is idle after a rejection";
+        EXPECT_FALSE(plan.next().has_value()) << "the step is over after a rejection";
+        EXPECT_TRUE(plan.skipped());
       }
       // The last element of a compressed tensor alone.
       {
@@ -735,6 +738,7 @@ TEST(PowerSGDPlan, NonFiniteRejectedInPlainSteps) {
   c.start_iter = 2;
   PowerSGDState st(c, shapes);
   PowerSGDPlan plan(st, 1);
+  plan.set_on_nonfinite(OnNonFinite::kRaise);
   Bucket b(shapes, 3);
   run_step(plan, b.views());
   const auto before = st.state_dict();
