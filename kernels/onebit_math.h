@@ -4,6 +4,16 @@
 // formulas. Every arithmetic step is a single IEEE round-to-nearest fp32 operation (the device
 // side spells it with __fadd_rn / __fmul_rn so that nvcc cannot contract it into an FMA), so the
 // CPU and the GPU produce the same bits from the same inputs.
+//
+// Range. Every finite input gives finite scales, states and decodes. The scale sums (|x| for L1,
+// x^2 for L2) run in fp32 as the fast path and are checked per slice (needs_wide_sum): a slice
+// whose fp32 total came out non-finite (a term or a partial sum overflowed) or, for x^2, tiny
+// (squares may have underflowed) is summed again in double from norm_term_wide, which holds the
+// square of every finite float (denormals included) without overflow or underflow. The scale is
+// rounded to fp32 once; an RMS or a mean absolute value of finite floats is at most their largest
+// magnitude, so it is finite. The two fp32 sums that can leave the range, the compensation g + e
+// and the decode, saturate to +-FLT_MAX when their operands are finite (see compensate and
+// decode_wide).
 #pragma once
 
 #include <cmath>
@@ -47,8 +57,38 @@ GC_HD float mul_rn(float a, float b) {
 #endif
 }
 
-/// The compensated value x = g + e (error feedback), or g when error feedback is off.
-GC_HD float compensate(float g, float e) { return add_rn(g, e); }
+GC_HD double add_rn_d(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+GC_HD double mul_rn_d(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+/// The largest finite fp32 value (FLT_MAX).
+constexpr float kMaxFinite = 3.40282346638528859811704183484516925e+38f;
+/// r clamped to [-FLT_MAX, FLT_MAX]; NaN stays NaN (the SSE twin: min(M, max(-M, r)), whose
+/// operand order also returns a NaN r).
+GC_HD float saturate(float r) {
+  return r > kMaxFinite ? kMaxFinite : (r < -kMaxFinite ? -kMaxFinite : r);
+}
+
+/// The compensated value x = g + e (error feedback), or g when error feedback is off. The sum of
+/// a finite g and a finite e that rounds past the fp32 range saturates to +-FLT_MAX, so a finite
+/// gradient never makes x, the scale or the state non-finite (the exact value is then lost, as
+/// by any rounding; the state's e stays finite by induction and load_state_dict checks it). A
+/// non-finite g passes through unchanged, so the finiteness check still sees it.
+GC_HD float compensate(float g, float e) {
+  const float r = add_rn(g, e);
+  return is_finite_bits(g) ? saturate(r) : r;
+}
 /// Reconstruction of one element from its bit: hi for a set bit, lo for a clear one.
 GC_HD float reconstruct(bool bit, float hi, float lo) { return bit ? hi : lo; }
 /// The new error-feedback memory: what the payload does not carry.
@@ -64,8 +104,23 @@ GC_HD float decode_store(float dense, float scale, float v, bool accumulate) {
   const float t = mul_rn(scale, v);
   return accumulate ? add_rn(dense, t) : t;
 }
+/// The decode's wide redo, used only where decode_store (with v, the fp32 sum of the decoded
+/// values) came out non-finite: sum = the same decoded values added in the same order in double
+/// (no overflow for finite values), then dense + scale * sum in double, rounded once to fp32 and
+/// saturated to +-FLT_MAX. An infinite or NaN operand still gives Inf / NaN. Finite decodes keep
+/// decode_store's bits; a finite payload and a finite dense never decode to Inf / NaN.
+GC_HD float decode_wide(float dense, float scale, double sum, bool accumulate) {
+  const double t = mul_rn_d(static_cast<double>(scale), sum);
+  const double r = accumulate ? add_rn_d(static_cast<double>(dense), t) : t;
+  if (!(r - r == 0.0)) return static_cast<float>(r);  // Inf or NaN: an operand was one
+  const double m = static_cast<double>(kMaxFinite);
+  return r > m ? kMaxFinite : (r < -m ? -kMaxFinite : static_cast<float>(r));
+}
 
-/// Scale of the sign modes from the chunk's sum (|x| for L1, x^2 for L2) over len elements.
+/// Scale of the sign modes from the chunk's sum (|x| for L1, x^2 for L2: fp32 slice sums, each
+/// slice redone in double where needs_wide_sum says so) over len elements, rounded once to fp32.
+/// The mean / RMS in double is within a few ulps of the exact value, which is at most max |x|, a
+/// float, so finite inputs give a finite scale, nonzero for a nonzero block.
 GC_HD float l1_scale(double sum_abs, int64_t len) {
   return len > 0 ? static_cast<float>(sum_abs / static_cast<double>(len)) : 0.0f;
 }
@@ -117,10 +172,32 @@ GC_HD void butterfly(float& a, float& b) {
 /// Norm selector of the scale pass.
 enum Norm : int { kColumnMeans = 0, kL1 = 1, kL2 = 2 };
 
-/// The per-element term of the sign modes' reduction (computed in fp32, summed in wider types).
+/// The per-element term of the sign modes' reduction, fp32 (the fast path): |x| (L1) or x^2 (L2),
+/// summed in fp32 over short runs, folded into double per slice.
 template <int N>
 GC_HD float norm_term(float x) {
   return N == kL1 ? fabsf(x) : mul_rn(x, x);
+}
+/// The same term formed in double (exact: a float's square has at most 48 significant bits and
+/// its exponent fits a double), summed in double: the redo of a slice that needs_wide_sum flags.
+template <int N>
+GC_HD double norm_term_wide(float x) {
+  const double d = static_cast<double>(x);
+  return N == kL1 ? fabs(d) : mul_rn_d(d, d);
+}
+/// Below this fp32 total of x^2 a slice may have lost squares to underflow (fp32 squares of
+/// |x| < 2^-63 are denormal or zero): 2^-100. A slice at or above it loses at most the underflow
+/// error of its terms, under 2^-149 each, which is below 2^-30 of its total for any slice size
+/// the backends use; |x| terms never underflow, so L1 has no such bound.
+constexpr double kTinySumSq = 7.8886090522101180541e-31;  // 2^-100
+/// True when a slice's fp32-summed total of norm_term<N> (folded into double) cannot be used as
+/// is and the slice must be summed again from norm_term_wide: the total is Inf or NaN (an fp32
+/// term or partial sum overflowed, or an input was non-finite; the redo then keeps a non-finite
+/// input's Inf / NaN), or, for L2, it is below kTinySumSq (squares may have underflowed; an
+/// all-zero slice is redone too and stays 0).
+template <int N>
+GC_HD bool needs_wide_sum(double total) {
+  return !(total - total == 0.0) || (N == kL2 && total < kTinySumSq);
 }
 
 }  // namespace gradcomp::kernels::onebit

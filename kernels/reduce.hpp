@@ -21,6 +21,10 @@ void reduce_blocks(const void* blocks, size_t nblocks, size_t count, size_t stri
 /// dst[i] = cast_dt(float(src[i]) / divisor) for fp32/fp16/bf16; src and dst may alias when the
 /// types have the same size.
 void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float divisor);
+/// dst[i] = cast_dt(saturate_for(src[i], dt)) from fp32 (see reduce_math.h): finite values
+/// beyond the destination's range become its largest finite value; Inf and NaN stay. src and dst
+/// may alias when the types have the same size.
+void convert_saturating(const float* src, void* dst, DType dt, int64_t n);
 }  // namespace cpu
 
 namespace cuda {
@@ -28,11 +32,12 @@ void reduce_blocks(const void* blocks, size_t nblocks, size_t count, size_t stri
                    void* dst, void* stream);
 void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float divisor,
              void* stream);
+void convert_saturating(const float* src, void* dst, DType dt, int64_t n, void* stream);
 }  // namespace cuda
 
 /// Backend by device.
-inline void reduce_blocks(Device d, const void* blocks, size_t nblocks, size_t count,
-                          size_t stride, ElemType t, void* dst, void* stream) {
+inline void reduce_blocks(Device d, const void* blocks, size_t nblocks, size_t count, size_t stride,
+                          ElemType t, void* dst, void* stream) {
   if (d == Device::kCUDA)
     cuda::reduce_blocks(blocks, nblocks, count, stride, t, dst, stream);
   else
@@ -44,6 +49,13 @@ inline void convert(Device d, const void* src, DType st, void* dst, DType dt, in
     cuda::convert(src, st, dst, dt, n, divisor, stream);
   else
     cpu::convert(src, st, dst, dt, n, divisor);
+}
+inline void convert_saturating(Device d, const float* src, void* dst, DType dt, int64_t n,
+                               void* stream) {
+  if (d == Device::kCUDA)
+    cuda::convert_saturating(src, dst, dt, n, stream);
+  else
+    cpu::convert_saturating(src, dst, dt, n);
 }
 
 }  // namespace gradcomp::kernels

@@ -7,6 +7,7 @@
 
 #include "gradcomp/macros.hpp"
 #include "gradcomp/numeric.hpp"
+#include "gradcomp/tensor.hpp"
 
 namespace gradcomp::kernels {
 
@@ -22,5 +23,19 @@ GC_HD uint16_t add_bf16(uint16_t a, uint16_t b) {
 
 /// The averaging cast: value / divisor computed in fp32, then rounded to the destination type.
 GC_HD float scaled(float x, float divisor) { return divisor == 1.0f ? x : x / divisor; }
+
+/// The saturating narrowing of fp32 to fp16 / bf16 (the 1-bit plan's output): a finite x beyond
+/// the type's largest finite value (fp16 65504, bf16 0x7f7f = 3.3895314e38) becomes that value
+/// with x's sign, then rounds to nearest even as the plain cast; +-Inf and NaN go through the
+/// plain cast unchanged (a NaN output signals a skipped step). fp32 destinations: x itself.
+GC_HD float saturate_for(float x, DType dt) {
+  constexpr float kFltMax = 0x1.fffffep127f;
+  const float m = dt == DType::kFloat16    ? 0x1.ffcp15f
+                  : dt == DType::kBFloat16 ? 0x1.fep127f
+                                           : kFltMax;
+  const float a = x < 0.0f ? -x : x;
+  if (!(a > m) || a > kFltMax) return x;  // in range, NaN, or +-Inf
+  return x < 0.0f ? -m : m;
+}
 
 }  // namespace gradcomp::kernels

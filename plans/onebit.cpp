@@ -348,7 +348,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
           k::dispatch::hadamard_rotate(s.ex, f, L / S, S, static_cast<int64_t>(q) * CE / S, true);
         if (ot != DType::kFloat32)
-          k::convert(device_, f, DType::kFloat32, dst, ot, L, 1.0f, s.stream);
+          k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
       }
       phase_ = 0;
       if (s.staged) s.cur = 1 - s.cur;  // the step's worker error and momentum become the state

@@ -26,6 +26,9 @@
 #include <emmintrin.h>
 #define GC_ONEBIT_SSE 1
 #endif
+#if defined(__SSE4_1__)
+#include <smmintrin.h>
+#endif
 
 namespace gradcomp::kernels {
 
@@ -66,11 +69,45 @@ int64_t first_nonfinite(const void* g, int64_t n) {
   return -1;
 }
 
+#if GC_ONEBIT_SSE
+/// m ? a : b per lane (m all-ones or all-zeros lanes).
+inline __m128 select_ps(__m128 m, __m128 a, __m128 b) {
+#if defined(__SSE4_1__)
+  return _mm_blendv_ps(b, a, m);
+#else
+  return _mm_or_ps(_mm_and_ps(m, a), _mm_andnot_ps(m, b));
+#endif
+}
+/// onebit::compensate on 4 lanes: g + e, saturated to +-FLT_MAX where g is finite (min / max in
+/// this operand order return a NaN sum unchanged, as saturate does).
+inline __m128 compensate_ps(__m128 g, __m128 e) {
+  const __m128 big = _mm_set1_ps(kMaxFinite), nbig = _mm_set1_ps(-kMaxFinite);
+  const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  const __m128 r = _mm_add_ps(g, e);
+  const __m128 sat = _mm_min_ps(big, _mm_max_ps(nbig, r));
+  return select_ps(_mm_cmple_ps(_mm_and_ps(g, absmask), big), sat, r);
+}
+#endif
+
+/// Sum over [b, end) of onebit::norm_term_wide(x(i)) in double (4 lanes, i - b mod 4, added in
+/// order): the redo of a slice whose fp32 sum needs_wide_sum flags. Rare: scalar.
+template <int N, class X>
+double wide_sum(int64_t b, int64_t end, X x) {
+  double lane[4] = {0, 0, 0, 0};
+  int64_t j = b;
+  for (; j + 4 <= end; j += 4)
+    for (int l = 0; l < 4; ++l) lane[l] = add_rn_d(lane[l], norm_term_wide<N>(x(j + l)));
+  for (; j < end; ++j) lane[0] = add_rn_d(lane[0], norm_term_wide<N>(x(j)));
+  return (lane[0] + lane[1]) + (lane[2] + lane[3]);
+}
+
 // ---- pass 1 -----------------------------------------------------------------------------------
 
-/// Sum over [b, end) of norm_term(x): fp32 lanes over blocks of kLaneBlock, folded into double.
+/// Sum over [b, end) of norm_term(x): fp32 lanes over blocks of kLaneBlock, folded into double;
+/// a block whose total needs_wide_sum is summed again in double (wide_sum).
 template <class Load, int N, bool HasE>
 double flat_sum(const void* g, const float* e, int64_t b, int64_t end) {
+  const auto x = [g, e](int64_t i) { return xval<Load>(g, HasE ? e : nullptr, i); };
   double total = 0.0;
 #if GC_ONEBIT_SSE
   if constexpr (std::is_same_v<Load, F32Load>) {  // same lanes as below, explicit SSE
@@ -82,7 +119,7 @@ double flat_sum(const void* g, const float* e, int64_t b, int64_t end) {
       int64_t j = i;
       for (; j + 8 <= stop; j += 8) {
         __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
-        if (HasE) {
+        if (HasE) {  // plain g + e: an overflow makes the block's sum Inf, redone saturated
           x0 = _mm_add_ps(x0, _mm_loadu_ps(e + j));
           x1 = _mm_add_ps(x1, _mm_loadu_ps(e + j + 4));
         }
@@ -99,10 +136,10 @@ double flat_sum(const void* g, const float* e, int64_t b, int64_t end) {
       float lane[8];
       _mm_storeu_ps(lane, a0);
       _mm_storeu_ps(lane + 4, a1);
-      for (; j < stop; ++j) lane[0] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j));
+      for (; j < stop; ++j) lane[0] += norm_term<N>(x(j));
       double s = 0.0;
       for (int l = 0; l < 8; ++l) s += lane[l];
-      total += s;
+      total += needs_wide_sum<N>(s) ? wide_sum<N>(i, stop, x) : s;
     }
     return total;
   }
@@ -112,11 +149,11 @@ double flat_sum(const void* g, const float* e, int64_t b, int64_t end) {
     float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t j = i;
     for (; j + 8 <= stop; j += 8)
-      for (int l = 0; l < 8; ++l) lane[l] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j + l));
-    for (; j < stop; ++j) lane[0] += norm_term<N>(xval<Load>(g, HasE ? e : nullptr, j));
+      for (int l = 0; l < 8; ++l) lane[l] += norm_term<N>(x(j + l));
+    for (; j < stop; ++j) lane[0] += norm_term<N>(x(j));
     double s = 0.0;
     for (int l = 0; l < 8; ++l) s += lane[l];
-    total += s;
+    total += needs_wide_sum<N>(s) ? wide_sum<N>(i, stop, x) : s;
   }
   return total;
 }
@@ -138,8 +175,8 @@ void flat_split_sum(const void* g, const float* e, int64_t b, int64_t end, doubl
       for (; j + 8 <= stop; j += 8) {
         __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
         if (HasE) {
-          x0 = _mm_add_ps(x0, _mm_loadu_ps(e + j));
-          x1 = _mm_add_ps(x1, _mm_loadu_ps(e + j + 4));
+          x0 = compensate_ps(x0, _mm_loadu_ps(e + j));
+          x1 = compensate_ps(x1, _mm_loadu_ps(e + j + 4));
         }
         const __m128 m0 = _mm_cmpge_ps(x0, zero), m1 = _mm_cmpge_ps(x1, zero);
         p0 = _mm_add_ps(p0, _mm_and_ps(m0, x0));
@@ -283,7 +320,7 @@ void column_scales(const void* g, const float* e, const OneBitGeom& geo, float* 
           const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
           for (; c + 4 <= w; c += 4) {
             __m128 x = _mm_loadu_ps(gf + c);
-            if (HasE) x = _mm_add_ps(x, _mm_loadu_ps(ef + c));
+            if (HasE) x = compensate_ps(x, _mm_loadu_ps(ef + c));
             const __m128 m = _mm_cmpge_ps(x, zero);
             _mm_storeu_ps(fp + c, _mm_add_ps(_mm_loadu_ps(fp + c), _mm_and_ps(m, x)));
             _mm_storeu_ps(fn + c, _mm_add_ps(_mm_loadu_ps(fn + c), _mm_andnot_ps(m, x)));
@@ -396,11 +433,14 @@ inline uint32_t quantize_word_sse(const float* g, const float* e_in, float* e_ou
                                   float lo, const float* hiA, const float* loA) {
   const __m128 zero = _mm_setzero_ps();
   const __m128 H = _mm_set1_ps(hi), L = _mm_set1_ps(lo);
+  const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  __m128 top = zero;  // max |x| of the word (NaN when some x is NaN)
   uint32_t word = 0;
   for (int j = 0; j < 32; j += 4) {
     __m128 x = _mm_loadu_ps(g + j);
-    if (e_in) x = _mm_add_ps(x, _mm_loadu_ps(e_in + j));
-    const __m128 m = _mm_cmpge_ps(x, zero);  // x >= 0: false for NaN, true for -0
+    if (e_in) x = _mm_add_ps(x, _mm_loadu_ps(e_in + j));  // saturated below where it overflowed
+    top = _mm_max_ps(top, _mm_and_ps(x, absmask));        // maxps returns its NaN second operand
+    const __m128 m = _mm_cmpge_ps(x, zero);               // x >= 0: false for NaN, true for -0
     word |= static_cast<uint32_t>(_mm_movemask_ps(m)) << j;
     if (e_out) {
       const __m128 h = hiA ? _mm_loadu_ps(hiA + j) : H;
@@ -408,6 +448,17 @@ inline uint32_t quantize_word_sse(const float* g, const float* e_in, float* e_ou
       const __m128 d = _mm_or_ps(_mm_and_ps(m, h), _mm_andnot_ps(m, l));
       _mm_storeu_ps(e_out + j, _mm_sub_ps(x, d));
     }
+  }
+  if (e_in && e_out && _mm_movemask_ps(_mm_cmpnle_ps(top, _mm_set1_ps(kMaxFinite))) != 0) {
+    // rare: some x is +-Inf or NaN. Where g is finite (e is), x = g + e overflowed: compensate
+    // gives +-FLT_MAX (same sign, same bit), and x - d was +-Inf, so the stored value's sign is
+    // x's sign (e_out may be e_in, whose old value is gone).
+    for (int j = 0; j < 32; ++j)
+      if (is_finite_bits(g[j]) && !is_finite_bits(e_out[j])) {
+        const bool b = get_bit(word, static_cast<uint32_t>(j));
+        const float hj = hiA ? hiA[j] : hi, lj = loA ? loA[j] : lo;
+        e_out[j] = error_update(saturate(e_out[j]), reconstruct(b, hj, lj));
+      }
   }
   return word;
 }
@@ -504,7 +555,9 @@ inline void lane_add(float* a, float* an, float* ac, int l, float x, bool p) {
 }
 
 #if GC_ONEBIT_SSE
-template <bool HasE, bool Lazy>
+/// x of 4 elements. Sat: onebit::compensate (saturating); else the plain fp32 g + e of the sign
+/// modes, whose overflow shows as an Inf block sum and is fixed up there (fix_block).
+template <bool HasE, bool Lazy, bool Sat = true>
 inline __m128 x_vec(const float* g, const float* in, __m128 ph, __m128 pl) {
   __m128 x = _mm_loadu_ps(g);
   if constexpr (HasE) {
@@ -513,7 +566,7 @@ inline __m128 x_vec(const float* g, const float* in, __m128 ph, __m128 pl) {
       const __m128 m = _mm_cmpge_ps(e, _mm_setzero_ps());
       e = _mm_sub_ps(e, _mm_or_ps(_mm_and_ps(m, ph), _mm_andnot_ps(m, pl)));
     }
-    x = _mm_add_ps(x, e);
+    x = Sat ? compensate_ps(x, e) : _mm_add_ps(x, e);
   }
   return x;
 }
@@ -570,8 +623,9 @@ inline uint32_t flat_word_sse(const float* gx, const float* in, float* out, __m1
   const __m128 zero = _mm_setzero_ps();
   uint32_t word = 0;
   for (int j = 0; j < 32; j += 8) {
-    const __m128 x0 = x_vec<HasE, Lazy>(gx + j, HasE ? in + j : nullptr, ph, pl);
-    const __m128 x1 = x_vec<HasE, Lazy>(gx + j + 4, HasE ? in + j + 4 : nullptr, ph, pl);
+    constexpr bool kSat = M == kColumnMeans;
+    const __m128 x0 = x_vec<HasE, Lazy, kSat>(gx + j, HasE ? in + j : nullptr, ph, pl);
+    const __m128 x1 = x_vec<HasE, Lazy, kSat>(gx + j + 4, HasE ? in + j + 4 : nullptr, ph, pl);
     const __m128 m0 = _mm_cmpge_ps(x0, zero), m1 = _mm_cmpge_ps(x1, zero);
     word |= static_cast<uint32_t>(_mm_movemask_ps(m0) | (_mm_movemask_ps(m1) << 4)) << j;
     lanes.add(x0, x1, m0, m1);
@@ -654,6 +708,18 @@ void flat_item(const void* g, const float* in, float* out, int64_t b, int64_t en
     } else {
       double s = 0.0;
       for (int l = 0; l < 8; ++l) s += a[l];
+      if (needs_wide_sum<M>(s)) {  // rare: the block again in double, x as written to the state
+        if constexpr (HasE) {
+          // the SSE words' x = g + e was not saturated: an overflow to +-Inf (finite g and e)
+          // becomes compensate's +-FLT_MAX; a non-finite g keeps its Inf / NaN
+          for (int64_t k = i; k < stop; ++k)
+            if (!is_finite_bits(out[k]) && is_finite_bits(Load::load(g, k)))
+              out[k] = saturate(out[k]);
+          s = wide_sum<M>(i, stop, [out](int64_t k) { return out[k]; });
+        } else {
+          s = wide_sum<M>(i, stop, [g](int64_t k) { return Load::load(g, k); });
+        }
+      }
       t0 += s;
     }
   }
@@ -927,6 +993,22 @@ void onebit_decode(const uint32_t* bits, const float* scales, const OneBitGeom& 
   onebit_decode_average(&bits, &s, 1, geo, scale, accumulate, dense);
 }
 
+namespace {
+/// Element j of word w through onebit::decode_wide: the decoded values of the count payloads
+/// added in order in double (the redo of a decode whose fp32 form came out non-finite).
+float decode_wide_at(const uint32_t* const* bits, const float* const* scales, int count,
+                     const ScaleCursor& cur, int64_t w, int j, float dense, float scale,
+                     bool accumulate) {
+  double sum = 0.0;
+  for (int p = 0; p < count; ++p) {
+    ScaleCursor cp = cur;
+    cp.scales = scales[p];
+    sum = add_rn_d(sum, static_cast<double>(decoded(bits[p][w], j, cp)));
+  }
+  return decode_wide(dense, scale, sum, accumulate);
+}
+}  // namespace
+
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense) {
   const int64_t n = geo.n, W = geo.num_words();
@@ -964,10 +1046,24 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
           }
         }
         const __m128 sc = _mm_set1_ps(scale);
+        const __m128 big = _mm_set1_ps(kMaxFinite);
+        const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+        __m128 res[8], bad = _mm_setzero_ps();
         for (int q = 0; q < 8; ++q) {
           const __m128 v = _mm_mul_ps(sc, acc[q]);
-          _mm_storeu_ps(out + 4 * q, accumulate ? _mm_add_ps(_mm_loadu_ps(out + 4 * q), v) : v);
+          res[q] = accumulate ? _mm_add_ps(_mm_loadu_ps(out + 4 * q), v) : v;
+          bad = _mm_or_ps(bad, _mm_cmpnle_ps(_mm_and_ps(res[q], absmask), big));  // Inf, NaN
         }
+        if (_mm_movemask_ps(bad) != 0) {  // rare: the word's non-finite lanes, redone wide
+          float tmp[32];
+          for (int q = 0; q < 8; ++q) _mm_storeu_ps(tmp + 4 * q, res[q]);
+          for (int j = 0; j < 32; ++j)
+            if (!is_finite_bits(tmp[j]))
+              tmp[j] = decode_wide_at(bits, scales, count, cur, w, j, out[j], scale, accumulate);
+          std::memcpy(out, tmp, sizeof(tmp));
+          continue;
+        }
+        for (int q = 0; q < 8; ++q) _mm_storeu_ps(out + 4 * q, res[q]);
         continue;
       }
 #endif
@@ -979,7 +1075,12 @@ void onebit_decode_average(const uint32_t* const* bits, const float* const* scal
         const uint32_t word = bits[p][w];
         for (int j = 0; j < len; ++j) acc[j] = add_rn(acc[j], decoded(word, j, cp));
       }
-      for (int j = 0; j < len; ++j) out[j] = decode_store(out[j], scale, acc[j], accumulate);
+      for (int j = 0; j < len; ++j) {
+        const float r = decode_store(out[j], scale, acc[j], accumulate);
+        out[j] = is_finite_bits(r)
+                     ? r
+                     : decode_wide_at(bits, scales, count, cur, w, j, out[j], scale, accumulate);
+      }
     }
   }
 }

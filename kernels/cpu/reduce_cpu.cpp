@@ -220,4 +220,20 @@ void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float di
   }
 }
 
+void convert_saturating(const float* src, void* dst, DType dt, int64_t n) {
+  if (n <= 0) return;
+  if (dt == DType::kFloat32) {
+    if (static_cast<const void*>(src) != dst)
+      std::memmove(dst, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  auto* d = static_cast<uint16_t*>(dst);
+  const bool half = dt == DType::kFloat16;
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = saturate_for(src[i], dt);
+    d[i] = half ? float_to_half(v) : float_to_bf16(v);
+  }
+}
+
 }  // namespace gradcomp::kernels::cpu

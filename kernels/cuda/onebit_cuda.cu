@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // CUDA backend of the 1-bit family; the CPU twin is kernels/cpu/onebit_cpu.cpp and both call the
 // math of kernels/onebit_math.h.
-//  - scales: per-block partial sums (cub::BlockReduce / cub::WarpReduce, in double), combined in
+//  - scales: per-block partial sums (sign modes: fp32 per thread, a group whose total
+//    needs_wide_sum summed again in double from norm_term_wide, as the CPU's slices;
+//    cub::BlockReduce / cub::WarpReduce, in double), combined in
 //    a fixed order by a finalize kernel, so results are deterministic run to run. The first
 //    non-finite gradient index is found in the same pass (atomicMin) when asked.
 //  - quantize: one pass; fp32 16-byte aligned data goes through float4 loads, one warp per 128
@@ -87,10 +89,19 @@ __global__ void sign_partial_kernel(const void* g, const float* e, const float* 
   const int64_t k = it / spc, s = it % spc;
   const int64_t ce = min(n, (k + 1) * chunk);
   const int64_t b = k * chunk + s * kGroupCuda, end = min(ce, b + kGroupCuda);
+  __shared__ bool wide;
   float acc = 0.0f;
   for (int64_t i = b + threadIdx.x; i < end; i += kThreads)
-    acc += norm_term<N>(load_x<Load, HasE>(g, e, prev, geo, i, check, bad));
-  const double total = BR(tmp).Sum(static_cast<double>(acc));
+    acc = add_rn(acc, norm_term<N>(load_x<Load, HasE>(g, e, prev, geo, i, check, bad)));
+  double total = BR(tmp).Sum(static_cast<double>(acc));
+  if (threadIdx.x == 0) wide = needs_wide_sum<N>(total);
+  __syncthreads();  // wide is read by every thread; tmp is reused below
+  if (wide) {       // rare (block-uniform): the group again in double, as the CPU twin's slices
+    double dacc = 0.0;
+    for (int64_t i = b + threadIdx.x; i < end; i += kThreads)
+      dacc = add_rn_d(dacc, norm_term_wide<N>(load_x<Load, HasE>(g, e, prev, geo, i, false, bad)));
+    total = BR(tmp).Sum(dacc);
+  }
   if (threadIdx.x == 0) part[it] = total;
 }
 
@@ -343,7 +354,20 @@ __global__ void decode_kernel(const uint32_t* const* bits_arr, const float* cons
       hilo(geo, sc, i, hi, lo);
       acc = add_rn(acc, reconstruct(get_bit(bits[w], pos), hi, lo));
     }
-    dense[i] = decode_store(accumulate ? dense[i] : 0.0f, scale, acc, accumulate);
+    const float d0 = accumulate ? dense[i] : 0.0f;
+    float r = decode_store(d0, scale, acc, accumulate);
+    if (!is_finite_bits(r)) {  // rare: redone wide (decode_wide), as the CPU twin does
+      double sum = 0.0;
+      for (int p = 0; p < count; ++p) {
+        const uint32_t* bits = bits_arr ? bits_arr[p] : bits0;
+        const float* sc = scales_arr ? scales_arr[p] : scales0;
+        float hi, lo;
+        hilo(geo, sc, i, hi, lo);
+        sum = add_rn_d(sum, static_cast<double>(reconstruct(get_bit(bits[w], pos), hi, lo)));
+      }
+      r = decode_wide(d0, scale, sum, accumulate);
+    }
+    dense[i] = r;
   }
 }
 

@@ -52,6 +52,15 @@ __global__ void convert_kernel(const void* src, void* dst, DType dt, int64_t n, 
   }
 }
 
+/// fp32 -> fp16 / bf16 through saturate_for (the twin of cpu::convert_saturating).
+__global__ void convert_saturating_kernel(const float* src, uint16_t* dst, DType dt, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = saturate_for(src[i], dt);
+    dst[i] = dt == DType::kFloat16 ? float_to_half(v) : float_to_bf16(v);
+  }
+}
+
 }  // namespace
 
 void reduce_blocks(const void* blocks, size_t nb, size_t count, size_t stride, ElemType t,
@@ -85,6 +94,19 @@ void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float di
     case DType::kFloat16: convert_kernel<F16Load><<<blocks_for(n), kThreads, 0, s>>>(src, dst, dt, n, divisor); break;
     case DType::kBFloat16: convert_kernel<BF16Load><<<blocks_for(n), kThreads, 0, s>>>(src, dst, dt, n, divisor); break;
   }
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void convert_saturating(const float* src, void* dst, DType dt, int64_t n, void* stream) {
+  if (n <= 0) return;
+  auto s = cuda_detail::as_stream(stream);
+  if (dt == DType::kFloat32) {
+    if (static_cast<const void*>(src) != dst)
+      GC_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(n) * sizeof(float), cudaMemcpyDefault, s));
+    return;
+  }
+  convert_saturating_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, static_cast<uint16_t*>(dst),
+                                                               dt, n);
   GC_CUDA_CHECK_LAUNCH();
 }
 

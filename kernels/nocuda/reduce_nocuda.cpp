@@ -11,5 +11,8 @@ void reduce_blocks(const void*, size_t, size_t, size_t, ElemType, void*, void*) 
 void convert(const void*, DType, void*, DType, int64_t, float, void*) {
   throw_not_built_with_cuda("cast of a CUDA tensor");
 }
+void convert_saturating(const float*, void*, DType, int64_t, void*) {
+  throw_not_built_with_cuda("cast of a CUDA tensor");
+}
 
 }  // namespace gradcomp::kernels::cuda
