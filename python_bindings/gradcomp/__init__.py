@@ -16,6 +16,7 @@ from gradcomp._C import (  # noqa: F401
     OneBitAllreducePlan,
     OneBitCompressor,
     OneBitScaling,
+    OnNonFinite,
     Orthogonalization,
     Payload,
     Plan,
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BucketPlan", "CastAllreducePlan", "CastRoute", "Collective", "DType", "OneBitScaling",
-    "Orthogonalization", "SelectMethod", "TopKExchange", "TopKRoute", "DenseAllreducePlan", "OneBitAllreducePlan",
+    "OnNonFinite", "Orthogonalization", "SelectMethod", "TopKExchange", "TopKRoute", "DenseAllreducePlan", "OneBitAllreducePlan",
     "OneBitCompressor", "Payload", "Plan", "PowerSGDPlan", "PowerSGDState", "RandomKAllreducePlan",
     "RandomKCompressor", "TopKAllreducePlan", "TopKCompressor", "built_with_cuda", "cpu_threads",
     "cuda_device_count", "make_plan", "plan_defaults", "plan_is_stateful", "plan_names",

@@ -33,6 +33,9 @@ void bind_plans(nb::module_& m) {
   option_enum<OneBitScaling>(m, "OneBitScaling", "1-bit scales (option: scaling).");
   option_enum<Orthogonalization>(m, "Orthogonalization",
                                  "PowerSGD orthogonalization (option: orthogonalization).");
+  option_enum<OnNonFinite>(m, "OnNonFinite",
+                           "What a stateful plan does when some rank's gradient holds NaN/Inf "
+                           "(option: on_nonfinite).");
   nb::class_<BucketPlan, Plan> bucket(
       m, "BucketPlan",
       "A plan over one gradient bucket (every family; built by make_plan). Every step: "
@@ -51,6 +54,21 @@ void bind_plans(nb::module_& m) {
           "Binds this step's gradient bucket (flat, numel elements); the average is written back "
           "into it when next() returns None. The plan holds grad until then." GC_ARRAY_RULE)
       .def_prop_ro("numel", &BucketPlan::numel)
+      .def_prop_rw(
+          "on_nonfinite",
+          [](const BucketPlan& p) { return std::string(enum_name(p.on_nonfinite())); },
+          [](BucketPlan& p, nb::handle v) {
+            p.set_on_nonfinite(nb::isinstance<nb::str>(v)
+                                   ? parse_enum<OnNonFinite>(nb::cast<std::string>(v))
+                                   : nb::cast<OnNonFinite>(v));
+          },
+          "'skip' (default) or 'raise' (an OnNonFinite member or its name): what a stateful "
+          "plan does when some rank's gradient holds NaN or Inf; every rank must use the same.")
+      .def_prop_ro("skipped", &BucketPlan::skipped,
+                   "Whether the last finished step was skipped because some rank's bucket held "
+                   "NaN or Inf (the average is then NaN on every rank and no state changed).")
+      .def_prop_ro("skipped_steps", &BucketPlan::skipped_steps,
+                   "Steps this plan skipped so far (NaN/Inf on some rank).")
       .def_prop_ro("stateful", &BucketPlan::stateful,
                    "Whether state_dict() carries state between steps (checkpoint it).")
       .def("state_dict", [](const BucketPlan& p) { return to_bytes(p.state_dict()); })

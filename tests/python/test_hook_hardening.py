@@ -117,7 +117,8 @@ def _nan_step(rank, world):
     for name, opts in (("topk", dict(ratio=0.1)), ("powersgd", dict(rank=2))):
         torch.manual_seed(0)
         model = DDP(Net())
-        state, hook = gt.hook(name, start_iter=0, **opts)
+        # on_nonfinite="raise" (the default skips the step; test_nonfinite_ddp.py)
+        state, hook = gt.hook(name, start_iter=0, on_nonfinite="raise", **opts)
         model.register_comm_hook(state, hook)
         x, y = data[0]
         bad = x.clone()

@@ -341,12 +341,23 @@ def test_plan_refuses_bad_gradient_and_keeps_state(name, case):
     before = state_dict() if state_dict else None
     g = BAD_PLAN_GRADS[case]()
     vals = _unchanged(g) if case not in ("none", "string") else None
+    nonfinite = case.startswith(("nan", "inf", "-inf", "torch-nan"))
+    if nonfinite:
+        # the default skips the step (no error, the average NaN, the state as it was); with
+        # on_nonfinite="raise" the step raises (on every rank), state as it was
+        assert plan.on_nonfinite == "skip"
+        begin(g)
+        run_local(plan)
+        assert plan.skipped and np.isnan(np.asarray(g, dtype=np.float64)).all()
+        assert state_dict() == before
+        plan.on_nonfinite = getattr(_C.OnNonFinite, "raise")  # (a keyword: no attribute syntax)
+        g = BAD_PLAN_GRADS[case]()
     with pytest.raises(ERRORS):
         begin(g)
         run_local(plan)  # some plans find a NaN in their first local phase
     if state_dict:
         assert state_dict() == before
-    if vals is not None:
+    if vals is not None and not nonfinite:  # (a non-finite step's average is NaN)
         assert _same_values(g, vals), "a refused gradient was written"
     # the plan is still usable
     g = good_grad(4)

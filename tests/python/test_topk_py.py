@@ -57,7 +57,8 @@ def test_torch_dtypes_zero_copy():
         assert torch.equal(out[nz], g.float()[nz])
 
 
-PLAN_ONLY = ("route", "exchange", "latency_s", "bandwidth_Bps", "clip_scaling", "dense_below")
+PLAN_ONLY = ("route", "exchange", "latency_s", "bandwidth_Bps", "clip_scaling", "dense_below",
+             "on_nonfinite")
 
 
 @pytest.mark.parametrize("name,cls", [("topk", "TopKCompressor"), ("randomk", "RandomKCompressor")])

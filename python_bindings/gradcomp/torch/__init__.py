@@ -84,7 +84,8 @@ class GradcompState:
         if self.start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         self.log_every = int(log_every)
-        self.iter = 0
+        self.iter = 0  # steps applied (a step skipped on every bucket does not count)
+        self._calls = 0  # steps the hook saw, skipped ones included: the index of history
         self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
         # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
         self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
@@ -135,8 +136,14 @@ class GradcompState:
         return self.stats.iteration(it)
 
     def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
-                last: bool) -> None:
-        self.stats.record(it, bucket_index, dense, stats, last, self.log_every)
+                last: bool, skipped: bool = False) -> None:
+        self.stats.record(it, bucket_index, dense, stats, last, self.log_every, skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps in which some bucket was skipped because a rank's gradient held NaN or Inf
+        (each such bucket came out NaN on every rank, its compression state unchanged)."""
+        return self.stats.skipped_steps
 
     # -- buckets and checkpoints (gradcomp/torch/_buckets.py) -----------------------------------
     @property
@@ -182,35 +189,80 @@ class GradcompState:
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
+def _sparse_error(bucket) -> Optional[ValueError]:
+    """The error for a bucket holding a sparse gradient (``nn.Embedding(sparse=True)``): the
+    plans compress flat dense buckets, and a sparse gradient has no such buffer."""
+    buf = bucket.buffer()
+    if buf.layout == torch.strided and not any(
+            g is not None and g.layout != torch.strided for g in bucket.gradients()):
+        return None
+    return ValueError(
+        "gradcomp hooks compress dense gradients, but this DDP bucket holds a sparse gradient "
+        "(e.g. nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); build those modules "
+        "with sparse=False (their gradient is then dense and compressed like the others), or "
+        "train them outside this DDP model")
+
+
 def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     idx = bucket.index()
     last = bucket.is_last()
     it = state.iter
+    call = state._calls  # the history entry (iterations and skipped attempts alike)
     dense = buf.numel() * buf.element_size()
-    state._iteration(it)
+    state._iteration(call)
+    if last:
+        state._calls += 1
+        state.iter += 1  # (taken back by done() if every bucket of the step was skipped)
 
     begin_s = [0.0, 0.0]
 
     def done(stats: PlanStats):
         stats.local_seconds += begin_s[1] - begin_s[0]  # begin() (e.g. PowerSGD's finite check)
         stats.events.insert(0, ("begin", begin_s[0], begin_s[1]))  # is local work
-        state._record(it, idx, dense, stats, last)
+        settle(stats)
         if on_done is not None:
             on_done(idx, it, stats)
 
-    if it < state.start_iter:
-        fam = COMPRESSORS["allreduce"]
-        view, permuted = bucket, False
-        plan = fam.make({}, bucket, state.world, idx, state.process_group)
-    else:
-        fam = COMPRESSORS[state.compressor]
-        view, b, permuted = state._resolve(bucket)
-        plan = b.plan
-        b.steps += 1
-    begin_s[0] = time.perf_counter()
-    fam.begin(plan, view)
-    begin_s[1] = time.perf_counter()
+    def failed(_error):  # on_nonfinite="raise" ends a skipped step with an error: count it too
+        settle(PlanStats())
+
+    def settle(stats: PlanStats):
+        skipped = bool(getattr(plan, "skipped", False))
+        state._record(call, idx, dense, stats, last, skipped)
+        if last and state.stats.all_skipped(call):
+            # no bucket of this step was applied anywhere (a non-finite gradient on some rank):
+            # the compressors did not advance, nor does the hook's iteration count
+            state.iter -= 1
+
+    try:
+        err = _sparse_error(bucket)
+        if err is not None:
+            raise err
+        if it < state.start_iter:
+            fam = COMPRESSORS["allreduce"]
+            view, permuted = bucket, False
+            plan = fam.make({}, bucket, state.world, idx, state.process_group)
+        else:
+            fam = COMPRESSORS[state.compressor]
+            view, b, permuted = state._resolve(bucket)
+            plan = b.plan
+            b.steps += 1
+        begin_s[0] = time.perf_counter()
+        fam.begin(plan, view)
+        begin_s[1] = time.perf_counter()
+    except Exception as e:
+        # Raised here, inside DDP's backward, the error would stop DDP mid-step and leave the
+        # model unusable ("unmarked_param_indices ... INTERNAL ASSERT"): the bucket keeps its own
+        # gradient and loss.backward() raises the error once DDP has finished the step (see
+        # "Errors" in _driver). Outside a backward pass it is raised at once.
+        after = AfterBackward.arm(buf)
+        if after is None:
+            raise
+        after.error = e
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
 
     def result():  # the plan averaged view in place
         if permuted:
@@ -219,10 +271,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
 
     worker = state._worker or state._make_worker()
     # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
-    fut = worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf))
-    if last:
-        state.iter += 1
-    return fut
+    return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed)
 
 
 def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,

@@ -298,7 +298,7 @@ def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
     if name is None:  # chosen; a bucket the trial did not see runs the most faithful candidate
         name = state.choices.get(idx, state.candidates[0])
     sub = state.subs[name]
-    sub.iter = it  # statistics of every candidate are filed under the same iteration
+    sub.iter = sub._calls = it  # statistics of every candidate are filed under one iteration
     if state._worker is None:
         state._make_worker()
     if name == "allreduce":

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import queue
 import weakref
 import threading
@@ -42,6 +43,8 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("gradcomp")
 
 _TORCH_TYPES = {
     "float32": None,
@@ -317,10 +320,12 @@ class Worker:
     def submit(self, plan, result: Callable[[], torch.Tensor],
                done: Optional[Callable[[PlanStats], None]] = None,
                device: Optional[torch.device] = None,
-               after_backward: Optional[AfterBackward] = None) -> torch.futures.Future:
-        """Queues a begun plan; the future's value is ``result()`` once the plan finished. An
-        error completes the future with the exception, or, with `after_backward`, with
-        ``after_backward.value`` and the error stored there."""
+               after_backward: Optional[AfterBackward] = None,
+               failed: Optional[Callable[[BaseException], None]] = None) -> torch.futures.Future:
+        """Queues a begun plan; the future's value is ``result()`` once the plan finished (after
+        ``done(stats)``). An error calls ``failed(error)`` and completes the future with the
+        exception, or, with `after_backward`, with ``after_backward.value`` and the error stored
+        there."""
         stream = None
         if threading.current_thread() is threading.main_thread():
             self.num_threads = torch.get_num_threads()  # the user may have changed it
@@ -329,7 +334,7 @@ class Worker:
             stream = torch.cuda.current_stream(device)
         else:
             fut = torch.futures.Future()
-        self._q.put((plan, result, done, fut, stream, after_backward, time.perf_counter()))
+        self._q.put((plan, result, done, fut, stream, after_backward, time.perf_counter(), failed))
         return fut
 
     def _loop(self):
@@ -341,8 +346,8 @@ class Worker:
                 job = self._q.get()
             if job is None or job is _CLOSE:
                 return
-            plan, result, done, fut, stream, after, submitted = job[:7]
-            pre = job[7] if len(job) > 7 else None
+            plan, result, done, fut, stream, after, submitted, failed = job[:8]
+            pre = job[8] if len(job) > 8 else None
             try:
                 if threads != self.num_threads:
                     threads = self.num_threads
@@ -356,6 +361,11 @@ class Worker:
             except BaseException as e:  # handed to whoever waits on the future, type intact
                 if not isinstance(e, Exception):  # a Future carries Exceptions only
                     e = RuntimeError(f"gradcomp worker interrupted: {e!r}")
+                if failed is not None:
+                    try:
+                        failed(e)
+                    except Exception:  # bookkeeping must not hide the error itself
+                        log.exception("gradcomp: error while recording a failed bucket")
                 if after is not None:
                     after.error = e
                     fut.set_result(after.value)
@@ -363,6 +373,7 @@ class Worker:
                     fut.set_exception(e)
             # drop the references now: an idle thread must not keep the last plan alive
             job = plan = result = done = fut = stream = value = after = submitted = pre = None
+            failed = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Finishes the queued plans and stops the thread."""

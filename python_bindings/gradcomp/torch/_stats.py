@@ -17,6 +17,7 @@ class HookStats:
         # per plan run: when queued and started, and each local phase and collective with its
         # start and end
         self.runs: "collections.deque" = collections.deque(maxlen=max_runs)
+        self.skipped_steps = 0  # steps with a bucket skipped (NaN/Inf on some rank)
 
     def iteration(self, it: int) -> Dict[str, Any]:
         """The statistics of iteration `it` (collectives complete asynchronously, so a bucket's
@@ -24,11 +25,16 @@ class HookStats:
         while len(self.history) <= it:
             self.history.append({"iter": len(self.history), "dense_bytes": 0, "bytes_sent": 0,
                                  "wire_bytes": 0, "local_seconds": 0.0, "comm_seconds": 0.0,
-                                 "collectives": 0, "buckets": 0})
+                                 "collectives": 0, "buckets": 0, "skipped_buckets": 0})
         return self.history[it]
 
+    def all_skipped(self, it: int) -> bool:
+        """Whether every bucket of step `it` recorded so far was skipped."""
+        h = self.history[it]
+        return h["buckets"] > 0 and h["skipped_buckets"] == h["buckets"]
+
     def record(self, it: int, bucket_index: int, dense: int, stats, last: bool,
-               log_every: int = 0) -> None:
+               log_every: int = 0, skipped: bool = False) -> None:
         """Adds one bucket's finished step (a PlanStats) to its iteration, the timeline and
         last; logs the iteration's totals every log_every iterations, at its last bucket."""
         self.runs.append({"iter": it, "bucket": bucket_index, "compressor": self.compressor,
@@ -37,7 +43,7 @@ class HookStats:
         s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
              "wire_bytes": stats.wire_bytes,
              "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
-             "collectives": stats.collectives, "tags": list(stats.tags)}
+             "collectives": stats.collectives, "tags": list(stats.tags), "skipped": skipped}
         self.last[bucket_index] = s
         acc = self.iteration(it)
         acc["dense_bytes"] += dense
@@ -47,6 +53,10 @@ class HookStats:
         acc["comm_seconds"] += stats.comm_seconds
         acc["collectives"] += stats.collectives
         acc["buckets"] += 1
+        if skipped:
+            if acc["skipped_buckets"] == 0:
+                self.skipped_steps += 1
+            acc["skipped_buckets"] += 1
         if last and log_every and it % log_every == 0:
             log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
                      self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Mixed precision with the hooks: a step whose gradients overflow on one rank (what a loss
+scaler produces now and then) is skipped by every rank and leaves no trace.
+
+- The strongest check: a run in which rank 1's loss is multiplied by Inf at step s ends with the
+  parameters and the hook's state (residuals, momenta, errors, Q, step counters) bitwise equal to
+  a run in which step s never happened, for every stateful family, several buckets.
+- on_nonfinite="raise": loss.backward() raises on every rank, and the same DDP model trains on.
+- A real torch.amp.GradScaler run (torch 2.x on the CPU): an initial scale that overflows, the
+  loss goes down, and the scaler's skipped steps are the hook's.
+- Errors raised where the hook binds a bucket (a sparse gradient) reach the user from
+  backward() and leave DDP usable.
+"""
+import os
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import gradcomp.torch as gt  # noqa: E402
+
+from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir  # noqa: E402
+
+FAMILIES = [
+    ("topk", dict(ratio=0.05)),
+    ("topk", dict(ratio=0.05, momentum=0.9, exchange="sizes")),
+    ("randomk", dict(ratio=0.05, dense_below=1000)),
+    ("onebit", dict()),
+    ("onebit", dict(momentum=0.9)),
+    ("powersgd", dict(rank=2)),
+]
+STEPS, BAD = 8, 4  # BAD > start_iter (2): the step is a compressed one
+
+
+def _train(rank, model, opt, state, data, bad_step=None):
+    """The loop a GradScaler runs: after backward, a step whose averaged gradients are not all
+    finite is skipped (no optimizer step). Returns the steps skipped."""
+    skipped = []
+    for s, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if s == bad_step and rank == 1:
+            loss = loss * float("inf")  # an overflow on one rank only
+        loss.backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        if finite:
+            opt.step()
+        else:
+            skipped.append(s)
+            # every rank sees the whole step non-finite: every bucket came out NaN
+            assert all(torch.isnan(p.grad).all() for p in model.parameters())
+    return skipped
+
+
+def _overflow_step(rank, world, name, opts, out_dir):
+    data = make_data(rank, STEPS)
+    results = {}
+    for run_kind in ("overflow", "never"):
+        torch.manual_seed(0)
+        # a small bucket cap: several buckets, each its own plan and state
+        model = DDP(Net(d_hidden=600), bucket_cap_mb=0.01)
+        state, hook = gt.hook(name, model=model, **opts)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if run_kind == "overflow":
+            skipped = _train(rank, model, opt, state, data, bad_step=BAD)
+            assert skipped == [BAD], skipped
+            assert state.skipped_steps == 1
+            assert state.iter == STEPS - 1  # the skipped step did not count
+        else:
+            skipped = _train(rank, model, opt, state, data[:BAD] + data[BAD + 1:])
+            assert skipped == [] and state.skipped_steps == 0
+        assert len(state.buckets) >= 2, "the test needs several buckets"
+        assert params_equal_across_ranks(model)
+        results[run_kind] = ([p.detach().clone() for p in model.parameters()], state.state_dict())
+    (pa, sa), (pb, sb) = results["overflow"], results["never"]
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b), f"{name}: parameters differ from the run without the step"
+    assert sa["iter"] == sb["iter"]
+    assert sa["buckets"].keys() == sb["buckets"].keys()
+    for i in sa["buckets"]:
+        assert sa["buckets"][i]["state"] == sb["buckets"][i]["state"], \
+            f"{name}: bucket {i}'s compression state differs from the run without the step"
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+@pytest.mark.parametrize("name,opts", FAMILIES, ids=[f"{n}-{i}" for i, (n, _) in
+                                                    enumerate(FAMILIES)])
+def test_overflow_step_leaves_no_trace(name, opts):
+    out = tmpdir()
+    run(_overflow_step, 2, name, opts, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+def _raise_policy(rank, world, out_dir):
+    data = make_data(rank, 6)
+    for name, opts in (("topk", dict(ratio=0.1)), ("onebit", {}), ("powersgd", dict(rank=2)),
+                       ("randomk", dict(ratio=0.1, dense_below=100))):
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state, hook = gt.hook(name, start_iter=0, on_nonfinite="raise", **opts)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = data[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        before = pickle.dumps(state.state_dict())
+        x, y = data[1]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if rank == 0:
+            loss = loss * float("inf")
+        # raised on both ranks: rank 0 names its index, rank 1 says another rank's was bad
+        with pytest.raises(ValueError, match="non-finite"):
+            loss.backward()
+        assert pickle.dumps(state.state_dict()) == before, name
+        # DDP finished its step (the error was raised after it): the same model trains on
+        for x, y in data[2:]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters()), name
+            opt.step()
+        assert params_equal_across_ranks(model)
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_raise_policy_raises_on_every_rank_and_ddp_trains_on():
+    out = tmpdir()
+    run(_raise_policy, 2, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+class _EmbedNet(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8, sparse=sparse)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, i):
+        return self.fc(self.emb(i))
+
+
+def _sparse_gradient(rank, world, out_dir):
+    torch.manual_seed(0)
+    model = DDP(_EmbedNet(sparse=True))
+    state, hook = gt.hook("topk", ratio=0.1, start_iter=0)
+    model.register_comm_hook(state, hook)
+    idx = torch.randint(0, 50, (16,))
+    for _ in range(2):  # the error each time, and DDP still usable for the next step
+        with pytest.raises(ValueError, match="sparse=False"):
+            model(idx).sum().backward()
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_sparse_gradient_is_refused_with_advice_and_ddp_stays_usable():
+    out = tmpdir()
+    run(_sparse_gradient, 2, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+def _grad_scaler(rank, world, name, opts, out_dir):
+    torch.manual_seed(0)
+    data = make_data(rank, 40)
+    model = DDP(Net(d_hidden=600), bucket_cap_mb=0.01)
+    state, hook = gt.hook(name, model=model, **opts)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    # an initial scale that overflows fp32 in backward: the first steps are skipped as the
+    # scaler halves it, then it trains
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126, growth_interval=1000)
+    losses, scaler_skips = [], 0
+    for x, y in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < before:
+            scaler_skips += 1
+        losses.append(loss.item())
+    assert scaler_skips >= 1, "the initial scale did not overflow"
+    assert state.skipped_steps == scaler_skips, (state.skipped_steps, scaler_skips)
+    first = sum(losses[scaler_skips:scaler_skips + 5]) / 5
+    last = sum(losses[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert params_equal_across_ranks(model)
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write(f"{scaler_skips} {first} {last}")
+
+
+@pytest.mark.skipif(not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"),
+                    reason="torch.amp.GradScaler on the CPU needs torch 2.x")
+@pytest.mark.parametrize("name,opts", [FAMILIES[0], FAMILIES[2], FAMILIES[3], FAMILIES[5]],
+                         ids=["topk", "randomk", "onebit", "powersgd"])
+def test_grad_scaler_skips_match_the_hooks_and_training_goes_on(name, opts):
+    out = tmpdir()
+    run(_grad_scaler, 2, name, opts, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
