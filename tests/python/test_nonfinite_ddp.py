@@ -6,8 +6,8 @@ scaler produces now and then) is skipped by every rank and leaves no trace.
   parameters and the hook's state (residuals, momenta, errors, Q, step counters) bitwise equal to
   a run in which step s never happened, for every stateful family, several buckets.
 - on_nonfinite="raise": loss.backward() raises on every rank, and the same DDP model trains on.
-- A real torch.amp.GradScaler run (torch 2.x on the CPU): an initial scale that overflows, the
-  loss goes down, and the scaler's skipped steps are the hook's.
+- A real torch.amp.GradScaler run (torch 2.x on the CPU, fp16 autocast): an initial scale that
+  overflows, the loss goes down, and the scaler's skipped steps are the hook's.
 - Errors raised where the hook binds a bucket (a sparse gradient) reach the user from
   backward() and leave DDP usable.
 """
@@ -165,18 +165,18 @@ def test_sparse_gradient_is_refused_with_advice_and_ddp_stays_usable():
 
 def _grad_scaler(rank, world, name, opts, out_dir):
     torch.manual_seed(0)
-    data = make_data(rank, 40)
+    data = make_data(rank, 60)
     model = DDP(Net(d_hidden=600), bucket_cap_mb=0.01)
     state, hook = gt.hook(name, model=model, **opts)
     model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    # an initial scale that overflows fp32 in backward: the first steps are skipped as the
-    # scaler halves it, then it trains
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126, growth_interval=1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # fp16 autocast with an initial scale that overflows the fp16 activation gradients: the
+    # first steps (8 here) are skipped as the scaler halves it, then it trains
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=1000)
     losses, scaler_skips = [], 0
     for x, y in data:
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
         scaler.scale(loss).backward()
         before = scaler.get_scale()
@@ -189,7 +189,7 @@ def _grad_scaler(rank, world, name, opts, out_dir):
     assert state.skipped_steps == scaler_skips, (state.skipped_steps, scaler_skips)
     first = sum(losses[scaler_skips:scaler_skips + 5]) / 5
     last = sum(losses[-5:]) / 5
-    assert last < 0.7 * first, (first, last)
+    assert last < 0.5 * first, (first, last)
     assert params_equal_across_ranks(model)
     with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
         f.write(f"{scaler_skips} {first} {last}")

@@ -216,6 +216,9 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         state.iter += 1  # (taken back by done() if every bucket of the step was skipped)
 
     begin_s = [0.0, 0.0]
+    # the plain allreduce before start_iter (stateful compressors): its average is scanned once
+    # (only in those first iterations) so that an overflow there is skipped and counted too
+    warmup = False
 
     def done(stats: PlanStats):
         stats.local_seconds += begin_s[1] - begin_s[0]  # begin() (e.g. PowerSGD's finite check)
@@ -228,7 +231,10 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         settle(PlanStats())
 
     def settle(stats: PlanStats):
-        skipped = bool(getattr(plan, "skipped", False))
+        if warmup:  # the plain allreduce checks nothing: a non-finite average is the signal
+            skipped = not bool(torch.isfinite(buf).all())
+        else:
+            skipped = bool(getattr(plan, "skipped", False))
         state._record(call, idx, dense, stats, last, skipped)
         if last and state.stats.all_skipped(call):
             # no bucket of this step was applied anywhere (a non-finite gradient on some rank):
@@ -239,7 +245,8 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         err = _sparse_error(bucket)
         if err is not None:
             raise err
-        if it < state.start_iter:
+        warmup = it < state.start_iter
+        if warmup:
             fam = COMPRESSORS["allreduce"]
             view, permuted = bucket, False
             plan = fam.make({}, bucket, state.world, idx, state.process_group)
