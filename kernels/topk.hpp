@@ -37,8 +37,7 @@ double sum_squares(const void* g, DType t, int64_t n);
 /// update reads the old values there and writes the new ones to u / v (a step whose state change
 /// can still be dropped: same traffic as in place); null: in place.
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v, const float* u_src = nullptr,
-                    const float* v_src = nullptr);
+                    float* u, float* v, const float* u_src = nullptr, const float* v_src = nullptr);
 /// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0.
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt);
 /// Stratified random-k indices over n elements (ascending), mapped through the nr ranges of

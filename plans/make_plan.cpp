@@ -214,9 +214,8 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& b,
                                       const PlanOptions& options) {
   const Options o(name, options);
-  const OnNonFinite policy = o.has("on_nonfinite")
-                                 ? parse_enum<OnNonFinite>(o.name("on_nonfinite"))
-                                 : OnNonFinite::kSkip;
+  const OnNonFinite policy =
+      o.has("on_nonfinite") ? parse_enum<OnNonFinite>(o.name("on_nonfinite")) : OnNonFinite::kSkip;
   auto plan = build_plan(name, b, o);
   plan->set_on_nonfinite(policy);
   return plan;

@@ -102,7 +102,7 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
     device_zero(device, s.u[0].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
                 stream);
   s.staged = cfg_.check_finite;  // see OnNonFinite (gradcomp/plan.hpp)
-  if (s.staged) {  // zeroed: without error feedback a step may leave them unwritten
+  if (s.staged) {                // zeroed: without error feedback a step may leave them unwritten
     device_zero(device, s.we[1].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
                 stream);
     if (cfg_.momentum > 0.0)
@@ -166,8 +166,8 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
     // sum or the rotated values, whose first bad index is not the gradient's)
     const int64_t bad = k::dispatch::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
     if (bad >= 0)
-      return found_bad(bad, detail::cat("gradient has a non-finite value (NaN or Inf) at index ",
-                                        bad));
+      return found_bad(bad,
+                       detail::cat("gradient has a non-finite value (NaN or Inf) at index ", bad));
   }
   s.src = grad.data;
   s.src_t = grad.dtype;
@@ -215,8 +215,8 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
         k::dispatch::onebit_scales(s.ex, s.src, s.src_t, e_in, geo, norm_of(cfg_.scaling),
                                    cfg_.check_finite && !cfg_.rotate, scales, s.ws);
     if (bad >= 0)
-      return found_bad(bad, detail::cat("gradient has a non-finite value (NaN or Inf) at index ",
-                                        bad));
+      return found_bad(bad,
+                       detail::cat("gradient has a non-finite value (NaN or Inf) at index ", bad));
   }
   s.grad = grad;
   s.out = out ? *out : grad;
@@ -326,8 +326,8 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         phase_ = 0;
         set_skipped(true);
         if (on_nonfinite_ == OnNonFinite::kRaise) {
-          GC_CHECK_ARG(s.bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
-                       ": ", s.bad_what, "; the step was dropped on every rank and no state ",
+          GC_CHECK_ARG(s.bad < 0, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_, ": ",
+                       s.bad_what, "; the step was dropped on every rank and no state ",
                        "changed (on_nonfinite='raise')");
           GC_CHECK_ARG(false, "onebit-allreduce tensor ", cfg_.tensor_id, " rank ", rank_,
                        ": another rank's gradient held a non-finite value (NaN or Inf); the step ",

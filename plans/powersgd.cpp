@@ -154,7 +154,8 @@ std::optional<Collective> PowerSGDPlan::next() {
           off += g.numel;
         }
         // a bad rank sends NaN: the sum's first value is NaN on every rank
-        if (bad_) device_fill_nan(st_.device_, b, static_cast<size_t>(im.total_numel) * 4, im.stream);
+        if (bad_)
+          device_fill_nan(st_.device_, b, static_cast<size_t>(im.total_numel) * 4, im.stream);
         phase_ = Phase::kPlainWait;
         return issue(make(b, static_cast<size_t>(im.total_numel), "powersgd plain"));
       }
@@ -180,8 +181,8 @@ std::optional<Collective> PowerSGDPlan::next() {
       return done(false);
     }
     case Phase::kWaitU:
-      if (st_.cfg_.check_finite && device_first_is_nan(st_.device_, ubuf, DType::kFloat32,
-                                                       im.stream))
+      if (st_.cfg_.check_finite &&
+          device_first_is_nan(st_.device_, ubuf, DType::kFloat32, im.stream))
         return skip_step();
       if (st_.p_numel_ > 0) {
         phase_ = Phase::kWaitP;
@@ -190,8 +191,8 @@ std::optional<Collective> PowerSGDPlan::next() {
       phase_finish();
       return done(true);
     case Phase::kWaitP:
-      if (st_.cfg_.check_finite && device_first_is_nan(st_.device_, pbuf, DType::kFloat32,
-                                                       im.stream))
+      if (st_.cfg_.check_finite &&
+          device_first_is_nan(st_.device_, pbuf, DType::kFloat32, im.stream))
         return skip_step();
       phase_project();
       phase_ = Phase::kWaitQ;
@@ -231,8 +232,8 @@ void PowerSGDPlan::phase_compress() {
     return;
   }
   if (gpu && check && cfg.error_feedback && st_.m_numel_ > 0)
-    device_copy(im.esave.data(), st_.device_, M, st_.device_,
-                static_cast<size_t>(st_.m_numel_) * 4, im.stream);
+    device_copy(im.esave.data(), st_.device_, M, st_.device_, static_cast<size_t>(st_.m_numel_) * 4,
+                im.stream);
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
@@ -267,12 +268,12 @@ void PowerSGDPlan::phase_compress() {
 void PowerSGDPlan::find_bad() {
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
-    const int64_t bad = k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype,
-                                                     g.numel, st_.impl_->sws);
+    const int64_t bad = k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel,
+                                                     st_.impl_->sws);
     if (bad < 0) continue;
     bad_ = true;
-    bad_what_ = detail::cat("tensor ", i, " (", g.describe(), ") holds a non-finite value at index ",
-                            bad, " ");
+    bad_what_ = detail::cat("tensor ", i, " (", g.describe(),
+                            ") holds a non-finite value at index ", bad, " ");
     return;
   }
 }

@@ -47,10 +47,9 @@ std::optional<Collective> RandomKAllreducePlan::next() {
       const PayloadHeader& h = payload_.header;
       // a bad rank sent NaN values: the first summed value is NaN on every rank
       if (check_finite_ && h.count > 0 &&
-          device_first_is_nan(device_,
-                              static_cast<const uint8_t*>(payload_.bytes.data()) +
-                                  h.section_offset(1),
-                              DType(h.value_dtype), stream_)) {
+          device_first_is_nan(
+              device_, static_cast<const uint8_t*>(payload_.bytes.data()) + h.section_offset(1),
+              DType(h.value_dtype), stream_)) {
         phase_ = 2;
         end_step(true, bad_);
         return std::nullopt;

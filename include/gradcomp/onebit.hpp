@@ -186,8 +186,8 @@ class OneBitAllreducePlan : public BucketPlan {
   /// InvalidArgument, also if a step is still in progress); a NaN/Inf gradient (check_finite)
   /// does not throw here: the step goes on and is skipped on every rank, or raises on every rank
   /// at its end (OnNonFinite, gradcomp/plan.hpp). With check_finite the worker error and momentum
-  /// are double-buffered (4 more bytes per element, 8 with momentum). With cfg.rotate an fp32 grad is
-  /// rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
+  /// are double-buffered (4 more bytes per element, 8 with momentum). With cfg.rotate an fp32 grad
+  /// is rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
   /// fp16/bf16 gradients, and the form with `out`, are rotated in a scratch copy (4 bytes per
   /// element, kept by the plan).
   void begin(const TensorView& grad) override;

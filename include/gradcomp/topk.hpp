@@ -195,7 +195,8 @@ class RandomKCompressor : public Compressor {
   /// Makes the last encode()'s state change permanent (staged mode; a no-op otherwise).
   void commit();
   /// A payload for this step that carries no data and is flagged kPayloadSkipped (the sender's
-  /// gradient held NaN or Inf): count_at(step) NaN values, which make the summed values NaN on every rank. The state does not change.
+  /// gradient held NaN or Inf): count_at(step) NaN values, which make the summed values NaN on
+  /// every rank. The state does not change.
   void encode_skipped(Payload& out);
   /// Indices sent at a step, into `out` (capacity count_at(step)) on the compressor's device:
   /// the sampled ones (ascending), then those of the segments sent whole (ascending).

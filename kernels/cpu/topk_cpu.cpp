@@ -370,7 +370,6 @@ void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nester
   }
 }
 
-
 /// Stores x as value j in the value dtype; returns what a receiver decodes from it.
 inline float store_value(void* values, DType vt, int64_t j, float x) {
   switch (vt) {

@@ -75,7 +75,8 @@ std::vector<uint8_t> gradient(int64_t n, gc::DType dt, int rank, int step) {
     if (dt == gc::DType::kFloat32) {
       std::memcpy(b.data() + 4 * i, &f[i], 4);
     } else {
-      const uint16_t h = dt == gc::DType::kFloat16 ? gc::float_to_half(f[i]) : gc::float_to_bf16(f[i]);
+      const uint16_t h =
+          dt == gc::DType::kFloat16 ? gc::float_to_half(f[i]) : gc::float_to_bf16(f[i]);
       std::memcpy(b.data() + 2 * i, &h, 2);
     }
   }
@@ -84,8 +85,8 @@ std::vector<uint8_t> gradient(int64_t n, gc::DType dt, int rank, int step) {
 
 // Puts a NaN or an Inf (by `kind`) at element i of a gradient of dtype dt.
 void poison(std::vector<uint8_t>& b, gc::DType dt, int64_t i, int kind) {
-  const float v = kind == 0 ? std::numeric_limits<float>::quiet_NaN()
-                            : (kind == 1 ? INFINITY : -INFINITY);
+  const float v =
+      kind == 0 ? std::numeric_limits<float>::quiet_NaN() : (kind == 1 ? INFINITY : -INFINITY);
   if (dt == gc::DType::kFloat32) {
     std::memcpy(b.data() + 4 * i, &v, 4);
   } else {
