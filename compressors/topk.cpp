@@ -150,6 +150,26 @@ void prepare_payload(Payload& out, Device dev, void* stream) {
   out.bytes.set_stream(stream);
 }
 
+/// The header (and the room) of a payload flagged kPayloadSkipped: `count` values of the value
+/// dtype (left for the caller to fill), no indices; the step's number in aux.
+void start_skipped_payload(Payload& out, PayloadKind kind, IndexCoding coding,
+                           const SparsifyConfig& cfg, int64_t numel, int64_t count, int64_t step,
+                           Device dev, void* stream) {
+  prepare_payload(out, dev, stream);
+  PayloadHeader& h = out.header;
+  h = PayloadHeader{};
+  h.kind = static_cast<uint8_t>(kind);
+  h.value_dtype = static_cast<uint8_t>(cfg.value_dtype);
+  h.index_coding = static_cast<uint8_t>(coding);
+  h.flags = kPayloadSkipped;
+  h.tensor_id = cfg.tensor_id;
+  h.numel = static_cast<uint64_t>(numel);
+  h.count = static_cast<uint64_t>(count);
+  h.aux = static_cast<uint64_t>(step);
+  h.section_bytes[1] = static_cast<uint64_t>(count) * dtype_size(cfg.value_dtype);
+  out.bytes.resize(h.total_bytes(), false);
+}
+
 /// DGC's state around the selection, shared by top-k and random-k: the residual v and the
 /// corrected momentum u (allocated only with momentum), and the two steps that surround choosing
 /// the indices: accumulate (clip, momentum correction, residual) and take (gather the chosen
@@ -358,17 +378,8 @@ void TopKCompressor::commit() {
 
 void TopKCompressor::encode_skipped(Payload& out) {
   Impl& s = *impl_;
-  prepare_payload(out, device_, s.stream);
-  PayloadHeader& h = out.header;
-  h = PayloadHeader{};
-  h.kind = static_cast<uint8_t>(PayloadKind::kSparse);
-  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
-  h.index_coding = static_cast<uint8_t>(IndexCoding::kRaw32);
-  h.flags = kPayloadSkipped;
-  h.tensor_id = cfg_.tensor_id;
-  h.numel = static_cast<uint64_t>(numel_);
-  h.aux = static_cast<uint64_t>(step_);
-  out.bytes.resize(h.total_bytes(), false);
+  start_skipped_payload(out, PayloadKind::kSparse, IndexCoding::kRaw32, cfg_, numel_, 0, step_,
+                        device_, s.stream);
   write_header(out, device_, s.stream);
 }
 
@@ -601,19 +612,9 @@ void RandomKCompressor::commit() {
 void RandomKCompressor::encode_skipped(Payload& out) {
   Impl& s = *impl_;
   const int64_t kk = count_at(step_);
-  prepare_payload(out, device_, s.stream);
-  PayloadHeader& h = out.header;
-  h = PayloadHeader{};
-  h.kind = static_cast<uint8_t>(PayloadKind::kRandomK);
-  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
-  h.index_coding = static_cast<uint8_t>(IndexCoding::kNone);
-  h.flags = kPayloadSkipped;
-  h.tensor_id = cfg_.tensor_id;
-  h.numel = static_cast<uint64_t>(numel_);
-  h.count = static_cast<uint64_t>(kk);
-  h.aux = static_cast<uint64_t>(step_);
-  h.section_bytes[1] = static_cast<uint64_t>(kk) * dtype_size(cfg_.value_dtype);
-  out.bytes.resize(h.total_bytes(), false);
+  start_skipped_payload(out, PayloadKind::kRandomK, IndexCoding::kNone, cfg_, numel_, kk, step_,
+                        device_, s.stream);
+  const PayloadHeader& h = out.header;
   // NaN values: summed with the other ranks' values they make every sum NaN
   device_fill_nan(device_, static_cast<uint8_t*>(out.bytes.data()) + h.section_offset(1),
                   h.section_bytes[1], s.stream);

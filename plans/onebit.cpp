@@ -241,14 +241,14 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       auto* send = static_cast<uint8_t*>(s.send.data());
       device_zero(device_, send, P * B, s.stream);
       const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
+      c.kind = CollectiveKind::kAllToAll;
+      c.send = send;
+      c.recv = s.recv.data();
+      c.tag = "onebit worker chunks";
+      phase_ = 2;
       if (s.bad >= 0) {
         // NaN scales in every chunk: each server sees them, and so every rank (phase 2 and 3)
         for (int64_t q = 0; q < K; ++q) device_fill_nan(device_, send + q * B, 4 * NB, s.stream);
-        c.kind = CollectiveKind::kAllToAll;
-        c.send = send;
-        c.recv = s.recv.data();
-        c.tag = "onebit worker chunks";
-        phase_ = 2;
         return c;
       }
       float* we = s.we_out();
@@ -269,11 +269,6 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         const int64_t w0 = q * W, w1 = std::min(words, w0 + W);
         device_copy(blk + 4 * NB, device_, bits + w0, device_, 4 * (w1 - w0), s.stream);
       }
-      c.kind = CollectiveKind::kAllToAll;
-      c.send = send;
-      c.recv = s.recv.data();
-      c.tag = "onebit worker chunks";
-      phase_ = 2;
       return c;
     }
     case 2: {  // (3) server: average chunk `rank` of every worker, add server error, recompress

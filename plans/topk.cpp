@@ -226,13 +226,18 @@ void TopKAllreducePlan::settle(bool skip) {
   end_step(skip, bad_);
 }
 
-bool TopKAllreducePlan::any_skipped(const uint8_t* all) {
+void TopKAllreducePlan::copy_headers(const uint8_t* all) {
   const auto P = static_cast<size_t>(world_);
   headers_.resize(P);
   for (size_t r = 0; r < P; ++r)
     device_copy(&headers_[r], Device::kCPU, all + r * stride_, device_, sizeof(PayloadHeader),
                 stream_);
   if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
+}
+
+bool TopKAllreducePlan::any_skipped(const uint8_t* all) {
+  // (the bound exchange copied them already, in read_gathered_sizes)
+  if (exchange_ != TopKExchange::kBound) copy_headers(all);
   for (const PayloadHeader& h : headers_)
     if (h.flags & kPayloadSkipped) return true;
   return false;
@@ -243,11 +248,7 @@ void TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {
   // that the sections fit the stride (so that nothing is read beyond it, and the sum cannot wrap)
   // and that the rank's bucket has this plan's size.
   const auto P = static_cast<size_t>(world_);
-  headers_.resize(P);
-  for (size_t r = 0; r < P; ++r)
-    device_copy(&headers_[r], Device::kCPU, all + r * stride_, device_, sizeof(PayloadHeader),
-                stream_);
-  if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
+  copy_headers(all);
   payload_bytes_.resize(P);
   uint64_t longest = 0, total = 0;
   for (size_t r = 0; r < P; ++r) {

@@ -228,6 +228,8 @@ class TopKAllreducePlan : public GradientPlan {
   int64_t bad_ = -1;  ///< this step: this rank's first non-finite index, or -1
   /// Sparse route: whether a gathered payload is flagged kPayloadSkipped.
   bool any_skipped(const uint8_t* gathered);
+  /// The gathered payloads' headers into headers_ (host).
+  void copy_headers(const uint8_t* gathered);
   /// Keeps (commit) or drops the step's state change and ends the step (GradientPlan::end_step).
   void settle(bool skip);
 };
