@@ -203,3 +203,29 @@ def test_grad_scaler_skips_match_the_hooks_and_training_goes_on(name, opts):
     out = tmpdir()
     run(_grad_scaler, 2, name, opts, out)
     assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+def _rebuilt_buckets(rank, world, out_dir):
+    # DDP regroups this model's parameters when it rebuilds its buckets after the first
+    # iteration: compression state made at iteration 0 (start_iter=0) no longer fits a bucket
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 700), torch.nn.Linear(700, 700),
+                                    torch.nn.Linear(700, 8)))
+    state, hook = gt.hook("topk", ratio=0.01, start_iter=0)
+    model.register_comm_hook(state, hook)
+    x = torch.randn(4, 64)
+    model(x).sum().backward()  # iteration 0: one bucket, compressed
+    msgs = []
+    for _ in range(2):  # the same clear error each time, not DDP's internal assert
+        with pytest.raises(RuntimeError) as err:
+            model(x).sum().backward()
+        msgs.append(str(err.value))
+    assert all("start_iter" in m for m in msgs), msgs
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_bucket_mismatch_error_reaches_the_user_and_ddp_stays_usable():
+    out = tmpdir()
+    run(_rebuilt_buckets, 2, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
