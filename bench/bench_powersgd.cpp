@@ -35,15 +35,15 @@
 #include <vector>
 
 #include "gradcomp/powersgd.hpp"
-#include "model_shapes.hpp"
 #include "kernels/powersgd.hpp"
+#include "model_shapes.hpp"
 
 namespace {
 
 using gradcomp::Orthogonalization;
-using gradcomp::bench::Shapes;
 using gradcomp::bench::bert_base;
 using gradcomp::bench::resnet50;
+using gradcomp::bench::Shapes;
 
 const Shapes& model(int id) {
   static const Shapes r = resnet50(), b = bert_base();
@@ -264,12 +264,15 @@ double copy_bandwidth(int id) {
   return bw[id] = best;
 }
 
-void run_step(benchmark::State& state, bool baseline) {
+void run_step(benchmark::State& state, bool baseline, bool check = false) {
   const int id = static_cast<int>(state.range(0));
   gradcomp::PowerSGDConfig cfg;
   cfg.rank = static_cast<int>(state.range(1));
   cfg.orthogonalization = Orthogonalization::kGramSchmidt;
-  cfg.check_finite = false;  // timed separately; PyTorch's hook does not check either
+  // off by default: PyTorch's hook does not check either; BM_powersgd_step_checked times what
+  // the default (on: the finiteness test on P, the error and Q saved for a skipped or undone
+  // step) costs against BM_powersgd_step in the same run
+  cfg.check_finite = check;
   Grads& g = grads(id);
   // A case after another would otherwise start from that case's rank-r results (degenerate P).
   std::copy(g.initial.begin(), g.initial.end(), g.bucket.begin());
@@ -322,6 +325,7 @@ void run_step(benchmark::State& state, bool baseline) {
 
 void BM_powersgd_step(benchmark::State& s) { run_step(s, false); }
 void BM_powersgd_baseline_step(benchmark::State& s) { run_step(s, true); }
+void BM_powersgd_step_checked(benchmark::State& s) { run_step(s, false, true); }
 
 // Orthogonalization of every P block of the model (one batch group per distinct shape).
 void run_orth(benchmark::State& state, Orthogonalization how) {
@@ -380,6 +384,7 @@ void step_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_powersgd_step)->Apply(step_args);
 BENCHMARK(BM_powersgd_baseline_step)->Apply(step_args);
+BENCHMARK(BM_powersgd_step_checked)->Apply(step_args);
 BENCHMARK(BM_powersgd_orth)->Apply(step_args);
 BENCHMARK(BM_powersgd_baseline_orth)->Apply(step_args);
 BENCHMARK(BM_powersgd_copy)

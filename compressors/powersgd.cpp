@@ -141,6 +141,7 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
     g.m = t.m;
     g.r = t.rank;
     g.M = M + t.m_offset;
+    impl_->group_m_off.push_back(t.m_offset);
     g.P = P + t.p_offset;
     g.Q = Q + t.q_offset;
     g.ids = id + id_off;
@@ -155,8 +156,11 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
   }
   if (cfg_.check_finite) {
     impl_->qsave.get<float>(static_cast<size_t>(q_numel_));
-    if (device == Device::kCUDA && cfg_.error_feedback)
-      impl_->esave.get<float>(static_cast<size_t>(m_numel_));
+    if (cfg_.error_feedback && m_numel_ > 0) {
+      device_zero(device, impl_->esave.get<float>(static_cast<size_t>(m_numel_)),
+                  static_cast<size_t>(m_numel_) * 4, stream);
+      impl_->dbuf = device == Device::kCPU;
+    }
   }
   if (cfg_.start_iter > 0) impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel));
   stats_.rank_used.assign(info_.size(), 0);
@@ -170,8 +174,7 @@ std::vector<float> PowerSGDState::error(size_t i) const {
   const PowerSGDTensorInfo& t = info_.at(i);
   std::vector<float> out(static_cast<size_t>(t.n * t.m), 0.0f);
   if (t.rank > 0 && cfg_.error_feedback && !out.empty())
-    device_copy(out.data(), Device::kCPU,
-                static_cast<const float*>(impl_->mbuf.data()) + t.m_offset, device_, out.size() * 4,
+    device_copy(out.data(), Device::kCPU, impl_->err() + t.m_offset, device_, out.size() * 4,
                 impl_->stream);
   return out;
 }
@@ -197,7 +200,7 @@ std::vector<uint8_t> PowerSGDState::state_dict() const {
   w.put<uint8_t>(cfg_.warm_start);
   w.put<int64_t>(step_);
   w.put<uint8_t>(q_ready_);
-  w.put_array(impl_->mbuf.data(), device_, cfg_.error_feedback ? m_numel_ * 4 : 0, impl_->stream);
+  w.put_array(impl_->err(), device_, cfg_.error_feedback ? m_numel_ * 4 : 0, impl_->stream);
   w.put_array(impl_->qbuf.data(), device_, q_ready_ ? q_numel_ * 4 : 0, impl_->stream);
   return w.take();
 }
@@ -220,7 +223,7 @@ void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.finish();
   // Everything checked: now change the state.
   if (cfg_.error_feedback && m_numel_ > 0)
-    device_copy(impl_->mbuf.data(), device_, err, Device::kCPU, m_numel_ * 4, impl_->stream);
+    device_copy(impl_->err(), device_, err, Device::kCPU, m_numel_ * 4, impl_->stream);
   if (qr && q_numel_ > 0)
     device_copy(impl_->qbuf.data(), device_, q, Device::kCPU, q_numel_ * 4, impl_->stream);
   if (device_ == Device::kCUDA) cuda::stream_synchronize(impl_->stream);  // host source dies

@@ -29,13 +29,15 @@ struct PowerSGDState::Impl {
         sws(d),
         ex{d, s} {}
   // The error between steps (error feedback). CPU: M = grad + error is formed per tile and never
-  // stored, the error is written in the last phase only. CUDA: holds M during a step.
+  // stored, the error is written in the last phase only; with check_finite (`dbuf`) that phase
+  // writes it into the other of mbuf / esave and a kept step flips `flip`, so the error before
+  // the step stays for undo_step(). CUDA: mbuf holds M during a step (esave is a copy).
   Buffer mbuf;
   Buffer pbuf;     // [P of every compressed tensor | uncompressed pack]
   Buffer qbuf;     // Q of every compressed tensor (persists with warm start)
   Buffer qsave;    // check_finite: Q before the step's fill_q, restored when the step is skipped
-  Buffer esave;    // CUDA with check_finite and error feedback: the error before M is formed in
-                   // mbuf, restored when the step is skipped (the CPU never writes it early)
+  Buffer esave;    // check_finite with error feedback: CUDA, the error before the step, restored
+                   // when the step is skipped or undone; CPU, the second error buffer
   Buffer scratch;  // reconstruction P Q^T when it cannot go straight into the gradient
   Buffer plain;    // the whole bucket in fp32 for the steps before start_iter
   Buffer ids;      // RNG tensor ids, group by group (uint32)
@@ -48,6 +50,20 @@ struct PowerSGDState::Impl {
   k::SelectWorkspace sws;  // CUDA scratch of the non-finite scan
   k::Exec ex;
   void* stream = nullptr;
+  bool dbuf = false;                 // CPU, check_finite, error feedback: see mbuf
+  bool flip = false;                 // dbuf: the error lives in esave
+  std::vector<int64_t> group_m_off;  // each group's offset in the error buffer
+  float* err() { return static_cast<float*>((flip ? esave : mbuf).data()); }
+  const float* err() const { return static_cast<const float*>((flip ? esave : mbuf).data()); }
+  /// Points every group at the current error and, with dbuf, its finish() at the other buffer.
+  void point_groups() {
+    float* e = err();
+    float* o = dbuf ? static_cast<float*>((flip ? mbuf : esave).data()) : nullptr;
+    for (size_t i = 0; i < groups.size(); ++i) {
+      groups[i].M = e + group_m_off[i];
+      groups[i].M_out = o ? o + group_m_off[i] : nullptr;
+    }
+  }
 };
 
 namespace detail {

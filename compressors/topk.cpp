@@ -208,6 +208,7 @@ class SparsifyState {
   void commit() {
     if (staged_) cur_ = 1 - cur_;
   }
+  void uncommit() { commit(); }  // (a swap back)
 
   /// v += (momentum-corrected) coef * g, coef from local clipping; v zeroed first without EF.
   void accumulate(const TensorView& g, k::SelectWorkspace& ws) {
@@ -374,6 +375,12 @@ void TopKCompressor::commit() {
   if (!impl_->dgc.staged()) return;
   impl_->dgc.commit();
   ++step_;
+}
+
+void TopKCompressor::uncommit() {
+  GC_CHECK_ARG(impl_->dgc.staged(), name(), ": uncommit() needs staged mode");
+  impl_->dgc.uncommit();
+  --step_;
 }
 
 void TopKCompressor::encode_skipped(Payload& out) {
@@ -607,6 +614,12 @@ void RandomKCompressor::commit() {
   if (!impl_->dgc.staged()) return;
   impl_->dgc.commit();
   ++step_;
+}
+
+void RandomKCompressor::uncommit() {
+  GC_CHECK_ARG(impl_->dgc.staged(), name(), ": uncommit() needs staged mode");
+  impl_->dgc.uncommit();
+  --step_;
 }
 
 void RandomKCompressor::encode_skipped(Payload& out) {

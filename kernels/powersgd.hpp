@@ -23,6 +23,10 @@ struct PsgdGroup {
   float* P = nullptr;
   float* Q = nullptr;
   const uint32_t* ids = nullptr;  ///< RNG tensor ids of the members (on the group's device)
+  /// CPU finish(): where the new error goes (null: into M, in place). A second buffer lets a
+  /// plan keep the error before the step at no extra traffic (the pass reads one and writes the
+  /// other instead of reading and writing one).
+  float* M_out = nullptr;
 };
 
 /// Library handles and scratch, made once per state and reused (no steady-state allocation).
@@ -90,8 +94,8 @@ void compute_q_fused(const std::vector<PsgdGroup>& groups,
                      const std::vector<std::vector<void*>>& grads, DType t, bool ef, bool direct,
                      PsgdContext& ctx);
 /// Per tile: R = P Q^T (in cache), M = error + float(g), g = dtype(R), and with ef
-/// error = M - float(g): one pass reading g and the error and writing both. Without ef (fp32): the
-/// GEMM writes g directly.
+/// error = M - float(g) (into M_out when set): one pass reading g and the error and writing both.
+/// Without ef (fp32): the GEMM writes g directly.
 void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<void*>>& grads,
             DType t, bool ef, PsgdContext& ctx);
 }  // namespace cpu

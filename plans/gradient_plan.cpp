@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The shared part of the flat-bucket plans (GradientPlan): binding a step's gradient, checks,
 // collectives on the plan's device and stream.
+#include <algorithm>
+
 #include "gradcomp/error.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
@@ -11,6 +13,36 @@ namespace gradcomp {
 void BucketPlan::load_state_dict(const uint8_t*, size_t nbytes) {
   GC_CHECK_ARG(nbytes == 0, name(), " plan: carries no state between steps, but got a ", nbytes,
                "-byte state");
+}
+
+void BucketPlan::undo_step() {
+  if (!stateful()) return;
+  GC_CHECK_ARG(undoable_, name(), " plan: undo_step() needs a finished step that was kept, ",
+               "with check_finite on, and no begin() or load_state_dict() since (",
+               skipped_ ? "the last step was skipped: it changed nothing" : "nothing to undo", ")");
+  undo_state();
+  undoable_ = false;
+}
+
+bool settle_step(const std::vector<BucketPlan*>& plans) {
+  bool skipped = false;
+  for (const BucketPlan* p : plans) {
+    GC_CHECK_ARG(p != nullptr, "settle_step: null plan");
+    skipped = skipped || p->skipped();
+  }
+  if (!skipped) return false;
+  std::vector<BucketPlan*> undo;  // each kept stateful plan once (a plan may be listed twice)
+  for (BucketPlan* p : plans) {
+    if (p->skipped() || !p->stateful() || std::find(undo.begin(), undo.end(), p) != undo.end())
+      continue;
+    GC_CHECK_ARG(p->can_undo(), "settle_step: another bucket skipped this step, but the ",
+                 p->name(),
+                 " plan cannot take its step back (check_finite off, or begun again since); ",
+                 "no plan was changed");
+    undo.push_back(p);
+  }
+  for (BucketPlan* p : undo) p->undo_step();
+  return true;
 }
 
 ElemType elem_type(DType t) {
@@ -38,8 +70,8 @@ int64_t GradientPlan::first_nonfinite() {
                                             scan_->ws);
 }
 
-void GradientPlan::end_step(bool skip, int64_t bad_index) {
-  set_skipped(skip);
+void GradientPlan::end_step(bool skip, int64_t bad_index, bool undoable) {
+  set_skipped(skip, undoable);
   if (!skip) return;
   device_fill_nan(device_, grad_.data, static_cast<size_t>(grad_.nbytes()), stream_);
   if (on_nonfinite_ == OnNonFinite::kRaise) {
@@ -77,6 +109,7 @@ void GradientPlan::begin(const TensorView& grad) {
   GC_CHECK_ARG(grad.data != nullptr || numel_ == 0, "plan '", name(), "': null gradient");
   grad_ = grad;
   phase_ = 0;
+  start_step();
   on_begin();
 }
 

@@ -26,7 +26,7 @@ using detail::sign_geom;
 struct OneBitAllreducePlan::Impl {
   Impl(Device dev, void* s)
       : we{Buffer(dev, s), Buffer(dev, s)},
-        se(dev, s),
+        se{Buffer(dev, s), Buffer(dev, s)},
         scales(dev, s),
         bits(dev, s),
         send(dev, s),
@@ -40,10 +40,12 @@ struct OneBitAllreducePlan::Impl {
         sws(dev),
         stream(s),
         ex{dev, s} {}
-  // Worker error and momentum: [cur] is the state; with check_finite a step writes its new
-  // values into [1 - cur] and a step kept on every rank swaps them in (a skipped one drops them).
+  // Worker error, server error and momentum: [cur] is the state; with check_finite a step
+  // writes its new values into [1 - cur] and a step kept on every rank swaps them in (a skipped
+  // one drops them; undo_step() swaps them back).
   Buffer we[2];
-  Buffer se, scales, bits, send, recv, avg, gsend, grecv;
+  Buffer se[2];
+  Buffer scales, bits, send, recv, avg, gsend, grecv;
   Buffer u[2];
   int cur = 0;
   bool staged = false;
@@ -52,6 +54,8 @@ struct OneBitAllreducePlan::Impl {
   float* we_in() { return static_cast<float*>(we[cur].data()); }
   float* we_out() { return static_cast<float*>(we[staged ? 1 - cur : cur].data()); }
   float* u_in() { return static_cast<float*>(u[cur].data()); }
+  float* se_in() { return static_cast<float*>(se[cur].data()); }
+  float* se_out() { return static_cast<float*>(se[staged ? 1 - cur : cur].data()); }
   float* u_out() { return static_cast<float*>(u[staged ? 1 - cur : cur].data()); }
   Buffer rot;  ///< cfg.rotate: the rotated gradient, unless it is rotated in place
   k::OneBitWorkspace ws;
@@ -97,7 +101,7 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   const size_t ce = static_cast<size_t>(chunk_elems());
   device_zero(device, s.we[0].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
               stream);
-  device_zero(device, s.se.get<float>(ce), ce * sizeof(float), stream);
+  for (Buffer& b : s.se) device_zero(device, b.get<float>(ce), ce * sizeof(float), stream);
   if (cfg_.momentum > 0.0)
     device_zero(device, s.u[0].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
                 stream);
@@ -129,7 +133,7 @@ const float* OneBitAllreducePlan::momentum_buffer() const {
   return cfg_.momentum > 0.0 ? static_cast<const float*>(impl_->u[impl_->cur].data()) : nullptr;
 }
 const float* OneBitAllreducePlan::server_error() const {
-  return static_cast<const float*>(impl_->se.data());
+  return static_cast<const float*>(impl_->se[impl_->cur].data());
 }
 
 void OneBitAllreducePlan::begin(const TensorView& grad) { start(grad, nullptr); }
@@ -155,6 +159,7 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
   s.grad = grad;
   s.out = out ? *out : grad;
   phase_ = 1;
+  start_step();
   // A bad gradient changes nothing here: phase 1 then sends NaN scales instead of its data, and
   // every rank learns of it from the step's own data (OnNonFinite, gradcomp/plan.hpp).
   auto found_bad = [&](int64_t index, std::string what) {
@@ -207,8 +212,15 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
       k::dispatch::dgc_accumulate(s.ex, s.src, s.src_t, numel_, 1.0f, m, false, s.u_out(), x,
                                   s.u_in(), e);
     }
-    k::dispatch::onebit_scales(s.ex, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling), false,
-                               scales, s.ws);
+    // the gradient was checked above: a non-finite x here is u or u + e overflowing fp32, which
+    // would poison the state, so the step is dropped like a non-finite one (a loss scaler then
+    // lowers its scale)
+    const int64_t big =
+        k::dispatch::onebit_scales(s.ex, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling),
+                                   cfg_.check_finite, scales, s.ws);
+    if (big >= 0)
+      return found_bad(big, detail::cat("the momentum (plus error) overflows fp32 at index ", big,
+                                        " although the gradient is finite"));
   } else {
     const float* e_in = cfg_.error_feedback ? s.we_in() : nullptr;
     const int64_t bad =
@@ -293,12 +305,13 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         k::dispatch::onebit_decode_average(s.ex, s.bit_ptrs.data(), s.scale_ptrs.data(), world_,
                                            geo, 1.0f / static_cast<float>(world_), false, avg,
                                            s.ws);
-        float* se = cfg_.error_feedback ? static_cast<float*>(s.se.data()) : nullptr;
+        const bool ef = cfg_.error_feedback;
+        const float* se = ef ? s.se_in() : nullptr;
         auto* scale = reinterpret_cast<float*>(gsend);
         k::dispatch::onebit_scales(s.ex, avg, DType::kFloat32, se, geo, norm_of(cfg_.scaling),
                                    false, scale, s.ws);
-        k::dispatch::onebit_quantize(s.ex, avg, DType::kFloat32, se, se, geo, scale,
-                                     reinterpret_cast<uint32_t*>(gsend + 4 * NB));
+        k::dispatch::onebit_quantize(s.ex, avg, DType::kFloat32, se, ef ? s.se_out() : nullptr, geo,
+                                     scale, reinterpret_cast<uint32_t*>(gsend + 4 * NB));
       }
       c.kind = CollectiveKind::kAllgather;
       c.send = gsend;
@@ -346,9 +359,9 @@ std::optional<Collective> OneBitAllreducePlan::next() {
           k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
       }
       phase_ = 0;
-      if (s.staged) s.cur = 1 - s.cur;  // the step's worker error and momentum become the state
+      if (s.staged) s.cur = 1 - s.cur;  // the step's errors and momentum become the state
       ++step_;
-      set_skipped(false);
+      set_skipped(false, s.staged);
       return std::nullopt;
     }
     default:
@@ -356,6 +369,11 @@ std::optional<Collective> OneBitAllreducePlan::next() {
                    ": next() called before begin() (no step in progress)");
   }
   return std::nullopt;
+}
+
+void OneBitAllreducePlan::undo_state() {
+  impl_->cur = 1 - impl_->cur;  // the buffers [1 - cur] still hold the state before the step
+  --step_;
 }
 
 std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
@@ -370,7 +388,7 @@ std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
   w.put<uint8_t>(cfg_.rotate);
   w.put<int64_t>(step_);
   w.put_array(impl_->we_in(), device_, numel_ * sizeof(float), impl_->stream);
-  w.put_array(impl_->se.data(), device_, chunk_elems() * sizeof(float), impl_->stream);
+  w.put_array(impl_->se_in(), device_, chunk_elems() * sizeof(float), impl_->stream);
   if (cfg_.momentum > 0.0)
     w.put_array(impl_->u_in(), device_, numel_ * sizeof(float), impl_->stream);
   return w.take();
@@ -396,8 +414,9 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.finish();
   if (u) device_copy(impl_->u_in(), device_, u, Device::kCPU, wb, impl_->stream);
   device_copy(impl_->we_in(), device_, we, Device::kCPU, wb, impl_->stream);
-  device_copy(impl_->se.data(), device_, se, Device::kCPU, sb, impl_->stream);
+  device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
   step_ = step;
+  start_step();
 }
 
 }  // namespace gradcomp

@@ -57,6 +57,7 @@ void PowerSGDPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(phase_ == Phase::kIdle || phase_ == Phase::kDone,
                "PowerSGD plan: load_state_dict() called while a step is in progress");
   st_.load_state_dict(data, nbytes);
+  start_step();
 }
 
 void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
@@ -90,7 +91,9 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
   // (phase_compress): no extra pass over the bucket. CUDA: one scan here.
   grads_ = grads;
   bad_ = false;
+  esaved_ = flipped_ = false;
   bad_what_.clear();
+  start_step();
   if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) find_bad();
   issued_.clear();
   phase_ = Phase::kStart;
@@ -134,7 +137,9 @@ std::optional<Collective> PowerSGDPlan::next() {
     ++st_.step_;
     phase_ = Phase::kDone;
     grads_.clear();
-    set_skipped(false);
+    last_compressed_ = compressed;
+    undo_at_ = st_.step_;
+    set_skipped(false, st_.cfg_.check_finite);
     return std::optional<Collective>();
   };
   switch (phase_) {
@@ -144,7 +149,7 @@ std::optional<Collective> PowerSGDPlan::next() {
     case Phase::kDone:
       return std::nullopt;
     case Phase::kStart: {
-      if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
+      if (st_.step_ < st_.cfg_.start_iter) {            // plain allreduce of the whole bucket
         if (!gpu && st_.cfg_.check_finite) find_bad();  // (CUDA: checked in begin())
         if (im.total_numel == 0) return done(false);
         float* b = static_cast<float*>(im.plain.data());
@@ -181,9 +186,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       return done(false);
     }
     case Phase::kWaitU:
-      if (st_.cfg_.check_finite &&
-          device_first_is_nan(st_.device_, ubuf, DType::kFloat32, im.stream))
-        return skip_step();
+      if (st_.cfg_.check_finite && sum_nonfinite(ubuf, st_.u_numel_)) return skip_step();
       if (st_.p_numel_ > 0) {
         phase_ = Phase::kWaitP;
         return issue(make(pbuf, static_cast<size_t>(st_.p_numel_), "powersgd P"));
@@ -191,9 +194,9 @@ std::optional<Collective> PowerSGDPlan::next() {
       phase_finish();
       return done(true);
     case Phase::kWaitP:
-      if (st_.cfg_.check_finite &&
-          device_first_is_nan(st_.device_, pbuf, DType::kFloat32, im.stream))
-        return skip_step();
+      // P is small: all of it is scanned, so that a sum over ranks that overflows is caught as
+      // well as a rank's NaN (every rank holds the same sum, so every rank skips)
+      if (st_.cfg_.check_finite && sum_nonfinite(pbuf, issued_.back().count)) return skip_step();
       phase_project();
       phase_ = Phase::kWaitQ;
       return issue(make(im.qbuf.data(), static_cast<size_t>(st_.q_numel_), "powersgd Q"));
@@ -210,7 +213,8 @@ void PowerSGDPlan::phase_compress() {
   const k::Exec& ex = im.ex;
   const bool gpu = ex.cuda();
   const auto& cfg = st_.cfg_;
-  float* M = static_cast<float*>(im.mbuf.data());
+  im.point_groups();
+  float* M = im.err();
   float* U = static_cast<float*>(im.pbuf.data()) + st_.p_numel_;
   const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
   for (size_t gi = 0; gi < im.groups.size(); ++gi) {
@@ -231,9 +235,11 @@ void PowerSGDPlan::phase_compress() {
     device_fill_nan(st_.device_, PU, pu_bytes, im.stream);
     return;
   }
-  if (gpu && check && cfg.error_feedback && st_.m_numel_ > 0)
+  if (gpu && check && cfg.error_feedback && st_.m_numel_ > 0) {  // for a skipped or undone step
     device_copy(im.esave.data(), st_.device_, M, st_.device_, static_cast<size_t>(st_.m_numel_) * 4,
                 im.stream);
+    esaved_ = true;
+  }
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
     const PowerSGDTensorInfo& t = st_.info_[i];
@@ -249,17 +255,20 @@ void PowerSGDPlan::phase_compress() {
   st_.q_ready_ = true;
   k::dispatch::psgd_compute_p(
       ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct}, im.ctx);
-  if (gpu || !check) return;
+  if (!check) return;
   // A NaN/Inf in M = grad + error makes its row of P non-finite (NaN * 0 and Inf * 0 are NaN, so
   // even a zero Q row cannot hide it); an uncompressed one lands in the pack as it is. So P and
   // the pack (small) are tested, and the bucket is scanned only to name the first bad index. A
-  // finite gradient whose P overflows is treated alike (its step would poison the error). On the
-  // CPU compress_p wrote no state (the error is not stored before finish()).
-  if (k::cpu::first_nonfinite(PU, DType::kFloat32, st_.p_numel_ + st_.u_numel_) < 0) return;
+  // finite gradient whose P overflows is treated alike (its step would poison the error); CUDA
+  // scanned the gradient in begin(), so there only that overflow is left to find. On the CPU
+  // compress_p wrote no state (the error is not stored before finish()).
+  if (k::dispatch::first_nonfinite(ex, PU, DType::kFloat32, st_.p_numel_ + st_.u_numel_, im.sws) <
+      0)
+    return;
   find_bad();
   if (!bad_) {
     bad_ = true;
-    bad_what_ = "the gradient is finite but its projection P overflows fp32";
+    bad_what_ = "the gradient is finite but its projection P overflows fp32 ";
   }
   device_fill_nan(st_.device_, PU, pu_bytes, im.stream);
 }
@@ -285,7 +294,7 @@ std::optional<Collective> PowerSGDPlan::skip_step() {
       device_copy(im.qbuf.data(), st_.device_, im.qsave.data(), st_.device_,
                   static_cast<size_t>(st_.q_numel_) * 4, im.stream);
     st_.q_ready_ = q_ready_saved_;
-    if (st_.device_ == Device::kCUDA && st_.cfg_.error_feedback && st_.m_numel_ > 0 && !bad_)
+    if (esaved_)  // (CUDA; the CPU has not written the error yet)
       device_copy(im.mbuf.data(), st_.device_, im.esave.data(), st_.device_,
                   static_cast<size_t>(st_.m_numel_) * 4, im.stream);
   }
@@ -298,10 +307,33 @@ std::optional<Collective> PowerSGDPlan::skip_step() {
   if (on_nonfinite_ == OnNonFinite::kRaise) {
     GC_CHECK_ARG(!bad_, "PowerSGD: ", bad_what_, "(the step was dropped on every rank and no ",
                  "state changed; on_nonfinite='raise')");
-    GC_CHECK_ARG(false, "PowerSGD: another rank's gradient held a non-finite value (NaN or Inf); ",
-                 "the step was dropped on every rank and no state changed (on_nonfinite='raise')");
+    GC_CHECK_ARG(false, "PowerSGD: another rank's gradient held a non-finite value (NaN or Inf), ",
+                 "or the sum of P over ranks overflowed fp32; the step was dropped on every rank ",
+                 "and no state changed (on_nonfinite='raise')");
   }
   return std::nullopt;
+}
+
+bool PowerSGDPlan::sum_nonfinite(const float* buf, int64_t n) {
+  return k::dispatch::first_nonfinite(st_.impl_->ex, buf, DType::kFloat32, n, st_.impl_->sws) >= 0;
+}
+
+void PowerSGDPlan::undo_state() {
+  GC_CHECK_ARG(st_.step_ == undo_at_, "PowerSGD plan: undo_step(): the state was stepped by ",
+               "another plan since (undo through the plan that ran the last step)");
+  auto& im = *st_.impl_;
+  if (last_compressed_) {  // Q, its readiness and the error as before the step
+    if (st_.q_numel_ > 0)
+      device_copy(im.qbuf.data(), st_.device_, im.qsave.data(), st_.device_,
+                  static_cast<size_t>(st_.q_numel_) * 4, im.stream);
+    st_.q_ready_ = q_ready_saved_;
+    if (esaved_)  // CUDA: the copy; the CPU wrote the new error into the other buffer
+      device_copy(im.mbuf.data(), st_.device_, im.esave.data(), st_.device_,
+                  static_cast<size_t>(st_.m_numel_) * 4, im.stream);
+    if (flipped_) im.flip = !im.flip;
+  }
+  --st_.step_;
+  undo_at_ = -1;
 }
 
 // local: P = P_sum / world; P_hat = orth(P); Q = M^T P_hat.
@@ -326,6 +358,10 @@ void PowerSGDPlan::phase_finish() {
   k::dispatch::psgd_finish(im.ex, {im.groups, im.member_grads, st_.dtype_, ef, direct},
                            static_cast<float*>(im.scratch.data()),
                            static_cast<int64_t>(im.scratch.capacity() / 4), im.ctx);
+  if (im.dbuf) {  // the new error went into the other buffer: it is now the state
+    im.flip = !im.flip;
+    flipped_ = true;
+  }
   const float* U = static_cast<const float*>(im.pbuf.data()) + st_.p_numel_;
   for (size_t i = 0; i < grads_.size(); ++i) {
     const PowerSGDTensorInfo& t = st_.info_[i];

@@ -64,7 +64,7 @@ std::optional<Collective> RandomKAllreducePlan::next() {
         k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
       phase_ = 2;
       comp_.commit();
-      end_step(false, bad_);
+      end_step(false, bad_, check_finite_);
       return std::nullopt;
     }
     default:

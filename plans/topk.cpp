@@ -223,7 +223,7 @@ std::optional<Collective> TopKAllreducePlan::next() {
 
 void TopKAllreducePlan::settle(bool skip) {
   if (!skip) comp_.commit();  // (a skipped step's staged state is simply not taken)
-  end_step(skip, bad_);
+  end_step(skip, bad_, check_finite_);
 }
 
 void TopKAllreducePlan::copy_headers(const uint8_t* all) {

@@ -181,12 +181,14 @@ class OneBitAllreducePlan : public BucketPlan {
                       Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
   ~OneBitAllreducePlan() override;
   /// Starts a step that averages in place, like every other bucket plan: grad (numel elements,
-  /// fp32/fp16/bf16, on the plan's device) receives the average (rounded to its dtype) when
+  /// fp32/fp16/bf16, on the plan's device) receives the average (rounded to its dtype,
+  /// saturating: a finite average stays finite) when
   /// next() returns nullopt. Checks sizes, dtype and device before any state changes (throws
   /// InvalidArgument, also if a step is still in progress); a NaN/Inf gradient (check_finite)
   /// does not throw here: the step goes on and is skipped on every rank, or raises on every rank
-  /// at its end (OnNonFinite, gradcomp/plan.hpp). With check_finite the worker error and momentum
-  /// are double-buffered (4 more bytes per element, 8 with momentum). With cfg.rotate an fp32 grad
+  /// at its end (OnNonFinite, gradcomp/plan.hpp). With check_finite the worker error, server
+  /// error and momentum are double-buffered (4 more bytes per element, 8 with momentum; which
+  /// also lets undo_step() take a kept step back). With cfg.rotate an fp32 grad
   /// is rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
   /// fp16/bf16 gradients, and the form with `out`, are rotated in a scratch copy (4 bytes per
   /// element, kept by the plan).
@@ -223,6 +225,7 @@ class OneBitAllreducePlan : public BucketPlan {
 
  private:
   void start(const TensorView& grad, const TensorView* out);
+  void undo_state() override;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   OneBitConfig cfg_;

@@ -128,17 +128,47 @@ class BucketPlan : public Plan {
   bool skipped() const { return skipped_; }
   /// Steps skipped so far by this plan object.
   int64_t skipped_steps() const { return skipped_steps_; }
+  /// Takes back the last finished step that was kept (not skipped): every piece of state it
+  /// changed (residuals, momenta, errors, Q, step counters) returns bitwise to what it was before
+  /// it. This is for a training step over several buckets in which another bucket's plan
+  /// skipped(): the optimizer step is then skipped as a whole (a GradScaler sees the NaN), so the
+  /// buckets that were kept must not advance either (see settle_step()). The averaged gradient
+  /// already written stays. Allowed once after a kept step, before the next begin() or
+  /// load_state_dict(), and only with check_finite on (the plan then keeps the state before the
+  /// step); InvalidArgument otherwise, and nothing changes. A stateless plan has nothing to take
+  /// back: a no-op.
+  void undo_step();
+  /// Whether undo_step() would take a step back now.
+  bool can_undo() const { return undoable_; }
 
  protected:
-  /// Records the outcome of a finished step (skipped or not).
-  void set_skipped(bool s) {
+  /// Records the outcome of a finished step (skipped or not); `undoable`: a kept step whose
+  /// prior state the plan still holds.
+  void set_skipped(bool s, bool undoable = false) {
     skipped_ = s;
+    undoable_ = !s && undoable;
     if (s) ++skipped_steps_;
   }
+  /// Called by begin() (once its checks passed) and load_state_dict(): the last step's outcome
+  /// no longer describes the state.
+  void start_step() { skipped_ = undoable_ = false; }
+  /// Restores the state before the last kept step (undo_step() checked that it may).
+  virtual void undo_state() {}
   OnNonFinite on_nonfinite_ = OnNonFinite::kSkip;
   bool skipped_ = false;
+  bool undoable_ = false;
   int64_t skipped_steps_ = 0;
 };
+
+/// Ends a training step over several buckets (one plan each, every plan finished): if some
+/// bucket's plan skipped the step (a NaN/Inf on some rank; its average is NaN everywhere), every
+/// other plan's step is taken back with undo_step(), so the whole step leaves no trace, as the
+/// optimizer skips it. Returns whether the step was skipped. Every rank calls it with the same
+/// buckets and gets the same answer (skipped() agrees across ranks).
+///
+/// Example:  for (auto* p : plans) { p->begin(bucket[i]); gradcomp::run_plan(*p, comm); }
+///           if (gradcomp::settle_step(plans)) { /* the optimizer skips this step */ }
+bool settle_step(const std::vector<BucketPlan*>& plans);
 
 /// Executes one plan per simulated rank in this process, summing in rank order. For tests and
 /// single-process experiments. Throws InvalidArgument if the ranks disagree on a collective.

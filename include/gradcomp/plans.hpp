@@ -56,8 +56,9 @@ class GradientPlan : public BucketPlan {
   int64_t first_nonfinite();
   /// Ends a step whose data said whether some rank's gradient was not finite (`skip`): a skipped
   /// step fills the gradient with NaN, records it and, with OnNonFinite::kRaise, throws
-  /// InvalidArgument on this rank (`bad_index`: this rank's first bad index, or -1).
-  void end_step(bool skip, int64_t bad_index);
+  /// InvalidArgument on this rank (`bad_index`: this rank's first bad index, or -1). `undoable`:
+  /// a kept step whose prior state the plan still holds (see BucketPlan::undo_step()).
+  void end_step(bool skip, int64_t bad_index, bool undoable = false);
 
   int64_t numel_;
   DType dtype_;
@@ -197,6 +198,7 @@ class TopKAllreducePlan : public GradientPlan {
   std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
   void load_state_dict(const uint8_t* data, size_t nbytes) override {
     comp_.load_state_dict(data, nbytes);
+    start_step();
   }
   const TopKPlanStats& stats() const { return stats_; }
   /// The route the cost model picks for these sizes (exposed for tests and the benchmark).
@@ -232,6 +234,7 @@ class TopKAllreducePlan : public GradientPlan {
   void copy_headers(const uint8_t* gathered);
   /// Keeps (commit) or drops the step's state change and ends the step (GradientPlan::end_step).
   void settle(bool skip);
+  void undo_state() override { comp_.uncommit(); }
 };
 
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
@@ -252,9 +255,11 @@ class RandomKAllreducePlan : public GradientPlan {
   std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
   void load_state_dict(const uint8_t* data, size_t nbytes) override {
     comp_.load_state_dict(data, nbytes);
+    start_step();
   }
 
  private:
+  void undo_state() override { comp_.uncommit(); }
   RandomKCompressor comp_;
   Payload payload_;
   Buffer acc_;

@@ -66,12 +66,14 @@ struct PowerSGDConfig {
   /// Send the uncompressed pack and P in one allreduce (2 collectives per step instead of 3).
   bool fuse_uncompressed_with_p = true;
   /// Find a gradient holding NaN/Inf and skip (or raise on) the step on every rank, error, Q and
-  /// step as they were (OnNonFinite, gradcomp/plan.hpp). CPU: nearly free, the test rides on P
-  /// and the uncompressed pack in the first next() phase (a finite gradient whose P overflows
-  /// counts as bad too); the bucket is scanned only to name the index. CUDA: begin() scans the
-  /// bucket, and the error is saved before each step (a device copy) since M is formed in it.
-  /// The bad rank sends NaN in place of P (and the pack); every rank reads the first reduced
-  /// value. Off: a NaN/Inf enters the error and Q and stays there.
+  /// step as they were (OnNonFinite, gradcomp/plan.hpp). The test rides on P and the
+  /// uncompressed pack in the first next() phase (a finite gradient whose P overflows counts as
+  /// bad too; CUDA also scans the bucket in begin()); the bucket is scanned only to name the
+  /// index. The bad rank sends NaN in place of P (and the pack); every rank scans the reduced P
+  /// (small), which also catches a sum over ranks that overflows. The error and Q are saved
+  /// before each step (a copy of the error: one read and one write of it, and its size in
+  /// memory), so that a skipped step on CUDA, and undo_step() anywhere, restore them. Off: a
+  /// NaN/Inf enters the error and Q and stays there.
   bool check_finite = true;
   void validate() const;
 };
@@ -198,10 +200,17 @@ class PowerSGDPlan : public BucketPlan {
   void find_bad();
   /// Ends a step found bad on some rank: error, Q and step restored, gradients NaN.
   std::optional<Collective> skip_step();
-  std::unique_ptr<PowerSGDState> owned_;
+  /// Whether a summed buffer of n floats holds NaN or Inf (a bad rank, or an overflowing sum).
+  bool sum_nonfinite(const float* buf, int64_t n);
+  void undo_state() override;
+  std::unique_ptr<PowerSGDState> owned_;  ///< null when the caller keeps the state
   bool bad_ = false;  ///< this step: this rank's gradient (or its P) was not finite
   bool q_ready_saved_ = false;
-  std::string bad_what_;  ///< null when the caller keeps the state
+  bool esaved_ = false;   ///< this step copied the error (CUDA, check_finite, error feedback)
+  bool flipped_ = false;  ///< this step wrote the error into the other buffer (CPU)
+  bool last_compressed_ = false;  ///< the last kept step was compressed (not a plain one)
+  int64_t undo_at_ = -1;          ///< the state's step count right after the last kept step
+  std::string bad_what_;
   PowerSGDState& st_;
   int world_;
   Phase phase_ = Phase::kIdle;

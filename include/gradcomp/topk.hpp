@@ -28,7 +28,8 @@ namespace gradcomp {
 /// InvalidArgument for k < 0, k > numel, or a non-fp32 x.
 ///
 /// Example:  std::vector<uint32_t> idx(k);
-///           int64_t c = gradcomp::topk_indices(TensorView::cpu(x.data(), n), k, {}, {}, idx.data());
+///           int64_t c = gradcomp::topk_indices(TensorView::cpu(x.data(), n), k, {}, {},
+///           idx.data());
 int64_t topk_indices(const TensorView& x, int64_t k, const SelectOptions& opt, const RngKey& key,
                      uint32_t* out);
 
@@ -43,7 +44,7 @@ int64_t topk_indices(const TensorView& x, int64_t k, const SelectOptions& opt, c
 /// accumulates the velocity u = m u + g locally (v += u, Nesterov: v += g + m u), sends from v,
 /// and clears u where it sent (masking); the optimizer must then apply no momentum of its own.
 struct SparsifyConfig {
-  double ratio = 0.001;  ///< density (fraction of elements sent) after warm-up, in (0, 1]
+  double ratio = 0.001;          ///< density (fraction of elements sent) after warm-up, in (0, 1]
   double momentum = 0.0;         ///< DGC momentum correction factor m in [0, 1); 0 = off
   bool nesterov = false;         ///< Nesterov form of the correction
   bool momentum_masking = true;  ///< clear the momentum where an element was sent
@@ -62,8 +63,11 @@ struct SparsifyConfig {
   int64_t warmup_steps = 0;
   DType value_dtype = DType::kFloat32;  ///< dtype of the sent values
   bool error_feedback = true;           ///< keep what is not sent (residual); off for ablations
-  /// Reject a gradient with NaN/Inf, naming the first bad index, before any state changes.
-  /// Turning it off saves one read of the gradient; NaN then poisons the residual.
+  /// Find a gradient holding NaN/Inf before any state changes: the codec alone throws naming
+  /// the first bad index; the allreduce plans skip the step on every rank (or raise there, see
+  /// OnNonFinite in gradcomp/plan.hpp) and keep the state before the step (a second residual and
+  /// momentum buffer), which also lets undo_step() take a kept step back. Turning it off saves
+  /// one read of the gradient and that memory; a NaN then poisons the residual for good.
   bool check_finite = true;
   uint64_t seed = 0;       ///< RNG seed (sampling offsets, random-k), identical on every rank
   uint32_t tensor_id = 0;  ///< distinguishes tensors in the RNG and the payload header
@@ -116,6 +120,10 @@ class TopKCompressor : public Compressor {
   void set_staged(bool on);
   /// Makes the last encode()'s state change permanent (staged mode; a no-op otherwise).
   void commit();
+  /// Takes the last commit() back (staged mode): the state before that step's encode() is still
+  /// in the second buffer set until the next encode() writes over it. Only right after a commit()
+  /// (the plans track that); InvalidArgument when not staged.
+  void uncommit();
   /// A payload for this step that carries no data and is flagged kPayloadSkipped (the sender's
   /// gradient held NaN or Inf). The state does not change.
   void encode_skipped(Payload& out);
@@ -194,6 +202,10 @@ class RandomKCompressor : public Compressor {
   void set_staged(bool on);
   /// Makes the last encode()'s state change permanent (staged mode; a no-op otherwise).
   void commit();
+  /// Takes the last commit() back (staged mode): the state before that step's encode() is still
+  /// in the second buffer set until the next encode() writes over it. Only right after a commit()
+  /// (the plans track that); InvalidArgument when not staged.
+  void uncommit();
   /// A payload for this step that carries no data and is flagged kPayloadSkipped (the sender's
   /// gradient held NaN or Inf): count_at(step) NaN values, which make the summed values NaN on
   /// every rank. The state does not change.

@@ -476,7 +476,8 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
                 g.r, 1.0f, g.P + b * g.n * g.r + i0 * g.r, g.r, g.Q + b * g.m * g.r, g.r, 0.0f, R,
                 static_cast<int>(g.m));
     if (direct) continue;
-    float* E = g.M + b * g.n * g.m + off;
+    const float* E = g.M + b * g.n * g.m + off;
+    float* Eo = (g.M_out ? g.M_out : g.M) + b * g.n * g.m + off;  // (may be E itself)
     if (t == DType::kFloat32) {
       float* out = static_cast<float*>(dst) + off;
       if (ef) {  // E holds the old error: error = (error + g) - result, M never stored
@@ -485,7 +486,7 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
           const float v = R[i];
           const float m = E[i] + out[i];
           out[i] = v;
-          E[i] = m - v;
+          Eo[i] = m - v;
         }
       } else {
         std::memcpy(out, R, static_cast<size_t>(len) * sizeof(float));
@@ -494,7 +495,7 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
       for (int64_t i = 0; i < len; ++i) {
         const float m = ef ? E[i] + psgd_load(dst, off + i, t) : 0.0f;  // M = error + g
         psgd_store(dst, off + i, t, R[i]);
-        if (ef) E[i] = m - psgd_load(dst, off + i, t);  // the error keeps the store's rounding too
+        if (ef) Eo[i] = m - psgd_load(dst, off + i, t);  // the error keeps the store's rounding too
       }
     }
   }

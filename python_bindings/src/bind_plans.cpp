@@ -69,6 +69,14 @@ void bind_plans(nb::module_& m) {
                    "NaN or Inf (the average is then NaN on every rank and no state changed).")
       .def_prop_ro("skipped_steps", &BucketPlan::skipped_steps,
                    "Steps this plan skipped so far (NaN/Inf on some rank).")
+      .def("undo_step", &BucketPlan::undo_step,
+           "Takes back the last finished step that was kept: the state returns bitwise to what "
+           "it was before it (the average already written stays). For a training step in which "
+           "another bucket was skipped. Once, before the next begin() or load_state_dict(), "
+           "with check_finite on; a ValueError otherwise, nothing changed. A no-op for a "
+           "stateless plan.")
+      .def_prop_ro("can_undo", &BucketPlan::can_undo,
+                   "Whether undo_step() would take a step back now.")
       .def_prop_ro("stateful", &BucketPlan::stateful,
                    "Whether state_dict() carries state between steps (checkpoint it).")
       .def("state_dict", [](const BucketPlan& p) { return to_bytes(p.state_dict()); })
@@ -112,6 +120,13 @@ void bind_plans(nb::module_& m) {
       "(name) lists them with their defaults); an unknown option, a wrong type or a bad value is "
       "a ValueError. shapes: the bucket's tensor shapes (PowerSGD). bucket_id keys the RNG per "
       "bucket; backend ('gloo', 'nccl', ...) picks the cast plans' route='auto'.");
+  m.def(
+      "settle_step", [](const std::vector<BucketPlan*>& plans) { return settle_step(plans); },
+      nb::arg("plans"),
+      "Ends a training step over several buckets (each plan finished): if some plan skipped "
+      "the step (NaN/Inf on some rank), every other plan's step is taken back with undo_step(), "
+      "so the step leaves no trace as the optimizer skips it. Returns whether it was skipped; "
+      "a plan that cannot take its step back is a ValueError raised before any changes.");
   m.def("plan_names", &plan_names, "The compressor names make_plan() knows.");
   m.def(
       "plan_defaults",

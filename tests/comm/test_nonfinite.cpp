@@ -255,3 +255,152 @@ TEST(NonFinite, OptionIsCheckedAndRefusedByTheCodecs) {
                gc::InvalidArgument);
   EXPECT_THROW(gc::topk_config({{"on_nonfinite", std::string("skip")}}), gc::InvalidArgument);
 }
+
+// A training step over two buckets in which only the second holds a NaN/Inf on one rank: the
+// first bucket's plans keep their step, the second's skip it, and settle_step() takes the first
+// bucket's step back, so that both buckets end bitwise as in a twin run without that step (the
+// optimizer skips the whole step, as a GradScaler does when any gradient is non-finite).
+TEST(NonFinite, SettleStepTakesBackTheBucketsThatWereKept) {
+  const int steps = 5, bad_step = 2;
+  int checked = 0;
+  for (const Variant& v : variants())
+    for (int P : {1, 2, 3})
+      for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}})
+        for (gc::DType dt : {gc::DType::kFloat32, gc::DType::kFloat16}) {
+          const int64_t n2 = n + 5;
+          const int bad_rank = static_cast<int>(n % P);
+          SCOPED_TRACE(describe(v) + " P=" + std::to_string(P) + " n=" + std::to_string(n) +
+                       " dtype " + gc::dtype_name(dt));
+          Ranks a(v, P, n, dt, gc::OnNonFinite::kSkip), b(v, P, n2, dt, gc::OnNonFinite::kSkip);
+          Ranks ta(v, P, n, dt, gc::OnNonFinite::kSkip), tb(v, P, n2, dt, gc::OnNonFinite::kSkip);
+          for (int s = 0; s < steps; ++s) {
+            std::vector<std::vector<uint8_t>> ga, gb;
+            for (int r = 0; r < P; ++r) {
+              ga.push_back(gradient(n, dt, r, s));
+              gb.push_back(gradient(n2, dt, r + 7, s));
+            }
+            auto ha = ga, hb = gb;
+            if (s == bad_step) {
+              poison(gb[bad_rank], dt, n2 / 2, static_cast<int>(n % 3));
+              const auto before = a.states();
+              a.step(ga, dt);
+              b.step(gb, dt);
+              for (int r = 0; r < P; ++r) {
+                ASSERT_FALSE(a.plans[r]->skipped());
+                ASSERT_TRUE(b.plans[r]->skipped());
+                ASSERT_TRUE(a.plans[r]->can_undo());
+              }
+              ASSERT_NE(a.states(), before) << "the kept bucket did not step";
+              for (int r = 0; r < P; ++r)  // each rank settles its own buckets
+                ASSERT_TRUE(gc::settle_step({a.plans[r].get(), b.plans[r].get()}));
+              ASSERT_EQ(a.states(), before) << "settle_step did not take the kept step back";
+              for (int r = 0; r < P; ++r) {
+                ASSERT_FALSE(a.plans[r]->can_undo());
+                ASSERT_THROW(a.plans[r]->undo_step(), gc::InvalidArgument);  // once only
+                ASSERT_THROW(b.plans[r]->undo_step(), gc::InvalidArgument);  // nothing kept
+              }
+              continue;
+            }
+            a.step(ga, dt);
+            b.step(gb, dt);
+            ta.step(ha, dt);
+            tb.step(hb, dt);
+            for (int r = 0; r < P; ++r) {
+              ASSERT_FALSE(gc::settle_step({a.plans[r].get(), b.plans[r].get()}));
+              ASSERT_EQ(ga[r], ha[r]) << "step " << s << " rank " << r;
+              ASSERT_EQ(gb[r], hb[r]) << "step " << s << " rank " << r;
+            }
+          }
+          ASSERT_EQ(a.states(), ta.states());
+          ASSERT_EQ(b.states(), tb.states());
+          ++checked;
+        }
+  EXPECT_GT(checked, 200);
+}
+
+TEST(NonFinite, UndoStepIsRefusedWhereItCannotBeExact) {
+  gc::BucketSpec b;
+  b.numel = 64;
+  std::vector<float> g = gc::test::normal(64, 5);
+  for (const char* f : {"topk", "randomk", "onebit", "powersgd"}) {
+    SCOPED_TRACE(f);
+    // check_finite off: no copy of the state before the step is kept
+    auto off = gc::make_plan(f, b, {{"check_finite", false}});
+    auto on = gc::make_plan(f, b, {});
+    for (auto* p : {off.get(), on.get()}) {
+      std::vector<float> x = g;
+      p->begin(gc::TensorView(x.data(), {64}, gc::DType::kFloat32, gc::Device::kCPU));
+      gc::run_plans_in_process({p});
+    }
+    EXPECT_FALSE(off->can_undo());
+    EXPECT_THROW(off->undo_step(), gc::InvalidArgument);
+    ASSERT_TRUE(on->can_undo());
+    // a bucket of the same step skipped: settle_step refuses before changing anything
+    gc::BucketSpec nb = b;
+    auto bad = gc::make_plan(f, nb, {});
+    std::vector<float> y = g;
+    y[3] = NAN;
+    bad->begin(gc::TensorView(y.data(), {64}, gc::DType::kFloat32, gc::Device::kCPU));
+    gc::run_plans_in_process({bad.get()});
+    ASSERT_TRUE(bad->skipped());
+    const auto on_state = on->state_dict();
+    EXPECT_THROW(gc::settle_step({on.get(), off.get(), bad.get()}), gc::InvalidArgument);
+    EXPECT_TRUE(on->can_undo());
+    EXPECT_EQ(on->state_dict(), on_state);
+    // a load_state_dict() or a begin() since the step ends the chance to undo it
+    on->load_state_dict(on_state.data(), on_state.size());
+    EXPECT_FALSE(on->can_undo());
+    EXPECT_THROW(on->undo_step(), gc::InvalidArgument);
+    EXPECT_THROW(gc::settle_step({on.get(), nullptr}), gc::InvalidArgument);
+  }
+  // a stateless plan has nothing to take back
+  auto plain = gc::make_plan("allreduce", b, {});
+  std::vector<float> x = g;
+  plain->begin(gc::TensorView(x.data(), {64}, gc::DType::kFloat32, gc::Device::kCPU));
+  gc::run_plans_in_process({plain.get()});
+  EXPECT_NO_THROW(plain->undo_step());
+}
+
+// Finite gradients whose compressed state would overflow fp32 (1-bit's momentum sum, PowerSGD's
+// P summed over ranks) skip the step on every rank instead of poisoning the state.
+TEST(NonFinite, StateThatWouldOverflowSkipsTheStep) {
+  const int P = 3;
+  const int64_t n = 1000;
+  for (const Variant& v :
+       {Variant{"onebit", {{"momentum", 0.9}}}, Variant{"powersgd", {{"rank", int64_t{2}}}}}) {
+    SCOPED_TRACE(describe(v));
+    Ranks ranks(v, P, n, gc::DType::kFloat32, gc::OnNonFinite::kSkip);
+    int skipped = 0;
+    for (int s = 0; s < 4; ++s) {
+      std::vector<std::vector<uint8_t>> g;
+      for (int r = 0; r < P; ++r) {
+        std::vector<float> f(static_cast<size_t>(n), 3.0e38f);  // finite, near FLT_MAX
+        std::vector<uint8_t> bytes(4 * n);
+        std::memcpy(bytes.data(), f.data(), bytes.size());
+        g.push_back(bytes);
+      }
+      const auto before = ranks.states();
+      ranks.step(g, gc::DType::kFloat32);
+      const bool sk = ranks.plans[0]->skipped();
+      for (int r = 0; r < P; ++r) ASSERT_EQ(ranks.plans[r]->skipped(), sk) << "rank " << r;
+      if (sk) {
+        ++skipped;
+        ASSERT_EQ(ranks.states(), before);
+        for (int r = 0; r < P; ++r) ASSERT_TRUE(all_nan(g[r], gc::DType::kFloat32));
+      } else {
+        for (int r = 0; r < P; ++r) {
+          float x;
+          for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(&x, g[r].data() + 4 * i, 4);
+            ASSERT_TRUE(std::isfinite(x)) << "rank " << r << " index " << i;
+          }
+        }
+      }
+    }
+    EXPECT_GT(skipped, 0) << "nothing overflowed: the test does not test";
+    const auto states = ranks.states();  // every state reloads (it holds no NaN/Inf)
+    Ranks fresh(v, P, n, gc::DType::kFloat32, gc::OnNonFinite::kSkip);
+    for (int r = 0; r < P; ++r)
+      EXPECT_NO_THROW(fresh.plans[r]->load_state_dict(states[r].data(), states[r].size()));
+  }
+}

@@ -63,9 +63,9 @@ def test_decisions_and_rechecks_from_recorded_costs():
             link = {"allreduce": 0.010, "fp16": 0.0103, "powersgd": 0.0098}  # a fast link
         state._new_step(it)
         phase, name, measured = state.phase(it)
-        if measured:
-            for idx in (0, 1):
-                state._sampler(name)(idx, it, Stats(link[name] * (1 + idx)))
+        samples = [state._sampler(name)(idx, it, Stats(link[name] * (1 + idx)))
+                   for idx in (0, 1)] if measured else []
+        state._close_step(True, samples)  # an applied step files its samples
         state.subs["powersgd"].buckets[0] = object()  # as if bucket 0 had PowerSGD state
     assert [t["iter"] for t in state.trials] == [7, 23]  # trials at 1-6 and 17-22
     assert state.trials[0]["choices"] == {0: "powersgd", 1: "powersgd"}

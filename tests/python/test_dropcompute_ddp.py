@@ -289,3 +289,32 @@ def test_between_mode_requires_dc_backward():
     for x in dc.microbatches(mb_data(0, m) for m in range(2)):
         dc.backward(model(x).mean())
     assert dc.last["completed"] >= 1
+
+
+def test_overflow_step_leaves_no_latency_sample():
+    """A measured step whose gradients are not finite (a loss-scaler overflow, skipped by the
+    optimizer) is not kept: the automatic tau equals that of a run without the step, even though
+    that step's micro-batches were far slower."""
+    def run(bad_step):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(DIM, 1, bias=False)
+        clk = ManualClock()
+        dc = DropCompute(model, 3, tau=None, warmup_steps=2, serial_time=0.5, timer=clk)
+        for s in range(4):
+            model.zero_grad()
+            for m, x in enumerate(dc.microbatches(mb_data(s, m) for m in range(3))):
+                loss = model(x).mean()
+                if s == bad_step:
+                    loss = loss * float("inf")
+                loss.backward()
+                clk.t += 9.0 if s == bad_step else 1.0 + 0.5 * m
+        return dc
+
+    bad, never = run(bad_step=1), run(bad_step=None)
+    assert bad.skipped_measurements == 1 and never.skipped_measurements == 0
+    # each estimated once, from 2 good measured steps (the bad run one step later)
+    assert [e["step"] for e in bad.estimates] == [3]
+    assert [e["step"] for e in never.estimates] == [2]
+    for key in ("steps_used", "tau", "latency_mean", "latency_stddev"):
+        assert bad.estimates[0][key] == never.estimates[0][key], key
+    assert bad.estimates[0]["latency_mean"] == pytest.approx((1.0 + 1.5 + 2.0) / 3)

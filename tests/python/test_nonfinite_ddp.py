@@ -35,14 +35,24 @@ FAMILIES = [
 STEPS, BAD = 8, 4  # BAD > start_iter (2): the step is a compressed one
 
 
-def _train(rank, model, opt, state, data, bad_step=None):
+def _train(rank, model, opt, state, data, bad_step=None, where="loss"):
     """The loop a GradScaler runs: after backward, a step whose averaged gradients are not all
-    finite is skipped (no optimizer step). Returns the steps skipped."""
+    finite is skipped (no optimizer step). Returns the steps skipped. The overflow on rank 1 at
+    `bad_step`: in the loss (every gradient non-finite) or, with where="layer", in the first
+    layer's weight gradient alone (as an fp16 overflow deep in the network is: the buckets of
+    the later layers are finite and kept, and must take their step back)."""
     skipped = []
+    poison = []
+    if where == "layer":
+        fc1 = model.module.fc1.weight
+        poison.append(fc1.register_hook(
+            lambda g: g * float("inf") if poison[-1] and rank == 1 else g))
     for s, (x, y) in enumerate(data):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
-        if s == bad_step and rank == 1:
+        if where == "layer":
+            poison.append(s == bad_step)
+        elif s == bad_step and rank == 1:
             loss = loss * float("inf")  # an overflow on one rank only
         loss.backward()
         finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -50,12 +60,15 @@ def _train(rank, model, opt, state, data, bad_step=None):
             opt.step()
         else:
             skipped.append(s)
-            # every rank sees the whole step non-finite: every bucket came out NaN
-            assert all(torch.isnan(p.grad).all() for p in model.parameters())
+            if where == "loss":  # every rank sees the whole step non-finite: every bucket NaN
+                assert all(torch.isnan(p.grad).all() for p in model.parameters())
+            else:  # fc1's bucket is NaN on every rank, the output layer's is finite
+                assert torch.isnan(model.module.fc1.weight.grad).all()
+                assert torch.isfinite(model.module.fc3.weight.grad).all()
     return skipped
 
 
-def _overflow_step(rank, world, name, opts, out_dir):
+def _overflow_step(rank, world, name, opts, out_dir, where="loss"):
     data = make_data(rank, STEPS)
     results = {}
     for run_kind in ("overflow", "never"):
@@ -66,7 +79,7 @@ def _overflow_step(rank, world, name, opts, out_dir):
         model.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         if run_kind == "overflow":
-            skipped = _train(rank, model, opt, state, data, bad_step=BAD)
+            skipped = _train(rank, model, opt, state, data, bad_step=BAD, where=where)
             assert skipped == [BAD], skipped
             assert state.skipped_steps == 1
             assert state.iter == STEPS - 1  # the skipped step did not count
@@ -90,9 +103,10 @@ def _overflow_step(rank, world, name, opts, out_dir):
 
 @pytest.mark.parametrize("name,opts", FAMILIES, ids=[f"{n}-{i}" for i, (n, _) in
                                                     enumerate(FAMILIES)])
-def test_overflow_step_leaves_no_trace(name, opts):
+@pytest.mark.parametrize("where", ["loss", "layer"])
+def test_overflow_step_leaves_no_trace(name, opts, where):
     out = tmpdir()
-    run(_overflow_step, 2, name, opts, out)
+    run(_overflow_step, 2, name, opts, out, where)
     assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
 
 
@@ -228,4 +242,50 @@ def _rebuilt_buckets(rank, world, out_dir):
 def test_bucket_mismatch_error_reaches_the_user_and_ddp_stays_usable():
     out = tmpdir()
     run(_rebuilt_buckets, 2, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+def _auto_overflow(rank, world, out_dir):
+    torch.manual_seed(0)
+    data = make_data(rank, 12)
+    model = DDP(Net(d_hidden=600), bucket_cap_mb=0.01)
+    state, hook = gt.hook("auto", model=model, candidates=("allreduce", "fp16", "powersgd"),
+                          trial_steps=3, start_iter=1)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def samples():
+        return sum(len(v) for v in state._samples.values())
+
+    # iteration 2 is a measured trial step; the overflow there must leave no timing sample and
+    # not advance the schedule; its retry (the same iteration) is measured as usual
+    bad = 2
+    for s, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if s == bad and rank == 1:
+            loss = loss * float("inf")
+        before_iter, before_samples = state.iter, samples()
+        loss.backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        if s == bad:
+            assert not finite
+            assert state.iter == before_iter and samples() == before_samples
+        else:
+            assert finite
+            assert state.iter == before_iter + 1
+            if s == bad + 1:
+                assert samples() > before_samples, "the retry was not measured"
+            opt.step()
+    assert state.iter == len(data) - 1
+    assert len(state.history) == len(data)  # every step the hook saw, the skipped one included
+    assert state.trials, "no decision was made"
+    assert params_equal_across_ranks(model)
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_auto_hook_overflow_step_leaves_no_sample_and_keeps_the_schedule():
+    out = tmpdir()
+    run(_auto_overflow, 2, out)
     assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]

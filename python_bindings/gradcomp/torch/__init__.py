@@ -31,6 +31,7 @@ import collections
 import datetime
 import logging
 import math
+import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -84,8 +85,10 @@ class GradcompState:
         if self.start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         self.log_every = int(log_every)
-        self.iter = 0  # steps applied (a step skipped on every bucket does not count)
+        self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw, skipped ones included: the index of history
+        self._owner = None  # the state that settles steps (hook("auto") for its candidates)
+        self._steps = _Steps(self)
         self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
         # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
         self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
@@ -118,8 +121,9 @@ class GradcompState:
     # -- statistics (gradcomp/torch/_stats.py) ---------------------------------------------------
     @property
     def history(self) -> list:
-        """Per iteration: dense bytes, bytes handed to collectives, bytes on the wire, local and
-        communication seconds, collectives, buckets."""
+        """Per step the hook saw (skipped and failed steps included, so an entry's index can
+        run ahead of ``iter``): dense bytes, bytes handed to collectives, bytes on the wire,
+        local and communication seconds, collectives, buckets, skipped buckets."""
         return self.stats.history
 
     @property
@@ -142,8 +146,15 @@ class GradcompState:
     @property
     def skipped_steps(self) -> int:
         """Steps in which some bucket was skipped because a rank's gradient held NaN or Inf
-        (each such bucket came out NaN on every rank, its compression state unchanged)."""
+        (each such bucket came out NaN on every rank; the step left no state behind in any
+        bucket, and ``iter`` did not advance)."""
         return self.stats.skipped_steps
+
+    def _close_step(self, applied: bool, samples) -> None:
+        """The end of a step (every bucket settled; see _Steps)."""
+        self._calls += 1
+        if applied:
+            self.iter += 1
 
     # -- buckets and checkpoints (gradcomp/torch/_buckets.py) -----------------------------------
     @property
@@ -203,43 +214,106 @@ def _sparse_error(bucket) -> Optional[ValueError]:
         "train them outside this DDP model")
 
 
+class _Step:
+    """One training step of a hook: its buckets settle in any order (the worker's, the native
+    allreduce's callbacks, an error at once), and the last one to settle closes the step."""
+
+    __slots__ = ("calls", "settled", "last_called", "bad", "kept", "unchecked", "samples")
+
+    def __init__(self) -> None:
+        self.calls = self.settled = 0
+        self.last_called = self.bad = False
+        self.kept: list = []  # plans whose step was kept (taken back if the step turns out bad)
+        self.unchecked: list = []  # averaged buckets nothing checked (native allreduce)
+        self.samples: list = []  # hook("auto")'s timing samples, filed when the step is applied
+
+
+class _Steps:
+    """Settles the steps of a hook state (`owner`: a GradcompState, or the AutoState whose
+    candidates share it). A step in which any bucket was skipped (NaN/Inf on some rank: its
+    average is NaN on every rank, so a GradScaler skips the optimizer step) or failed leaves no
+    trace: the plans of the buckets that were kept take their step back (undo_step), the
+    iteration does not advance, auto's timing samples of it are dropped. Every rank decides
+    alike: skips agree across ranks by construction."""
+
+    def __init__(self, owner) -> None:
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._open: Optional[_Step] = None
+
+    def join(self, last: bool) -> _Step:
+        """A bucket of the current step was handed to the hook (main thread)."""
+        with self._lock:
+            if self._open is None:
+                self._open = _Step()
+            rec = self._open
+            rec.calls += 1
+            rec.last_called = rec.last_called or last
+            return rec
+
+    def settle(self, rec: _Step, bad: bool, kept=None, unchecked=None, sample=None) -> None:
+        """A bucket of `rec` finished (any thread)."""
+        with self._lock:
+            rec.settled += 1
+            rec.bad = rec.bad or bad
+            if kept is not None:
+                rec.kept.append(kept)
+            if unchecked is not None:
+                rec.unchecked.append(unchecked)
+            if sample is not None:
+                rec.samples.append(sample)
+            if not (rec.last_called and rec.settled == rec.calls):
+                return
+            if not rec.bad and rec.kept and rec.unchecked:
+                # only when there is state to protect: a native average nothing scanned
+                rec.bad = any(not bool(torch.isfinite(b).all()) for b in rec.unchecked)
+            if rec.bad:
+                for p in rec.kept:
+                    if p.can_undo:
+                        p.undo_step()
+                    else:  # check_finite=False keeps no copy of the state before the step
+                        log.warning("gradcomp: a step was skipped or failed, but a bucket with "
+                                    "check_finite=False cannot take its own step back")
+            self._open = None
+            self.owner._close_step(not rec.bad, rec.samples)
+
+
 def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     idx = bucket.index()
     last = bucket.is_last()
+    steps = (state._owner or state)._steps
+    rec = steps.join(last)
     it = state.iter
     call = state._calls  # the history entry (iterations and skipped attempts alike)
     dense = buf.numel() * buf.element_size()
     state._iteration(call)
-    if last:
-        state._calls += 1
-        state.iter += 1  # (taken back by done() if every bucket of the step was skipped)
 
     begin_s = [0.0, 0.0]
     # the plain allreduce before start_iter (stateful compressors): its average is scanned once
     # (only in those first iterations) so that an overflow there is skipped and counted too
     warmup = False
+    plan = None
 
     def done(stats: PlanStats):
         stats.local_seconds += begin_s[1] - begin_s[0]  # begin() (e.g. PowerSGD's finite check)
         stats.events.insert(0, ("begin", begin_s[0], begin_s[1]))  # is local work
-        settle(stats)
-        if on_done is not None:
-            on_done(idx, it, stats)
+        settle(stats, None)
 
-    def failed(_error):  # on_nonfinite="raise" ends a skipped step with an error: count it too
-        settle(PlanStats())
+    def failed(error):  # e.g. on_nonfinite="raise" ending a skipped step: the step is bad
+        settle(PlanStats(), error)
 
-    def settle(stats: PlanStats):
-        if warmup:  # the plain allreduce checks nothing: a non-finite average is the signal
+    def settle(stats: PlanStats, error):
+        if error is None and warmup:  # the plain allreduce checks nothing: a NaN is the signal
             skipped = not bool(torch.isfinite(buf).all())
-        else:
+        else:  # (begin() resets it, so it is never the previous step's)
             skipped = bool(getattr(plan, "skipped", False))
         state._record(call, idx, dense, stats, last, skipped)
-        if last and state.stats.all_skipped(call):
-            # no bucket of this step was applied anywhere (a non-finite gradient on some rank):
-            # the compressors did not advance, nor does the hook's iteration count
-            state.iter -= 1
+        sample = None
+        if on_done is not None and error is None:
+            sample = on_done(idx, it, stats)
+        keep = error is None and not skipped and not warmup and bool(plan.stateful)
+        steps.settle(rec, skipped or error is not None, plan if keep else None, sample=sample)
 
     try:
         err = _sparse_error(bucket)
@@ -259,10 +333,12 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         fam.begin(plan, view)
         begin_s[1] = time.perf_counter()
     except Exception as e:
-        # Raised here, inside DDP's backward, the error would stop DDP mid-step and leave the
-        # model unusable ("unmarked_param_indices ... INTERNAL ASSERT"): the bucket keeps its own
-        # gradient and loss.backward() raises the error once DDP has finished the step (see
-        # "Errors" in _driver). Outside a backward pass it is raised at once.
+        # The step is bad (buckets already kept take their step back). Raised here, inside
+        # DDP's backward, the error would stop DDP mid-step and leave the model unusable
+        # ("unmarked_param_indices ... INTERNAL ASSERT"): the bucket keeps its own gradient and
+        # loss.backward() raises the error once DDP has finished the step (see "Errors" in
+        # _driver). Outside a backward pass it is raised at once.
+        steps.settle(rec, True)
         after = AfterBackward.arm(buf)
         if after is None:
             raise

@@ -84,7 +84,7 @@ class AutoState:
                  min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
                  recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
                  _lazy: bool = False):
-        from . import GradcompState  # the per-compressor state (import here: no cycle)
+        from . import GradcompState, _Steps  # the per-compressor state (here: no cycle)
 
         if isinstance(candidates, str):
             raise ValueError("candidates must be a sequence of compressor names, not a string")
@@ -124,7 +124,11 @@ class AutoState:
                              **per[n])
             for n in names}
         self.process_group = process_group
-        self.iter = 0
+        self.iter = 0  # steps applied (a skipped or failed step does not count)
+        self._calls = 0  # steps the hook saw: the index of every candidate's history
+        self._steps = _Steps(self)  # steps settle across candidates (see _Steps)
+        for sub in self.subs.values():
+            sub._owner = self
         self.choices: Dict[int, str] = {}
         self.trials: List[Dict[str, Any]] = []
         self._trial_start = self.start_iter
@@ -210,10 +214,18 @@ class AutoState:
         return worker.submit(plan, lambda: local).wait()
 
     def _sampler(self, name: str):
-        def on_done(idx: int, it: int, stats) -> None:
-            self._samples.setdefault((idx, name), []).append(stats.local_seconds +
-                                                             stats.comm_seconds)
+        def on_done(idx: int, it: int, stats):  # filed by _close_step if the step is applied
+            return (idx, name), stats.local_seconds + stats.comm_seconds
         return on_done
+
+    def _close_step(self, applied: bool, samples) -> None:
+        """The end of a step (every bucket settled): a skipped or failed step neither advances
+        the schedule nor leaves timing samples (see gradcomp.torch._Steps)."""
+        self._calls += 1
+        if applied:
+            self.iter += 1
+            for key, seconds in samples:
+                self._samples.setdefault(key, []).append(seconds)
 
     # -- statistics ------------------------------------------------------------------------------
     @property
@@ -230,7 +242,7 @@ class AutoState:
                 for k in acc:
                     if k != "iter":
                         acc[k] += h.get(k, 0)
-        return out[:self.iter]
+        return out[:self._calls]
 
     @property
     def last_stats(self) -> Dict[int, Dict[str, Any]]:
@@ -298,28 +310,34 @@ def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
     if name is None:  # chosen; a bucket the trial did not see runs the most faithful candidate
         name = state.choices.get(idx, state.candidates[0])
     sub = state.subs[name]
-    sub.iter = sub._calls = it  # statistics of every candidate are filed under one iteration
+    sub.iter = it
+    sub._calls = state._calls  # statistics of every candidate are filed under one step
     if state._worker is None:
         state._make_worker()
     if name == "allreduce":
-        fut = _native_allreduce(state, sub, bucket, it, state._sampler(name) if measured else None)
-    else:
-        fut = _hook(sub, bucket, state._sampler(name) if measured else None)
-    if bucket.is_last():
-        state.iter += 1
-    return fut
+        return _native_allreduce(state, sub, bucket, it, phase == "plain",
+                                 state._sampler(name) if measured else None)
+    return _hook(sub, bucket, state._sampler(name) if measured else None)
 
 
-def _native_allreduce(state: AutoState, sub, bucket, it: int, on_done) -> torch.futures.Future:
+def _native_allreduce(state: AutoState, sub, bucket, it: int, plain: bool,
+                      on_done) -> torch.futures.Future:
     """The plain average as DDP itself does it (torch.distributed's allreduce on the user's
     process group, issued at once, no worker thread): on a fast link nothing beats it, and auto
-    must not be slower than plain DDP there. Its cost is the time from launch to completion."""
+    must not be slower than plain DDP there. Its cost is the time from launch to completion.
+    Its average is scanned for NaN/Inf in the `plain` steps before start_iter and in measured
+    trial steps (so that an overflow there neither advances the schedule nor leaves a timing
+    sample), and otherwise only when a compressed bucket of the same step has state to take
+    back (see gradcomp.torch._Steps): a step of native buckets alone is not scanned, and an
+    overflow there counts in ``iter`` (it only times the next recheck)."""
     from ._driver import PlanStats, wire_bytes
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     buf = bucket.buffer()
     idx, last, world = bucket.index(), bucket.is_last(), state.world
+    rec = state._steps.join(last)
+    call = sub._calls
     dense = buf.numel() * buf.element_size()
     t0 = time.perf_counter()
     fut = default_hooks.allreduce_hook(state.process_group, bucket)  # DDP's own average
@@ -334,9 +352,17 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, on_done) -> torch.
         stats.bytes_sent = dense
         stats.wire_bytes = wire_bytes("allreduce", dense, world)
         stats.tags.append("native allreduce")
-        sub._record(it, idx, dense, stats, last)
-        if on_done is not None:
-            on_done(idx, it, stats)
-        return f.value()
+        try:
+            value = f.value()
+        except Exception:
+            state._steps.settle(rec, True)  # a failed collective: the step is bad
+            raise
+        avg = value[0] if isinstance(value, list) else value
+        scan = plain or on_done is not None
+        bad = scan and not bool(torch.isfinite(avg).all())
+        sub._record(call, idx, dense, stats, last, bad)
+        sample = on_done(idx, it, stats) if on_done is not None else None
+        state._steps.settle(rec, bad, unchecked=None if scan else avg, sample=sample)
+        return value
 
     return fut.then(finish)

@@ -28,11 +28,6 @@ class HookStats:
                                  "collectives": 0, "buckets": 0, "skipped_buckets": 0})
         return self.history[it]
 
-    def all_skipped(self, it: int) -> bool:
-        """Whether every bucket of step `it` recorded so far was skipped."""
-        h = self.history[it]
-        return h["buckets"] > 0 and h["skipped_buckets"] == h["buckets"]
-
     def record(self, it: int, bucket_index: int, dense: int, stats, last: bool,
                log_every: int = 0, skipped: bool = False) -> None:
         """Adds one bucket's finished step (a PlanStats) to its iteration, the timeline and

@@ -235,6 +235,7 @@ class DropCompute:
         self.micro_batches_nominal = 0   #: steps * M
         self.sync_passes = 0             #: steps that ended with the sync pass
         self.exhausted = False           #: the data iterator ran out
+        self.skipped_measurements = 0    #: measured steps dropped: non-finite gradients
 
         # per-step scratch
         self._in_step = False
@@ -364,7 +365,13 @@ class DropCompute:
                     for g in grads:
                         g.mul_(scale)
         # bookkeeping
-        if measuring:
+        if measuring and not self._grads_finite():
+            # an overflow step (a loss scaler skips it): its latencies are not kept, and the
+            # window waits for one more measured step, so that tau comes out as in a run
+            # without this step (the scan costs a read of the gradients, in measured steps only)
+            self._prev_measured = False
+            self.skipped_measurements += 1
+        elif measuring:
             row = None
             if rec.completed == M:
                 row = np.array(ctl.history[-1], dtype=np.float64)
@@ -378,6 +385,12 @@ class DropCompute:
                      "total_completed": total, "scale": scale, "sync_pass": not synced}
 
     # -- internals --------------------------------------------------------------------------------
+    def _grads_finite(self) -> bool:
+        """Whether every averaged gradient is finite (one host sync for all of them)."""
+        flags = [torch.isfinite(p.grad).all() for p in self.model.parameters()
+                 if p.grad is not None]
+        return bool(torch.stack(flags).all()) if flags else True
+
     def _begin_step(self) -> None:
         """Closes the wall time of the previous measured step, runs a pending tau estimate (a
         collective, at the same step on every rank) and picks this step's controller."""
