@@ -79,6 +79,11 @@ void psgd_divide(const Exec& e, float* x, int64_t n, float world);
 void psgd_store_mean(const Exec& e, const float* src, int64_t n, float world, void* g, DType t);
 void psgd_fill_q(const Exec& e, const PsgdGroup& g, uint64_t seed, uint64_t step,
                  bool only_zero_columns);
+/// A warm-started Q brought near 1 by an exact power of two where its range needs it (see
+/// psgd_prescale_exponent): Q carries the gradient's magnitude, so P = M Q would square it and
+/// overflow (|g| above about 1e17) or underflow (below about 1e-20). P's scale does not reach the
+/// result (it is orthonormalized), so this changes no bits where nothing overflowed.
+void psgd_prescale_q(const Exec& e, const PsgdGroup& g, float eps);
 /// Whether psgd_compute_p forms M = grad (+ error) itself (the CPU, tile by tile, storing nothing)
 /// rather than reading an M the caller loaded with psgd_load (CUDA; direct: the gradient is M).
 bool psgd_forms_m_itself(const Exec& e);

@@ -76,9 +76,7 @@ GC_HD double mul_rn_d(double a, double b) {
 constexpr float kMaxFinite = 3.40282346638528859811704183484516925e+38f;
 /// r clamped to [-FLT_MAX, FLT_MAX]; NaN stays NaN (the SSE twin: min(M, max(-M, r)), whose
 /// operand order also returns a NaN r).
-GC_HD float saturate(float r) {
-  return r > kMaxFinite ? kMaxFinite : (r < -kMaxFinite ? -kMaxFinite : r);
-}
+GC_HD float saturate(float r) { return saturate_f32(r); }
 
 /// The compensated value x = g + e (error feedback), or g when error feedback is off. The sum of
 /// a finite g and a finite e that rounds past the fp32 range saturates to +-FLT_MAX, so a finite

@@ -59,6 +59,11 @@ void store_mean(const float* src, int64_t n, float world, void* g, DType t);
 void store_result(const float* r, void* g, DType t, int64_t n, float* m_err);
 /// Draws Q of every member (only its all-zero columns when only_zero_columns).
 void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns);
+/// Brings a block of len floats near 1 by an exact power of two where its range needs it (see
+/// psgd_prescale_exponent in powersgd_math.h): one read of the block, a write only when scaled.
+void prescale(float* A, int64_t len, float eps);
+/// prescale() of each of `batch` consecutive blocks of len floats.
+void prescale_blocks(float* X, int64_t batch, int64_t len, float eps);
 /// P = M Q, for every member.
 void compute_p(const PsgdGroup& g, PsgdContext& ctx);
 /// Q = M^T P, for every member.
@@ -106,6 +111,7 @@ void divide(float* x, int64_t n, float world, void* stream);
 void store_mean(const float* src, int64_t n, float world, void* g, DType t, void* stream);
 void store_result(const float* r, void* g, DType t, int64_t n, float* m_err, void* stream);
 void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns, void* stream);
+void prescale_blocks(float* X, int64_t batch, int64_t len, float eps, void* stream);
 void compute_p(const PsgdGroup& g, PsgdContext& ctx);
 void compute_q(const PsgdGroup& g, PsgdContext& ctx);
 /// out[b - b0] = P_b Q_b^T for members b0 .. b0 + count - 1 (one strided-batched GEMM).

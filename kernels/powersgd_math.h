@@ -19,6 +19,7 @@
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/tensor.hpp"
+#include "kernels/reduce_math.h"
 
 #if defined(__CUDACC__)
 #define PSGD_UNROLL _Pragma("unroll")
@@ -37,6 +38,21 @@ inline constexpr float kPsgdDegenerate = 1e-4f;
 /// the GPU draw bitwise the same Q (a Gaussian would need log/cos, which differ in the last ulp).
 GC_HD float psgd_q_value(const RngKey& key, uint64_t i) {
   return static_cast<float>(static_cast<int32_t>(key.word(i) >> 8) - 8388608) * (1.0f / 8388608.0f);
+}
+
+/// The power of two 2^k (k returned) that brings a P block whose largest |value| is maxabs to
+/// about 1 before Gram-Schmidt, or 0 (nothing done) when maxabs is within 2^-20..2^20, zero or
+/// not finite, or eps > 0. The column norms are formed from squares, which overflow fp32 above
+/// about 1e19 and underflow below about 1e-19: such a block's columns would come out as zero (the
+/// gradient lost, silently). Orthonormalization is scale-free and a power of two scales every
+/// rounding exactly, so a scaled block gives the same bits as an unscaled one wherever that one
+/// neither overflowed nor underflowed: this only adds range. (With eps > 0, PyTorch's epsilon,
+/// the result depends on the scale, so it is left as PyTorch computes it.)
+GC_HD int psgd_prescale_exponent(float maxabs, float eps) {
+  if (eps > 0.0f || !(maxabs > 0.0f) || !is_finite_bits(maxabs)) return 0;
+  int e = 0;
+  frexpf(maxabs, &e);  // maxabs = f 2^e, f in [0.5, 1)
+  return e >= -20 && e <= 20 ? 0 : -e;
 }
 
 /// 1 / (norm + eps) for a column with squared norm s after projection and orig before it, or 0
@@ -90,8 +106,11 @@ GC_HD void psgd_mgs_coefficients(const float* s, const float* orig, int r, int j
   }
 }
 
-/// Stores x into element i of an fp32/fp16/bf16 array (round to nearest even).
+/// Stores x into element i of an fp32/fp16/bf16 array (round to nearest even; a finite x beyond
+/// fp16's / bf16's range saturates to its largest finite value, reduce_math.h, so that a finite
+/// average never turns into Inf; the error then keeps the excess).
 GC_HD void psgd_store(void* p, int64_t i, DType t, float x) {
+  x = saturate_for(x, t);
   if (t == DType::kFloat32)
     static_cast<float*>(p)[i] = x;
   else if (t == DType::kFloat16)

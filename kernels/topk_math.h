@@ -7,6 +7,7 @@
 #include "gradcomp/macros.hpp"
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/rng.hpp"
+#include "kernels/reduce_math.h"
 
 namespace gradcomp::kernels {
 
@@ -14,6 +15,9 @@ namespace gradcomp::kernels {
 /// Plain:     u <- m u + g;        v <- v + u
 /// Nesterov:  u <- m (u + g);      v <- v + u + g
 /// With m = 0 both reduce to residual accumulation v <- v + g (u is then not stored).
+/// With a finite g, u and v saturate at +-FLT_MAX (numeric.hpp) instead of overflowing, so a
+/// finite gradient anywhere in the fp32 range never makes the state infinite; a non-finite g
+/// (check_finite off) passes through as before.
 GC_HD void dgc_update(float g, float m, bool nesterov, float& u, float& v) {
   if (nesterov) {
     u = m * (u + g);
@@ -22,14 +26,31 @@ GC_HD void dgc_update(float g, float m, bool nesterov, float& u, float& v) {
     u = m * u + g;
     v = v + u;
   }
+  if (is_finite_bits(g)) {
+    u = saturate_f32(u);
+    v = saturate_f32(v);
+  }
 }
+
+/// Residual accumulation without momentum, v + g, saturating as dgc_update does.
+GC_HD float dgc_residual(float v, float g) {
+  const float r = v + g;
+  return is_finite_bits(g) ? saturate_f32(r) : r;
+}
+
+/// The value sent for an accumulated v in a value dtype of narrower range (fp16): v saturated to
+/// the dtype's largest finite value (reduce_math.h), so that the receiver never decodes Inf from
+/// a finite residual; what does not fit stays in the residual (residual_after_send).
+GC_HD float value_to_send(float v, DType vt) { return saturate_for(v, vt); }
 
 /// Local gradient clipping coefficient: min(1, max_norm / ||g||); 1 when clipping is off (<= 0).
 /// What stays in the residual of an element whose accumulated value v was sent as `sent` (v
 /// rounded to the value dtype, as the receiver decodes it): the rounding error v - sent, so
 /// that fp16/bf16 values lose nothing over steps; 0 for fp32 values (sent == v). A `sent` that
 /// overflowed the value dtype (infinite) leaves 0.
-GC_HD float residual_after_send(float v, float sent) { return is_finite_bits(sent) ? v - sent : 0.0f; }
+GC_HD float residual_after_send(float v, float sent) {
+  return is_finite_bits(sent) ? v - sent : 0.0f;
+}
 
 GC_HD float clip_coefficient(double norm, double max_norm) {
   if (max_norm <= 0.0 || norm <= max_norm) return 1.0f;
@@ -37,7 +58,9 @@ GC_HD float clip_coefficient(double norm, double max_norm) {
 }
 
 /// The threshold test of the selection: keep x when |x| >= threshold (on ordered bits).
-GC_HD bool passes_threshold(float x, uint32_t threshold_bits) { return abs_bits(x) >= threshold_bits; }
+GC_HD bool passes_threshold(float x, uint32_t threshold_bits) {
+  return abs_bits(x) >= threshold_bits;
+}
 
 /// Random-k index j of k in [0, n): stratified, one uniform draw in each of k equal strata
 /// [floor(j n / k), floor((j + 1) n / k)). Distinct, ascending, identical on every rank and device.

@@ -64,10 +64,11 @@ struct GradientPlan::Scan {
 
 GradientPlan::~GradientPlan() = default;
 
-int64_t GradientPlan::first_nonfinite() {
+int64_t GradientPlan::first_nonfinite() { return first_nonfinite(grad_.data, grad_.dtype, numel_); }
+
+int64_t GradientPlan::first_nonfinite(const void* data, DType t, int64_t n) {
   if (!scan_) scan_ = std::make_unique<Scan>(device_);
-  return kernels::dispatch::first_nonfinite({device_, stream_}, grad_.data, grad_.dtype, numel_,
-                                            scan_->ws);
+  return kernels::dispatch::first_nonfinite({device_, stream_}, data, t, n, scan_->ws);
 }
 
 void GradientPlan::end_step(bool skip, int64_t bad_index, bool undoable) {

@@ -251,7 +251,10 @@ void PowerSGDPlan::phase_compress() {
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
   const uint64_t step = static_cast<uint64_t>(st_.step_);
-  for (const auto& grp : im.groups) k::dispatch::psgd_fill_q(ex, grp, cfg.seed, step, !fresh);
+  for (const auto& grp : im.groups) {
+    k::dispatch::psgd_fill_q(ex, grp, cfg.seed, step, !fresh);
+    if (!fresh) k::dispatch::psgd_prescale_q(ex, grp, cfg.orthogonalization_epsilon);
+  }
   st_.q_ready_ = true;
   k::dispatch::psgd_compute_p(
       ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct}, im.ctx);

@@ -45,11 +45,12 @@ std::optional<Collective> RandomKAllreducePlan::next() {
     case 1: {  // one decode of the summed values, scaled by 1/P (into the gradient when fp32)
       const auto n = static_cast<size_t>(numel_);
       const PayloadHeader& h = payload_.header;
-      // a bad rank sent NaN values: the first summed value is NaN on every rank
+      // a bad rank sent NaN values; a sum of finite values can also overflow the value dtype
+      // (fp16 sums past 65504): either way every rank holds the same non-finite sum and skips.
+      // The k summed values are scanned (small next to the bucket).
       if (check_finite_ && h.count > 0 &&
-          device_first_is_nan(
-              device_, static_cast<const uint8_t*>(payload_.bytes.data()) + h.section_offset(1),
-              DType(h.value_dtype), stream_)) {
+          first_nonfinite(static_cast<const uint8_t*>(payload_.bytes.data()) + h.section_offset(1),
+                          DType(h.value_dtype), static_cast<int64_t>(h.count)) >= 0) {
         phase_ = 2;
         end_step(true, bad_);
         return std::nullopt;
@@ -60,8 +61,8 @@ std::optional<Collective> RandomKAllreducePlan::next() {
       comp_.decode_add(payload_.data(), payload_.size(),
                        TensorView(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_),
                        1.0f / float(world_));
-      if (!direct)
-        k::convert(device_, acc, DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
+      if (!direct)  // saturating, as the top-k plan
+        k::convert_saturating(device_, acc, grad_.data, dtype_, numel_, stream_);
       phase_ = 2;
       comp_.commit();
       end_step(false, bad_, check_finite_);

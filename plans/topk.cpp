@@ -49,8 +49,10 @@ float* TopKAllreducePlan::target() {
 }
 
 void TopKAllreducePlan::finish() {
+  // saturating: a finite average beyond fp16's range (residuals accumulate past it) stays finite
   if (dtype_ != DType::kFloat32)
-    k::convert(device_, acc_.data(), DType::kFloat32, grad_.data, dtype_, numel_, 1.0f, stream_);
+    k::convert_saturating(device_, static_cast<const float*>(acc_.data()), grad_.data, dtype_,
+                          numel_, stream_);
 }
 
 size_t TopKAllreducePlan::workspace_bytes() const {

@@ -74,9 +74,9 @@ GC_HD uint16_t float_to_half(float f) {
   const uint32_t u = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to Inf
-  if (a < 0x38800000u) {  // below 2^-14: subnormal half or zero
+  if (a < 0x38800000u) {               // below 2^-14: subnormal half or zero
     if (a < 0x33000000u) return sign;  // < 2^-25 rounds to zero
     const uint32_t e = a >> 23;
     const uint32_t m = (a & 0x7fffffu) | 0x800000u;
@@ -114,9 +114,15 @@ struct BF16Load {
 template <class F>
 void with_loader(DType t, F&& f) {
   switch (t) {
-    case DType::kFloat32: f(F32Load{}); return;
-    case DType::kFloat16: f(F16Load{}); return;
-    case DType::kBFloat16: f(BF16Load{}); return;
+    case DType::kFloat32:
+      f(F32Load{});
+      return;
+    case DType::kFloat16:
+      f(F16Load{});
+      return;
+    case DType::kBFloat16:
+      f(BF16Load{});
+      return;
   }
   throw InvalidArgument(detail::cat("unsupported dtype code ", static_cast<int>(t),
                                     " (expected fp32, fp16 or bf16)"));
@@ -127,5 +133,13 @@ GC_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
 /// True for finite x (not NaN, not +-Inf), from the bits so that fast-math cannot remove it.
 GC_HD bool is_finite_bits(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
+/// r clamped to [-FLT_MAX, FLT_MAX]; NaN stays NaN (every comparison with it is false). For a sum
+/// of finite operands that rounded past the fp32 range: the state it goes into stays finite (the
+/// excess is lost, as by any rounding) instead of turning into Inf for good.
+GC_HD float saturate_f32(float r) {
+  constexpr float kMax = 0x1.fffffep127f;
+  return r > kMax ? kMax : (r < -kMax ? -kMax : r);
+}
 
 }  // namespace gradcomp

@@ -54,6 +54,8 @@ class GradientPlan : public BucketPlan {
   virtual void on_begin() {}
   /// The first index of the bound gradient that holds NaN or Inf, or -1.
   int64_t first_nonfinite();
+  /// The same for n elements of dtype t at `data` (on the plan's device and stream).
+  int64_t first_nonfinite(const void* data, DType t, int64_t n);
   /// Ends a step whose data said whether some rank's gradient was not finite (`skip`): a skipped
   /// step fills the gradient with NaN, records it and, with OnNonFinite::kRaise, throws
   /// InvalidArgument on this rank (`bad_index`: this rank's first bad index, or -1). `undoable`:

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -68,8 +69,26 @@ void mgs_pass_rows(float* A, int64_t b, int64_t e, int r, int j, const float* sc
   }
 }
 
+}  // namespace
+
+void prescale(float* A, int64_t len, float eps) {
+  float mx = 0.0f;
+  for (int64_t i = 0; i < len; ++i) mx = std::max(mx, std::fabs(A[i]));
+  const int k = psgd_prescale_exponent(mx, eps);
+  if (k != 0)
+    for (int64_t i = 0; i < len; ++i) A[i] = std::ldexp(A[i], k);
+}
+
+void prescale_blocks(float* X, int64_t batch, int64_t len, float eps) {
+  if (eps > 0.0f) return;
+  for (int64_t b = 0; b < batch; ++b) prescale(X + b * len, len, eps);
+}
+
+namespace {
+
 template <int R>
 void mgs_serial(float* A, int64_t n, int r, float eps) {
+  prescale(A, n * r, eps);
   float orig[R] = {}, scale[R] = {}, coef[R] = {}, acc[2 * R];
   for (int j = 0; j <= r; ++j) {
     mgs_pass_rows<R>(A, 0, n, r, j, scale, coef, acc);
@@ -81,6 +100,7 @@ void mgs_serial(float* A, int64_t n, int r, float eps) {
 
 template <int R>
 void mgs_parallel(float* A, int64_t n, int r, float eps, int T) {
+  prescale(A, n * r, eps);
   float partial[kMaxThreads][2 * R];
   float orig[R] = {}, scale[R] = {}, coef[R] = {};
 #pragma omp parallel num_threads(T)
@@ -118,6 +138,7 @@ void mgs_batch(float* P, int64_t batch, int64_t n, int r, float eps) {
 // PyTorch's column-by-column Gram-Schmidt: norm, scale, then a dot and an axpy per later column,
 // each a separate strided pass (the benchmark baseline). Zero columns stay zero.
 void mgs_unfused(float* A, int64_t n, int r, float eps) {
+  prescale(A, n * r, eps);
   for (int i = 0; i < r; ++i) {
     float* col = A + i;
     const float nrm = cblas_snrm2(static_cast<int>(n), col, r);

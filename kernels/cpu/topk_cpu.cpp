@@ -28,7 +28,7 @@ namespace {
 
 constexpr int kDigitBits[3] = {11, 11, 9};  // 31 magnitude bits: [30:20], [19:9], [8:0]
 constexpr int kShiftAfter[3] = {20, 9, 0};  // bits below the digit after each level
-constexpr int64_t kSampleBlock = 16;       // contiguous elements per sample position
+constexpr int64_t kSampleBlock = 16;        // contiguous elements per sample position
 
 /// Chunk [begin, end) of thread t of T over n elements.
 inline void chunk(int64_t n, int t, int T, int64_t* b, int64_t* e) {
@@ -263,7 +263,8 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
   const int64_t min_ok = static_cast<int64_t>(std::ceil(opt.min_fraction * static_cast<double>(k)));
   const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(opt.oversample * 2 * k)) + 64;
   for (int attempt = 0; attempt <= opt.max_retries; ++attempt) {
-    int64_t r = static_cast<int64_t>(std::ceil(want * static_cast<double>(s_used) / static_cast<double>(n)));
+    int64_t r = static_cast<int64_t>(
+        std::ceil(want * static_cast<double>(s_used) / static_cast<double>(n)));
     if (r > s_used) break;  // the sample cannot place a threshold that low: be exact
     r = std::max<int64_t>(r, 1);
     const uint32_t thr = kth_largest(sample.data(), s_used, r, tls_scratch());
@@ -358,7 +359,7 @@ void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nester
   const int T = threads_for(n);
   if (u == nullptr) {
 #pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t i = 0; i < n; ++i) v[i] = vs[i] + coef * Load::load(g, i);
+    for (int64_t i = 0; i < n; ++i) v[i] = dgc_residual(vs[i], coef * Load::load(g, i));
     return;
   }
 #pragma omp parallel for num_threads(T) schedule(static)
@@ -371,9 +372,12 @@ void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nester
 }
 
 /// Stores x as value j in the value dtype; returns what a receiver decodes from it.
-inline float store_value(void* values, DType vt, int64_t j, float x) {
+inline float store_value(void* values, DType vt, int64_t j, float v) {
+  const float x = value_to_send(v, vt);
   switch (vt) {
-    case DType::kFloat32: static_cast<float*>(values)[j] = x; return x;
+    case DType::kFloat32:
+      static_cast<float*>(values)[j] = x;
+      return x;
     case DType::kFloat16: {
       const uint16_t h = float_to_half(x);
       static_cast<uint16_t*>(values)[j] = h;

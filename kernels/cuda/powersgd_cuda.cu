@@ -110,6 +110,33 @@ __global__ void fill_q_kernel(float* Q, int64_t m, int r, uint64_t seed, uint64_
   }
 }
 
+// The block's range (psgd_prescale_exponent, as the CPU's prescale): max |a| over the thread
+// block, then every element times 2^k where that is needed. All threads of the block call it.
+__device__ void block_prescale(float* A, int64_t len, float eps) {
+  __shared__ float red[kThreads / 32];
+  __shared__ int shift;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float mx = 0.0f;
+  for (int64_t i = tid; i < len; i += blockDim.x) mx = fmaxf(mx, fabsf(A[i]));
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_down_sync(0xffffffffu, mx, off));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  if (tid == 0) {
+    float m = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, red[w]);
+    shift = psgd_prescale_exponent(m, eps);
+  }
+  __syncthreads();
+  const int k = shift;
+  if (k != 0)
+    for (int64_t i = tid; i < len; i += blockDim.x) A[i] = ldexpf(A[i], k);
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads) prescale_kernel(float* X, int64_t len, float eps) {
+  block_prescale(X + blockIdx.x * len, len, eps);
+}
+
 // Fused MGS: one block per n x r matrix; pass j finishes column j-1 and accumulates the sums of
 // column j (see powersgd_math.h). Reductions: warp shuffles, then warps summed in a fixed order.
 template <int R>
@@ -118,6 +145,7 @@ __global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int 
   __shared__ float red[kThreads / 32][2 * R];
   __shared__ float scale[R], coef[R], orig[R];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  block_prescale(A, n * r, eps);
   if (tid < R) {
     scale[tid] = 1.0f;
     coef[tid] = 0.0f;
@@ -238,6 +266,15 @@ void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_col
     const int grid = static_cast<int>(std::min<int64_t>(65535, g.batch - b0));
     fill_q_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(g.Q + b0 * g.m * g.r, g.m, g.r, seed,
                                                             step, g.ids + b0, only_zero_columns);
+    GC_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void prescale_blocks(float* X, int64_t batch, int64_t len, float eps, void* stream) {
+  if (len == 0 || eps > 0.0f) return;
+  for (int64_t b0 = 0; b0 < batch; b0 += 65535) {
+    const int grid = static_cast<int>(std::min<int64_t>(65535, batch - b0));
+    prescale_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(X + b0 * len, len, eps);
     GC_CUDA_CHECK_LAUNCH();
   }
 }

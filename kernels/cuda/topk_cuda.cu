@@ -29,8 +29,8 @@
 #include <type_traits>
 
 #include "core/cuda/check.cuh"
-#include "kernels/cuda/launch.cuh"
 #include "gradcomp/numeric.hpp"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/topk.hpp"
 #include "kernels/topk_math.h"
 
@@ -90,7 +90,6 @@ int sm_count() {
   GC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   return std::max(sms, 1);
 }
-
 
 // ------------------------------------------------------------------------------------------------
 // Radix select on a "source": element i of x, or element list[i] of x when a candidate list is
@@ -512,7 +511,7 @@ __device__ __forceinline__ void dgc_one(const void* g, int64_t i, float coef, fl
     u[i] = uu;
     v[i] = vv;
   } else {
-    v[i] = vs[i] + coef * Load::load(g, i);
+    v[i] = dgc_residual(vs[i], coef * Load::load(g, i));
   }
 }
 
@@ -538,10 +537,10 @@ __global__ void __launch_bounds__(kThreads)
         dgc_update(coef * gf[3], m, nesterov, uu.w, vv.w);
         reinterpret_cast<float4*>(u)[q] = uu;
       } else {
-        vv.x += coef * gf[0];
-        vv.y += coef * gf[1];
-        vv.z += coef * gf[2];
-        vv.w += coef * gf[3];
+        vv.x = dgc_residual(vv.x, coef * gf[0]);
+        vv.y = dgc_residual(vv.y, coef * gf[1]);
+        vv.z = dgc_residual(vv.z, coef * gf[2]);
+        vv.w = dgc_residual(vv.w, coef * gf[3]);
       }
       reinterpret_cast<float4*>(v)[q] = vv;
     }
@@ -553,7 +552,8 @@ __global__ void __launch_bounds__(kThreads)
 
 /// Stores x as value j in the value dtype; returns what a receiver decodes from it.
 template <DType VT>
-__device__ __forceinline__ float store_value(void* values, int64_t j, float x) {
+__device__ __forceinline__ float store_value(void* values, int64_t j, float v) {
+  const float x = value_to_send(v, VT);
   if constexpr (VT == DType::kFloat32) {
     static_cast<float*>(values)[j] = x;
     return x;
@@ -723,7 +723,8 @@ int64_t first_nonfinite(const void* g, DType t, int64_t n, SelectWorkspace& ws, 
   auto* best = ws.c.get<unsigned long long>(1);
   GC_CUDA_CHECK(cudaMemsetAsync(best, 0xff, sizeof(unsigned long long), s));
   const int grid = grid_for(n, int64_t{kThreads} * 4, kMaxGrid);
-  with_loader(t, [&](auto L) { nonfinite_kernel<decltype(L)><<<grid, kThreads, 0, s>>>(g, n, best); });
+  with_loader(t,
+              [&](auto L) { nonfinite_kernel<decltype(L)><<<grid, kThreads, 0, s>>>(g, n, best); });
   GC_CUDA_CHECK_LAUNCH();
   uint64_t* host = pinned_slot(ws);
   GC_CUDA_CHECK(cudaMemcpyAsync(host, best, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));

@@ -49,6 +49,13 @@ void psgd_fill_q(const Exec& e, const PsgdGroup& g, uint64_t seed, uint64_t step
     cpu::fill_q(g, seed, step, only_zero_columns);
 }
 
+void psgd_prescale_q(const Exec& e, const PsgdGroup& g, float eps) {
+  if (e.cuda())
+    cuda::prescale_blocks(g.Q, g.batch, g.m * g.r, eps, e.stream);
+  else
+    cpu::prescale_blocks(g.Q, g.batch, g.m * g.r, eps);
+}
+
 bool psgd_forms_m_itself(const Exec& e) { return !e.cuda(); }
 
 void psgd_compute_p(const Exec& e, const PsgdBucket& b, PsgdContext& ctx) {

@@ -20,6 +20,9 @@ void store_result(const float*, void*, DType, int64_t, float*, void*) {
 void fill_q(const PsgdGroup&, uint64_t, uint64_t, bool, void*) {
   throw_not_built_with_cuda("PowerSGD Q initialization on CUDA");
 }
+void prescale_blocks(float*, int64_t, int64_t, float, void*) {
+  throw_not_built_with_cuda("PowerSGD Q scaling on CUDA");
+}
 void compute_p(const PsgdGroup&, PsgdContext&) {
   throw_not_built_with_cuda("PowerSGD GEMM on CUDA");
 }

@@ -1,0 +1,221 @@
+// SPDX-License-Identifier: Apache-2.0
+// Finite gradients anywhere in their dtype's range, through every stateful family's bucket plan
+// (make_plan): the largest finite values, the smallest normals, denormals and magnitudes mixed
+// over the whole range, for fp32, fp16 and bf16 gradients, P = 1 and 3 ranks, several steps so
+// that residuals and errors accumulate. No finite input may give a non-finite average or state,
+// nor lose everything to underflow where the exact average is representable. The only steps
+// allowed to be skipped (average NaN on every rank, state untouched, as an overflow step) are
+// those whose fp32 state or wire sum would overflow by construction: 1-bit's momentum and
+// rotation and PowerSGD's projection at the largest fp32/bf16 values, random-k's sum over ranks in its value
+// dtype at the largest values (and fp16 values of fp32/bf16 gradients beyond fp16's range, whose
+// sum over ranks overflows fp16). fp16 values (value_dtype) of fp32/bf16 gradients below fp16's
+// range are not sent but kept in the residual (where they accumulate): only that case may
+// average to zero.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gradcomp/make_plan.hpp"
+#include "gradcomp/numeric.hpp"
+#include "gradcomp/plan.hpp"
+
+namespace gc = gradcomp;
+
+namespace {
+
+struct Variant {
+  const char* label;
+  const char* family;
+  gc::PlanOptions options;
+  bool may_skip_at_max;  // its state or wire sum overflows by construction at the largest values
+};
+
+std::vector<Variant> variants() {
+  using S = std::string;
+  return {
+      {"topk", "topk", {{"ratio", 0.2}}, false},
+      {"topk fp16 values", "topk", {{"ratio", 0.2}, {"value_dtype", S("float16")}}, false},
+      {"topk momentum", "topk", {{"ratio", 0.2}, {"momentum", 0.9}}, false},
+      {"topk dense", "topk", {{"ratio", 0.2}, {"route", S("dense")}}, false},
+      {"randomk", "randomk", {{"ratio", 0.2}, {"dense_below", int64_t{0}}}, true},
+      {"randomk fp16 values",
+       "randomk",
+       {{"ratio", 0.2}, {"dense_below", int64_t{0}}, {"value_dtype", S("float16")}},
+       true},
+      {"onebit", "onebit", {}, true},  // the rotation's sums of S values overflow at the top
+      {"onebit sign_l1", "onebit", {{"scaling", S("sign_l1")}, {"rotate", false}}, false},
+      {"onebit momentum", "onebit", {{"momentum", 0.9}}, true},
+      {"powersgd", "powersgd", {{"rank", int64_t{2}}}, true},
+  };
+}
+
+enum class Pattern { kMax, kMinNormal, kDenormal, kMixed };
+const char* pattern_name(Pattern p) {
+  switch (p) {
+    case Pattern::kMax: return "largest finite";
+    case Pattern::kMinNormal: return "smallest normal";
+    case Pattern::kDenormal: return "denormal";
+    case Pattern::kMixed: return "mixed magnitudes";
+  }
+  return "";
+}
+
+float to_f(const uint8_t* b, gc::DType dt, int64_t i) {
+  if (dt == gc::DType::kFloat32) {
+    float x;
+    std::memcpy(&x, b + 4 * i, 4);
+    return x;
+  }
+  uint16_t h;
+  std::memcpy(&h, b + 2 * i, 2);
+  return dt == gc::DType::kFloat16 ? gc::half_to_float(h) : gc::bf16_to_float(h);
+}
+
+void put(uint8_t* b, gc::DType dt, int64_t i, float x) {
+  if (dt == gc::DType::kFloat32) {
+    std::memcpy(b + 4 * i, &x, 4);
+  } else {
+    const uint16_t h = dt == gc::DType::kFloat16 ? gc::float_to_half(x) : gc::float_to_bf16(x);
+    std::memcpy(b + 2 * i, &h, 2);
+  }
+}
+
+// The dtype's largest finite, smallest normal and smallest denormal magnitudes.
+void limits(gc::DType dt, float& mx, float& mn, float& dn) {
+  if (dt == gc::DType::kFloat32) {
+    mx = 0x1.fffffep127f, mn = 0x1p-126f, dn = 0x1p-149f;
+  } else if (dt == gc::DType::kFloat16) {
+    mx = 65504.0f, mn = 0x1p-14f, dn = 0x1p-24f;
+  } else {
+    mx = 0x1.fep127f, mn = 0x1p-126f, dn = 0x1p-133f;
+  }
+}
+
+std::vector<uint8_t> gradient(int64_t n, gc::DType dt, Pattern p, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  float mx, mn, dn;
+  limits(dt, mx, mn, dn);
+  std::vector<uint8_t> b(static_cast<size_t>(n) * gc::dtype_size(dt));
+  for (int64_t i = 0; i < n; ++i) {
+    const float sign = u(rng) < 0.5 ? -1.0f : 1.0f;
+    float x = 0.0f;
+    switch (p) {
+      case Pattern::kMax: x = mx; break;
+      case Pattern::kMinNormal: x = mn * static_cast<float>(1.0 + u(rng)); break;
+      case Pattern::kDenormal: x = dn * static_cast<float>(1 + static_cast<int>(8 * u(rng))); break;
+      case Pattern::kMixed: {  // log-uniform over the dtype's normal range, but its top, which
+        // kMax covers: sums over ranks, steps and rotation blocks stay below the largest value
+        const double top = dt == gc::DType::kFloat16 ? 0x1p-4 : 0x1p-20;
+        const double lo = std::log(static_cast<double>(mn));
+        const double hi = std::log(static_cast<double>(mx) * top);
+        x = static_cast<float>(std::exp(lo + (hi - lo) * u(rng)));
+        break;
+      }
+    }
+    put(b.data(), dt, i, sign * x);
+  }
+  return b;
+}
+
+// bucket shapes: a matrix (compressed by PowerSGD) when n allows
+std::vector<std::vector<int64_t>> shapes_for(int64_t n) {
+  if (n >= 40 && n % 8 == 0) return {{8, n / 8}};
+  return {{n}};
+}
+
+}  // namespace
+
+TEST(Range, FiniteGradientsGiveFiniteAveragesAndStateInEveryFamily) {
+  const int steps = 6;
+  int cases = 0, skipped_cases = 0;
+  for (const Variant& v : variants())
+    for (gc::DType dt : {gc::DType::kFloat32, gc::DType::kFloat16, gc::DType::kBFloat16})
+      for (Pattern pat : {Pattern::kMax, Pattern::kMinNormal, Pattern::kDenormal, Pattern::kMixed})
+        for (int P : {1, 3})
+          for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}}) {
+            SCOPED_TRACE(std::string(v.label) + " " + gc::dtype_name(dt) + " " +
+                         pattern_name(pat) + " P=" + std::to_string(P) +
+                         " n=" + std::to_string(n));
+            std::vector<std::unique_ptr<gc::BucketPlan>> plans;
+            for (int r = 0; r < P; ++r) {
+              gc::BucketSpec b;
+              b.numel = n;
+              b.dtype = dt;
+              b.world = P;
+              b.rank = r;
+              b.shapes = shapes_for(n);
+              plans.push_back(gc::make_plan(v.family, b, v.options));
+            }
+            const bool max_fp32_range = pat == Pattern::kMax && dt != gc::DType::kFloat16;
+            // random-k sums its values over ranks in the value dtype: at the top of that dtype's
+            // range the sum overflows, as plain DDP's allreduce of such values would
+            const bool fp16_values = std::string(v.label).find("fp16 values") != std::string::npos;
+            // (and fp16 values of fp32/bf16 gradients beyond fp16's range: saturated per rank,
+            // their sum over ranks still overflows fp16)
+            const bool may_skip =
+                v.may_skip_at_max &&
+                ((pat == Pattern::kMax && (max_fp32_range || fp16_values)) ||
+                 (fp16_values && dt != gc::DType::kFloat16 && pat == Pattern::kMixed));
+            double out_abs = 0.0, exact_abs = 0.0;
+            int skips = 0;
+            for (int s = 0; s < steps; ++s) {
+              std::vector<std::vector<uint8_t>> g;
+              std::vector<double> exact(static_cast<size_t>(n), 0.0);
+              for (int r = 0; r < P; ++r) {
+                g.push_back(gradient(n, dt, pat, 1000 * s + 17 * r + 5));
+                for (int64_t i = 0; i < n; ++i) exact[i] += to_f(g[r].data(), dt, i) / P;
+              }
+              std::vector<gc::Plan*> raw;
+              for (int r = 0; r < P; ++r) {
+                plans[r]->begin(gc::TensorView(g[r].data(), {n}, dt, gc::Device::kCPU));
+                raw.push_back(plans[r].get());
+              }
+              gc::run_plans_in_process(raw);
+              const bool sk = plans[0]->skipped();
+              for (int r = 1; r < P; ++r) ASSERT_EQ(plans[r]->skipped(), sk) << "rank " << r;
+              if (sk) {
+                ASSERT_TRUE(may_skip) << "step " << s << " was skipped";
+                ++skips;
+                continue;
+              }
+              for (int r = 0; r < P; ++r)
+                for (int64_t i = 0; i < n; ++i) {
+                  const float x = to_f(g[r].data(), dt, i);
+                  ASSERT_TRUE(std::isfinite(x)) << "step " << s << " rank " << r << " index " << i
+                                                << ": " << x;
+                  if (r == 0) out_abs += std::fabs(x);
+                }
+              for (double e : exact) exact_abs += std::fabs(e);
+            }
+            // the state stays finite: it reloads (load_state_dict refuses NaN/Inf)
+            for (int r = 0; r < P; ++r) {
+              const auto st = plans[r]->state_dict();
+              gc::BucketSpec b;
+              b.numel = n;
+              b.dtype = dt;
+              b.world = P;
+              b.rank = r;
+              b.shapes = shapes_for(n);
+              auto fresh = gc::make_plan(v.family, b, v.options);
+              ASSERT_NO_THROW(fresh->load_state_dict(st.data(), st.size())) << "rank " << r;
+            }
+            // not silently zeroed: what the kept steps averaged is not all lost (the exact
+            // average of a step is at least the smallest denormal of the output dtype here)
+            float mx, mn, dn;
+            limits(dt, mx, mn, dn);
+            const bool below_values = fp16_values && dt != gc::DType::kFloat16 &&
+                                      pat != Pattern::kMax;
+            if (skips < steps && exact_abs >= dn && !below_values)
+              EXPECT_GT(out_abs, 0.0) << "every output was 0";
+            skipped_cases += skips > 0;
+            ++cases;
+          }
+  EXPECT_EQ(cases, 10 * 3 * 4 * 2 * 3);
+  EXPECT_GT(skipped_cases, 0);  // the allowed overflow steps do occur (the test tests them)
+}
