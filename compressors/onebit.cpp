@@ -23,20 +23,23 @@ using detail::norm_of;
 
 void OneBitConfig::validate() const {
   GC_CHECK_ARG(static_cast<uint8_t>(scaling) <= 2, "unknown 1-bit scaling ", int(scaling));
-  GC_CHECK_ARG(chunk_size >= 0 && chunk_size % 32 == 0 && chunk_size <= (int64_t{1} << 40),
-               "chunk_size must be 0 (one scale per tensor) or a positive multiple of 32, got ",
+  // (the plans' option is called block_size; a block is also what a server chunk holds whole,
+  // so its buffers are sized by it: bounded, since a larger block is one scale per chunk anyway)
+  GC_CHECK_ARG(chunk_size >= 0 && chunk_size % 32 == 0 && chunk_size <= (int64_t{1} << 24),
+               "block_size (chunk_size) must be 0 (one scale per chunk or tensor) or a multiple "
+               "of 32 up to 2^24, got ",
                chunk_size);
   GC_CHECK_ARG(scaling != OneBitScaling::kColumnMeans || chunk_size == 0,
-               "chunk_size applies to the sign modes only; kColumnMeans groups by column (got "
-               "chunk_size ",
+               "block_size (chunk_size) applies to the sign modes only; kColumnMeans groups by "
+               "column (got ",
                chunk_size, ")");
   GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
                "momentum must be in [0, 1), got ", momentum);
   GC_CHECK_ARG(!rotate || (scaling != OneBitScaling::kColumnMeans && chunk_size >= 32 &&
                            chunk_size <= 8192 && (chunk_size & (chunk_size - 1)) == 0),
-               "rotate needs a sign scaling and chunk_size (block_size) a power of two in [32, "
+               "rotate needs a sign scaling and block_size (chunk_size) a power of two in [32, "
                "8192], got ",
-               enum_name(scaling), " with chunk_size ", chunk_size,
+               enum_name(scaling), " with block_size ", chunk_size,
                "; turn rotate off for other blocks");
 }
 

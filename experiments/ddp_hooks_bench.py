@@ -75,7 +75,7 @@ CONFIGS = [
     ("ours-topk-0.01-sizes", "topk", {"ratio": 0.01, "exchange": "sizes"}),
     ("ours-randomk-0.01", "randomk", {"ratio": 0.01}),
     ("ours-onebit", "onebit", {}),
-    # the 1-bit plan without the block rotation (issue 16's accuracy fix): what the rotation costs
+    # the 1-bit plan without the block rotation (the accuracy fix): what the rotation costs
     ("ours-onebit-norotate", "onebit", {"rotate": False}),
     # the same hooks without pipelining (each bucket's phases strictly after the previous
     # bucket's): the A/B of the worker's overlap of compression with transfers

@@ -15,7 +15,7 @@ per second of the baseline), and beside it three predictions at the chosen tau:
   pred_analytic  Eq. 4-6 with the trace's mean/stddev and measured serial time.
 
     python3 experiments/dropcompute_experiment.py [--steps 60] [--warmup 20] [--out results.csv]
-Target (issue 7): S_eff within 20% of the analytic prediction and >= 1.1x at the chosen tau.
+Target: S_eff within 20% of the analytic prediction and >= 1.1x at the chosen tau.
 The default delay (6 ms + min(exp(N(ln 2, 2^2)), 80) ms; about 0.13 s per step) keeps the fixed
 per-micro-batch overheads of a loaded 2-core machine small next to the injected variance; with
 half of it (--base-ms 3 --log-mu 0 --cap-ms 40) runs measured S_eff 1.02-1.11 against 1.10

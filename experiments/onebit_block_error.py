@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """How much of a gradient block one sign and one scale keep, with and without the 1-bit plan's
-randomized Hadamard rotation (issue 16).
+randomized Hadamard rotation.
 
 Trains the Fashion-MNIST CNN of gradcomp.experiments.fashion_mnist on one process (SGD lr 0.05,
 momentum 0.9, batch 32) and at a few steps cuts the flattened gradient g and the momentum u

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """One-process simulation of shared-index random-k with error feedback and DGC momentum
-correction on the Fashion-MNIST CNN (issue 17): which tensors make 1% diverge.
+correction on the Fashion-MNIST CNN: which tensors make 1% diverge.
 
 The random-k plan's step is linear in the gradient (every rank accumulates, the same indices are
 taken, the values are averaged), so one process fed the mean gradient of 4 x 32 samples follows

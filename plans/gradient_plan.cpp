@@ -72,6 +72,7 @@ int64_t GradientPlan::first_nonfinite(const void* data, DType t, int64_t n) {
 }
 
 void GradientPlan::end_step(bool skip, int64_t bad_index, bool undoable) {
+  phase_ = kDone;
   set_skipped(skip, undoable);
   if (!skip) return;
   device_fill_nan(device_, grad_.data, static_cast<size_t>(grad_.nbytes()), stream_);
@@ -112,6 +113,11 @@ void GradientPlan::begin(const TensorView& grad) {
   phase_ = 0;
   start_step();
   on_begin();
+}
+
+void GradientPlan::require_idle(const char* what) const {
+  GC_CHECK_ARG(phase_ < 0 || phase_ == kDone, "plan '", name(), "': ", what,
+               " during a step (run next() until it returns nullopt first)");
 }
 
 void GradientPlan::require_begun() const {

@@ -41,6 +41,25 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   // the plan checks finiteness itself (once), so that a bad rank can tell the others
   check_finite_ = cfg.check_finite;
   comp_.set_staged(check_finite_);
+  // FNV-1a over the options that decide every later step's collectives (their sizes, the route,
+  // the exchange): ranks whose options differ are told at the first step, not by an abort later
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      h ^= static_cast<const uint8_t*>(p)[i];
+      h *= 1099511628211ull;
+    }
+  };
+  auto mix_v = [&mix](auto v) { mix(&v, sizeof(v)); };
+  mix_v(cfg.ratio);
+  mix_v(cfg.warmup_steps);
+  for (double r : cfg.warmup_ratios) mix_v(r);
+  mix_v(static_cast<int>(cfg.value_dtype));
+  mix_v(static_cast<int>(opt.route));
+  mix_v(static_cast<int>(opt.exchange));
+  mix_v(opt.cost.bandwidth_Bps);
+  mix_v(opt.cost.latency_s);
+  config_fingerprint_ = static_cast<int64_t>(h & 0x7fffffffffffffffull);
 }
 
 float* TopKAllreducePlan::target() {
@@ -156,6 +175,7 @@ std::optional<Collective> TopKAllreducePlan::next() {
       mine[1] = static_cast<int64_t>(payload_.size());
       mine[2] = step;
       mine[3] = static_cast<int64_t>(bound);
+      mine[4] = config_fingerprint_;
       auto* d = sizes_.get<int64_t>(kSizeFields * (P + 1));
       device_copy(d + kSizeFields * P, device_, mine, Device::kCPU, kSizeFields * sizeof(int64_t),
                   stream_);
@@ -177,6 +197,9 @@ std::optional<Collective> TopKAllreducePlan::next() {
         GC_CHECK_ARG(f[2] == first[2], "plan 'topk': ranks are at different steps: rank 0 at ",
                      first[2], ", rank ", r, " at ", f[2],
                      " (restore every rank's state, or none)");
+        GC_CHECK_ARG(f[4] == first[4], "plan 'topk': the options differ across ranks (rank 0 ",
+                     "and rank ", r, "): ratio, warm-up, value_dtype, route, exchange and the ",
+                     "cost model must be the same on every rank");
         GC_CHECK_ARG(f[3] == first[3], "plan 'topk': the largest payload differs across ranks (",
                      first[3], " bytes on rank 0, ", f[3], " on rank ", r,
                      "): ratio, warm-up and value_dtype must be the same on every rank");
@@ -264,6 +287,11 @@ void TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {
     GC_CHECK_ARG(h.numel == static_cast<uint64_t>(numel_),
                  "plan 'topk': bucket sizes differ across ranks: this rank has ", numel_,
                  " elements, rank ", r, " has ", h.numel);
+    // the header carries the sender's step: a rank restored alone (or an older state loaded
+    // into one live plan) is told on every rank, as the size exchange does
+    GC_CHECK_ARG(h.aux == headers_[0].aux, "plan 'topk': ranks are at different steps: rank 0 at ",
+                 headers_[0].aux, ", rank ", r, " at ", h.aux,
+                 " (restore every rank's state, or none)");
     payload_bytes_[r] = b;
     longest = std::max(longest, b);
     total += b;

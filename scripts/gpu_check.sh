@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 15 in one command, for the lent GPU machine (no package registry there).
+# The GPU check (every CUDA kernel, NCCL and the CUDA hooks) in one command, for the lent GPU machine (no package registry there).
 #
 #   scripts/gpu_check.sh --prepare    here (Debian, packages installed by scripts/setup.sh): copies
 #                                     GoogleTest, Google Benchmark and OpenBLAS/LAPACKE (headers,

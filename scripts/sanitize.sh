@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The sanitizer and fuzz stage of CI (issue 11), run by scripts/test.sh unless
+# The sanitizer and fuzz stage of CI, run by scripts/test.sh unless
 # GRADCOMP_SKIP_SANITIZE=1. Exits non-zero on any finding. Steps:
 #  1. configure and build an ASan+UBSan tree with clang (-fno-sanitize-recover=all, libFuzzer
 #     instrumentation, CPU only) in its own build directory;

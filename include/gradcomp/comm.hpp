@@ -168,7 +168,9 @@ enum class Handshake : uint8_t {
 /// With a handshake, a disagreement between ranks (bucket sizes, collective kind, element type,
 /// count, one rank finished early) throws InvalidArgument on every rank, naming rank 0's value
 /// and the other rank's, before any mismatched collective is issued. Returns the collectives
-/// executed.
+/// executed. A bucket plan's skipped() then says whether the step was skipped (a NaN/Inf on some
+/// rank: the average is NaN on every rank, no state changed); settle_step() (plan.hpp) ends a
+/// step over several buckets.
 ///
 /// Example:  plan.begin(grad);  gradcomp::run_plan(plan, comm);
 std::vector<Collective> run_plan(Plan& plan, Communicator& comm,

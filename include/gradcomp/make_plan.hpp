@@ -60,7 +60,7 @@ std::vector<std::string> plan_names();
 /// the recommended settings, and for most options the configuration structs' own defaults; where
 /// they differ it is on purpose and said here:
 ///  - onebit: scaling "sign_l2", block_size 128, rotate true (OneBitConfig{} is the 1-bit Adam
-///    paper's form: one scale per server chunk, no rotation; issue 16 measured that form
+///    paper's form: one scale per server chunk, no rotation; that form was measured
 ///    collapse or trail plain DDP on Fashion-MNIST).
 PlanOptions plan_defaults(const std::string& name);
 

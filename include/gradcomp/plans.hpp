@@ -51,6 +51,9 @@ class GradientPlan : public BucketPlan {
                   const char* tag) const;
   /// Checks that begin() was called; next() after completion returns nullopt.
   void require_begun() const;
+  /// InvalidArgument unless no step is in progress (`what`: the refused call).
+  void require_idle(const char* what) const;
+  static constexpr int kDone = 1 << 20;  ///< phase_ of a finished step
   virtual void on_begin() {}
   /// The first index of the bound gradient that holds NaN or Inf, or -1.
   int64_t first_nonfinite();
@@ -198,7 +201,11 @@ class TopKAllreducePlan : public GradientPlan {
   bool stateful() const override { return true; }
   /// The compressor's state (residual, momentum, step).
   std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
+  /// Restores state_dict(); InvalidArgument during a step or on a mismatch (nothing changes).
+  /// A rank whose step then differs from the others' is told at the next step, on every rank
+  /// (the size exchange compares steps, the one-collective exchange the payload headers' step).
   void load_state_dict(const uint8_t* data, size_t nbytes) override {
+    require_idle("load_state_dict()");
     comp_.load_state_dict(data, nbytes);
     start_step();
   }
@@ -220,8 +227,10 @@ class TopKAllreducePlan : public GradientPlan {
   TopKPlanStats stats_;
   Payload payload_;
   Buffer sizes_, gathered_, acc_;
-  /// The size exchange's fields per rank: numel, payload bytes, step, payload bound.
-  static constexpr size_t kSizeFields = 4;
+  /// The size exchange's fields per rank: numel, payload bytes, step, payload bound, and a
+  /// fingerprint of the options that shape later steps' collectives (config_fingerprint_).
+  static constexpr size_t kSizeFields = 5;
+  int64_t config_fingerprint_ = 0;
   std::vector<int64_t> host_sizes_;
   std::vector<uint64_t> payload_bytes_;  ///< each rank's payload size (sparse route)
   std::vector<PayloadHeader> headers_;   ///< bound exchange: the gathered headers, on the host
@@ -255,7 +264,9 @@ class RandomKAllreducePlan : public GradientPlan {
   bool stateful() const override { return true; }
   /// The compressor's state (residual, momentum, step).
   std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
+  /// Restores state_dict(); InvalidArgument during a step or on a mismatch (nothing changes).
   void load_state_dict(const uint8_t* data, size_t nbytes) override {
+    require_idle("load_state_dict()");
     comp_.load_state_dict(data, nbytes);
     start_step();
   }

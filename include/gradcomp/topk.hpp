@@ -40,7 +40,7 @@ int64_t topk_indices(const TensorView& x, int64_t k, const SelectOptions& opt, c
 /// Momentum correction. With error feedback a sparsifier sends each element rarely (random-k at
 /// density d: about once every 1/d steps) carrying the sum of its unsent gradients. An optimizer
 /// with momentum then multiplies that burst by 1/(1 - m) again and again: error-feedback random-k
-/// at 1% under SGD with momentum 0.9 diverged (issue 17). With momentum > 0 the compressor
+/// at 1% under SGD with momentum 0.9 diverged. With momentum > 0 the compressor
 /// accumulates the velocity u = m u + g locally (v += u, Nesterov: v += g + m u), sends from v,
 /// and clears u where it sent (masking); the optimizer must then apply no momentum of its own.
 struct SparsifyConfig {
@@ -148,7 +148,7 @@ class TopKCompressor : public Compressor {
 /// Random-k: the same options as top-k (SparsifyConfig), density 1% by default, and which of the
 /// buffer's tensors are sent whole.
 ///
-/// Why small tensors go whole (issue 17): at density d a sampled element is applied about once
+/// Why small tensors go whole: at density d a sampled element is applied about once
 /// every 1/d steps with all it gathered meanwhile. On the first convolution, the biases and the
 /// classifier of a CNN (a few thousand elements of 824k) those bursts made the whole network
 /// diverge at 1% under momentum 0.9; sent every step the same run trains to within about a point

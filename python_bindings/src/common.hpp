@@ -132,6 +132,20 @@ inline PlanOption to_option(const std::string& name, const std::string& key, nb:
   // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name
   if (nb::hasattr(v, "__gradcomp_option__")) return nb::cast<std::string>(v.attr("name"));
   if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
+  {  // NumPy's bool is a bool (not 1 through __index__, nor a float as NumPy 2 would give)
+    const std::string type = nb::inst_name(v).c_str();
+    if (type == "numpy.bool_" || type == "numpy.bool") {
+      const int t = PyObject_IsTrue(v.ptr());
+      if (t < 0) throw nb::python_error();
+      return t != 0;
+    }
+  }
+  // a 0-d array or tensor (NumPy, torch): its one value
+  if (!nb::isinstance<nb::str>(v) && nb::hasattr(v, "ndim") && nb::hasattr(v, "item")) {
+    nb::object nd = v.attr("ndim");
+    if (nb::isinstance<nb::int_>(nd) && nb::cast<int64_t>(nd) == 0)
+      return to_option(name, key, v.attr("item")());
+  }
   if (nb::isinstance<nb::str>(v)) return nb::cast<std::string>(v);
   // an integer: Python's, or any exact integer scalar (NumPy's) through __index__
   const bool sequence = !nb::isinstance<nb::bytes>(v) && PySequence_Check(v.ptr());

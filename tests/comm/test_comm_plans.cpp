@@ -179,14 +179,14 @@ TEST(CommPlans, CastReduceScatterMatchesReference) {
   // sizes that do not divide by P (zero-padded last chunk), smaller than P (empty chunks), 0
   for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
     for (int P = 1; P <= 4; ++P)
-      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{1000},
-                        int64_t{65537}})
+      for (int64_t n :
+           {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{1000}, int64_t{65537}})
         check_plan(
             P, n, 2,
             [&](int) {
-              return std::make_unique<gc::CastAllreducePlan>(
-                  n, gc::DType::kFloat32, wire, P, gc::Device::kCPU, 0, nullptr,
-                  gc::CastRoute::kReduceScatter);
+              return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P,
+                                                             gc::Device::kCPU, 0, nullptr,
+                                                             gc::CastRoute::kReduceScatter);
             },
             [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
 }
@@ -427,7 +427,58 @@ TEST(CommPlans, TopKRanksThatWouldPadDifferentlyThrowOnTheFirstStep) {
     gc::TopKConfig other = cfg;
     other.warmup_ratios = {0.2};
     gc::TopKAllreducePlan a(cfg, n, 2), b(other, n, 2);
-    expect_throw(a, b, "the largest payload differs across ranks");
+    expect_throw(a, b, "the options differ across ranks");
+  }
+  {  // schedules that agree at step 0 and differ later: found at step 0 all the same
+    gc::TopKConfig c1 = cfg, c2 = cfg;
+    c1.warmup_ratios = {0.1, 0.1};
+    c2.warmup_ratios = {0.1, 0.2};
+    gc::TopKAllreducePlan a(c1, n, 2), b(c2, n, 2);
+    expect_throw(a, b, "the options differ across ranks");
+  }
+  {  // the exchange differs (one rank would gather payloads while the other gathers sizes)
+    gc::TopKPlanOptions bound, sizes;
+    bound.exchange = gc::TopKExchange::kBound;
+    sizes.exchange = gc::TopKExchange::kSizes;
+    gc::TopKAllreducePlan a(cfg, n, 2, bound), b(cfg, n, 2, sizes);
+    expect_throw(a, b, "the options differ across ranks");
+  }
+  {  // live plans on the one-collective exchange (after any warm-up: the same padding on both
+     // ranks); one rank loads an older state: the gathered headers' steps tell both ranks
+    gc::TopKConfig plain;
+    plain.ratio = 0.01;
+    gc::TopKPlanOptions bound;
+    bound.exchange = gc::TopKExchange::kBound;
+    gc::TopKAllreducePlan a(plain, n, 2, bound), b(plain, n, 2, bound);
+    std::vector<uint8_t> old;
+    for (int s = 0; s < 4; ++s) {
+      if (s == 1) old = a.state_dict();
+      std::vector<float> ga = rank_input(n, 0, s), gb = rank_input(n, 1, s);
+      a.begin(gc::TensorView::cpu(ga.data(), n));
+      b.begin(gc::TensorView::cpu(gb.data(), n));
+      std::vector<gc::Plan*> raw{&a, &b};
+      gc::run_plans_in_process(raw);
+    }
+    EXPECT_GE(a.stats().bound_steps, 2);
+    a.load_state_dict(old.data(), old.size());
+    expect_throw(a, b, "ranks are at different steps: rank 0 at 1, rank 1 at 4");
+  }
+}
+
+TEST(CommPlans, TopKAndRandomKRefuseLoadStateDictDuringAStep) {
+  const int64_t n = 1000;
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.05;
+  gc::TopKAllreducePlan t(cfg, n, 2);
+  gc::RandomKConfig rc;
+  rc.ratio = 0.05;
+  gc::RandomKAllreducePlan r(rc, n, 2);
+  for (gc::BucketPlan* p : std::vector<gc::BucketPlan*>{&t, &r}) {
+    const auto st = p->state_dict();
+    std::vector<float> g = rank_input(n, 0, 0);
+    p->begin(gc::TensorView::cpu(g.data(), n));
+    ASSERT_TRUE(p->next().has_value());  // the step is under way
+    EXPECT_THROW(p->load_state_dict(st.data(), st.size()), gc::InvalidArgument) << p->name();
   }
 }
 
@@ -611,8 +662,8 @@ TEST(CommPlans, SparsifyPlansClipEachRankAtNormOverSqrtWorld) {
   // with density 1 the average is that scale everywhere.
   const int P = 4;
   const int64_t n = 100;
-  for (auto scaling : {gc::SparsifyConfig::ClipScaling::kSqrtWorld,
-                       gc::SparsifyConfig::ClipScaling::kNone}) {
+  for (auto scaling :
+       {gc::SparsifyConfig::ClipScaling::kSqrtWorld, gc::SparsifyConfig::ClipScaling::kNone}) {
     const float want = scaling == gc::SparsifyConfig::ClipScaling::kNone ? 0.2f : 0.1f;
     for (int family = 0; family < 2; ++family) {
       std::vector<std::unique_ptr<gc::Plan>> plans;

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fp16/bf16 cast plan's reduce-scatter route over gloo (issue 12): all-to-all of wire-type
+"""The fp16/bf16 cast plan's reduce-scatter route over gloo: all-to-all of wire-type
 chunks, a rank-ordered fp32 sum rounded once, an allgather. Checked bit for bit against an
 independent torch reference on 3 ranks (sizes 0, 1, 2, 7, 1001: empty and padded chunks), and
 the hook's route choice: "auto" takes it on gloo, "allreduce" is honoured, a bad route is a

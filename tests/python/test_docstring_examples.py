@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The docstrings' examples run (issue 10: 14 examples named functions that did not exist at
+"""The docstrings' examples run (14 examples named functions that did not exist at
 that path, and one stated a wrong value). Every ``Example:`` block of the extension's public
 classes, methods and functions is executed in order, with a few placeholder inputs the examples
 leave to the reader (a gathered latency trace, a gradient, a model); a value the example states

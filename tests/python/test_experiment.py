@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Fashion-MNIST experiment's machinery (issue 13): configuration parsing, the PyTorch
+"""The Fashion-MNIST experiment's machinery: configuration parsing, the PyTorch
 baselines, the slow rank with and without DropCompute, the report (time to target, speedups,
 CSV, table, plots) and the loader errors. Accuracy itself: test_training_accuracy.py."""
 import csv

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The DDP hooks under failure (issue 11): bad options are refused when the hook is made, a
+"""The DDP hooks under failure: bad options are refused when the hook is made, a
 worker-thread error reaches the user with its own type and message, and a hung peer makes the
 hook raise within the user's process-group timeout, not torch's default 30 minutes."""
 import datetime

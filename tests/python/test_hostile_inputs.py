@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hostile inputs at the Python API (issue 11): wrong dtypes, strided / reversed / transposed
+"""Hostile inputs at the Python API: wrong dtypes, strided / reversed / transposed
 arrays, wrong sizes, NaN/Inf, read-only arrays, arrays that are not arrays, misaligned data,
 wrong payload kinds and tensor ids, truncated payloads and states, for every codec and plan.
 
@@ -551,7 +551,7 @@ CRASH_CASES = {
             raise AssertionError("PowerSGDPlan took a transposed gradient")
         print("OK")
     """,
-    # issue 11's reproducer: a strided gradient used to be copied, the copy freed after begin()
+    # the reproducer: a strided gradient used to be copied, the copy freed after begin()
     "strided-gradient": """
         g = np.zeros(2_000_000, np.float32)[::2]
         plan = _C.make_plan("topk", 10**6, "float32", 1, options=dict(ratio=0.01))

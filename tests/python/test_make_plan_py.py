@@ -88,7 +88,7 @@ def test_powersgd_flat_bucket_equals_its_tensor_list():
 
 
 def test_randomk_sends_the_buckets_small_tensors_whole():
-    """dense_below (issue 17): the tensors of the bucket with fewer elements are averaged exactly
+    """dense_below: the tensors of the bucket with fewer elements are averaged exactly
     every step; the density applies to the others. With momentum 0.9 and world size 1, a
     tensor sent whole gets SGD-with-momentum's update (u = 0.9 u + g) every step."""
     shapes = [[8, 4], [20000], [], [3, 1000]]  # 32 + 20000 + 1 + 3000

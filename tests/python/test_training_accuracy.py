@@ -11,10 +11,10 @@ data order, one thread per rank: two runs on 2026-11-24 gave identical figures (
 on 2026-11-23 at an earlier commit, so margins leave room for such shifts). Measured on the 2-core machine
 (torch 1.13, 2026-11-24): plain 86.00%; fp16 85.50, bf16 85.85, top-k 0.1% 86.30; 1-bit with the
 hook's defaults (block 128, L2 scale) 80.85, with momentum compression 82.40; the old 1-bit form
-(one L1 scale per chunk) 10.70; random-k with every tensor sampled (before issue 17's fix) 10%
+(one L1 scale per chunk) 10.70; random-k with every tensor sampled (before small tensors were sent whole) 10%
 with momentum correction 68.00, without 52.85;
 random-k 1% 10.00 with and 10.70 without correction; PowerSGD rank 4 86.30 and top-k with DGC's
-warm-up 86.60 (torch 1.13, 2026-11-24 later, issue 13's experiment). On torch 2.15 (same day): plain 87.00%,
+warm-up 86.60 (torch 1.13, 2026-11-24 later). On torch 2.15 (same day): plain 87.00%,
 fp16 87.25, bf16 86.60, top-k 86.35, 1-bit 79.20 / 83.40 (momentum compression), old 1-bit form
 9.65, random-k 10% 59.10 with and 10.15 without correction, 1% non-finite. With rotated 1-bit
 blocks (the hook's default; c8ccb73, 2026-11-25, same setting): 1-bit 86.75% / 86.15% with
@@ -23,7 +23,7 @@ momentum compression on torch 1.13, 85.80% / 86.30% on torch 2.15 (gaps -0.75 / 
 for every hook (about 2x the largest gap seen on 2026-11-23, 1.75 points, and 3x 1-bit's largest,
 1.20; a full epoch on 4 ranks is level with plain DDP on average,
 experiments/results/fashion_mnist_onebit_rotation_2026-11-24.md). Random-k with the small tensors
-sent whole (dense_below = 32768, the default since issue 17; 2026-11-25): 1% with momentum
+sent whole (dense_below = 32768, the default now; 2026-11-25): 1% with momentum
 correction 87.40% and 10% 85.80% against plain 86.90% on torch 1.13, 87.05% and 85.90% against
 87.00% on torch 2.15; every tensor sampled (dense_below=0, before the fix) 1% ended at 9.60% on
 torch 1.13 and stopped on a non-finite gradient on torch 2.15. A collapse (76 points) fails every
@@ -66,7 +66,7 @@ def test_hook_accuracy_within_margin_of_plain_ddp(plain, cfg):
 
 
 def test_old_onebit_form_is_what_collapsed():
-    """The measurement behind issue 16: one scale per server chunk (block_size=0) without
+    """Why the 1-bit plan keeps per-block scales: one scale per server chunk (block_size=0) without
     momentum compression ends near chance in the same setting; the fix is what makes the
     difference, not the setting."""
     r = _run("onebit:block_size=0;scaling=sign_l1;rotate=false")
@@ -87,7 +87,7 @@ def test_rotation_closes_most_of_the_onebit_gap():
 
 
 def test_old_randomk_form_is_what_diverged():
-    """The measurement behind issue 17: random-k 1% with momentum correction but every tensor
+    """Why random-k sends small tensors whole: random-k 1% with momentum correction but every tensor
     sampled (dense_below=0, the form before the fix) diverges in the same setting: it ends at
     chance (torch 1.13) or its gradients become non-finite and check_finite stops it (torch
     2.15). Sending the small tensors whole (the default) is what makes it train (above)."""

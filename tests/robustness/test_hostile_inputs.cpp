@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Hostile inputs of issue 11 (item 7): PowerSGD shapes that overflow int64 or cannot be allocated,
+// Hostile inputs: PowerSGD shapes that overflow int64 or cannot be allocated,
 // tensor views whose shape overflows, payloads addressed to another tensor, and zero-length
 // collectives / index sections (memcpy with the null pointers of empty buffers: undefined
 // behaviour that the sanitizer build of this test reports).

@@ -30,7 +30,7 @@ uint16_t bf16_reference(float f) {
   const double dlo = std::fabs(static_cast<double>(bf16_to_float(lo)) - f);
   // past the largest finite value, IEEE rounding treats +-Inf as +-2^128
   const double vhi = (hi & 0x7fffu) == 0x7f80u ? std::copysign(std::ldexp(1.0, 128), f)
-                                                : static_cast<double>(bf16_to_float(hi));
+                                               : static_cast<double>(bf16_to_float(hi));
   const double dhi = std::fabs(vhi - f);
   if ((u & 0xffffu) == 0) return lo;
   if (dlo < dhi) return lo;
@@ -45,8 +45,19 @@ TEST(Numeric, HalfMatchesCompilerFloat16) {
   GTEST_SKIP() << "this compiler has no _Float16 for this target";
 #else
   std::mt19937 rng(1);
-  std::vector<float> cases = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.0f, 65520.0f, 1e-8f,
-                              5.96e-8f, 2.98e-8f, 6.1e-5f, 6.09e-5f, 3.14159f,
+  std::vector<float> cases = {0.0f,
+                              -0.0f,
+                              1.0f,
+                              -1.0f,
+                              65504.0f,
+                              65519.0f,
+                              65520.0f,
+                              1e-8f,
+                              5.96e-8f,
+                              2.98e-8f,
+                              6.1e-5f,
+                              6.09e-5f,
+                              3.14159f,
                               std::numeric_limits<float>::infinity(),
                               -std::numeric_limits<float>::infinity()};
   std::uniform_real_distribution<float> e(-30.0f, 17.0f);
@@ -198,7 +209,7 @@ TEST(Runtime, CudaEntryPointsFailClearlyWithoutCuda) {
 }
 
 TEST(Runtime, NcclEntryPointsNameWhatTheBuildLacks) {
-  // a CUDA build whose configure step found no NCCL must not blame CUDA (issue 10)
+  // a CUDA build whose configure step found no NCCL must not blame CUDA
   auto message = [](bool cuda_built) {
     try {
       throw_not_built_with_nccl("NcclCommunicator", cuda_built);
@@ -224,9 +235,10 @@ TEST_P(IndexCodingTest, RoundTripsEveryCoding) {
       for (uint64_t i = 0; i < numel; ++i)
         if (std::uniform_real_distribution<double>(0, 1)(rng) < density) idx.push_back(uint32_t(i));
       for (auto coding : {IndexCoding::kRaw32, IndexCoding::kDeltaVarint, IndexCoding::kBitmap}) {
-        uint64_t bytes = coding == IndexCoding::kRaw32    ? 4 * idx.size()
-                         : coding == IndexCoding::kBitmap ? (numel + 7) / 8
-                                                          : delta_varint_bytes(idx.data(), idx.size());
+        uint64_t bytes = coding == IndexCoding::kRaw32 ? 4 * idx.size()
+                         : coding == IndexCoding::kBitmap
+                             ? (numel + 7) / 8
+                             : delta_varint_bytes(idx.data(), idx.size());
         std::vector<uint8_t> buf(bytes + 1);
         encode_indices(idx.data(), idx.size(), numel, coding, buf.data());
         std::vector<uint32_t> back(idx.size() + 1);
@@ -259,9 +271,9 @@ TEST(Wire, IndexDecodeRejectsOutOfRangeAndUnordered) {
   // found by fuzz_wire: a header claiming numel > 2^32 let a delta-coded index pass the range
   // check and wrap around in the 32-bit output (here 2^32 + 1 after 5: "descending")
   const uint8_t wraps[6] = {0x05, 0xFB, 0xFF, 0xFF, 0xFF, 0x0F};  // 5, then gap 2^32 - 5
-  EXPECT_THROW(decode_indices(wraps, 6, IndexCoding::kDeltaVarint, 2, uint64_t{1} << 40,
-                              out.data()),
-               CorruptPayload);
+  EXPECT_THROW(
+      decode_indices(wraps, 6, IndexCoding::kDeltaVarint, 2, uint64_t{1} << 40, out.data()),
+      CorruptPayload);
   const uint8_t fits[2] = {0x05, 0x02};  // 5, 8: fine under the same large numel
   decode_indices(fits, 2, IndexCoding::kDeltaVarint, 2, uint64_t{1} << 40, out.data());
   EXPECT_EQ(out[0], 5u);

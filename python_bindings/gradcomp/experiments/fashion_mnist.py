@@ -280,7 +280,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     train_s = 0.0  # time in training steps; evaluation excluded
     step = 0
     epochs = int(args.get("epochs", 1))
-    n_hist = 0
+    wire_seen = 0  # the hook's total wire bytes at the last step
     sample_frac: List[float] = []
     done = False
     for epoch in range(epochs):
@@ -326,8 +326,8 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
             train_s += time.perf_counter() - t0
             losses.append(step_loss)
             if state is not None:
-                wire = sum(h["wire_bytes"] for h in state.history[n_hist:])
-                n_hist = len(state.history)
+                total = state.totals["wire_bytes"]
+                wire, wire_seen = total - wire_seen, total
             else:
                 wire = ring_wire(plain_bytes)
             steps_log.append((step, train_s, step_loss, wire))

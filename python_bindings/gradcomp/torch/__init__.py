@@ -49,7 +49,7 @@ __all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "f
 log = logging.getLogger("gradcomp")
 TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
 
-from ._buckets import BucketTable, _Bucket  # noqa: E402,F401
+from ._buckets import BucketTable, _Bucket, _CompositePlan, _as_int  # noqa: E402,F401
 from ._stats import HookStats  # noqa: E402
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
                         _ProbeBucket, _stream_of)
@@ -81,10 +81,9 @@ class GradcompState:
         self.compressor = compressor
         self.options = dict(options)
         self.process_group = process_group
-        self.start_iter = (2 if fam.stateful else 0) if start_iter is None else int(start_iter)
-        if self.start_iter < 0:
-            raise ValueError(f"start_iter must be >= 0, got {start_iter}")
-        self.log_every = int(log_every)
+        self.start_iter = ((2 if fam.stateful else 0) if start_iter is None
+                           else _as_int(start_iter, "start_iter", 0))
+        self.log_every = _as_int(log_every, "log_every", 0)
         self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw, skipped ones included: the index of history
         self._owner = None  # the state that settles steps (hook("auto") for its candidates)
@@ -121,10 +120,17 @@ class GradcompState:
     # -- statistics (gradcomp/torch/_stats.py) ---------------------------------------------------
     @property
     def history(self) -> list:
-        """Per step the hook saw (skipped and failed steps included, so an entry's index can
-        run ahead of ``iter``): dense bytes, bytes handed to collectives, bytes on the wire,
-        local and communication seconds, collectives, buckets, skipped buckets."""
+        """The last 4096 steps the hook saw (skipped and failed ones included; each entry's
+        "iter" numbers it): dense bytes, bytes handed to collectives, bytes on the wire, local
+        and communication seconds, collectives, buckets, skipped buckets. Bounded, so a long job
+        does not grow it; :attr:`totals` keeps the sums over every step."""
         return self.stats.history
+
+    @property
+    def totals(self) -> Dict[str, Any]:
+        """The fields of :attr:`history` summed over every step since this state was made,
+        and "steps", the number of steps."""
+        return dict(self.stats.totals)
 
     @property
     def last_stats(self) -> Dict[int, Dict[str, Any]]:
@@ -174,19 +180,49 @@ class GradcompState:
                 "buckets": self.table.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`. A different compressor or world size, or a bucket whose
-        size differs, is an error raised before anything changes. Bucket states are applied
-        when DDP first calls the hook for that bucket."""
-        if sd.get("compressor") != self.compressor:
-            raise ValueError(f"state is for compressor {sd.get('compressor')!r}, this hook is "
+        """Restores :meth:`state_dict`. Everything is checked first (types, the compressor,
+        the world size, every bucket's state bytes with their checksum, sizes and finite values,
+        the parameter layout against the model when one was given) and then either all of it is
+        applied or, with a ValueError naming what is wrong, nothing. Bucket states are applied
+        when DDP first hands their parameters to the hook (before or after its bucket rebuild)."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
+        missing = [k for k in ("compressor", "iter", "start_iter", "buckets") if k not in sd]
+        if missing:
+            raise ValueError(f"state_dict lacks {missing}")
+        if sd["compressor"] != self.compressor:
+            raise ValueError(f"state is for compressor {sd['compressor']!r}, this hook is "
                              f"{self.compressor!r}")
+        it = _as_int(sd["iter"], "state_dict['iter']", 0)
+        start = _as_int(sd["start_iter"], "state_dict['start_iter']", 0)
         ws = sd.get("world_size")
-        if ws is not None and dist.is_initialized() and ws != self.world:
-            raise ValueError(f"state was saved with world size {ws}, the process group has "
-                             f"{self.world}")
-        self.table.load_state_dict(sd["buckets"])
-        self.iter = int(sd["iter"])
-        self.start_iter = int(sd["start_iter"])
+        if ws is not None:
+            ws = _as_int(ws, "state_dict['world_size']", 1)
+            if dist.is_initialized() and ws != self.world:
+                raise ValueError(f"state was saved with world size {ws}, the process group has "
+                                 f"{self.world}")
+        world = ws or (self.world if dist.is_initialized() else 1)
+        fam = COMPRESSORS[self.compressor]
+
+        def check_state(k, e):  # a plan of that bucket's size loads the bytes, then is dropped
+            if not fam.stateful:
+                raise ValueError(f"state_dict bucket {k}: compressor {self.compressor!r} keeps "
+                                 f"no bucket state")
+            if not dist.is_initialized():  # (unpickled before init_process_group: this rank is
+                return                     # not known yet; the bytes are checked when applied)
+            flat = torch.empty(e["numel"], dtype=_TORCH_DTYPES[e["dtype"]])
+            shapes = e["shapes"] if fam.name in ("powersgd", "randomk") else None
+            plan = fam.make_flat(self.options, flat, world, k, self.process_group, shapes)
+            try:
+                plan.load_state_dict(e["state"])
+            except ValueError as err:
+                raise ValueError(f"state_dict bucket {k}: {err}") from None
+
+        buckets = self.table.check_state_dict(sd["buckets"], check_state)
+        # checked: now apply
+        self.table.load_state_dict(buckets)
+        self.iter = it
+        self.start_iter = start
 
     def __getstate__(self):
         return {"compressor": self.compressor, "options": self.options,
@@ -198,6 +234,9 @@ class GradcompState:
         self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
                       d.get("timeout"), d.get("pipeline", True), _lazy=True, **d["options"])
         self.load_state_dict(dict(d["sd"], world_size=None))
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _sparse_error(bucket) -> Optional[ValueError]:
@@ -312,7 +351,10 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         sample = None
         if on_done is not None and error is None:
             sample = on_done(idx, it, stats)
-        keep = error is None and not skipped and not warmup and bool(plan.stateful)
+        # kept: a plan whose step may have to be taken back (a composite of restored buckets
+        # may have kept some parts while another skipped)
+        keep = (error is None and not warmup and bool(plan.stateful)
+                and (not skipped or isinstance(plan, _CompositePlan) and plan.can_undo))
         steps.settle(rec, skipped or error is not None, plan if keep else None, sample=sample)
 
     try:
@@ -321,6 +363,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
             raise err
         warmup = it < state.start_iter
         if warmup:
+            state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
             fam = COMPRESSORS["allreduce"]
             view, permuted = bucket, False
             plan = fam.make({}, bucket, state.world, idx, state.process_group)
@@ -402,7 +445,11 @@ def _as_timeout(t) -> Optional[datetime.timedelta]:
         raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {t!r}")
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"timeout must be positive and finite, got {t!r}")
-    return datetime.timedelta(seconds=seconds)
+    try:
+        return datetime.timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"timeout must be at most {datetime.timedelta.max.total_seconds():.0f} "
+                         f"seconds, got {t!r}") from None
 
 
 def timeline(state, iteration: Optional[int] = None) -> list:

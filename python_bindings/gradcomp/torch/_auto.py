@@ -113,7 +113,7 @@ class AutoState:
         self.start_iter = 2 if start_iter is None else _check_int("start_iter", start_iter, 0)
         self.margin = float(margin)
         self.pipeline = pipeline
-        self.log_every = int(log_every)
+        self.log_every = _check_int("log_every", log_every, 0)
         self.timeout = timeout
         per = {"allreduce": {}, "bf16": {}, "fp16": {}, "powersgd": {"rank": min_rank},
                "topk": {"ratio": max_density}}
@@ -230,19 +230,27 @@ class AutoState:
     # -- statistics ------------------------------------------------------------------------------
     @property
     def history(self) -> List[Dict[str, Any]]:
-        """Per iteration, the sum over candidates of their statistics (see GradcompState)."""
-        out: List[Dict[str, Any]] = []
+        """Per step, the sum over candidates of their statistics, for the steps the candidates
+        still keep (see GradcompState.history)."""
+        merged: Dict[int, Dict[str, Any]] = {}
         for sub in self.subs.values():
             for h in sub.history:
-                while len(out) <= h["iter"]:
-                    out.append({"iter": len(out), "dense_bytes": 0, "bytes_sent": 0,
-                                "wire_bytes": 0, "local_seconds": 0.0, "comm_seconds": 0.0,
-                                "collectives": 0, "buckets": 0})
-                acc = out[h["iter"]]
-                for k in acc:
+                acc = merged.setdefault(h["iter"], {"iter": h["iter"]})
+                for k, v in h.items():
                     if k != "iter":
-                        acc[k] += h.get(k, 0)
-        return out[:self._calls]
+                        acc[k] = acc.get(k, 0) + v
+        return [merged[k] for k in sorted(merged) if k < self._calls]
+
+    @property
+    def totals(self) -> Dict[str, Any]:
+        """The statistics summed over every step and candidate (see GradcompState.totals)."""
+        out: Dict[str, Any] = {}
+        for sub in self.subs.values():
+            for k, v in sub.totals.items():
+                if k != "steps":
+                    out[k] = out.get(k, 0) + v
+        out["steps"] = self._calls
+        return out
 
     @property
     def last_stats(self) -> Dict[int, Dict[str, Any]]:

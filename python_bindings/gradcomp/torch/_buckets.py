@@ -2,7 +2,7 @@
 """The hook's per-bucket plans: which plan serves which DDP bucket, how a bucket's parameters are
 matched to the compression state across DDP's bucket rebuild (a restored job's first iteration
 runs before the rebuild, in another parameter order), and the bucket part of checkpoints."""
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -49,6 +49,53 @@ class _PermutedBucket:
             g.copy_(v)
 
 
+class _CompositePlan:
+    """One DDP bucket holding the parameters of several compression states (a restored job's
+    first iteration, before DDP rebuilds its buckets as the saved job had them): each state's
+    plan runs on a view of its own parameters, in key order, one after another, and the views
+    are scattered back into the bucket at the end (scatter()). To the hook it is a plan (begin,
+    next, skipped, undo) and the bucket's view at once."""
+
+    stateful = True
+
+    def __init__(self, plans, views):
+        self.plans, self.views = plans, views
+        self._i = 0
+
+    def buffer(self):  # (begin() binds each part's own view instead)
+        return self.views[0].buffer()
+
+    def begin(self, _flat, stream=0):
+        for p, v in zip(self.plans, self.views):
+            p.begin(v.buffer(), stream)
+        self._i = 0
+
+    def next(self):
+        while self._i < len(self.plans):
+            c = self.plans[self._i].next()
+            if c is not None:
+                return c
+            self._i += 1
+        return None
+
+    def scatter(self):
+        for v in self.views:
+            v.scatter()
+
+    @property
+    def skipped(self) -> bool:
+        return any(p.skipped for p in self.plans)
+
+    @property
+    def can_undo(self) -> bool:  # some part kept its step and can take it back
+        return any(not p.skipped and p.can_undo for p in self.plans)
+
+    def undo_step(self) -> None:
+        for p in self.plans:
+            if not p.skipped and p.can_undo:
+                p.undo_step()
+
+
 class BucketTable:
     """The plans of one hook state, by DDP bucket index, with the checkpointed states not yet
     applied (``pending``: applied when DDP first calls the hook for that bucket). ``stateful``:
@@ -57,17 +104,24 @@ class BucketTable:
     state follows parameters between processes."""
 
     def __init__(self, stateful: bool, model=None):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be the DDP module or the module it wraps, got "
+                             f"{type(model).__name__}")
         self.stateful = stateful
         self.buckets: Dict[int, _Bucket] = {}
         self.pending: Dict[int, Dict[str, Any]] = {}
         self._param_index: Optional[Dict[int, int]] = (
             None if model is None else {id(p): i for i, p in enumerate(model.parameters())})
+        self._param_shapes = (None if model is None
+                              else [tuple(p.shape) for p in model.parameters()])
         self._local_keys: Dict[int, int] = {}
 
     def layout(self, bucket) -> Tuple:
         """The bucket's parameters as keys: their index in model.parameters() when the model is
-        known; otherwise keys given to the Parameter objects at first sight in this process
-        (stable while the process lives, so DDP's bucket rebuild is followed either way)."""
+        known; otherwise keys given to the Parameter objects at first sight in this process. The
+        hook looks at every bucket from the first iteration on, and a process's first iteration
+        runs DDP's initial buckets, which are the same in a saved job and in its restart: so the
+        keys agree between the two (and DDP's bucket rebuild is followed either way)."""
         keys = []
         for p in bucket.parameters():
             if self._param_index is not None:
@@ -85,8 +139,15 @@ class BucketTable:
         return [list(g.shape) for g in bucket.gradients()]
 
     def resolve(self, bucket, make: Callable):
-        """Returns (bucket-like, _Bucket, permuted) for a compressed step; make(view, index)
-        builds a new plan for a bucket-like view."""
+        """Returns (bucket-like, _Bucket-like, permuted) for a compressed step; make(view, index)
+        builds a new plan for a bucket-like view.
+
+        A bucket's parameters are matched to the states known (live plans and checkpointed
+        states not yet applied) by their keys: the same parameters in another order are a
+        permuted view; parameters that several states hold between them (a restored job's first
+        iteration, which runs DDP's initial buckets before DDP rebuilds them as the saved job
+        had them) run those states' plans one after another on their own parameters
+        (_CompositePlan), each exactly as the saved job would have run it."""
         buf = bucket.buffer()
         idx = bucket.index()
         dt = _dtype_name(buf)
@@ -97,30 +158,25 @@ class BucketTable:
             # (they compress from iteration 0, before the rebuild)
             b = None
             del self.buckets[idx]
-        if b is None and idx in self.pending:
-            p = self.pending[idx]
-            if p["numel"] != buf.numel() or p["dtype"] != dt:
-                raise ValueError(f"gradcomp: checkpoint has bucket {idx} with {p['numel']} "
-                                 f"{p['dtype']} elements but the model's bucket has "
-                                 f"{buf.numel()} {dt}")
-            if p.get("keyed_by_model") and self._param_index is not None:
-                saved = tuple(p["layout"])
-            elif p["shapes"] == self.shapes(bucket):
-                saved = layout  # no parameter identities to compare: trust the same shapes order
+        if b is None and self.pending.get(idx, {}).get("unkeyed"):
+            b = self._activate_unkeyed(bucket, idx, layout, dt, make)
+        if b is None or sorted(b.layout) != sorted(layout):
+            cover = self._cover(layout) if (self.pending or self.buckets) else None
+            if cover is None and b is None and not self._overlaps(layout):
+                plan = make(bucket, idx)
+                b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, layout,
+                                                self.shapes(bucket))
+            elif cover is None:
+                return self._regrouped(bucket, idx, layout)
             else:
-                raise RuntimeError(
-                    f"gradcomp: checkpoint bucket {idx} holds tensors of shapes {p['shapes']} but "
-                    f"the model's bucket {self.shapes(bucket)}: DDP has not rebuilt its buckets "
-                    f"yet. Pass model=... to gradcomp.torch.hook (before saving and when "
-                    f"restoring) so that state follows parameters")
-            view = bucket if saved == layout else self._permute(bucket, layout, saved, idx)
-            plan = make(view, idx)
-            plan.load_state_dict(p["state"])
-            del self.pending[idx]
-            b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, saved, self.shapes(view))
-        elif b is None:
-            plan = make(bucket, idx)
-            b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, layout, self.shapes(bucket))
+                parts = [(k, self._activate(k, bucket, layout, dt, make)) for k in cover]
+                if len(parts) == 1:
+                    b = parts[0][1]
+                else:
+                    views = [self._permute(bucket, layout, pb.layout, k, subset=True)
+                             for k, pb in parts]
+                    comp = _CompositePlan([pb.plan for _, pb in parts], views)
+                    return comp, _Bucket(comp, buf.numel(), dt, layout, self.shapes(bucket)), True
         if b.numel != buf.numel() or b.dtype != dt:
             raise RuntimeError(
                 f"gradcomp: bucket {idx} changed from {b.numel} {b.dtype} elements to "
@@ -130,12 +186,76 @@ class BucketTable:
             return bucket, b, False
         return self._permute(bucket, layout, b.layout, idx), b, True
 
-    def _permute(self, bucket, layout, saved, idx):
-        if sorted(layout) != sorted(saved):
-            raise RuntimeError(
-                f"gradcomp: bucket {idx} now holds other parameters than its compression state "
-                f"was made with (DDP regrouped its buckets); start compression after DDP's bucket "
-                f"rebuild (start_iter >= 2), or restore checkpoints with the same bucket sizes")
+    def _known(self):
+        """(key, layout) of every state: live plans, then checkpointed states not yet applied."""
+        for k, b in self.buckets.items():
+            yield k, b.layout
+        for k, p in self.pending.items():
+            if k not in self.buckets and not p.get("unkeyed"):
+                yield k, tuple(p["layout"])
+
+    def _cover(self, layout) -> Optional[List[int]]:
+        """The keys of the states whose parameters make up exactly this bucket's (each wholly
+        inside it, together all of it), in key order; None if there are none such."""
+        want = set(layout)
+        keys, got = [], set()
+        for k, lay in self._known():
+            s = set(lay)
+            if s and s <= want:
+                if got & s:
+                    return None
+                keys.append(k)
+                got |= s
+        return sorted(keys) if keys and got == want else None
+
+    def _overlaps(self, layout) -> bool:
+        want = set(layout)
+        return any(want & set(lay) for _, lay in self._known())
+
+    def _activate(self, k, bucket, layout, dt, make):
+        """The live _Bucket of state k: a checkpointed one gets its plan now (on a view of its
+        own parameters in its saved order) and its state loaded."""
+        if k in self.buckets:
+            return self.buckets[k]
+        saved = tuple(self.pending[k]["layout"])
+        view = self._permute(bucket, layout, saved, k, subset=True)
+        return self._apply(k, view, saved, dt, make, "its parameters have")
+
+    def _activate_unkeyed(self, bucket, idx, layout, dt, make):
+        """A checkpointed state whose parameter keys this table cannot match (model= given on
+        one side only): applied to the bucket of the same index if it holds tensors of the same
+        shapes, in the saved order."""
+        return self._apply(idx, bucket, layout, dt, make,
+                           "the model's bucket has (and model= was given on one side only)")
+
+    def _apply(self, k, view, layout, dt, make, whose: str):
+        """Checks pending state k against the view of its parameters, builds its plan on the
+        view and loads the state; the state is then live under k."""
+        p = self.pending[k]
+        n = view.buffer().numel()
+        if p["numel"] != n or p["dtype"] != dt or p["shapes"] != self.shapes(view):
+            raise ValueError(f"gradcomp: checkpoint bucket {k} holds {p['numel']} {p['dtype']} "
+                             f"elements in tensors of shapes {p['shapes']}, but {whose} {n} {dt} "
+                             f"in {self.shapes(view)}; pass model=... to gradcomp.torch.hook "
+                             f"alike when saving and restoring")
+        plan = make(view, k)
+        plan.load_state_dict(p["state"])
+        del self.pending[k]
+        b = self.buckets[k] = _Bucket(plan, p["numel"], dt, layout, p["shapes"])
+        return b
+
+    def _regrouped(self, bucket, idx, layout):
+        raise RuntimeError(
+            f"gradcomp: bucket {idx} now holds other parameters than the compression states "
+            f"were made with, and not a whole number of them (DDP regrouped its buckets); start "
+            f"compression after DDP's bucket rebuild (start_iter >= 2), or restore checkpoints "
+            f"with the same bucket sizes")
+
+    def _permute(self, bucket, layout, saved, idx, subset=False):
+        """A view of the bucket's gradients in the order `saved` (all of them, or with `subset`
+        some of them)."""
+        if not set(saved) <= set(layout) or (not subset and len(saved) != len(layout)):
+            self._regrouped(bucket, idx, layout)
         pos = {k: j for j, k in enumerate(layout)}
         return _PermutedBucket(bucket, [pos[k] for k in saved])
 
@@ -148,18 +268,107 @@ class BucketTable:
             if b.plan.stateful:
                 buckets[i] = {"numel": b.numel, "dtype": b.dtype, "layout": list(b.layout),
                               "keyed_by_model": self._param_index is not None,
-                              "shapes": b.shapes, "state": b.plan.state_dict()}
+                              "key_order": KEY_ORDER, "shapes": b.shapes,
+                              "state": b.plan.state_dict()}
         for i, p in self.pending.items():
             buckets.setdefault(i, p)
         return buckets
 
-    def load_state_dict(self, buckets: Dict[Any, Dict[str, Any]]) -> None:
-        """Restores state_dict(); a bucket whose size or dtype differs from a live one is a
-        ValueError raised before anything changes."""
+    def check_state_dict(self, buckets, check_state: Callable) -> Dict[int, Dict[str, Any]]:
+        """Validates state_dict() output before anything is applied; returns it normalized.
+        check_state(key, entry) validates one bucket's state bytes (a plan of that bucket's
+        size loads them: header, sizes, checksum, finite values). ValueError names what is
+        wrong."""
+        if not isinstance(buckets, dict):
+            raise ValueError(f"state_dict['buckets'] must be a dict, got {type(buckets).__name__}")
+        out: Dict[int, Dict[str, Any]] = {}
+        owner: Dict[int, int] = {}  # parameter key -> bucket
+        params = self._param_shapes
         for i, b in buckets.items():
-            cur = self.buckets.get(int(i))
-            if cur is not None and (cur.numel != b["numel"] or cur.dtype != b["dtype"]):
-                raise ValueError(f"bucket {i}: saved {b['numel']} {b['dtype']} elements, "
-                                 f"the model has {cur.numel} {cur.dtype}")
+            k = _as_int(i, "a bucket index", 0)
+            where = f"state_dict bucket {i!r}"
+            if not isinstance(b, dict):
+                raise ValueError(f"{where} must be a dict, got {type(b).__name__}")
+            missing = [f for f in ("numel", "dtype", "layout", "shapes", "state") if f not in b]
+            if missing:
+                raise ValueError(f"{where} lacks {missing}")
+            numel = _as_int(b["numel"], f"{where}: numel", 0)
+            if b["dtype"] not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"{where}: dtype must be float32, float16 or bfloat16, got "
+                                 f"{b['dtype']!r}")
+            if not isinstance(b["state"], (bytes, bytearray)):
+                raise ValueError(f"{where}: state must be bytes, got {type(b['state']).__name__}")
+            layout = [_as_int(x, f"{where}: layout entry", 0) for x in _as_list(b["layout"], where)]
+            shapes = [[_as_int(d, f"{where}: shape entry", 0) for d in _as_list(sh, where)]
+                      for sh in _as_list(b["shapes"], where)]
+            if len(layout) != len(shapes) or len(set(layout)) != len(layout):
+                raise ValueError(f"{where}: layout {layout} must name {len(shapes)} distinct "
+                                 f"parameters, one per shape")
+            if sum(_numel(sh) for sh in shapes) != numel:
+                raise ValueError(f"{where}: shapes {shapes} hold {sum(_numel(sh) for sh in shapes)}"
+                                 f" elements, numel says {numel}")
+            by_model = bool(b.get("keyed_by_model", False))
+            if by_model and params is not None:
+                for key, sh in zip(layout, shapes):
+                    if key >= len(params):
+                        raise ValueError(f"{where}: layout names parameter {key}, the model has "
+                                         f"{len(params)}")
+                    if list(params[key]) != sh:
+                        raise ValueError(f"{where}: parameter {key} has shape "
+                                         f"{list(params[key])} in the model, {sh} in the "
+                                         f"checkpoint")
+            for key in layout:
+                if key in owner:
+                    raise ValueError(f"{where}: parameter {key} is also in bucket {owner[key]}")
+                owner[key] = k
+            # keys this table can match: both by model index, or both by first sight (a
+            # checkpoint of an older gradcomp without model= keyed otherwise); an entry whose keys
+            # cannot be matched (model= on one side only, e.g. an unpickled state) is applied to
+            # the bucket of the same index and shapes, as saved
+            keyed = by_model == (self._param_index is not None) and (
+                by_model or b.get("key_order") == KEY_ORDER)
+            entry = {"numel": numel, "dtype": b["dtype"], "layout": layout,
+                     "keyed_by_model": by_model, "shapes": shapes, "state": bytes(b["state"])}
+            if not by_model and b.get("key_order") == KEY_ORDER:
+                entry["key_order"] = KEY_ORDER
+            if not keyed:
+                entry["unkeyed"] = True
+            check_state(k, entry)
+            if k in out:
+                raise ValueError(f"{where}: bucket {k} given twice")
+            out[k] = entry
+        return out
+
+    def load_state_dict(self, buckets: Dict[int, Dict[str, Any]]) -> None:
+        """Applies what check_state_dict() returned: every bucket's state is applied when its
+        parameters first reach the hook."""
         self.buckets = {}
-        self.pending = {int(i): dict(b) for i, b in buckets.items()}
+        self.pending = dict(buckets)
+
+
+# Parameter keys without model=: given in the order DDP first shows the parameters (see
+# BucketTable.layout); checkpoints record it, since older ones keyed them otherwise.
+KEY_ORDER = "first_seen"
+
+
+def _as_int(v, what: str, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) and not (
+            hasattr(v, "__index__") and not isinstance(v, float)):
+        raise ValueError(f"{what} must be an integer, got {v!r}")
+    v = int(v.__index__()) if not isinstance(v, int) else v
+    if v < low:
+        raise ValueError(f"{what} must be >= {low}, got {v}")
+    return v
+
+
+def _as_list(v, where: str) -> list:
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{where}: expected a list, got {type(v).__name__}")
+    return list(v)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -128,7 +128,7 @@ class _ProbeBucket:
 # - topk/randomk clip_norm: the global threshold; each of N ranks clips at clip_norm N^-1/2
 #   (clip_scaling="sqrt_world", DGC) or at clip_norm itself ("none"). randomk momentum > 0: DGC's
 #   momentum correction and masking (use dgc_optimizer: no optimizer momentum); error-feedback
-#   random-k under an optimizer with momentum diverges (issue 17).
+#   random-k under an optimizer with momentum diverges.
 # - randomk dense_below 32768: the bucket's tensors of fewer elements (biases, norms, first
 #   convolutions, small classifiers) are sent whole every step, with their momentum kept.
 #   Sampled at 1%, each of their elements was applied about once in 100 steps with all it
@@ -143,7 +143,7 @@ class _ProbeBucket:
 #   payload to the largest its k allows, unless the cost model says the padding costs more than
 #   the saved round (the padding is up to ~1.6x a delta-coded payload).
 # - onebit block_size 128: one scale per server chunk (block_size=0, the 1-bit Adam paper's form)
-#   let layers of very different gradient size share a scale and collapsed training (issue 16);
+#   let layers of very different gradient size share a scale and collapsed training;
 #   128 costs 0.25 bit per element (25.6x fewer bytes on the wire than a ring allreduce of fp32).
 #   scaling "sign_l2" (the block's RMS) drains large gradients from error feedback sooner than
 #   the L1 mean and trained better (experiments/results/fashion_mnist_accuracy_2026-11-24.md).

@@ -9,24 +9,45 @@ from typing import Any, Dict, List
 log = logging.getLogger("gradcomp")
 
 
+_FIELDS = ("dense_bytes", "bytes_sent", "wire_bytes", "local_seconds", "comm_seconds",
+           "collectives", "buckets", "skipped_buckets")
+
+
 class HookStats:
-    def __init__(self, compressor: str, max_runs: int):
+    """``history``: the last `max_history` steps the hook saw (memory stays bounded however long
+    the job runs, and a restore at any iteration costs one entry); ``totals``: the same fields
+    summed over every step since the state was made."""
+
+    def __init__(self, compressor: str, max_runs: int, max_history: int = 4096):
         self.compressor = compressor
-        self.history: List[Dict[str, Any]] = []
+        self._hist: "collections.deque" = collections.deque(maxlen=max_history)
+        self.totals: Dict[str, Any] = {k: 0 for k in _FIELDS}
+        self.totals["steps"] = 0
         self.last: Dict[int, Dict[str, Any]] = {}
         # per plan run: when queued and started, and each local phase and collective with its
         # start and end
         self.runs: "collections.deque" = collections.deque(maxlen=max_runs)
         self.skipped_steps = 0  # steps with a bucket skipped (NaN/Inf on some rank)
 
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        return list(self._hist)
+
     def iteration(self, it: int) -> Dict[str, Any]:
-        """The statistics of iteration `it` (collectives complete asynchronously, so a bucket's
-        numbers are added to the iteration that launched it, whenever they arrive)."""
-        while len(self.history) <= it:
-            self.history.append({"iter": len(self.history), "dense_bytes": 0, "bytes_sent": 0,
-                                 "wire_bytes": 0, "local_seconds": 0.0, "comm_seconds": 0.0,
-                                 "collectives": 0, "buckets": 0, "skipped_buckets": 0})
-        return self.history[it]
+        """The statistics of step `it` (collectives complete asynchronously, so a bucket's
+        numbers are added to the step that launched it, whenever they arrive)."""
+        for h in reversed(self._hist):  # the newest first: `it` is the current step, or close
+            if h["iter"] == it:
+                return h
+            if h["iter"] < it:
+                break
+        h = {"iter": it}
+        h.update({k: 0 for k in _FIELDS})
+        h["local_seconds"] = h["comm_seconds"] = 0.0
+        if not self._hist or self._hist[-1]["iter"] < it:
+            self._hist.append(h)
+            self.totals["steps"] += 1
+        return h
 
     def record(self, it: int, bucket_index: int, dense: int, stats, last: bool,
                log_every: int = 0, skipped: bool = False) -> None:
@@ -41,17 +62,15 @@ class HookStats:
              "collectives": stats.collectives, "tags": list(stats.tags), "skipped": skipped}
         self.last[bucket_index] = s
         acc = self.iteration(it)
-        acc["dense_bytes"] += dense
-        acc["bytes_sent"] += stats.bytes_sent
-        acc["wire_bytes"] += stats.wire_bytes
-        acc["local_seconds"] += stats.local_seconds
-        acc["comm_seconds"] += stats.comm_seconds
-        acc["collectives"] += stats.collectives
-        acc["buckets"] += 1
-        if skipped:
-            if acc["skipped_buckets"] == 0:
-                self.skipped_steps += 1
-            acc["skipped_buckets"] += 1
+        add = {"dense_bytes": dense, "bytes_sent": stats.bytes_sent,
+               "wire_bytes": stats.wire_bytes, "local_seconds": stats.local_seconds,
+               "comm_seconds": stats.comm_seconds, "collectives": stats.collectives,
+               "buckets": 1, "skipped_buckets": int(skipped)}
+        if skipped and acc["skipped_buckets"] == 0:
+            self.skipped_steps += 1
+        for k, v in add.items():
+            acc[k] += v
+            self.totals[k] += v
         if last and log_every and it % log_every == 0:
             log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
                      self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],

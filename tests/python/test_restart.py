@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Restarts: a hook checkpoint resumes exactly, and a bad one is refused whole at load.
+
+- 20 + 20 steps bitwise equal to 40 for every stateful family, on a model whose buckets DDP
+  regroups after its first iteration (the restored job's first iteration runs DDP's initial
+  buckets, each holding the parameters of several saved ones), with and without model=.
+- load_state_dict checks everything first: a bad checkpoint is a ValueError naming what is
+  wrong, and the state is unchanged.
+- Statistics stay bounded however long the job and whatever the restored iteration.
+- Options are checked: a clear ValueError, never a coercion or another exception type.
+"""
+import copy
+import datetime
+import os
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import gradcomp.torch as gt  # noqa: E402
+
+from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
+                      run, save_checkpoint, tmpdir, train)
+
+# Linear(64, 700) -> Linear(700, 700) -> Linear(700, 8): DDP's initial single bucket is regrouped
+# into two after the first iteration (the probe that found restores failing)
+BIG = dict(d_in=64, d_hidden=700, d_out=8)
+FAMILIES = {
+    "topk": dict(ratio=0.01),
+    "randomk": dict(ratio=0.01),
+    "onebit": dict(),
+    "powersgd": dict(rank=2),
+}
+
+
+def _ckpt(rank, world, out_dir, name, phase, keyed):
+    opts = FAMILIES[name]
+    data = make_data(rank, 10, d_in=64, d_out=8)
+    torch.manual_seed(0)
+    model = DDP(Net(**BIG))
+    state, hook = gt.hook(name, model=model if keyed else None, **opts)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    path = os.path.join(out_dir, f"ckpt_{rank}.pt")
+    steps = {"first": range(0, 5), "resume": range(5, 10), "straight": range(0, 10)}[phase]
+    if phase == "resume":
+        load_checkpoint(path, model, opt, state)
+    train(model, opt, [data[i] for i in steps])
+    if phase == "first":
+        assert len(state.buckets) >= 2, "DDP did not regroup: the test does not test"
+        save_checkpoint(path, model, opt, state)
+    else:
+        torch.save(model.module.state_dict(), os.path.join(out_dir, f"final_{phase}_{rank}.pt"))
+        torch.save({i: b.plan.state_dict() for i, b in state.buckets.items()},
+                   os.path.join(out_dir, f"hook_{phase}_{rank}.pt"))
+
+
+@pytest.mark.parametrize("name,keyed", [("topk", True), ("randomk", True), ("onebit", True),
+                                        ("powersgd", True), ("topk", False)])
+def test_resume_is_bitwise_on_a_model_whose_buckets_ddp_regroups(name, keyed):
+    d = tmpdir()
+    for phase in ("first", "resume", "straight"):
+        run(_ckpt, 2, d, name, phase, keyed)
+    assert_resumed_equals_straight(d, 2, name)
+    for rank in range(2):
+        a = torch.load(os.path.join(d, f"hook_resume_{rank}.pt"))
+        b = torch.load(os.path.join(d, f"hook_straight_{rank}.pt"))
+        assert a == b, f"{name}: the compression state differs after the restore (rank {rank})"
+
+
+# ---- load_state_dict validates first ------------------------------------------------------------
+def _bad_loads(rank, world, out_dir):
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook("topk", ratio=0.1, model=model)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = make_data(rank, 4)
+    train(model, opt, data)
+    good = state.state_dict()
+    k0 = sorted(good["buckets"])[0]
+
+    def bucket_with(**kw):
+        sd = copy.deepcopy(good)
+        sd["buckets"][k0].update(kw)
+        return sd
+
+    st = bytearray(good["buckets"][k0]["state"])
+    flipped = bytes(st[:40] + bytes([st[40] ^ 1]) + st[41:])
+    bad = {
+        "not a dict": [1, 2],
+        "missing key": {k: v for k, v in good.items() if k != "start_iter"},
+        "iter negative": dict(good, iter=-5),
+        "iter not an integer": dict(good, iter=1.5),
+        "start_iter negative": dict(good, start_iter=-1),
+        "other compressor": dict(good, compressor="onebit"),
+        "flipped byte": bucket_with(state=flipped),
+        "truncated state": bucket_with(state=bytes(st[:-8])),
+        "state not bytes": bucket_with(state="abc"),
+        "no state key": {**good, "buckets": {k0: {k: v for k, v in good["buckets"][k0].items()
+                                                  if k != "state"}}},
+        "reversed layout": bucket_with(layout=list(reversed(good["buckets"][k0]["layout"]))),
+        "unknown parameter": bucket_with(layout=[99] * len(good["buckets"][k0]["layout"])),
+        "bucket index not an int": {**good, "buckets": {"x": good["buckets"][k0]}},
+    }
+    before = pickle.dumps(state.state_dict())
+    for what, sd in bad.items():
+        with pytest.raises(ValueError):
+            state.load_state_dict(sd)
+        assert pickle.dumps(state.state_dict()) == before, f"{what}: the state changed"
+        assert state.iter == len(data)
+    # and the model trains on, the good checkpoint still loads
+    state.load_state_dict(good)
+    train(model, opt, data)
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_load_state_dict_refuses_a_bad_checkpoint_whole():
+    out = tmpdir()
+    run(_bad_loads, 2, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+# ---- bounded statistics -------------------------------------------------------------------------
+def _history(rank, world, out_dir):
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook("topk", ratio=0.1, model=model)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = make_data(rank, 1)
+    train(model, opt, batch * 3)
+    sd = state.state_dict()
+    sd["iter"] = 3_000_000  # a restore deep into a long job
+    state.load_state_dict(sd)
+    state.stats._hist = type(state.stats._hist)(maxlen=8)  # a short ring to fill quickly
+    train(model, opt, batch * 20)
+    assert len(state.history) == 8
+    assert state.iter == 3_000_020
+    assert state.totals["steps"] == 23 and state.totals["buckets"] >= 23
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def test_statistics_stay_bounded_and_a_deep_restore_is_cheap():
+    out = tmpdir()
+    run(_history, 2, out)
+    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+
+
+# ---- options ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(start_iter=1.5), dict(start_iter="2"), dict(start_iter=True),
+                                dict(log_every=-1), dict(timeout=1e300), dict(model=3)])
+def test_hook_options_are_checked_not_coerced(kw):
+    with pytest.raises(ValueError):
+        gt.hook("topk", ratio=0.1, **kw)
+
+
+def test_numpy_and_torch_scalars_are_read_as_their_values():
+    np = pytest.importorskip("numpy")
+    from gradcomp import _C
+    from gradcomp.bench import run_local  # drives a world-size-1 plan
+
+    def plan(**opts):
+        return _C.make_plan("topk", 64, "float32", 1, options=opts)
+
+    # 0-d arrays and scalar tensors stand for their one value
+    p = plan(ratio=np.array(0.25), momentum=torch.tensor(0.5), warmup_steps=np.array(3))
+    assert p.numel == 64
+    # np.bool_ is a bool, as True is: check_finite off keeps no copy to undo a step with
+    for off in (np.bool_(False), False):
+        q = plan(ratio=0.25, check_finite=off)
+        g = np.ones(64, dtype=np.float32)
+        q.begin(g)
+        run_local(q)
+        assert not q.can_undo
+    with pytest.raises(ValueError, match="ratio"):
+        plan(ratio=np.array([0.1, 0.2]))
+    with pytest.raises(ValueError, match="check_finite"):
+        plan(check_finite=np.int64(1))  # a number is not a bool
+
+
+def test_onebit_block_size_is_bounded_and_named():
+    with pytest.raises(ValueError, match="block_size"):
+        gt.hook("onebit", block_size=2 ** 40, rotate=False)
+    with pytest.raises(ValueError, match="block_size"):
+        gt.hook("onebit", block_size=48)
