@@ -227,6 +227,7 @@ void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
   if (qr && q_numel_ > 0)
     device_copy(impl_->qbuf.data(), device_, q, Device::kCPU, q_numel_ * 4, impl_->stream);
   if (device_ == Device::kCUDA) cuda::stream_synchronize(impl_->stream);  // host source dies
+  ++impl_->generation;  // a plan's kept step can no longer be taken back
   step_ = step;
   q_ready_ = qr != 0;
 }

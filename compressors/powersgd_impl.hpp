@@ -51,6 +51,7 @@ struct PowerSGDState::Impl {
   k::Exec ex;
   void* stream = nullptr;
   bool dbuf = false;                 // CPU, check_finite, error feedback: see mbuf
+  uint64_t generation = 0;           // bumped by every step and load: what undo_step checks
   bool flip = false;                 // dbuf: the error lives in esave
   std::vector<int64_t> group_m_off;  // each group's offset in the error buffer
   float* err() { return static_cast<float*>((flip ? esave : mbuf).data()); }

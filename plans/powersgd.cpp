@@ -92,6 +92,7 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
   grads_ = grads;
   bad_ = false;
   esaved_ = flipped_ = false;
+  ++st_.impl_->generation;  // (saved copies now belong to this step)
   bad_what_.clear();
   start_step();
   if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) find_bad();
@@ -139,6 +140,7 @@ std::optional<Collective> PowerSGDPlan::next() {
     grads_.clear();
     last_compressed_ = compressed;
     undo_at_ = st_.step_;
+    undo_gen_ = st_.impl_->generation;
     set_skipped(false, st_.cfg_.check_finite);
     return std::optional<Collective>();
   };
@@ -322,8 +324,9 @@ bool PowerSGDPlan::sum_nonfinite(const float* buf, int64_t n) {
 }
 
 void PowerSGDPlan::undo_state() {
-  GC_CHECK_ARG(st_.step_ == undo_at_, "PowerSGD plan: undo_step(): the state was stepped by ",
-               "another plan since (undo through the plan that ran the last step)");
+  GC_CHECK_ARG(st_.step_ == undo_at_ && st_.impl_->generation == undo_gen_,
+               "PowerSGD plan: undo_step(): the state was stepped or loaded since, through ",
+               "another plan or directly (undo through the plan that ran the last step)");
   auto& im = *st_.impl_;
   if (last_compressed_) {  // Q, its readiness and the error as before the step
     if (st_.q_numel_ > 0)

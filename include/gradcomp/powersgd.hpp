@@ -210,6 +210,7 @@ class PowerSGDPlan : public BucketPlan {
   bool flipped_ = false;  ///< this step wrote the error into the other buffer (CPU)
   bool last_compressed_ = false;  ///< the last kept step was compressed (not a plain one)
   int64_t undo_at_ = -1;          ///< the state's step count right after the last kept step
+  uint64_t undo_gen_ = 0;         ///< the state's generation then (PowerSGDState::Impl)
   std::string bad_what_;
   PowerSGDState& st_;
   int world_;

@@ -17,6 +17,7 @@
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/plan.hpp"
+#include "gradcomp/powersgd.hpp"
 #include "test_util.hpp"
 
 namespace gc = gradcomp;
@@ -352,6 +353,20 @@ TEST(NonFinite, UndoStepIsRefusedWhereItCannotBeExact) {
     EXPECT_FALSE(on->can_undo());
     EXPECT_THROW(on->undo_step(), gc::InvalidArgument);
     EXPECT_THROW(gc::settle_step({on.get(), nullptr}), gc::InvalidArgument);
+  }
+  {  // PowerSGD: the state loaded directly since the step (same step count): refused
+    gc::BucketSpec pb = b;
+    pb.shapes = {{8, 8}};
+    auto p = gc::make_plan("powersgd", pb, {{"rank", int64_t{1}}});
+    std::vector<float> x = g;
+    p->begin(gc::TensorView(x.data(), {64}, gc::DType::kFloat32, gc::Device::kCPU));
+    gc::run_plans_in_process({p.get()});
+    ASSERT_TRUE(p->can_undo());
+    auto* ps = dynamic_cast<gc::PowerSGDPlan*>(p.get());
+    ASSERT_NE(ps, nullptr);
+    const auto st = ps->state().state_dict();
+    ps->state().load_state_dict(st.data(), st.size());
+    EXPECT_THROW(p->undo_step(), gc::InvalidArgument);
   }
   // a stateless plan has nothing to take back
   auto plain = gc::make_plan("allreduce", b, {});

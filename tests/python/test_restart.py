@@ -189,3 +189,43 @@ def test_onebit_block_size_is_bounded_and_named():
         gt.hook("onebit", block_size=2 ** 40, rotate=False)
     with pytest.raises(ValueError, match="block_size"):
         gt.hook("onebit", block_size=48)
+
+
+def test_a_step_closes_even_if_taking_back_a_bucket_fails():
+    from gradcomp.torch import _Steps
+
+    class Owner:
+        closed = []
+
+        def _close_step(self, applied, samples):
+            self.closed.append(applied)
+
+    class Broken:
+        can_undo = True
+
+        def undo_step(self):
+            raise RuntimeError("undo failed")
+
+    steps = _Steps(Owner())
+    rec = steps.join(False)
+    assert steps.join(True) is rec
+    steps.settle(rec, False, kept=Broken())
+    with pytest.raises(RuntimeError, match="undo failed"):
+        steps.settle(rec, True)  # the second bucket skipped: the first is taken back (fails)
+    assert Owner.closed == [False] and steps._open is None  # closed all the same
+    assert steps.join(True) is not rec  # the next step is a new one
+
+
+def test_auto_load_state_dict_checks_every_candidate_before_applying():
+    state, _ = gt.hook("auto", trial_steps=2, start_iter=1)
+    sd = state.state_dict()
+    before = pickle.dumps(state.state_dict())
+    bad_sub = copy.deepcopy(sd)
+    bad_sub["subs"]["powersgd"]["iter"] = -1
+    bad_choice = copy.deepcopy(sd)
+    bad_choice["choices"] = {0: "bogus"}
+    for bad in ([], dict(sd, iter=1.5), bad_sub, bad_choice,
+                {k: v for k, v in sd.items() if k != "trials"}):
+        with pytest.raises(ValueError):
+            state.load_state_dict(bad)
+        assert pickle.dumps(state.state_dict()) == before

@@ -179,12 +179,8 @@ class GradcompState:
                 "world_size": self.world if dist.is_initialized() else None,
                 "buckets": self.table.state_dict()}
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`. Everything is checked first (types, the compressor,
-        the world size, every bucket's state bytes with their checksum, sizes and finite values,
-        the parameter layout against the model when one was given) and then either all of it is
-        applied or, with a ValueError naming what is wrong, nothing. Bucket states are applied
-        when DDP first hands their parameters to the hook (before or after its bucket rebuild)."""
+    def _check_state_dict(self, sd: Dict[str, Any]):
+        """Everything load_state_dict() checks, nothing applied: (buckets, iter, start_iter)."""
         if not isinstance(sd, dict):
             raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
         missing = [k for k in ("compressor", "iter", "start_iter", "buckets") if k not in sd]
@@ -218,9 +214,20 @@ class GradcompState:
             except ValueError as err:
                 raise ValueError(f"state_dict bucket {k}: {err}") from None
 
-        buckets = self.table.check_state_dict(sd["buckets"], check_state)
-        # checked: now apply
+        return self.table.check_state_dict(sd["buckets"], check_state), it, start
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`. Everything is checked first (types, the compressor,
+        the world size, every bucket's state bytes with their checksum, sizes and finite values,
+        the parameter layout against the model when one was given) and then either all of it is
+        applied or, with a ValueError naming what is wrong, nothing. Bucket states are applied
+        when DDP first hands their parameters to the hook (before or after its bucket rebuild)."""
+        self._apply_state_dict(self._check_state_dict(sd))
+
+    def _apply_state_dict(self, checked) -> None:
+        buckets, it, start = checked
         self.table.load_state_dict(buckets)
+        self._steps.reset()
         self.iter = it
         self.start_iter = start
 
@@ -301,20 +308,39 @@ class _Steps:
                 rec.unchecked.append(unchecked)
             if sample is not None:
                 rec.samples.append(sample)
-            if not (rec.last_called and rec.settled == rec.calls):
+            if not (rec.last_called and rec.settled >= rec.calls):
                 return
-            if not rec.bad and rec.kept and rec.unchecked:
-                # only when there is state to protect: a native average nothing scanned
-                rec.bad = any(not bool(torch.isfinite(b).all()) for b in rec.unchecked)
-            if rec.bad:
-                for p in rec.kept:
-                    if p.can_undo:
-                        p.undo_step()
-                    else:  # check_finite=False keeps no copy of the state before the step
-                        log.warning("gradcomp: a step was skipped or failed, but a bucket with "
-                                    "check_finite=False cannot take its own step back")
+            # the step is over whatever happens below, so that a failure here cannot leave it
+            # open (every later bucket would join it and the iteration would never advance)
             self._open = None
-            self.owner._close_step(not rec.bad, rec.samples)
+            try:
+                if not rec.bad and rec.kept and rec.unchecked:
+                    # only when there is state to protect: a native average nothing scanned
+                    rec.bad = any(not _finite(b) for b in rec.unchecked)
+                if rec.bad:
+                    for p in rec.kept:
+                        if p.can_undo:
+                            p.undo_step()
+                        else:  # check_finite=False keeps no copy of the state before the step
+                            log.warning("gradcomp: a step was skipped or failed, but a bucket "
+                                        "with check_finite=False cannot take its step back")
+            finally:
+                self.owner._close_step(not rec.bad, rec.samples)
+
+    def reset(self) -> None:
+        """Forgets a step left open (a restore between steps starts afresh)."""
+        with self._lock:
+            self._open = None
+
+
+def _finite(b) -> bool:
+    """Whether an averaged bucket holds no NaN/Inf: a CPU tensor, or (flag, event) computed on
+    the stream that produced a CUDA average (waited for here, on any thread)."""
+    if isinstance(b, tuple):
+        flag, event = b
+        event.synchronize()
+        return bool(flag)
+    return bool(torch.isfinite(b).all())
 
 
 def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[torch.Tensor]:
@@ -322,11 +348,12 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     idx = bucket.index()
     last = bucket.is_last()
     steps = (state._owner or state)._steps
-    rec = steps.join(last)
     it = state.iter
     call = state._calls  # the history entry (iterations and skipped attempts alike)
     dense = buf.numel() * buf.element_size()
     state._iteration(call)
+    rec = steps.join(last)
+    settled = [False]  # each bucket settles its step once (failed() may follow a failed done())
 
     begin_s = [0.0, 0.0]
     # the plain allreduce before start_iter (stateful compressors): its average is scanned once
@@ -343,6 +370,9 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         settle(PlanStats(), error)
 
     def settle(stats: PlanStats, error):
+        if settled[0]:
+            return
+        settled[0] = True
         if error is None and warmup:  # the plain allreduce checks nothing: a NaN is the signal
             skipped = not bool(torch.isfinite(buf).all())
         else:  # (begin() resets it, so it is never the previous step's)
@@ -352,9 +382,9 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         if on_done is not None and error is None:
             sample = on_done(idx, it, stats)
         # kept: a plan whose step may have to be taken back (a composite of restored buckets
-        # may have kept some parts while another skipped)
-        keep = (error is None and not warmup and bool(plan.stateful)
-                and (not skipped or isinstance(plan, _CompositePlan) and plan.can_undo))
+        # may have kept some parts while another skipped or raised)
+        keep = not warmup and plan is not None and bool(plan.stateful) and (
+            (error is None and not skipped) or (isinstance(plan, _CompositePlan) and plan.can_undo))
         steps.settle(rec, skipped or error is not None, plan if keep else None, sample=sample)
 
     try:
@@ -381,6 +411,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         # ("unmarked_param_indices ... INTERNAL ASSERT"): the bucket keeps its own gradient and
         # loss.backward() raises the error once DDP has finished the step (see "Errors" in
         # _driver). Outside a backward pass it is raised at once.
+        settled[0] = True
         steps.settle(rec, True)
         after = AfterBackward.arm(buf)
         if after is None:

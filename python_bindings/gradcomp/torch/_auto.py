@@ -271,26 +271,41 @@ class AutoState:
                 "subs": {n: s.state_dict() for n, s in self.subs.items()}}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`; a state of another compressor or other candidates is an
-        error raised before anything changes."""
+        """Restores :meth:`state_dict`: everything (every candidate's state, the schedule, the
+        choices) is checked first, then all of it is applied or, with a ValueError, nothing."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
         if sd.get("compressor") != "auto":
             raise ValueError(f"state is for compressor {sd.get('compressor')!r}, this hook is "
                              f"'auto'")
-        if sorted(sd.get("subs", {})) != sorted(self.subs):
-            raise ValueError(f"state has candidates {sorted(sd.get('subs', {}))}, this hook "
-                             f"{sorted(self.subs)}")
-        for n, s in self.subs.items():  # every sub checks before any changes
-            if sd["subs"][n].get("compressor") != n:
-                raise ValueError(f"state of candidate {n!r} is for {sd['subs'][n].get('compressor')!r}")
+        subs = sd.get("subs")
+        if not isinstance(subs, dict) or sorted(subs) != sorted(self.subs):
+            raise ValueError(f"state has candidates {sorted(subs) if isinstance(subs, dict) else subs}"
+                             f", this hook {sorted(self.subs)}")
+        checked = {n: s._check_state_dict(subs[n])  # every candidate checks first
+                   for n, s in self.subs.items()}
+        try:
+            start = _check_int("state_dict['start_iter']", sd.get("start_iter"), 0)
+            it = _check_int("state_dict['iter']", sd.get("iter"), 0)
+            choices = {_check_int("a choice's bucket", k if not isinstance(k, str) else int(k), 0):
+                       v for k, v in sd["choices"].items()}
+            if any(v not in self.candidates and v != "allreduce" for v in choices.values()):
+                raise ValueError(f"state_dict['choices'] names unknown candidates: {choices}")
+            trials = list(sd["trials"])
+            trial_start = _check_int("state_dict['trial_start']", sd["trial_start"], 0)
+            decided_trial, decided_at = sd["decided_trial"], sd["decided_at"]
+        except (KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"state_dict of hook('auto') is incomplete or malformed: {e!r}") from None
         for n, s in self.subs.items():
-            s.load_state_dict(sd["subs"][n])
-        self.start_iter = int(sd["start_iter"])
-        self.iter = int(sd["iter"])
-        self.choices = {int(k): v for k, v in sd["choices"].items()}
-        self.trials = list(sd["trials"])
-        self._trial_start = int(sd["trial_start"])
-        self._decided_trial = sd["decided_trial"]
-        self._decided_at = sd["decided_at"]
+            s._apply_state_dict(checked[n])
+        self._steps.reset()
+        self.start_iter = start
+        self.iter = it
+        self.choices = choices
+        self.trials = trials
+        self._trial_start = trial_start
+        self._decided_trial = decided_trial
+        self._decided_at = decided_at
         self._samples = {}
         self._seen = None
 
@@ -348,7 +363,11 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, plain: bool,
     call = sub._calls
     dense = buf.numel() * buf.element_size()
     t0 = time.perf_counter()
-    fut = default_hooks.allreduce_hook(state.process_group, bucket)  # DDP's own average
+    try:
+        fut = default_hooks.allreduce_hook(state.process_group, bucket)  # DDP's own average
+    except Exception:
+        state._steps.settle(rec, True)  # the bucket joined the step: it must settle it
+        raise
 
     def finish(f):
         stats = PlanStats()
@@ -368,9 +387,16 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, plain: bool,
         avg = value[0] if isinstance(value, list) else value
         scan = plain or on_done is not None
         bad = scan and not bool(torch.isfinite(avg).all())
+        unchecked = None if scan else avg
+        if unchecked is not None and avg.is_cuda:
+            # scanned at the step's end, maybe on another thread: the flag is computed here, on
+            # the stream that produced the average, and an event tells when it is ready
+            event = torch.cuda.Event()
+            unchecked = (torch.isfinite(avg).all(), event)
+            event.record()
         sub._record(call, idx, dense, stats, last, bad)
         sample = on_done(idx, it, stats) if on_done is not None else None
-        state._steps.settle(rec, bad, unchecked=None if scan else avg, sample=sample)
+        state._steps.settle(rec, bad, unchecked=unchecked, sample=sample)
         return value
 
     return fut.then(finish)

@@ -163,9 +163,13 @@ class BucketTable:
         if b is None or sorted(b.layout) != sorted(layout):
             cover = self._cover(layout) if (self.pending or self.buckets) else None
             if cover is None and b is None and not self._overlaps(layout):
-                plan = make(bucket, idx)
-                b = self.buckets[idx] = _Bucket(plan, buf.numel(), dt, layout,
-                                                self.shapes(bucket))
+                # parameters no state holds: a new state, under the bucket's index unless a
+                # checkpointed state not applied yet has that key (it must not be hidden)
+                k = idx if idx not in self.pending else 1 + max(list(self.pending) +
+                                                                 list(self.buckets))
+                plan = make(bucket, k)
+                b = self.buckets[k] = _Bucket(plan, buf.numel(), dt, layout,
+                                              self.shapes(bucket))
             elif cover is None:
                 return self._regrouped(bucket, idx, layout)
             else:

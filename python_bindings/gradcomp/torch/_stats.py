@@ -4,6 +4,7 @@ step (last) and the last plan runs with every local phase and collective (runs, 
 gradcomp.torch.timeline())."""
 import collections
 import logging
+import threading
 from typing import Any, Dict, List
 
 log = logging.getLogger("gradcomp")
@@ -28,14 +29,22 @@ class HookStats:
         # start and end
         self.runs: "collections.deque" = collections.deque(maxlen=max_runs)
         self.skipped_steps = 0  # steps with a bucket skipped (NaN/Inf on some rank)
+        # records arrive from the worker thread and from collective callbacks (auto's native
+        # allreduce) at once
+        self._lock = threading.RLock()
 
     @property
     def history(self) -> List[Dict[str, Any]]:
-        return list(self._hist)
+        with self._lock:
+            return list(self._hist)
 
     def iteration(self, it: int) -> Dict[str, Any]:
         """The statistics of step `it` (collectives complete asynchronously, so a bucket's
         numbers are added to the step that launched it, whenever they arrive)."""
+        with self._lock:
+            return self._iteration(it)
+
+    def _iteration(self, it: int) -> Dict[str, Any]:
         for h in reversed(self._hist):  # the newest first: `it` is the current step, or close
             if h["iter"] == it:
                 return h
@@ -53,25 +62,26 @@ class HookStats:
                log_every: int = 0, skipped: bool = False) -> None:
         """Adds one bucket's finished step (a PlanStats) to its iteration, the timeline and
         last; logs the iteration's totals every log_every iterations, at its last bucket."""
-        self.runs.append({"iter": it, "bucket": bucket_index, "compressor": self.compressor,
-                          "submitted": stats.submitted, "started": stats.started,
-                          "events": list(stats.events)})
-        s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
-             "wire_bytes": stats.wire_bytes,
-             "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
-             "collectives": stats.collectives, "tags": list(stats.tags), "skipped": skipped}
-        self.last[bucket_index] = s
-        acc = self.iteration(it)
-        add = {"dense_bytes": dense, "bytes_sent": stats.bytes_sent,
-               "wire_bytes": stats.wire_bytes, "local_seconds": stats.local_seconds,
-               "comm_seconds": stats.comm_seconds, "collectives": stats.collectives,
-               "buckets": 1, "skipped_buckets": int(skipped)}
-        if skipped and acc["skipped_buckets"] == 0:
-            self.skipped_steps += 1
-        for k, v in add.items():
-            acc[k] += v
-            self.totals[k] += v
-        if last and log_every and it % log_every == 0:
-            log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
-                     self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],
-                     acc["dense_bytes"] / max(1, acc["bytes_sent"]), 1e3 * acc["local_seconds"])
+        with self._lock:
+            self.runs.append({"iter": it, "bucket": bucket_index, "compressor": self.compressor,
+                              "submitted": stats.submitted, "started": stats.started,
+                              "events": list(stats.events)})
+            s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
+                 "wire_bytes": stats.wire_bytes,
+                 "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
+                 "collectives": stats.collectives, "tags": list(stats.tags), "skipped": skipped}
+            self.last[bucket_index] = s
+            acc = self._iteration(it)
+            add = {"dense_bytes": dense, "bytes_sent": stats.bytes_sent,
+                   "wire_bytes": stats.wire_bytes, "local_seconds": stats.local_seconds,
+                   "comm_seconds": stats.comm_seconds, "collectives": stats.collectives,
+                   "buckets": 1, "skipped_buckets": int(skipped)}
+            if skipped and acc["skipped_buckets"] == 0:
+                self.skipped_steps += 1
+            for k, v in add.items():
+                acc[k] += v
+                self.totals[k] += v
+            if last and log_every and it % log_every == 0:
+                log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
+                         self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],
+                         acc["dense_bytes"] / max(1, acc["bytes_sent"]), 1e3 * acc["local_seconds"])
