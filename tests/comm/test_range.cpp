@@ -6,11 +6,11 @@
 // nor lose everything to underflow where the exact average is representable. The only steps
 // allowed to be skipped (average NaN on every rank, state untouched, as an overflow step) are
 // those whose fp32 state or wire sum would overflow by construction: 1-bit's momentum and
-// rotation and PowerSGD's projection at the largest fp32/bf16 values, random-k's sum over ranks in its value
-// dtype at the largest values (and fp16 values of fp32/bf16 gradients beyond fp16's range, whose
-// sum over ranks overflows fp16). fp16 values (value_dtype) of fp32/bf16 gradients below fp16's
-// range are not sent but kept in the residual (where they accumulate): only that case may
-// average to zero.
+// rotation and PowerSGD's projection at the largest fp32/bf16 values, random-k's sum over ranks in
+// its value dtype at the largest values (and fp16 values of fp32/bf16 gradients beyond fp16's
+// range, whose sum over ranks overflows fp16). fp16 values (value_dtype) of fp32/bf16 gradients
+// below fp16's range are not sent but kept in the residual (where they accumulate): only that case
+// may average to zero.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -57,10 +57,14 @@ std::vector<Variant> variants() {
 enum class Pattern { kMax, kMinNormal, kDenormal, kMixed };
 const char* pattern_name(Pattern p) {
   switch (p) {
-    case Pattern::kMax: return "largest finite";
-    case Pattern::kMinNormal: return "smallest normal";
-    case Pattern::kDenormal: return "denormal";
-    case Pattern::kMixed: return "mixed magnitudes";
+    case Pattern::kMax:
+      return "largest finite";
+    case Pattern::kMinNormal:
+      return "smallest normal";
+    case Pattern::kDenormal:
+      return "denormal";
+    case Pattern::kMixed:
+      return "mixed magnitudes";
   }
   return "";
 }
@@ -106,9 +110,15 @@ std::vector<uint8_t> gradient(int64_t n, gc::DType dt, Pattern p, uint64_t seed)
     const float sign = u(rng) < 0.5 ? -1.0f : 1.0f;
     float x = 0.0f;
     switch (p) {
-      case Pattern::kMax: x = mx; break;
-      case Pattern::kMinNormal: x = mn * static_cast<float>(1.0 + u(rng)); break;
-      case Pattern::kDenormal: x = dn * static_cast<float>(1 + static_cast<int>(8 * u(rng))); break;
+      case Pattern::kMax:
+        x = mx;
+        break;
+      case Pattern::kMinNormal:
+        x = mn * static_cast<float>(1.0 + u(rng));
+        break;
+      case Pattern::kDenormal:
+        x = dn * static_cast<float>(1 + static_cast<int>(8 * u(rng)));
+        break;
       case Pattern::kMixed: {  // log-uniform over the dtype's normal range, but its top, which
         // kMax covers: sums over ranks, steps and rotation blocks stay below the largest value
         const double top = dt == gc::DType::kFloat16 ? 0x1p-4 : 0x1p-20;
@@ -129,6 +139,17 @@ std::vector<std::vector<int64_t>> shapes_for(int64_t n) {
   return {{n}};
 }
 
+// rank r's plan of `family` for a bucket of n elements of dt on P ranks
+std::unique_ptr<gc::BucketPlan> plan_for(const Variant& v, int64_t n, gc::DType dt, int P, int r) {
+  gc::BucketSpec b;
+  b.numel = n;
+  b.dtype = dt;
+  b.world = P;
+  b.rank = r;
+  b.shapes = shapes_for(n);
+  return gc::make_plan(v.family, b, v.options);
+}
+
 }  // namespace
 
 TEST(Range, FiniteGradientsGiveFiniteAveragesAndStateInEveryFamily) {
@@ -139,19 +160,10 @@ TEST(Range, FiniteGradientsGiveFiniteAveragesAndStateInEveryFamily) {
       for (Pattern pat : {Pattern::kMax, Pattern::kMinNormal, Pattern::kDenormal, Pattern::kMixed})
         for (int P : {1, 3})
           for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}}) {
-            SCOPED_TRACE(std::string(v.label) + " " + gc::dtype_name(dt) + " " +
-                         pattern_name(pat) + " P=" + std::to_string(P) +
-                         " n=" + std::to_string(n));
+            SCOPED_TRACE(std::string(v.label) + " " + gc::dtype_name(dt) + " " + pattern_name(pat) +
+                         " P=" + std::to_string(P) + " n=" + std::to_string(n));
             std::vector<std::unique_ptr<gc::BucketPlan>> plans;
-            for (int r = 0; r < P; ++r) {
-              gc::BucketSpec b;
-              b.numel = n;
-              b.dtype = dt;
-              b.world = P;
-              b.rank = r;
-              b.shapes = shapes_for(n);
-              plans.push_back(gc::make_plan(v.family, b, v.options));
-            }
+            for (int r = 0; r < P; ++r) plans.push_back(plan_for(v, n, dt, P, r));
             const bool max_fp32_range = pat == Pattern::kMax && dt != gc::DType::kFloat16;
             // random-k sums its values over ranks in the value dtype: at the top of that dtype's
             // range the sum overflows, as plain DDP's allreduce of such values would
@@ -187,8 +199,8 @@ TEST(Range, FiniteGradientsGiveFiniteAveragesAndStateInEveryFamily) {
               for (int r = 0; r < P; ++r)
                 for (int64_t i = 0; i < n; ++i) {
                   const float x = to_f(g[r].data(), dt, i);
-                  ASSERT_TRUE(std::isfinite(x)) << "step " << s << " rank " << r << " index " << i
-                                                << ": " << x;
+                  ASSERT_TRUE(std::isfinite(x))
+                      << "step " << s << " rank " << r << " index " << i << ": " << x;
                   if (r == 0) out_abs += std::fabs(x);
                 }
               for (double e : exact) exact_abs += std::fabs(e);
@@ -196,21 +208,15 @@ TEST(Range, FiniteGradientsGiveFiniteAveragesAndStateInEveryFamily) {
             // the state stays finite: it reloads (load_state_dict refuses NaN/Inf)
             for (int r = 0; r < P; ++r) {
               const auto st = plans[r]->state_dict();
-              gc::BucketSpec b;
-              b.numel = n;
-              b.dtype = dt;
-              b.world = P;
-              b.rank = r;
-              b.shapes = shapes_for(n);
-              auto fresh = gc::make_plan(v.family, b, v.options);
+              auto fresh = plan_for(v, n, dt, P, r);
               ASSERT_NO_THROW(fresh->load_state_dict(st.data(), st.size())) << "rank " << r;
             }
             // not silently zeroed: what the kept steps averaged is not all lost (the exact
             // average of a step is at least the smallest denormal of the output dtype here)
             float mx, mn, dn;
             limits(dt, mx, mn, dn);
-            const bool below_values = fp16_values && dt != gc::DType::kFloat16 &&
-                                      pat != Pattern::kMax;
+            const bool below_values =
+                fp16_values && dt != gc::DType::kFloat16 && pat != Pattern::kMax;
             if (skips < steps && exact_abs >= dn && !below_values)
               EXPECT_GT(out_abs, 0.0) << "every output was 0";
             skipped_cases += skips > 0;

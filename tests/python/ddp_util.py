@@ -92,6 +92,20 @@ def tmpdir():
     return tempfile.mkdtemp(prefix="gradcomp-test-")
 
 
+def mark_ok(out_dir, rank):
+    """A worker of run_ok() reached its end."""
+    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
+        f.write("ok")
+
+
+def run_ok(fn, world, *args):
+    """run(fn, world, out_dir, *args) and checks that every rank called mark_ok(out_dir, rank)
+    (a rank that returned early or hung would not)."""
+    out = tmpdir()
+    run(fn, world, out, *args)
+    assert sorted(os.listdir(out)) == [f"ok_{r}" for r in range(world)]
+
+
 def assert_resumed_equals_straight(out_dir, world, what=""):
     """final_resume_<rank>.pt == final_straight_<rank>.pt, bitwise, for every rank: a job
     restored from a checkpoint continued exactly like the uninterrupted one."""

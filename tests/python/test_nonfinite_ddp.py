@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, make_data, params_equal_across_ranks, run, tmpdir  # noqa: E402
+from ddp_util import (Net, make_data, mark_ok, params_equal_across_ranks, run,  # noqa: E402
+                      run_ok, tmpdir)
 
 FAMILIES = [
     ("topk", dict(ratio=0.05)),
@@ -68,7 +69,7 @@ def _train(rank, model, opt, state, data, bad_step=None, where="loss"):
     return skipped
 
 
-def _overflow_step(rank, world, name, opts, out_dir, where="loss"):
+def _overflow_step(rank, world, out_dir, name, opts, where="loss"):
     data = make_data(rank, STEPS)
     results = {}
     for run_kind in ("overflow", "never"):
@@ -97,17 +98,14 @@ def _overflow_step(rank, world, name, opts, out_dir, where="loss"):
     for i in sa["buckets"]:
         assert sa["buckets"][i]["state"] == sb["buckets"][i]["state"], \
             f"{name}: bucket {i}'s compression state differs from the run without the step"
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 @pytest.mark.parametrize("name,opts", FAMILIES, ids=[f"{n}-{i}" for i, (n, _) in
                                                     enumerate(FAMILIES)])
 @pytest.mark.parametrize("where", ["loss", "layer"])
 def test_overflow_step_leaves_no_trace(name, opts, where):
-    out = tmpdir()
-    run(_overflow_step, 2, name, opts, out, where)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_overflow_step, 2, name, opts, where)
 
 
 def _raise_policy(rank, world, out_dir):
@@ -138,14 +136,11 @@ def _raise_policy(rank, world, out_dir):
             assert all(torch.isfinite(p.grad).all() for p in model.parameters()), name
             opt.step()
         assert params_equal_across_ranks(model)
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 def test_raise_policy_raises_on_every_rank_and_ddp_trains_on():
-    out = tmpdir()
-    run(_raise_policy, 2, out)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_raise_policy, 2)
 
 
 class _EmbedNet(torch.nn.Module):
@@ -167,14 +162,11 @@ def _sparse_gradient(rank, world, out_dir):
     for _ in range(2):  # the error each time, and DDP still usable for the next step
         with pytest.raises(ValueError, match="sparse=False"):
             model(idx).sum().backward()
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 def test_sparse_gradient_is_refused_with_advice_and_ddp_stays_usable():
-    out = tmpdir()
-    run(_sparse_gradient, 2, out)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_sparse_gradient, 2)
 
 
 def _grad_scaler(rank, world, name, opts, out_dir):
@@ -235,14 +227,11 @@ def _rebuilt_buckets(rank, world, out_dir):
             model(x).sum().backward()
         msgs.append(str(err.value))
     assert all("start_iter" in m for m in msgs), msgs
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 def test_bucket_mismatch_error_reaches_the_user_and_ddp_stays_usable():
-    out = tmpdir()
-    run(_rebuilt_buckets, 2, out)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_rebuilt_buckets, 2)
 
 
 def _auto_overflow(rank, world, out_dir):
@@ -281,11 +270,8 @@ def _auto_overflow(rank, world, out_dir):
     assert len(state.history) == len(data)  # every step the hook saw, the skipped one included
     assert state.trials, "no decision was made"
     assert params_equal_across_ranks(model)
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 def test_auto_hook_overflow_step_leaves_no_sample_and_keeps_the_schedule():
-    out = tmpdir()
-    run(_auto_overflow, 2, out)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_auto_overflow, 2)

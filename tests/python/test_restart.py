@@ -10,20 +10,18 @@
 - Options are checked: a clear ValueError, never a coercion or another exception type.
 """
 import copy
-import datetime
 import os
 import pickle
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      run, save_checkpoint, tmpdir, train)
+                      mark_ok, run, run_ok, save_checkpoint, tmpdir, train)
 
 # Linear(64, 700) -> Linear(700, 700) -> Linear(700, 8): DDP's initial single bucket is regrouped
 # into two after the first iteration (the probe that found restores failing)
@@ -115,14 +113,11 @@ def _bad_loads(rank, world, out_dir):
     # and the model trains on, the good checkpoint still loads
     state.load_state_dict(good)
     train(model, opt, data)
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 def test_load_state_dict_refuses_a_bad_checkpoint_whole():
-    out = tmpdir()
-    run(_bad_loads, 2, out)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_bad_loads, 2)
 
 
 # ---- bounded statistics -------------------------------------------------------------------------
@@ -142,14 +137,11 @@ def _history(rank, world, out_dir):
     assert len(state.history) == 8
     assert state.iter == 3_000_020
     assert state.totals["steps"] == 23 and state.totals["buckets"] >= 23
-    with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
-        f.write("ok")
+    mark_ok(out_dir, rank)
 
 
 def test_statistics_stay_bounded_and_a_deep_restore_is_cheap():
-    out = tmpdir()
-    run(_history, 2, out)
-    assert sorted(os.listdir(out)) == ["ok_0", "ok_1"]
+    run_ok(_history, 2)
 
 
 # ---- options ------------------------------------------------------------------------------------

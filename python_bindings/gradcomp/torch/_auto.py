@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from gradcomp import _C
 
+from ._buckets import _as_int
+
 log = logging.getLogger("gradcomp")
 
 #: Candidates from the most to the least faithful to the plain average.
@@ -64,9 +66,7 @@ def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
 
 
 def _check_int(name: str, v: Any, low: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-    return v
+    return _as_int(v, name, low)  # (the one integer check of the hooks)
 
 
 class AutoState:
