@@ -232,4 +232,53 @@ void PowerSGDState::load_state_dict(const uint8_t* data, size_t nbytes) {
   q_ready_ = qr != 0;
 }
 
+// PowerSGD's state (PowerSGDState::state_dict above): the tensors' (n, m, rank), flags, step,
+// q_ready, the error of the compressed tensors and Q. Every rank's error adds to the average with
+// weight 1/P, so every rank of the new job gets their mean (the sum over ranks / P is kept). Q is
+// the same on every rank (it is the result of an allreduce); the mean keeps it exactly then, and
+// is still a basis to start from if a backend's sums differed in the last bits.
+std::vector<uint8_t> detail::reshard_powersgd_state(
+    const std::vector<std::vector<uint8_t>>& states) {
+  RankStates rs(states, "powersgd");
+  const auto count = rs.same<uint64_t>("tensor count");
+  StateWriter w("powersgd");
+  w.put<uint64_t>(count);
+  constexpr int64_t kMax = int64_t{1} << 40;
+  int64_t m_numel = 0, q_numel = 0;
+  for (uint64_t i = 0; i < count; ++i) {
+    const auto n = rs.same<int64_t>("rows");
+    const auto m = rs.same<int64_t>("cols");
+    const auto r = rs.same<int32_t>("rank");
+    GC_CHECK_ARG(n >= 0 && m >= 0 && r >= 0 && n <= kMax && m <= kMax && r <= m,
+                 "state_dict: tensor ", i, " has a bad shape or rank (", n, " x ", m, ", rank ", r,
+                 ")");
+    if (r > 0) {
+      GC_CHECK_ARG(m == 0 || n <= kMax / m, "state_dict: tensor ", i, " is too large");
+      m_numel += n * m;
+      q_numel += m * r;
+      GC_CHECK_ARG(m_numel <= kMax && q_numel <= kMax, "state_dict: the tensors are too large");
+    }
+    w.put<int64_t>(n);
+    w.put<int64_t>(m);
+    w.put<int32_t>(r);
+  }
+  const auto ef = rs.same<uint8_t>("error_feedback");
+  const auto warm = rs.same<uint8_t>("warm_start");
+  const auto step = rs.same<int64_t>("step");
+  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
+               " out of range");
+  const auto qr = rs.same<uint8_t>("q_ready");
+  GC_CHECK_ARG(qr <= 1, "state_dict: bad q_ready flag ", int(qr));
+  const std::vector<float> err = rs.mean("error", ef ? m_numel : 0);
+  const std::vector<float> q = rs.mean("Q", qr ? q_numel : 0);
+  rs.finish();
+  w.put<uint8_t>(ef);
+  w.put<uint8_t>(warm);
+  w.put<int64_t>(step);
+  w.put<uint8_t>(qr);
+  w.put_floats(err);
+  w.put_floats(q);
+  return w.take();
+}
+
 }  // namespace gradcomp

@@ -50,6 +50,10 @@ class StateWriter {
     buf_.resize(off + bytes);
     device_copy(buf_.data() + off, Device::kCPU, p, dev, bytes, stream);
   }
+  /// A host array of fp32 values.
+  void put_floats(const std::vector<float>& v) {
+    put_array(v.data(), Device::kCPU, v.size() * sizeof(float), nullptr);
+  }
   /// The finished state: appends the checksum (call once, last).
   std::vector<uint8_t> take() {
     put<uint32_t>(crc32c(buf_.data(), buf_.size()));
@@ -62,7 +66,12 @@ class StateWriter {
 
 class StateReader {
  public:
-  StateReader(const uint8_t* data, size_t n, const std::string& kind) : p_(data), n_(n) {
+  StateReader(const uint8_t* data, size_t n, const std::string& kind) : StateReader(data, n) {
+    GC_CHECK_ARG(kind_ == kind, "state_dict: saved by a '", kind_, "' compressor, loading into '",
+                 kind, "'");
+  }
+  /// Opens a state of any kind (magic, version and checksum verified); kind() says which.
+  StateReader(const uint8_t* data, size_t n) : p_(data), n_(n) {
     GC_CHECK_ARG(data != nullptr || n == 0, "state_dict: null data");
     GC_CHECK_ARG(get<uint32_t>("magic") == kStateMagic,
                  "state_dict: not a gradcomp state (bad magic)");
@@ -77,10 +86,9 @@ class StateReader {
     GC_CHECK_ARG(stored == computed, "state_dict: checksum mismatch (stored 0x", std::hex, stored,
                  ", computed 0x", computed, std::dec, " over ", n_,
                  " bytes): the state is corrupt or truncated; nothing was loaded");
-    const std::string got = get_string("kind");
-    GC_CHECK_ARG(got == kind, "state_dict: saved by a '", got, "' compressor, loading into '", kind,
-                 "'");
+    kind_ = get_string("kind");
   }
+  const std::string& kind() const { return kind_; }
   template <class T>
   T get(const char* field) {
     GC_CHECK_ARG(pos_ + sizeof(T) <= n_, "state_dict: truncated at field '", field, "'");
@@ -143,6 +151,77 @@ class StateReader {
   const uint8_t* p_;
   size_t n_;
   size_t pos_ = 0;
+  std::string kind_;
 };
+
+/// One bucket's states saved by every rank of a job (rank order), read field by field in step:
+/// what resharding a checkpoint to another world size starts from (reshard_state,
+/// gradcomp/make_plan.hpp). Each state is verified (magic, version, checksum, kind) on opening.
+class RankStates {
+ public:
+  RankStates(const std::vector<std::vector<uint8_t>>& states, const std::string& kind) {
+    for (size_t r = 0; r < states.size(); ++r) {
+      try {
+        rs_.emplace_back(states[r].data(), states[r].size(), kind);
+      } catch (const InvalidArgument& e) {
+        GC_CHECK_ARG(false, "rank ", r, "'s ", e.what());
+      }
+    }
+  }
+  size_t size() const { return rs_.size(); }
+  StateReader& operator[](size_t r) { return rs_[r]; }
+  /// A field every rank must hold alike (sizes, options, the step): read and compared.
+  template <class T>
+  T same(const char* field) {
+    const T v = rs_[0].get<T>(field);
+    for (size_t r = 1; r < rs_.size(); ++r) {
+      const T w = rs_[r].get<T>(field);
+      GC_CHECK_ARG(w == v, "state_dict: field '", field, "' is ", +v, " on rank 0 but ", +w,
+                   " on rank ", r, ": the states are not one job's checkpoint of one step");
+    }
+    return v;
+  }
+  /// The same fp32 array of every rank (`bytes` each, finite).
+  std::vector<const uint8_t*> arrays(const char* field, uint64_t bytes) {
+    std::vector<const uint8_t*> a;
+    for (auto& r : rs_) a.push_back(r.finite_array(field, bytes));
+    return a;
+  }
+  /// The element-wise mean over ranks of arrays(field, 4 n): each element summed in fp64 in rank
+  /// order, divided by the number of ranks, rounded once to fp32 (finite, as its inputs are).
+  std::vector<float> mean(const char* field, int64_t n) {
+    const auto a = arrays(field, static_cast<uint64_t>(n) * sizeof(float));
+    std::vector<float> m(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      double s = 0.0;
+      for (const uint8_t* p : a) {
+        float x;
+        std::memcpy(&x, p + i * sizeof x, sizeof x);  // state bytes carry no alignment promise
+        s += x;
+      }
+      m[static_cast<size_t>(i)] = static_cast<float>(s / static_cast<double>(a.size()));
+    }
+    return m;
+  }
+  void finish() {
+    for (auto& r : rs_) r.finish();
+  }
+
+ private:
+  std::vector<StateReader> rs_;
+};
+
+}  // namespace gradcomp::detail
+
+namespace gradcomp::detail {
+
+// The per-family halves of reshard_state (gradcomp/make_plan.hpp), each beside the state_dict()
+// whose layout it reads and writes. `states` holds one bucket's state from every rank, in rank
+// order; the result is rank `rank`'s state in a job of `world` ranks.
+std::vector<uint8_t> reshard_sparsify_state(const std::vector<std::vector<uint8_t>>& states,
+                                            const std::string& kind);
+std::vector<uint8_t> reshard_onebit_state(const std::vector<std::vector<uint8_t>>& states,
+                                          int world, int rank);
+std::vector<uint8_t> reshard_powersgd_state(const std::vector<std::vector<uint8_t>>& states);
 
 }  // namespace gradcomp::detail

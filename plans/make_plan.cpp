@@ -6,6 +6,7 @@
 #include <set>
 #include <utility>
 
+#include "core/state_io.hpp"
 #include "gradcomp/enum_names.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/powersgd.hpp"
@@ -304,5 +305,31 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
   return std::make_unique<PowerSGDPlan>(std::move(st), b.world);
 }
 }  // namespace
+
+std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& states, int world,
+                                   int rank) {
+  GC_CHECK_ARG(!states.empty(), "reshard_state: no states given (one per rank of the saved job)");
+  GC_CHECK_ARG(world >= 1 && rank >= 0 && rank < world, "reshard_state: rank ", rank, " of world ",
+               world, " is not a rank (0 <= rank < world)");
+  std::string kind;
+  try {
+    kind = detail::StateReader(states[0].data(), states[0].size()).kind();
+  } catch (const InvalidArgument& e) {
+    GC_CHECK_ARG(false, "rank 0's ", e.what());
+  }
+  std::vector<uint8_t> out;
+  if (kind == "topk" || kind == "randomk")
+    out = detail::reshard_sparsify_state(states, kind);
+  else if (kind == "onebit-allreduce")
+    out = detail::reshard_onebit_state(states, world, rank);
+  else if (kind == "powersgd")
+    out = detail::reshard_powersgd_state(states);
+  else
+    GC_CHECK_ARG(false, "reshard_state: a '", kind, "' state is not a bucket plan's (topk, ",
+                 "randomk, onebit-allreduce, powersgd)");
+  // every state was checked on the way: on as many ranks, the rank's own state goes on exactly
+  if (static_cast<size_t>(world) == states.size()) return states[static_cast<size_t>(rank)];
+  return out;
+}
 
 }  // namespace gradcomp

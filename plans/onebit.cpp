@@ -70,6 +70,19 @@ struct OneBitAllreducePlan::Impl {
   std::vector<const float*> scale_ptrs;
 };
 
+namespace {
+/// 32-bit words of a server chunk: the bucket's words split over the ranks, rounded up to whole
+/// scale blocks (chunk_size elements) when blocks are set.
+int64_t chunk_words(int64_t numel, int world, int64_t chunk_size) {
+  int64_t w = (k::onebit::num_words(numel) + world - 1) / world;
+  if (chunk_size > 0) {
+    const int64_t wb = chunk_size / 32;
+    w = (w + wb - 1) / wb * wb;
+  }
+  return w;
+}
+}  // namespace
+
 OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel, int world,
                                          int rank, Device device, int device_index, void* stream)
     : cfg_(cfg), numel_(numel), world_(world), rank_(rank), device_(device) {
@@ -84,10 +97,8 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   if (device == Device::kCUDA && !built_with_cuda())
     throw_not_built_with_cuda("OneBitAllreducePlan on CUDA");
   const int64_t words = k::onebit::num_words(numel);
-  words_per_chunk_ = (words + world - 1) / world;
-  if (cfg_.chunk_size > 0) {  // chunks hold whole scale blocks
-    const int64_t wb = cfg_.chunk_size / 32;
-    words_per_chunk_ = (words_per_chunk_ + wb - 1) / wb * wb;
+  words_per_chunk_ = chunk_words(numel, world, cfg_.chunk_size);
+  if (cfg_.chunk_size > 0) {
     scale_block_ = cfg_.chunk_size;
   } else {
     scale_block_ = std::max<int64_t>(32, chunk_elems());
@@ -417,6 +428,65 @@ void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
   step_ = step;
   start_step();
+}
+
+// The 1-bit plan's state (state_dict above). Worker errors and momenta add to the average with
+// weight 1/P: every rank of the new job gets their mean (the sum over ranks / P is kept). The
+// server errors are already in the average's units, one chunk per rank: laid end to end they are
+// one vector over the bucket (rotated per global block, so the same coordinates for any world
+// size), and the new job's rank q takes its chunk of it, exactly.
+std::vector<uint8_t> detail::reshard_onebit_state(const std::vector<std::vector<uint8_t>>& states,
+                                                  int world, int rank) {
+  RankStates rs(states, "onebit-allreduce");
+  const int P = static_cast<int>(rs.size());
+  const auto numel = rs.same<int64_t>("numel");
+  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "state_dict: numel ", numel,
+               " out of range");
+  const auto saved_world = rs.same<int32_t>("world");
+  GC_CHECK_ARG(saved_world == P, "state_dict: the states were saved by a job of ", saved_world,
+               " ranks, ", P, " were given (one per rank, in rank order)");
+  for (int r = 0; r < P; ++r) {
+    const auto got = rs[static_cast<size_t>(r)].get<int32_t>("rank");
+    GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
+                 " (give one state per rank, in rank order)");
+  }
+  const auto scaling = rs.same<uint8_t>("scaling");
+  const auto ef = rs.same<uint8_t>("error_feedback");
+  const auto chunk_size = rs.same<int64_t>("chunk_size");
+  GC_CHECK_ARG(chunk_size >= 0 && chunk_size % 32 == 0 && chunk_size <= (int64_t{1} << 24),
+               "state_dict: bad chunk_size ", chunk_size);
+  const auto has_u = rs.same<uint8_t>("has_momentum");
+  const auto rotate = rs.same<uint8_t>("rotate");
+  const auto step = rs.same<int64_t>("step");
+  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
+               " out of range");
+  const std::vector<float> we = rs.mean("worker_error", numel);
+  const int64_t ce = 32 * chunk_words(numel, P, chunk_size);
+  const auto se = rs.arrays("server_error", static_cast<uint64_t>(ce) * sizeof(float));
+  std::vector<float> u;
+  if (has_u) u = rs.mean("momentum", numel);
+  rs.finish();
+  const int64_t ce2 = 32 * chunk_words(numel, world, chunk_size);
+  std::vector<float> se2(static_cast<size_t>(ce2), 0.0f);
+  for (int64_t i = 0; i < ce2; ++i) {
+    const int64_t g = static_cast<int64_t>(rank) * ce2 + i;  // global position
+    if (g < static_cast<int64_t>(P) * ce)
+      std::memcpy(&se2[static_cast<size_t>(i)], se[static_cast<size_t>(g / ce)] + (g % ce) * 4, 4);
+  }
+  StateWriter w("onebit-allreduce");
+  w.put<int64_t>(numel);
+  w.put<int32_t>(world);
+  w.put<int32_t>(rank);
+  w.put<uint8_t>(scaling);
+  w.put<uint8_t>(ef);
+  w.put<int64_t>(chunk_size);
+  w.put<uint8_t>(has_u);
+  w.put<uint8_t>(rotate);
+  w.put<int64_t>(step);
+  w.put_floats(we);
+  w.put_floats(se2);
+  if (has_u) w.put_floats(u);
+  return w.take();
 }
 
 }  // namespace gradcomp

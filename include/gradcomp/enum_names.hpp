@@ -175,9 +175,23 @@ std::string enum_choices() {
   return s;
 }
 
-/// The value named `s` (a canonical name or an alias); InvalidArgument naming E and its choices.
+/// A bound enum member as an option value (the Python bindings): the enum's `what`, this
+/// separator, the member's name. parse_enum accepts it only for its own enum, so that a member of
+/// another enum that happens to share a name (TopKRoute.auto given as the fp16 plan's route) is
+/// an error rather than read by its name.
+inline constexpr char kEnumMemberSeparator = '\x1f';
+
+/// The value named `s` (a canonical name or an alias, or a tagged member of E); InvalidArgument
+/// naming E and its choices, or the other enum a tagged member belongs to.
 template <class E>
 E parse_enum(std::string_view s) {
+  if (const auto sep = s.find(kEnumMemberSeparator); sep != std::string_view::npos) {
+    const std::string_view what = s.substr(0, sep);
+    s = s.substr(sep + 1);
+    if (what != EnumNames<E>::what)
+      throw InvalidArgument(detail::cat("expected a ", EnumNames<E>::what, " (", enum_choices<E>(),
+                                        "), got the ", what, " '", s, "'"));
+  }
   for (const auto& e : EnumNames<E>::table)
     if (s == e.name) return e.value;
   throw InvalidArgument(

@@ -83,4 +83,27 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
 TopKConfig topk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 
+/// Resumes a checkpoint on another world size. `states` holds one bucket's plan state_dict()
+/// from every rank of a job of P = states.size() ranks, in rank order, all taken after the same
+/// step; the result is the state to load into rank `rank` of a job of `world` ranks that runs the
+/// same family and options on the same bucket. Families with state: top-k, random-k, 1-bit
+/// (the allreduce plan), PowerSGD.
+///
+/// What is kept, per element of the bucket (each rank's arrays add to the average with weight
+/// 1/P, so every new rank gets their element-wise mean, summed in fp64 in rank order and rounded
+/// once to fp32; the sums below hold to that rounding):
+///  - top-k, random-k: sum over ranks of the residual / P (what the residuals will still send)
+///    and of the momentum / P;
+///  - 1-bit: sum over ranks of the worker error / P, plus the server error, which is re-chunked
+///    for the new world size element by element, exactly; the momentum as the residual;
+///  - PowerSGD: sum over ranks of the error / P; Q (equal on every rank) is kept;
+///  - every family: the step counter (warm-up position, RNG keys), which must be equal on every
+///    rank. What each old rank held apart from the mean is not kept: it is a P-rank quantity.
+/// With world == P the result is states[rank] itself, byte for byte (after the same checks), so a
+/// job resumed on as many ranks goes on exactly. InvalidArgument, naming the rank and field, for
+/// states that are corrupt, of another kind, or not one job's checkpoint of one step (sizes,
+/// options or steps that differ across ranks).
+std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& states, int world,
+                                   int rank);
+
 }  // namespace gradcomp

@@ -13,14 +13,14 @@ nb::object from_option(const PlanOption& v) {
   return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }
 
-/// Binds an enum with its canonical option names (enum_names.hpp) as members, marked so that
-/// make_plan and the hooks take a member wherever they take the name.
+/// Binds an enum with its canonical option names (enum_names.hpp) as members, marked (with the
+/// enum's `what`) so that make_plan and the hooks take a member wherever its enum's name is taken.
 template <class E>
 void option_enum(nb::module_& m, const char* py_name, const char* doc) {
   nb::enum_<E> e(m, py_name, doc);
   for (std::size_t i = 0; i < EnumNames<E>::members; ++i)
     e.value(EnumNames<E>::table[i].name, EnumNames<E>::table[i].value);
-  e.attr("__gradcomp_option__") = true;
+  e.attr("__gradcomp_option__") = EnumNames<E>::what;
 }
 
 void bind_plans(nb::module_& m) {
@@ -127,6 +127,32 @@ void bind_plans(nb::module_& m) {
       "the step (NaN/Inf on some rank), every other plan's step is taken back with undo_step(), "
       "so the step leaves no trace as the optimizer skips it. Returns whether it was skipped; "
       "a plan that cannot take its step back is a ValueError raised before any changes.");
+  m.def(
+      "reshard_state",
+      [](const nb::list& states, int world, int rank) {
+        std::vector<std::vector<uint8_t>> in;
+        for (nb::handle h : states) {
+          if (!nb::isinstance<nb::bytes>(h))
+            throw nb::type_error("reshard_state: states must be a list of bytes (state_dict())");
+          nb::bytes b = nb::borrow<nb::bytes>(h);
+          const auto* p = reinterpret_cast<const uint8_t*>(b.c_str());
+          in.emplace_back(p, p + b.size());  // copied: the states are read while unlocked
+        }
+        std::vector<uint8_t> out;
+        {
+          nb::gil_scoped_release unlocked;
+          out = reshard_state(in, world, rank);
+        }
+        return to_bytes(out);
+      },
+      nb::arg("states"), nb::arg("world"), nb::arg("rank"),
+      "Resumes a checkpoint on another world size: states holds one bucket's plan state_dict() "
+      "from every rank of the saved job, in rank order; returns the state to load into rank "
+      "`rank` of a job of `world` ranks (the same family, options and bucket). Every rank of the "
+      "new job gets the mean over the old ranks of residuals, errors and momenta (their sum / "
+      "world size is kept), 1-bit's server errors re-chunked, PowerSGD's Q and the step kept; "
+      "with world equal to the old world size, the rank's own bytes. ValueError for corrupt "
+      "states or states that are not one job's checkpoint of one step.");
   m.def("plan_names", &plan_names, "The compressor names make_plan() knows.");
   m.def(
       "plan_defaults",

@@ -129,8 +129,11 @@ inline TensorView to_view(const AnyArray& a, uintptr_t stream = 0, const char* w
 
 /// A Python option value as a PlanOption: bool, int, float, str, or a list/tuple of numbers.
 inline PlanOption to_option(const std::string& name, const std::string& key, nb::handle v) {
-  // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name
-  if (nb::hasattr(v, "__gradcomp_option__")) return nb::cast<std::string>(v.attr("name"));
+  // a bound enum (gradcomp.TopKRoute.sparse, ...) stands for its name, tagged with its enum
+  // (parse_enum refuses a member of another enum)
+  if (nb::hasattr(v, "__gradcomp_option__"))
+    return nb::cast<std::string>(v.attr("__gradcomp_option__")) + kEnumMemberSeparator +
+           nb::cast<std::string>(v.attr("name"));
   if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
   {  // NumPy's bool is a bool (not 1 through __index__, nor a float as NumPy 2 would give)
     const std::string type = nb::inst_name(v).c_str();

@@ -176,6 +176,23 @@ def test_numpy_and_torch_scalars_are_read_as_their_values():
         plan(check_finite=np.int64(1))  # a number is not a bool
 
 
+def test_an_enum_member_counts_only_for_its_own_enum():
+    from gradcomp import _C
+    # TopKRoute.auto shares its name with the cast plans' route "auto": as a member it is refused
+    with pytest.raises(ValueError, match="expected a cast route.*top-k route 'auto'"):
+        _C.make_plan("fp16", 64, "float32", 2, options=dict(route=_C.TopKRoute.auto))
+    with pytest.raises(ValueError, match="expected a top-k route"):
+        _C.make_plan("topk", 64, "float32", 2, options=dict(route=_C.CastRoute.allreduce))
+    with pytest.raises(ValueError, match="expected a dtype"):
+        gt.hook("topk", ratio=0.1, value_dtype=_C.OnNonFinite.skip)
+    # its own enum's members, and plain names, are taken
+    assert _C.make_plan("fp16", 64, "float32", 2,
+                        options=dict(route=_C.CastRoute.allreduce)).numel == 64
+    assert _C.make_plan("topk", 64, "float32", 2, options=dict(
+        route=_C.TopKRoute.dense, value_dtype=_C.DType.float16)).numel == 64
+    assert _C.make_plan("fp16", 64, "float32", 2, options=dict(route="auto")).numel == 64
+
+
 def test_onebit_block_size_is_bounded_and_named():
     with pytest.raises(ValueError, match="block_size"):
         gt.hook("onebit", block_size=2 ** 40, rotate=False)

@@ -44,7 +44,7 @@ from .dropcompute import CudaEventClock, DropCompute  # noqa: E402,F401
 from .qsr import QSRAverager  # noqa: E402,F401
 
 __all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "format_timeline",
-           "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager"]
+           "gather_state_dict", "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager"]
 
 log = logging.getLogger("gradcomp")
 TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
@@ -54,6 +54,7 @@ from ._stats import HookStats  # noqa: E402
 from ._families import (COMPRESSORS, _device_of, _dtype_name, _Family,  # noqa: E402,F401
                         _ProbeBucket, _stream_of)
 from ._auto import AutoState, auto_hook  # noqa: E402,F401
+from ._reshard import gather_state_dict, local_state_dict  # noqa: E402,F401
 
 
 class GradcompState:
@@ -196,7 +197,9 @@ class GradcompState:
             ws = _as_int(ws, "state_dict['world_size']", 1)
             if dist.is_initialized() and ws != self.world:
                 raise ValueError(f"state was saved with world size {ws}, the process group has "
-                                 f"{self.world}")
+                                 f"{self.world} (one rank's state_dict() loads on as many ranks; "
+                                 f"gradcomp.torch.gather_state_dict() saves one that loads on "
+                                 f"any number)")
         world = ws or (self.world if dist.is_initialized() else 1)
         fam = COMPRESSORS[self.compressor]
 
@@ -221,7 +224,10 @@ class GradcompState:
         the world size, every bucket's state bytes with their checksum, sizes and finite values,
         the parameter layout against the model when one was given) and then either all of it is
         applied or, with a ValueError naming what is wrong, nothing. Bucket states are applied
-        when DDP first hands their parameters to the hook (before or after its bucket rebuild)."""
+        when DDP first hands their parameters to the hook (before or after its bucket rebuild).
+        A gathered checkpoint (:func:`gather_state_dict`, every rank's state) loads on any world
+        size: this rank's own state on as many ranks, a resharded one otherwise."""
+        sd, _ = local_state_dict(sd, self.process_group)
         self._apply_state_dict(self._check_state_dict(sd))
 
     def _apply_state_dict(self, checked) -> None:

@@ -272,7 +272,12 @@ class AutoState:
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`: everything (every candidate's state, the schedule, the
-        choices) is checked first, then all of it is applied or, with a ValueError, nothing."""
+        choices) is checked first, then all of it is applied or, with a ValueError, nothing.
+        A gathered checkpoint (gather_state_dict) loads on any world size; on another one than
+        it was saved on, the candidates' states are resharded and the choices measured again
+        from the resumed iteration (costs on one world size do not predict another's)."""
+        from ._reshard import local_state_dict
+        sd, resized = local_state_dict(sd, self.process_group)
         if not isinstance(sd, dict):
             raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
         if sd.get("compressor") != "auto":
@@ -308,6 +313,8 @@ class AutoState:
         self._decided_at = decided_at
         self._samples = {}
         self._seen = None
+        if resized and it >= start:  # a trial starts with the resumed iteration
+            self._trial_start = it
 
     def __getstate__(self):
         return {"options": self.options, "log_every": self.log_every, "timeout": self.timeout,
