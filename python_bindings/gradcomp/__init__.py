@@ -2,9 +2,11 @@
 """gradcomp: gradient compression and straggler mitigation for data-parallel training.
 
 ``import gradcomp`` needs only NumPy; the PyTorch integration lives in ``gradcomp.torch`` and
-imports torch when it is used. Every public class and function of the extension is here under
-``gradcomp.<name>``: the compressors, the allreduce plans (built by ``make_plan(name, ...)``), PowerSGD, and the DropCompute / QSR
-analytics (also grouped in ``gradcomp.dropcompute`` with the helpers written in Python).
+imports torch when it is used. Here, under ``gradcomp.<name>``: the compressors, the allreduce
+plans (built by ``make_plan(name, ...)``), PowerSGD, the checkpoint tools (``reshard_state``,
+``settle_step``) and the option enums. The DropCompute and QSR analytics (latency traces, the
+tau* search, the simulator, the Quadratic Synchronization Rule) are one module,
+``gradcomp.dropcompute``, which needs no torch either.
 """
 from gradcomp._C import (  # noqa: F401
     BucketPlan,
@@ -36,12 +38,13 @@ from gradcomp._C import (  # noqa: F401
     plan_defaults,
     plan_is_stateful,
     plan_names,
+    reshard_state,
     set_cpu_threads,
+    settle_step,
     topk_indices,
 )
 
-from gradcomp import dropcompute  # noqa: E402,F401  (needs no torch)
-from gradcomp.dropcompute import *  # noqa: E402,F401,F403  (the straggler and QSR analytics)
+from gradcomp import dropcompute  # noqa: E402,F401  (the DropCompute and QSR analytics)
 
 __version__ = "0.1.0"
 
@@ -51,5 +54,5 @@ __all__ = [
     "OneBitCompressor", "Payload", "Plan", "PowerSGDPlan", "PowerSGDState", "RandomKAllreducePlan",
     "RandomKCompressor", "TopKAllreducePlan", "TopKCompressor", "built_with_cuda", "cpu_threads",
     "cuda_device_count", "make_plan", "plan_defaults", "plan_is_stateful", "plan_names",
-    "set_cpu_threads", "topk_indices", "dropcompute",
-] + dropcompute.__all__
+    "reshard_state", "set_cpu_threads", "settle_step", "topk_indices", "dropcompute",
+]

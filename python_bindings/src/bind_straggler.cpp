@@ -83,20 +83,22 @@ void bind_analytics(nb::module_& m) {
         nb::arg("sigma") = 1.0,
         "E[max of n iid N(mu, sigma^2)] by the DropCompute paper's Eq. 4 (within ~2% for n >= "
         "16).\n\nExample: gradcomp.dropcompute.expected_max_normal(64)  # ~2.369 (exact: 2.344)");
-  m.def("expected_completed_microbatches", &expected_completed_microbatches, nb::arg("tau"),
-        nb::arg("micro_batches"), nb::arg("mu"), nb::arg("sigma"),
-        "E[M~(tau)] by Eq. 5: sum_m Phi((tau - m mu) / sqrt(m sigma^2)).\n\n"
-        "Example: gradcomp.expected_completed_microbatches(12.0, 12, 1.0, 0.1)  # ~11.5");
+  m.def(
+      "expected_completed_microbatches", &expected_completed_microbatches, nb::arg("tau"),
+      nb::arg("micro_batches"), nb::arg("mu"), nb::arg("sigma"),
+      "E[M~(tau)] by Eq. 5: sum_m Phi((tau - m mu) / sqrt(m sigma^2)).\n\n"
+      "Example: gradcomp.dropcompute.expected_completed_microbatches(12.0, 12, 1.0, 0.1)  # ~11.5");
   m.def("effective_speedup", &effective_speedup, nb::arg("m_tilde"), nb::arg("micro_batches"),
         nb::arg("tau"), nb::arg("step_time"), nb::arg("serial_time"),
         "S_eff by Eq. 6: m_tilde (T + Tc) / (M (min(tau, T) + Tc)).");
   m.def("compensation_factor", &compensation_factor, nb::arg("m_tilde"), nb::arg("micro_batches"),
         "R = M / M~ - 1: the extra steps (or batch increase) that restore the dropped samples.");
 
-  nb::class_<AnalyticModel>(m, "AnalyticModel",
-                            "N workers, M micro-batches of mu +- sigma each, serial time Tc.\n\n"
-                            "Example: gradcomp.AnalyticModel(workers=64, micro_batches=12, mu=1.0, "
-                            "sigma=0.3, serial_time=0.5)")
+  nb::class_<AnalyticModel>(
+      m, "AnalyticModel",
+      "N workers, M micro-batches of mu +- sigma each, serial time Tc.\n\n"
+      "Example: gradcomp.dropcompute.AnalyticModel(workers=64, micro_batches=12, mu=1.0, "
+      "sigma=0.3, serial_time=0.5)")
       .def(
           "__init__",
           [](AnalyticModel* self, int64_t workers, int64_t micro_batches, double mu, double sigma,
@@ -132,7 +134,7 @@ void bind_analytics(nb::module_& m) {
   m.def("analytic_point", &analytic_point, nb::arg("model"), nb::arg("tau"),
         nb::arg("step_time") = 0.0,
         "Eq. 4-6 at tau (step_time > 0 replaces Eq. 4's E[T]).\n\n"
-        "Example: gradcomp.analytic_point(model, 12.5).speedup");
+        "Example: gradcomp.dropcompute.analytic_point(model, 12.5).speedup");
   m.def(
       "analytic_optimal_tau",
       [](const AnalyticModel& a, int64_t grid) {
@@ -156,7 +158,8 @@ void bind_trace(nb::module_& m) {
       "Per-micro-batch latencies [worker][step][micro_batch] (seconds), e.g. the all-gathered\n"
       "ThresholdController.history of every rank in rank order. Validated on construction:\n"
       "ValueError for a zero dimension, a size mismatch, or a negative/NaN/Inf latency.\n\n"
-      "Example: t = gradcomp.LatencyTrace(4, 5, 12, gathered)  # 4 * 5 * 12 float64 values")
+      "Example: t = gradcomp.dropcompute.LatencyTrace(4, 5, 12, gathered)  # 4 * 5 * 12 float64 "
+      "values")
       .def(
           "__init__",
           [](LatencyTrace* self, int64_t workers, int64_t steps, int64_t micro_batches,
@@ -230,7 +233,7 @@ void bind_trace(nb::module_& m) {
       nb::arg("trace"), nb::arg("tau"), nb::kw_only(), nb::arg("serial_time") = 0.0,
       nb::arg("stop_model") = "preemptive", nb::arg("min_gain") = 1e-9,
       "S_eff etc. of the trace at tau > 0. model: 'preemptive' (the paper) or 'boundary' (a\n"
-      "check between micro-batches).\n\nExample: gradcomp.evaluate_tau(trace, 11.5, "
+      "check between micro-batches).\n\nExample: gradcomp.dropcompute.evaluate_tau(trace, 11.5, "
       "serial_time=0.3).speedup");
   m.def(
       "find_optimal_tau",
@@ -243,7 +246,7 @@ void bind_trace(nb::module_& m) {
       nb::arg("stop_model") = "preemptive", nb::arg("min_gain") = 1e-9,
       "The tau* maximising the empirical S_eff; deterministic (bitwise the same on every rank\n"
       "for the same trace); tau* = the largest step time (no drop) when nothing gains.\n\n"
-      "Example: tau = gradcomp.find_optimal_tau(trace, serial_time=0.2).tau");
+      "Example: tau = gradcomp.dropcompute.find_optimal_tau(trace, serial_time=0.2).tau");
   m.def("latency_stats", &latency_stats, nb::arg("trace"),
         "Mean and population standard deviation of all latencies.");
 }
@@ -300,7 +303,7 @@ void bind_controller(nb::module_& m) {
       "clock: None (a monotonic clock in C++) or a callable returning seconds (e.g. a CUDA-event\n"
       "timer); drop_point: 'before_forward', 'between_forward_backward' or 'after_backward'.\n\n"
       "Example:\n"
-      "    c = gradcomp.ThresholdController(12, tau=0.8)\n"
+      "    c = gradcomp.dropcompute.ThresholdController(12, tau=0.8)\n"
       "    c.begin_step()\n"
       "    while c.proceed('before_forward'):\n"
       "        forward_backward(); c.micro_batch_done()\n"
@@ -371,15 +374,16 @@ void bind_controller(nb::module_& m) {
       nb::arg("total_completed"),
       "The factor for the cross-worker SUM of micro-batch gradients: 1/(N M) ('nominal') or\n"
       "1/total_completed ('actual'; 0 when nothing was computed).\n\n"
-      "Example: gradcomp.gradient_scale('actual', 4, 12, 45) == 1 / 45");
+      "Example: gradcomp.dropcompute.gradient_scale('actual', 4, 12, 45) == 1 / 45");
 }
 
 void bind_simulator(nb::module_& m) {
-  nb::class_<DelayModel>(m, "DelayModel",
-                         "Per-micro-batch latency: 'normal' N(mean, stddev^2) clamped at 0, or\n"
-                         "'lognormal' = that plus min(exp(N(log_mu, log_sigma^2)), cap).\n\n"
-                         "Example: gradcomp.DelayModel('lognormal', mean=1.0, stddev=0.05, "
-                         "log_mu=-2.0, log_sigma=1.5, cap=3.0)")
+  nb::class_<DelayModel>(
+      m, "DelayModel",
+      "Per-micro-batch latency: 'normal' N(mean, stddev^2) clamped at 0, or\n"
+      "'lognormal' = that plus min(exp(N(log_mu, log_sigma^2)), cap).\n\n"
+      "Example: gradcomp.dropcompute.DelayModel('lognormal', mean=1.0, stddev=0.05, "
+      "log_mu=-2.0, log_sigma=1.5, cap=3.0)")
       .def(
           "__init__",
           [](DelayModel* self, const std::string& kind, double mean, double stddev, double log_mu,
@@ -409,7 +413,8 @@ void bind_simulator(nb::module_& m) {
       nb::arg("model"), nb::arg("workers"), nb::arg("steps"), nb::arg("micro_batches"),
       nb::arg("seed") = 0,
       "A LatencyTrace drawn from the model, deterministic given the seed.\n\n"
-      "Example: t = gradcomp.simulate_latencies(gradcomp.DelayModel('normal', mean=1, "
+      "Example: t = "
+      "gradcomp.dropcompute.simulate_latencies(gradcomp.dropcompute.DelayModel('normal', mean=1, "
       "stddev=0.2), 2048, 10, 12, seed=42)");
 
   nb::class_<TauCurvePoint>(m, "TauCurvePoint", "One point of the paper's Fig. 3.")
@@ -454,7 +459,8 @@ void bind_simulator(nb::module_& m) {
 
 void bind_qsr(nb::module_& m) {
   m.def("qsr_period", &qsr_period, nb::arg("lr"), nb::arg("alpha"), nb::arg("h_base"),
-        "H = max(h_base, floor((alpha / lr)^2)).\n\nExample: gradcomp.qsr_period(0.001, 0.0175, "
+        "H = max(h_base, floor((alpha / lr)^2)).\n\nExample: "
+        "gradcomp.dropcompute.qsr_period(0.001, 0.0175, "
         "4) == 306");
 
   nb::class_<QsrConfig>(m, "QsrConfig", "Quadratic Synchronization Rule settings.")
@@ -473,12 +479,13 @@ void bind_qsr(nb::module_& m) {
       .def_ro("total_steps", &QsrConfig::total_steps)
       .def_ro("warmup_steps", &QsrConfig::warmup_steps);
 
-  nb::class_<QsrScheduler>(m, "QsrScheduler",
-                           "When Local SGD averages next (see gradcomp/straggler.hpp).\n\n"
-                           "Example:\n"
-                           "    q = gradcomp.QsrScheduler(gradcomp.QsrConfig(alpha=0.0175, "
-                           "h_base=4, total_steps=T), lr0)\n"
-                           "    if q.after_step(s + 1, next_lr): average()")
+  nb::class_<QsrScheduler>(
+      m, "QsrScheduler",
+      "When Local SGD averages next (see gradcomp/straggler.hpp).\n\n"
+      "Example:\n"
+      "    q = gradcomp.dropcompute.QsrScheduler(gradcomp.dropcompute.QsrConfig(alpha=0.0175, "
+      "h_base=4, total_steps=T), lr0)\n"
+      "    if q.after_step(s + 1, next_lr): average()")
       .def(nb::init<const QsrConfig&, double>(), nb::arg("config"), nb::arg("initial_lr"))
       .def("on_average", &QsrScheduler::on_average, nb::arg("step"), nb::arg("lr"),
            "Records an averaging after `step` steps; returns the step of the next one.")

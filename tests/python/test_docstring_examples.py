@@ -60,8 +60,8 @@ def _namespace():
     grad = np.linspace(-1, 1, 1000, dtype=np.float32).view(_Grad)
     return {
         "gradcomp": gradcomp, "np": np, "gathered": gathered,
-        "trace": gradcomp.LatencyTrace(4, 5, 12, gathered),
-        "model": gradcomp.AnalyticModel(workers=64, micro_batches=12, mu=1.0, sigma=0.3,
+        "trace": gradcomp.dropcompute.LatencyTrace(4, 5, 12, gathered),
+        "model": gradcomp.dropcompute.AnalyticModel(workers=64, micro_batches=12, mu=1.0, sigma=0.3,
                                         serial_time=0.5),
         "grad": grad, "out": np.zeros(grad.size, dtype=np.float32),
         "T": 1000, "lr0": 0.1, "s": 0, "next_lr": 0.1, "average": lambda: None,

@@ -201,7 +201,7 @@ def test_onebit_block_size_is_bounded_and_named():
 
 
 def test_a_step_closes_even_if_taking_back_a_bucket_fails():
-    from gradcomp.torch import _Steps
+    from gradcomp.torch._hook import _Steps
 
     class Owner:
         closed = []

@@ -30,10 +30,14 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gradcomp import _C
 
 from ._buckets import _as_int
+from ._driver import PlanStats, wire_bytes
+from ._hook import GradcompState, _hook, _Steps
+from ._reshard import local_state_dict
 
 log = logging.getLogger("gradcomp")
 
@@ -84,7 +88,6 @@ class AutoState:
                  min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
                  recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
                  _lazy: bool = False):
-        from . import GradcompState, _Steps  # the per-compressor state (here: no cycle)
 
         if isinstance(candidates, str):
             raise ValueError("candidates must be a sequence of compressor names, not a string")
@@ -276,7 +279,6 @@ class AutoState:
         A gathered checkpoint (gather_state_dict) loads on any world size; on another one than
         it was saved on, the candidates' states are resharded and the choices measured again
         from the resumed iteration (costs on one world size do not predict another's)."""
-        from ._reshard import local_state_dict
         sd, resized = local_state_dict(sd, self.process_group)
         if not isinstance(sd, dict):
             raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
@@ -329,8 +331,6 @@ class AutoState:
 def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook of ``hook("auto")``: runs each bucket with the candidate of this iteration
     (see the module docstring) through the per-compressor hook."""
-    from . import _hook
-
     it = state.iter
     if state._seen != it:
         state._seen = it
@@ -360,9 +360,7 @@ def _native_allreduce(state: AutoState, sub, bucket, it: int, plain: bool,
     sample), and otherwise only when a compressed bucket of the same step has state to take
     back (see gradcomp.torch._Steps): a step of native buckets alone is not scanned, and an
     overflow there counts in ``iter`` (it only times the next recheck)."""
-    from ._driver import PlanStats, wire_bytes
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     buf = bucket.buffer()
     idx, last, world = bucket.index(), bucket.is_last(), state.world

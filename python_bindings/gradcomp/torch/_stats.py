@@ -5,9 +5,10 @@ gradcomp.torch.timeline())."""
 import collections
 import logging
 import threading
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 log = logging.getLogger("gradcomp")
+TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
 
 
 _FIELDS = ("dense_bytes", "bytes_sent", "wire_bytes", "local_seconds", "comm_seconds",
@@ -85,3 +86,53 @@ class HookStats:
                 log.info("gradcomp %s iter %d: %d -> %d bytes (%.1fx), %.2f ms local",
                          self.compressor, it, acc["dense_bytes"], acc["bytes_sent"],
                          acc["dense_bytes"] / max(1, acc["bytes_sent"]), 1e3 * acc["local_seconds"])
+
+
+def timeline(state, iteration: Optional[int] = None) -> list:
+    """Where one iteration's communication time went, per bucket, from the hook's own records
+    (the last iteration a state recorded when `iteration` is None). Times are milliseconds from
+    the moment the iteration's first bucket was handed to the hook's worker; per bucket: when it
+    was queued and when the worker started it (the wait behind earlier buckets), then its phases
+    in order: ``begin`` (binding the bucket, in the hook), ``local`` (compression or decoding
+    between collectives) and each collective by its tag. Works for ``hook("auto")`` too.
+
+    Example::
+
+        for row in gradcomp.torch.timeline(state):
+            print(row["bucket"], row["queued_ms"], row["phases"])
+        print(gradcomp.torch.format_timeline(gradcomp.torch.timeline(state)))
+    """
+    subs = getattr(state, "subs", None)
+    runs = [r for s in (subs.values() if subs else [state]) for r in s.timeline]
+    if not runs:
+        return []
+    it = max(r["iter"] for r in runs) if iteration is None else iteration
+    runs = sorted((r for r in runs if r["iter"] == it), key=lambda r: r["submitted"] or 0.0)
+    if not runs:
+        raise ValueError(f"no record of iteration {iteration}; the state keeps the last "
+                         f"{TIMELINE_RUNS} bucket runs")
+    t0 = min(min([r["submitted"]] + [e[1] for e in r["events"]]) for r in runs)
+
+    def ms(t):
+        return round(1e3 * (t - t0), 3)
+
+    return [{"iter": it, "bucket": r["bucket"], "compressor": r["compressor"],
+             "queued_ms": ms(r["submitted"]), "started_ms": ms(r["started"]),
+             "phases": [(what, ms(a), ms(b)) for what, a, b in r["events"]]} for r in runs]
+
+
+def format_timeline(rows: list) -> str:
+    """A text table of :func:`timeline`'s rows: per bucket, the wait in the worker's queue,
+    then the summed milliseconds of local work and of each kind of collective, and the end."""
+    lines = ["bucket  compressor  queued->started ms  local ms  collectives (ms)  done at ms"]
+    for r in rows:
+        local = sum(b - a for w, a, b in r["phases"] if w in ("begin", "local"))
+        comm: Dict[str, float] = {}
+        for w, a, b in r["phases"]:
+            if w not in ("begin", "local"):
+                comm[w] = comm.get(w, 0.0) + (b - a)
+        end = max([r["started_ms"]] + [b for _, _, b in r["phases"]])
+        coll = ", ".join(f"{k} {v:.1f}" for k, v in comm.items()) or "-"
+        lines.append(f"{r['bucket']:6d}  {r['compressor']:10s}  {r['queued_ms']:7.1f}->"
+                     f"{r['started_ms']:7.1f}  {local:8.1f}  {coll}  {end:.1f}")
+    return "\n".join(lines)

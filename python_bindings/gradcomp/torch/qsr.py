@@ -33,6 +33,9 @@ import torch.distributed as dist
 
 from gradcomp import _C
 
+from ._driver import run_sync
+from ._families import COMPRESSORS
+
 __all__ = ["QSRAverager"]
 
 
@@ -40,7 +43,6 @@ class _PlanCompressor:
     """Averages a flat tensor in place through a gradcomp plan (state kept across calls)."""
 
     def __init__(self, name: str, options: Dict[str, Any], group=None):
-        from gradcomp.torch import COMPRESSORS  # lazy: gradcomp.torch imports the plan driver
         if name not in COMPRESSORS:
             raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(COMPRESSORS)}")
         self.family = COMPRESSORS[name]
@@ -52,7 +54,6 @@ class _PlanCompressor:
         self.numel = -1
 
     def __call__(self, flat: torch.Tensor, group) -> None:
-        from gradcomp.torch import run_sync
         if self.plan is None or self.numel != flat.numel():
             # group: the plan's rank is the rank in the averaging group, not the global one
             self.plan = self.family.make_flat(self.options, flat, dist.get_world_size(group),

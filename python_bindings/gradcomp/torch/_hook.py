@@ -1,0 +1,431 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The state of a gradcomp DDP hook (:class:`GradcompState`: options, per-bucket plans, the
+step record, checkpoints) and the hook itself (:func:`_hook`), for every compressor but "auto"
+(which runs these per candidate, see _auto.py)."""
+import collections
+import datetime
+import logging
+import math
+import threading
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ._buckets import BucketTable, _as_int, _Bucket, _CompositePlan
+from ._driver import AfterBackward, PlanStats, Worker, group_ranks, group_timeout
+from ._families import COMPRESSORS
+from ._reshard import local_state_dict
+from ._stats import TIMELINE_RUNS, HookStats
+
+log = logging.getLogger("gradcomp")
+
+
+class GradcompState:
+    """State of a gradcomp DDP hook: options, per-bucket plans, iteration, statistics.
+
+    Pickling (``__getstate__``) and :meth:`state_dict` keep everything but the process group, so a
+    checkpoint restores residuals, momenta, Q and errors exactly. Pass ``model`` (the DDP module
+    or the wrapped module) so that state is matched to parameters, not to DDP's bucket order: a
+    restored job's first iteration runs before DDP rebuilds its buckets, in another order.
+    """
+
+    def __init__(self, compressor: str, process_group=None, start_iter: Optional[int] = None,
+                 log_every: int = 0, model=None, timeout=None, pipeline: bool = True,
+                 **options):
+        lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
+        if compressor not in COMPRESSORS:
+            raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
+        fam = COMPRESSORS[compressor]
+        live = dist.is_available() and dist.is_initialized()
+        fam.validate(options, dist.get_world_size(process_group) if live else 1, process_group)
+        self.timeout = _as_timeout(timeout)
+        if not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
+        self.pipeline = pipeline
+        self.compressor = compressor
+        self.options = dict(options)
+        self.process_group = process_group
+        self.start_iter = ((2 if fam.stateful else 0) if start_iter is None
+                           else _as_int(start_iter, "start_iter", 0))
+        self.log_every = _as_int(log_every, "log_every", 0)
+        self.iter = 0  # steps applied (a skipped or failed step does not count)
+        self._calls = 0  # steps the hook saw, skipped ones included: the index of history
+        self._owner = None  # the state that settles steps (hook("auto") for its candidates)
+        self._steps = _Steps(self)
+        self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
+        # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
+        self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
+        self._worker: Optional[Worker] = None
+        if live and not lazy:
+            self._make_worker()
+
+    def _make_worker(self) -> Worker:
+        """A process group of our own (same ranks and backend as the user's) and the thread
+        that issues all of this hook's collectives in bucket order. Creating a group is itself
+        collective, so it happens here, when every rank builds its hook, not inside backward."""
+        if self._worker is None:
+            pg = self.process_group
+            # the user's timeout: torch's default (30 minutes) would let a hung peer hang us
+            timeout = self.timeout or group_timeout(pg)
+            if timeout is None:
+                log.warning("gradcomp: this torch does not expose the process group's timeout; "
+                            "the hook's collectives use torch's default (pass timeout= to "
+                            "gradcomp.torch.hook)")
+            kw = {} if timeout is None else {"timeout": timeout}
+            own = dist.new_group(ranks=group_ranks(pg), backend=dist.get_backend(pg), **kw)
+            self._worker = Worker(own, pipeline=self.pipeline)
+        return self._worker
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    # -- statistics (gradcomp/torch/_stats.py) ---------------------------------------------------
+    @property
+    def history(self) -> list:
+        """The last 4096 steps the hook saw (skipped and failed ones included; each entry's
+        "iter" numbers it): dense bytes, bytes handed to collectives, bytes on the wire, local
+        and communication seconds, collectives, buckets, skipped buckets. Bounded, so a long job
+        does not grow it; :attr:`totals` keeps the sums over every step."""
+        return self.stats.history
+
+    @property
+    def totals(self) -> Dict[str, Any]:
+        """The fields of :attr:`history` summed over every step since this state was made,
+        and "steps", the number of steps."""
+        return dict(self.stats.totals)
+
+    @property
+    def last_stats(self) -> Dict[int, Dict[str, Any]]:
+        """Per bucket: the numbers of its last step."""
+        return self.stats.last
+
+    @property
+    def timeline(self) -> "collections.deque":
+        """The last plan runs (see gradcomp.torch.timeline())."""
+        return self.stats.runs
+
+    def _iteration(self, it: int) -> Dict[str, Any]:
+        return self.stats.iteration(it)
+
+    def _record(self, it: int, bucket_index: int, dense: int, stats: PlanStats,
+                last: bool, skipped: bool = False) -> None:
+        self.stats.record(it, bucket_index, dense, stats, last, self.log_every, skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps in which some bucket was skipped because a rank's gradient held NaN or Inf
+        (each such bucket came out NaN on every rank; the step left no state behind in any
+        bucket, and ``iter`` did not advance)."""
+        return self.stats.skipped_steps
+
+    def _close_step(self, applied: bool, samples) -> None:
+        """The end of a step (every bucket settled; see _Steps)."""
+        self._calls += 1
+        if applied:
+            self.iter += 1
+
+    # -- buckets and checkpoints (gradcomp/torch/_buckets.py) -----------------------------------
+    @property
+    def buckets(self) -> Dict[int, "_Bucket"]:
+        """The compressed buckets: plan, size, dtype, parameter layout, by DDP bucket index."""
+        return self.table.buckets
+
+    def _resolve(self, bucket):
+        return self.table.resolve(bucket, lambda view, idx: COMPRESSORS[self.compressor].make(
+            self.options, view, self.world, idx, self.process_group))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Per-rank state: options, iteration and each bucket's compressor state (bytes)."""
+        return {"compressor": self.compressor, "options": dict(self.options),
+                "start_iter": self.start_iter, "iter": self.iter,
+                "world_size": self.world if dist.is_initialized() else None,
+                "buckets": self.table.state_dict()}
+
+    def _check_state_dict(self, sd: Dict[str, Any]):
+        """Everything load_state_dict() checks, nothing applied: (buckets, iter, start_iter)."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
+        missing = [k for k in ("compressor", "iter", "start_iter", "buckets") if k not in sd]
+        if missing:
+            raise ValueError(f"state_dict lacks {missing}")
+        if sd["compressor"] != self.compressor:
+            raise ValueError(f"state is for compressor {sd['compressor']!r}, this hook is "
+                             f"{self.compressor!r}")
+        it = _as_int(sd["iter"], "state_dict['iter']", 0)
+        start = _as_int(sd["start_iter"], "state_dict['start_iter']", 0)
+        ws = sd.get("world_size")
+        if ws is not None:
+            ws = _as_int(ws, "state_dict['world_size']", 1)
+            if dist.is_initialized() and ws != self.world:
+                raise ValueError(f"state was saved with world size {ws}, the process group has "
+                                 f"{self.world} (one rank's state_dict() loads on as many ranks; "
+                                 f"gradcomp.torch.gather_state_dict() saves one that loads on "
+                                 f"any number)")
+        world = ws or (self.world if dist.is_initialized() else 1)
+        fam = COMPRESSORS[self.compressor]
+
+        def check_state(k, e):  # a plan of that bucket's size loads the bytes, then is dropped
+            if not fam.stateful:
+                raise ValueError(f"state_dict bucket {k}: compressor {self.compressor!r} keeps "
+                                 f"no bucket state")
+            if not dist.is_initialized():  # (unpickled before init_process_group: this rank is
+                return                     # not known yet; the bytes are checked when applied)
+            flat = torch.empty(e["numel"], dtype=_TORCH_DTYPES[e["dtype"]])
+            shapes = e["shapes"] if fam.name in ("powersgd", "randomk") else None
+            plan = fam.make_flat(self.options, flat, world, k, self.process_group, shapes)
+            try:
+                plan.load_state_dict(e["state"])
+            except ValueError as err:
+                raise ValueError(f"state_dict bucket {k}: {err}") from None
+
+        return self.table.check_state_dict(sd["buckets"], check_state), it, start
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`. Everything is checked first (types, the compressor,
+        the world size, every bucket's state bytes with their checksum, sizes and finite values,
+        the parameter layout against the model when one was given) and then either all of it is
+        applied or, with a ValueError naming what is wrong, nothing. Bucket states are applied
+        when DDP first hands their parameters to the hook (before or after its bucket rebuild).
+        A gathered checkpoint (:func:`gather_state_dict`, every rank's state) loads on any world
+        size: this rank's own state on as many ranks, a resharded one otherwise."""
+        sd, _ = local_state_dict(sd, self.process_group)
+        self._apply_state_dict(self._check_state_dict(sd))
+
+    def _apply_state_dict(self, checked) -> None:
+        buckets, it, start = checked
+        self.table.load_state_dict(buckets)
+        self._steps.reset()
+        self.iter = it
+        self.start_iter = start
+
+    def __getstate__(self):
+        return {"compressor": self.compressor, "options": self.options,
+                "log_every": self.log_every, "timeout": self.timeout,
+                "pipeline": self.pipeline, "sd": self.state_dict()}
+    # (the process group and the worker thread are not pickled; a restored state makes its own)
+
+    def __setstate__(self, d):
+        self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
+                      d.get("timeout"), d.get("pipeline", True), _lazy=True, **d["options"])
+        self.load_state_dict(dict(d["sd"], world_size=None))
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _sparse_error(bucket) -> Optional[ValueError]:
+    """The error for a bucket holding a sparse gradient (``nn.Embedding(sparse=True)``): the
+    plans compress flat dense buckets, and a sparse gradient has no such buffer."""
+    buf = bucket.buffer()
+    if buf.layout == torch.strided and not any(
+            g is not None and g.layout != torch.strided for g in bucket.gradients()):
+        return None
+    return ValueError(
+        "gradcomp hooks compress dense gradients, but this DDP bucket holds a sparse gradient "
+        "(e.g. nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); build those modules "
+        "with sparse=False (their gradient is then dense and compressed like the others), or "
+        "train them outside this DDP model")
+
+
+class _Step:
+    """One training step of a hook: its buckets settle in any order (the worker's, the native
+    allreduce's callbacks, an error at once), and the last one to settle closes the step."""
+
+    __slots__ = ("calls", "settled", "last_called", "bad", "kept", "unchecked", "samples")
+
+    def __init__(self) -> None:
+        self.calls = self.settled = 0
+        self.last_called = self.bad = False
+        self.kept: list = []  # plans whose step was kept (taken back if the step turns out bad)
+        self.unchecked: list = []  # averaged buckets nothing checked (native allreduce)
+        self.samples: list = []  # hook("auto")'s timing samples, filed when the step is applied
+
+
+class _Steps:
+    """Settles the steps of a hook state (`owner`: a GradcompState, or the AutoState whose
+    candidates share it). A step in which any bucket was skipped (NaN/Inf on some rank: its
+    average is NaN on every rank, so a GradScaler skips the optimizer step) or failed leaves no
+    trace: the plans of the buckets that were kept take their step back (undo_step), the
+    iteration does not advance, auto's timing samples of it are dropped. Every rank decides
+    alike: skips agree across ranks by construction."""
+
+    def __init__(self, owner) -> None:
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._open: Optional[_Step] = None
+
+    def join(self, last: bool) -> _Step:
+        """A bucket of the current step was handed to the hook (main thread)."""
+        with self._lock:
+            if self._open is None:
+                self._open = _Step()
+            rec = self._open
+            rec.calls += 1
+            rec.last_called = rec.last_called or last
+            return rec
+
+    def settle(self, rec: _Step, bad: bool, kept=None, unchecked=None, sample=None) -> None:
+        """A bucket of `rec` finished (any thread)."""
+        with self._lock:
+            rec.settled += 1
+            rec.bad = rec.bad or bad
+            if kept is not None:
+                rec.kept.append(kept)
+            if unchecked is not None:
+                rec.unchecked.append(unchecked)
+            if sample is not None:
+                rec.samples.append(sample)
+            if not (rec.last_called and rec.settled >= rec.calls):
+                return
+            # the step is over whatever happens below, so that a failure here cannot leave it
+            # open (every later bucket would join it and the iteration would never advance)
+            self._open = None
+            try:
+                if not rec.bad and rec.kept and rec.unchecked:
+                    # only when there is state to protect: a native average nothing scanned
+                    rec.bad = any(not _finite(b) for b in rec.unchecked)
+                if rec.bad:
+                    for p in rec.kept:
+                        if p.can_undo:
+                            p.undo_step()
+                        else:  # check_finite=False keeps no copy of the state before the step
+                            log.warning("gradcomp: a step was skipped or failed, but a bucket "
+                                        "with check_finite=False cannot take its step back")
+            finally:
+                self.owner._close_step(not rec.bad, rec.samples)
+
+    def reset(self) -> None:
+        """Forgets a step left open (a restore between steps starts afresh)."""
+        with self._lock:
+            self._open = None
+
+
+def _finite(b) -> bool:
+    """Whether an averaged bucket holds no NaN/Inf: a CPU tensor, or (flag, event) computed on
+    the stream that produced a CUDA average (waited for here, on any thread)."""
+    if isinstance(b, tuple):
+        flag, event = b
+        event.synchronize()
+        return bool(flag)
+    return bool(torch.isfinite(b).all())
+
+
+def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    idx = bucket.index()
+    last = bucket.is_last()
+    steps = (state._owner or state)._steps
+    it = state.iter
+    call = state._calls  # the history entry (iterations and skipped attempts alike)
+    dense = buf.numel() * buf.element_size()
+    state._iteration(call)
+    rec = steps.join(last)
+    settled = [False]  # each bucket settles its step once (failed() may follow a failed done())
+
+    begin_s = [0.0, 0.0]
+    # the plain allreduce before start_iter (stateful compressors): its average is scanned once
+    # (only in those first iterations) so that an overflow there is skipped and counted too
+    warmup = False
+    plan = None
+
+    def done(stats: PlanStats):
+        stats.local_seconds += begin_s[1] - begin_s[0]  # begin() (e.g. PowerSGD's finite check)
+        stats.events.insert(0, ("begin", begin_s[0], begin_s[1]))  # is local work
+        settle(stats, None)
+
+    def failed(error):  # e.g. on_nonfinite="raise" ending a skipped step: the step is bad
+        settle(PlanStats(), error)
+
+    def settle(stats: PlanStats, error):
+        if settled[0]:
+            return
+        settled[0] = True
+        if error is None and warmup:  # the plain allreduce checks nothing: a NaN is the signal
+            skipped = not bool(torch.isfinite(buf).all())
+        else:  # (begin() resets it, so it is never the previous step's)
+            skipped = bool(getattr(plan, "skipped", False))
+        state._record(call, idx, dense, stats, last, skipped)
+        sample = None
+        if on_done is not None and error is None:
+            sample = on_done(idx, it, stats)
+        # kept: a plan whose step may have to be taken back (a composite of restored buckets
+        # may have kept some parts while another skipped or raised)
+        keep = not warmup and plan is not None and bool(plan.stateful) and (
+            (error is None and not skipped) or (isinstance(plan, _CompositePlan) and plan.can_undo))
+        steps.settle(rec, skipped or error is not None, plan if keep else None, sample=sample)
+
+    try:
+        err = _sparse_error(bucket)
+        if err is not None:
+            raise err
+        warmup = it < state.start_iter
+        if warmup:
+            state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
+            fam = COMPRESSORS["allreduce"]
+            view, permuted = bucket, False
+            plan = fam.make({}, bucket, state.world, idx, state.process_group)
+        else:
+            fam = COMPRESSORS[state.compressor]
+            view, b, permuted = state._resolve(bucket)
+            plan = b.plan
+            b.steps += 1
+        begin_s[0] = time.perf_counter()
+        fam.begin(plan, view)
+        begin_s[1] = time.perf_counter()
+    except Exception as e:
+        # The step is bad (buckets already kept take their step back). Raised here, inside
+        # DDP's backward, the error would stop DDP mid-step and leave the model unusable
+        # ("unmarked_param_indices ... INTERNAL ASSERT"): the bucket keeps its own gradient and
+        # loss.backward() raises the error once DDP has finished the step (see "Errors" in
+        # _driver). Outside a backward pass it is raised at once.
+        settled[0] = True
+        steps.settle(rec, True)
+        after = AfterBackward.arm(buf)
+        if after is None:
+            raise
+        after.error = e
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def result():  # the plan averaged view in place
+        if permuted:
+            view.scatter()
+        return buf
+
+    worker = state._worker or state._make_worker()
+    # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
+    return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed)
+
+
+def _as_timeout(t) -> Optional[datetime.timedelta]:
+    if t is None:
+        return None
+    if isinstance(t, datetime.timedelta):
+        seconds = t.total_seconds()
+    elif isinstance(t, (int, float)) and not isinstance(t, bool):
+        seconds = float(t)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {t!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be positive and finite, got {t!r}")
+    try:
+        return datetime.timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"timeout must be at most {datetime.timedelta.max.total_seconds():.0f} "
+                         f"seconds, got {t!r}") from None
+
+
+def dgc_optimizer(params, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.SGD:
+    """SGD without momentum, for hooks that apply momentum themselves: ``topk`` and
+    ``randomk`` with ``momentum=m`` (DGC's momentum correction) and ``onebit`` with
+    ``momentum=m`` (each rank compresses its momentum). The hook already accumulates momentum
+    before compression; applying it again in the optimizer would square it."""
+    if kwargs.get("momentum", 0.0):
+        raise ValueError("with DGC momentum correction the optimizer must not apply momentum; "
+                         "set momentum on the hook instead")
+    return torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay, **kwargs)
