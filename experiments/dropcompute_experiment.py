@@ -25,7 +25,6 @@ import argparse
 import csv
 import math
 import os
-import socket
 import sys
 import time
 
@@ -37,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp import dropcompute as dcm
+from gradcomp.experiments.launch import free_port
 from gradcomp.torch.dropcompute import DropCompute
 
 
@@ -192,9 +192,7 @@ def predictions(args, row, world):
 
 def main():
     args = parse()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     mp.spawn(worker, args=(args.world, port, args, q), nprocs=args.world, join=True)

@@ -18,13 +18,14 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 import torch
 import torch.multiprocessing as mp
+
+from gradcomp.experiments.launch import free_port
 
 STEPS, BAD = 12, 6
 
@@ -42,10 +43,6 @@ CONFIGS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank, world, port, hook, opts, out):

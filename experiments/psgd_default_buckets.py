@@ -19,18 +19,15 @@ ranks with more than one bucket: it hangs, or gloo aborts on mismatched sizes
 """
 import argparse
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from gradcomp.experiments.launch import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _rank(rank, world, port, hook, width, layers, steps, rank_r):

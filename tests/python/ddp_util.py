@@ -1,19 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers for multi-process DDP tests: spawn N gloo ranks on loopback, deterministic models."""
 import os
-import socket
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gradcomp.experiments.launch import exit_rank, free_port  # noqa: F401 (free_port: for tests)
 
 
 def _entry(rank, world, port, fn, args):
@@ -31,16 +25,10 @@ def _entry(rank, world, port, fn, args):
 
 
 def finish():
-    """Ends a spawned rank without interpreter teardown, after everything is written: torch 1.13
-    can deadlock when a DDP reducer holds the last reference to a gloo process group (its worker
-    thread waits for the GIL the destructor holds), and torch 2.15 + gloo aborted a rank at
-    teardown ("terminate called without an active exception") in 2 of 50 runs of a DDP job, 0 of
-    50 ending here (2026-11-24)."""
+    """Ends a spawned rank once every rank is done (see exit_rank: no interpreter teardown)."""
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()
 
 
 def run(fn, world, *args):
