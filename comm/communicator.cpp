@@ -225,31 +225,13 @@ namespace {
 
 constexpr int64_t kSigWords = 6;
 
-const char* elem_name(ElemType t) {
-  switch (t) {
-    case ElemType::kF32:
-      return "fp32";
-    case ElemType::kF16:
-      return "fp16";
-    case ElemType::kBF16:
-      return "bf16";
-    case ElemType::kU8:
-      return "u8";
-    case ElemType::kU32:
-      return "u32";
-    case ElemType::kI64:
-      return "i64";
-  }
-  return "?";
-}
-
 struct Signature {
   int64_t w[kSigWords];  // has_collective, numel, kind, type, count, root
   std::string describe(const std::string& plan) const {
     if (w[0] == 2) return detail::cat("to start plan '", plan, "'");
     if (!w[0]) return detail::cat("finished plan '", plan, "'");
     return detail::cat(
-        collective_name(CollectiveKind(w[2])), " of ", w[4], " ", elem_name(ElemType(w[3])),
+        collective_name(CollectiveKind(w[2])), " of ", w[4], " ", elem_type_name(ElemType(w[3])),
         (w[2] == int64_t(CollectiveKind::kBroadcast) ? detail::cat(" from root ", w[5])
                                                      : std::string()));
   }

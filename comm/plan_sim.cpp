@@ -11,20 +11,6 @@
 
 namespace gradcomp {
 
-const char* collective_name(CollectiveKind k) {
-  switch (k) {
-    case CollectiveKind::kAllreduceSum:
-      return "allreduce";
-    case CollectiveKind::kAllgather:
-      return "allgather";
-    case CollectiveKind::kAllToAll:
-      return "all-to-all";
-    case CollectiveKind::kBroadcast:
-      return "broadcast";
-  }
-  return "unknown";
-}
-
 namespace {
 
 // memcpy for buffers that may be empty: an empty std::vector or collective buffer may be null, and

@@ -10,7 +10,6 @@
 
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
-#include "gradcomp/enum_names.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
 

@@ -5,29 +5,18 @@
 
 namespace gradcomp {
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kFloat32: return "fp32";
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
-  }
-  return "unknown-dtype";
-}
-
-const char* device_name(Device d) { return d == Device::kCPU ? "cpu" : "cuda"; }
-
 TensorView::TensorView(void* d, const int64_t* dims, int nd, DType t, Device dev, int dev_index,
                        void* s)
     : data(d), dtype(t), device(dev), device_index(dev_index), stream(s), ndim(nd) {
   GC_CHECK_ARG(nd >= 0 && nd <= kMaxDims, "tensor rank must be in [0, ", kMaxDims, "], got ", nd);
-  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(t)), "unsupported dtype code ",
-               static_cast<int>(t), " (expected fp32, fp16 or bf16)");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(t)), "unsupported dtype code ", static_cast<int>(t),
+               " (expected fp32, fp16 or bf16)");
   int64_t n = 1;
   for (int i = 0; i < nd; ++i) {
     GC_CHECK_ARG(dims[i] >= 0, "tensor dimension ", i, " is negative (", dims[i], ")");
     shape[i] = dims[i];
-    GC_CHECK_ARG(!__builtin_mul_overflow(n, dims[i], &n), "tensor shape overflows int64 at dimension ",
-                 i, " (", dims[i], ")");
+    GC_CHECK_ARG(!__builtin_mul_overflow(n, dims[i], &n),
+                 "tensor shape overflows int64 at dimension ", i, " (", dims[i], ")");
   }
   if (nd == 0) {
     ndim = 1;

@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "gradcomp/plan.hpp"
 #include "gradcomp/tensor.hpp"
+#include "gradcomp/types.hpp"  // ElemType
 
 namespace gradcomp::kernels {
 

@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "core/state_io.hpp"
-#include "gradcomp/enum_names.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/topk.hpp"

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "gradcomp/cost_model.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
@@ -133,17 +134,6 @@ class Communicator {
   void account(uint64_t bytes, std::chrono::steady_clock::time_point t0);
   Buffer scratch_{Device::kCPU};
   std::vector<size_t> scounts_, sdispls_, rcounts_, rdispls_;
-};
-
-/// Measured speed of a communicator, used by plans that choose between routes (top-k).
-/// t(bytes) = latency_s + bytes / bandwidth_Bps for one collective step.
-struct CostModel {
-  double latency_s = 20e-6;
-  double bandwidth_Bps = 5e9;  ///< bytes per second one rank sends
-  /// Seconds to move `bytes` per rank in `rounds` latency-bound rounds.
-  double seconds(double bytes, double rounds = 1.0) const {
-    return rounds * latency_s + bytes / bandwidth_Bps;
-  }
 };
 
 /// Times a small and a large allgather on `comm` (collective: every rank must call it) and fits

@@ -26,13 +26,14 @@ struct Payload {
 
 /// What one encode() did; dense_bytes / payload_bytes is the exact compression ratio.
 struct CompressionStats {
-  int64_t step = 0;           ///< step index of the encode (0-based)
-  int64_t numel = 0;          ///< elements of the tensor
-  int64_t count = 0;          ///< elements sent (k for sparse)
-  uint64_t dense_bytes = 0;   ///< numel * sizeof(gradient dtype)
-  uint64_t payload_bytes = 0; ///< header + all sections
+  int64_t step = 0;            ///< step index of the encode (0-based)
+  int64_t numel = 0;           ///< elements of the tensor
+  int64_t count = 0;           ///< elements sent (k for sparse)
+  uint64_t dense_bytes = 0;    ///< numel * sizeof(gradient dtype)
+  uint64_t payload_bytes = 0;  ///< header + all sections
   double compression_ratio() const {
-    return payload_bytes ? static_cast<double>(dense_bytes) / static_cast<double>(payload_bytes) : 0.0;
+    return payload_bytes ? static_cast<double>(dense_bytes) / static_cast<double>(payload_bytes)
+                         : 0.0;
   }
   /// Records one encode of a `grad_dtype` tensor of `n` elements that sent `sent` of them.
   void record(int64_t at_step, int64_t n, int64_t sent, DType grad_dtype, uint64_t payload) {

@@ -55,24 +55,23 @@ std::string cat(A&&... a) {
 
 /// Argument check: throws gradcomp::InvalidArgument with the streamed message.
 /// Example: GC_CHECK_ARG(k <= n, "k (", k, ") must be <= n (", n, ")");
-#define GC_CHECK_ARG(cond, ...)                                                 \
-  do {                                                                          \
+#define GC_CHECK_ARG(cond, ...)                                                           \
+  do {                                                                                    \
     if (!(cond)) throw ::gradcomp::InvalidArgument(::gradcomp::detail::cat(__VA_ARGS__)); \
   } while (0)
 
 /// Payload validation check: throws gradcomp::CorruptPayload.
-#define GC_CHECK_PAYLOAD(cond, ...)                                             \
-  do {                                                                          \
-    if (!(cond))                                                                \
-      throw ::gradcomp::CorruptPayload(                                         \
-          ::gradcomp::detail::cat("corrupt payload: ", __VA_ARGS__));           \
+#define GC_CHECK_PAYLOAD(cond, ...)                                                                \
+  do {                                                                                             \
+    if (!(cond))                                                                                   \
+      throw ::gradcomp::CorruptPayload(::gradcomp::detail::cat("corrupt payload: ", __VA_ARGS__)); \
   } while (0)
 
 /// Internal invariant: a failure is a gradcomp bug, reported with its location.
-#define GC_CHECK(cond, ...)                                                     \
-  do {                                                                          \
-    if (!(cond))                                                                \
-      throw ::gradcomp::Error(::gradcomp::detail::cat(                          \
-          "gradcomp internal error at ", __FILE__, ":", __LINE__, ": ", #cond, " ", \
-          ##__VA_ARGS__));                                                      \
+#define GC_CHECK(cond, ...)                                                                    \
+  do {                                                                                         \
+    if (!(cond))                                                                               \
+      throw ::gradcomp::Error(::gradcomp::detail::cat("gradcomp internal error at ", __FILE__, \
+                                                      ":", __LINE__, ": ", #cond, " ",         \
+                                                      ##__VA_ARGS__));                         \
   } while (0)

@@ -15,7 +15,6 @@
 #include <variant>
 #include <vector>
 
-#include "gradcomp/enum_names.hpp"  // parse_enum / enum_name: the names the options use
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/plan.hpp"

@@ -46,6 +46,7 @@
 
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/plan.hpp"
+#include "gradcomp/types.hpp"
 
 namespace gradcomp {
 
@@ -237,6 +238,21 @@ class OneBitAllreducePlan : public BucketPlan {
   int64_t scales_per_chunk_ = 1;
   int64_t step_ = 0;
   int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
+};
+
+}  // namespace gradcomp
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<OneBitScaling> {
+  static constexpr const char* what = "1-bit scaling";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<OneBitScaling> table[] = {{"column_means", OneBitScaling::kColumnMeans},
+                                                      {"sign_l1", OneBitScaling::kSignL1},
+                                                      {"sign_l2", OneBitScaling::kSignL2},
+                                                      {"1bit_sgd", OneBitScaling::kColumnMeans}};
 };
 
 }  // namespace gradcomp

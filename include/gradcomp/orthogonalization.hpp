@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "gradcomp/types.hpp"
+
 namespace gradcomp {
 
 /// How P is orthogonalized.
@@ -22,5 +24,21 @@ enum class Orthogonalization : uint8_t {
 };
 
 inline constexpr int kPowerSGDMaxGramSchmidtRank = 32;
+
+}  // namespace gradcomp
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<Orthogonalization> {
+  static constexpr const char* what = "orthogonalization";
+  static constexpr std::size_t members = 4;
+  static constexpr EnumName<Orthogonalization> table[] = {
+      {"auto", Orthogonalization::kAuto},
+      {"gram_schmidt", Orthogonalization::kGramSchmidt},
+      {"householder", Orthogonalization::kHouseholder},
+      {"gram_schmidt_unfused", Orthogonalization::kGramSchmidtUnfused}};
+};
 
 }  // namespace gradcomp

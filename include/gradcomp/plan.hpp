@@ -19,34 +19,11 @@
 #include <vector>
 
 #include "gradcomp/tensor.hpp"
+#include "gradcomp/types.hpp"
 
 namespace gradcomp {
 
-enum class CollectiveKind : uint8_t {
-  kAllreduceSum = 0,  ///< recv[i] = sum over ranks (in rank order) of send[i]; count elements
-  kAllgather = 1,     ///< recv = concat over ranks of send (count elements each)
-  kAllToAll = 2,      ///< send holds P blocks of count; recv block r = block `rank` of rank r
-  kBroadcast = 3,     ///< recv on every rank = send of rank `root` (count elements)
-};
-
-enum class ElemType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kU32 = 4, kI64 = 5 };
-
-inline size_t elem_size(ElemType t) {
-  switch (t) {
-    case ElemType::kF32:
-    case ElemType::kU32:
-      return 4;
-    case ElemType::kF16:
-    case ElemType::kBF16:
-      return 2;
-    case ElemType::kU8:
-      return 1;
-    case ElemType::kI64:
-      return 8;
-  }
-  return 0;
-}
-const char* collective_name(CollectiveKind k);
+// CollectiveKind and ElemType, with their names: gradcomp/types.hpp.
 
 /// One collective a plan asks for. Buffers belong to the plan and stay valid until the next call
 /// of next(). send and recv may be the same pointer for an in-place allreduce.
@@ -174,5 +151,18 @@ bool settle_step(const std::vector<BucketPlan*>& plans);
 /// single-process experiments. Throws InvalidArgument if the ranks disagree on a collective.
 /// Returns the collectives executed (as seen by rank 0).
 std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks);
+
+}  // namespace gradcomp
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<OnNonFinite> {
+  static constexpr const char* what = "on_nonfinite policy";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<OnNonFinite> table[] = {{"skip", OnNonFinite::kSkip},
+                                                    {"raise", OnNonFinite::kRaise}};
+};
 
 }  // namespace gradcomp

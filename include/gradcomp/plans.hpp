@@ -18,10 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "gradcomp/comm.hpp"
 #include "gradcomp/compressor.hpp"
+#include "gradcomp/cost_model.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/topk.hpp"
+#include "gradcomp/types.hpp"
 #include "gradcomp/workspace.hpp"
 
 namespace gradcomp {
@@ -278,6 +279,36 @@ class RandomKAllreducePlan : public GradientPlan {
   Buffer acc_;
   bool check_finite_ = true;
   int64_t bad_ = -1;
+};
+
+}  // namespace gradcomp
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<TopKRoute> {
+  static constexpr const char* what = "top-k route";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<TopKRoute> table[] = {
+      {"auto", TopKRoute::kAuto}, {"sparse", TopKRoute::kSparse}, {"dense", TopKRoute::kDense}};
+};
+
+template <>
+struct EnumNames<TopKExchange> {
+  static constexpr const char* what = "top-k size exchange";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<TopKExchange> table[] = {{"auto", TopKExchange::kAuto},
+                                                     {"bound", TopKExchange::kBound},
+                                                     {"sizes", TopKExchange::kSizes}};
+};
+
+template <>
+struct EnumNames<CastRoute> {
+  static constexpr const char* what = "cast route";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<CastRoute> table[] = {{"allreduce", CastRoute::kAllreduce},
+                                                  {"reduce_scatter", CastRoute::kReduceScatter}};
 };
 
 }  // namespace gradcomp

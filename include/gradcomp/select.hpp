@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "gradcomp/types.hpp"
+
 namespace gradcomp {
 
 enum class SelectMethod : uint8_t {
@@ -26,6 +28,19 @@ struct SelectOptions {
   double min_fraction = 0.8;  ///< accept [min_fraction k, k] elements, in (0, 1]
   int max_retries = 2;        ///< threshold lowerings before falling back to exact selection
   void validate() const;
+};
+
+}  // namespace gradcomp
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<SelectMethod> {
+  static constexpr const char* what = "selection method";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<SelectMethod> table[] = {{"exact", SelectMethod::kExact},
+                                                     {"sampled", SelectMethod::kSampled}};
 };
 
 }  // namespace gradcomp

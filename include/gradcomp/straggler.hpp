@@ -31,6 +31,8 @@
 #include <limits>
 #include <vector>
 
+#include "gradcomp/types.hpp"
+
 namespace gradcomp::straggler {
 
 // ------------------------------------------------------------------------------------------------
@@ -429,3 +431,47 @@ class QsrScheduler {
 };
 
 }  // namespace gradcomp::straggler
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<straggler::DropPoint> {
+  static constexpr const char* what = "drop point";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<straggler::DropPoint> table[] = {
+      {"before_forward", straggler::DropPoint::kBeforeForward},
+      {"between_forward_backward", straggler::DropPoint::kBetweenForwardBackward},
+      {"after_backward", straggler::DropPoint::kAfterBackward}};
+};
+
+template <>
+struct EnumNames<straggler::StopModel> {
+  static constexpr const char* what = "stop model";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<straggler::StopModel> table[] = {
+      {"preemptive", straggler::StopModel::kPreemptive},
+      {"boundary", straggler::StopModel::kMicroBatchBoundary},
+      {"micro_batch_boundary", straggler::StopModel::kMicroBatchBoundary}};
+};
+
+template <>
+struct EnumNames<straggler::Normalization> {
+  static constexpr const char* what = "normalization";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<straggler::Normalization> table[] = {
+      {"nominal", straggler::Normalization::kNominal},
+      {"actual", straggler::Normalization::kActual}};
+};
+
+template <>
+struct EnumNames<straggler::DelayKind> {
+  static constexpr const char* what = "delay kind";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<straggler::DelayKind> table[] = {
+      {"normal", straggler::DelayKind::kNormal},
+      {"lognormal", straggler::DelayKind::kBoundedLogNormal},
+      {"bounded_lognormal", straggler::DelayKind::kBoundedLogNormal}};
+};
+
+}  // namespace gradcomp

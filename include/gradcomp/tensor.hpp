@@ -8,19 +8,9 @@
 #include <string>
 
 #include "gradcomp/error.hpp"
+#include "gradcomp/types.hpp"  // DType, Device
 
 namespace gradcomp {
-
-/// Element types a gradient may have.
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-
-/// Where the memory lives; picks the backend at run time.
-enum class Device : uint8_t { kCPU = 0, kCUDA = 1 };
-
-inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
-inline bool dtype_valid(uint8_t t) { return t <= 2; }
-const char* dtype_name(DType t);
-const char* device_name(Device d);
 
 /// A non-owning view of a dense, contiguous tensor.
 ///
@@ -47,7 +37,9 @@ struct TensorView {
              void* s = nullptr);
 
   /// A 1-D fp32 CPU view.
-  static TensorView cpu(float* p, int64_t n) { return TensorView(p, {n}, DType::kFloat32, Device::kCPU); }
+  static TensorView cpu(float* p, int64_t n) {
+    return TensorView(p, {n}, DType::kFloat32, Device::kCPU);
+  }
   static TensorView cpu(float* p, std::initializer_list<int64_t> dims) {
     return TensorView(p, dims, DType::kFloat32, Device::kCPU);
   }
@@ -58,8 +50,10 @@ struct TensorView {
   int64_t rows() const { return ndim >= 1 && numel > 0 ? shape[0] : (numel > 0 ? 1 : 0); }
   int64_t cols() const { return rows() > 0 ? numel / rows() : 0; }
   template <class T>
-  T* as() const { return static_cast<T*>(data); }
-  /// "fp32[10, 100] on cpu" (for messages).
+  T* as() const {
+    return static_cast<T*>(data);
+  }
+  /// "float32[10, 100] on cpu" (for messages).
   std::string describe() const;
 };
 

@@ -20,6 +20,7 @@
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/select.hpp"
+#include "gradcomp/types.hpp"
 
 namespace gradcomp {
 
@@ -230,6 +231,20 @@ class RandomKCompressor : public Compressor {
   Device device_;
   int64_t step_ = 0;
   CompressionStats stats_;
+};
+
+}  // namespace gradcomp
+
+// The names of its enums (gradcomp/types.hpp: parse_enum, enum_name).
+namespace gradcomp {
+
+template <>
+struct EnumNames<SparsifyConfig::ClipScaling> {
+  static constexpr const char* what = "clip_scaling";
+  static constexpr std::size_t members = 2;
+  static constexpr EnumName<SparsifyConfig::ClipScaling> table[] = {
+      {"sqrt_world", SparsifyConfig::ClipScaling::kSqrtWorld},
+      {"none", SparsifyConfig::ClipScaling::kNone}};
 };
 
 }  // namespace gradcomp

@@ -19,11 +19,11 @@ inline constexpr uint16_t kPayloadVersion = 1;
 
 /// What a payload encodes; decoders check it.
 enum class PayloadKind : uint8_t {
-  kSparse = 1,    ///< top-k family: indices + values
-  kRandomK = 2,   ///< random-k: values only, indices regenerated from (seed, step, tensor id)
-  kOneBit = 3,    ///< 1-bit family: scales + packed bits
-  kLowRank = 4,   ///< PowerSGD factors
-  kDense = 5,     ///< uncompressed or cast values
+  kSparse = 1,   ///< top-k family: indices + values
+  kRandomK = 2,  ///< random-k: values only, indices regenerated from (seed, step, tensor id)
+  kOneBit = 3,   ///< 1-bit family: scales + packed bits
+  kLowRank = 4,  ///< PowerSGD factors
+  kDense = 5,    ///< uncompressed or cast values
 };
 
 /// How a sparse payload stores its indices (ascending, distinct).
@@ -70,7 +70,9 @@ static_assert(sizeof(PayloadHeader) == 64, "the header is 64 bytes on the wire")
 PayloadHeader parse_header(const void* host_bytes, size_t nbytes);
 
 /// Bytes of a LEB128 varint.
-inline int varint_size(uint32_t v) { return v < (1u << 7) ? 1 : v < (1u << 14) ? 2 : v < (1u << 21) ? 3 : v < (1u << 28) ? 4 : 5; }
+inline int varint_size(uint32_t v) {
+  return v < (1u << 7) ? 1 : v < (1u << 14) ? 2 : v < (1u << 21) ? 3 : v < (1u << 28) ? 4 : 5;
+}
 
 /// Picks the smallest index coding for `count` ascending indices in [0, numel) and returns its
 /// section size. `delta_bytes` is the varint size of the gaps (computed by the caller's pass).

@@ -13,7 +13,7 @@ nb::object from_option(const PlanOption& v) {
   return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }
 
-/// Binds an enum with its canonical option names (enum_names.hpp) as members, marked (with the
+/// Binds an enum with its canonical option names (EnumNames, gradcomp/types.hpp) as members, marked (with the
 /// enum's `what`) so that make_plan and the hooks take a member wherever its enum's name is taken.
 template <class E>
 void option_enum(nb::module_& m, const char* py_name, const char* doc) {

@@ -13,7 +13,6 @@
 #include <utility>
 
 #include "common.hpp"
-#include "gradcomp/enum_names.hpp"
 #include "gradcomp/straggler.hpp"
 
 namespace gradcomp::py {

@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "comm_reference.hpp"
-#include "gradcomp/enum_names.hpp"
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "kernels/reduce.hpp"
 #include "kernels/reduce_math.h"

@@ -13,6 +13,7 @@
 #include "comm_reference.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "gradcomp/straggler.hpp"
 
 namespace gc = gradcomp;
 using gc::test::rank_input;
@@ -310,7 +311,7 @@ TEST(MakePlan, PowerSGDFlatBucketEqualsItsTensorViews) {
   EXPECT_THROW(flat[0]->begin(gc::TensorView::cpu(small.data(), n - 1)), gc::InvalidArgument);
 }
 
-// ---- the enum name tables (enum_names.hpp) ----
+// ---- the enum name tables (EnumNames beside each enum, gradcomp/types.hpp) ----
 namespace {
 
 /// Every member's canonical name parses back to it, names are distinct, every alias parses to a
@@ -344,6 +345,8 @@ void check_enum_table(std::vector<std::string> expected_members) {
 TEST(EnumNames, EveryTableParsesItsNamesAndRefusesOthers) {
   check_enum_table<gc::DType>({"float32", "float16", "bfloat16"});
   check_enum_table<gc::Device>({"cpu", "cuda"});
+  check_enum_table<gc::ElemType>({"float32", "float16", "bfloat16", "uint8", "uint32", "int64"});
+  check_enum_table<gc::CollectiveKind>({"allreduce", "allgather", "all-to-all", "broadcast"});
   check_enum_table<gc::SelectMethod>({"exact", "sampled"});
   check_enum_table<gc::OneBitScaling>({"column_means", "sign_l1", "sign_l2"});
   check_enum_table<gc::Orthogonalization>(

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "gradcomp/enum_names.hpp"
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"

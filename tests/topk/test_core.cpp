@@ -177,7 +177,7 @@ TEST(Tensor, ShapeAndDescribe) {
   EXPECT_EQ(v.numel, 12);
   EXPECT_EQ(v.rows(), 3);
   EXPECT_EQ(v.cols(), 4);
-  EXPECT_EQ(v.describe(), "fp32[3, 4] on cpu");
+  EXPECT_EQ(v.describe(), "float32[3, 4] on cpu");
   EXPECT_THROW(TensorView(x.data(), {-1, 4}, DType::kFloat32, Device::kCPU), InvalidArgument);
   EXPECT_THROW(TensorView(nullptr, {3}, DType::kFloat32, Device::kCPU), InvalidArgument);
   EXPECT_THROW(TensorView(x.data(), {3}, static_cast<DType>(7), Device::kCPU), InvalidArgument);
