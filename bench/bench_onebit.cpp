@@ -24,7 +24,7 @@
 
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
-#include "kernels/onebit.hpp"
+#include "kernels/onebit_kernels.hpp"
 
 using namespace gradcomp;
 using gradcomp::bench::LoopTimer;

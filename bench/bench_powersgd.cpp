@@ -34,8 +34,9 @@
 #include <string>
 #include <vector>
 
+#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 #include "model_shapes.hpp"
 
 namespace {

@@ -10,7 +10,7 @@
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
-#include "kernels/scan.hpp"
+#include "kernels/scan_kernels.hpp"
 
 using namespace gradcomp;
 using gradcomp::bench::normal_data;

@@ -7,7 +7,7 @@
 
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
-#include "kernels/topk.hpp"
+#include "kernels/topk_kernels.hpp"
 
 using namespace gradcomp;
 

@@ -10,7 +10,7 @@
 #include "gradcomp/comm.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/runtime.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace gradcomp {
 namespace {

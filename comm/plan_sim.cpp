@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // In-process execution of plans in lockstep on one thread: P simulated ranks, collectives done with
-// memcpy and the rank-ordered sum of kernels/reduce.hpp (the one every engine uses). CPU buffers
-// only; for ranks on threads or on CUDA buffers use InProcessGroup (inprocess_comm.cpp).
+// memcpy and the rank-ordered sum of kernels/reduce_kernels.hpp (the one every engine uses). CPU
+// buffers only; for ranks on threads or on CUDA buffers use InProcessGroup (inprocess_comm.cpp).
 #include <cstring>
 #include <exception>
 
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/plan.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace gradcomp {
 
@@ -56,7 +56,7 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks) {
     }
     const size_t es = elem_size(c0.type), bytes = c0.count * es;
     switch (c0.kind) {
-      case CollectiveKind::kAllreduceSum: {  // the engines' rank-ordered sum (kernels/reduce.hpp)
+      case CollectiveKind::kAllreduceSum: {  // the engines' rank-ordered sum (reduce_kernels)
         std::vector<uint8_t> blocks(bytes * P), acc(bytes);
         for (size_t r = 0; r < P; ++r) copy_bytes(blocks.data() + r * bytes, cs[r]->send, bytes);
         kernels::cpu::reduce_blocks(blocks.data(), P, c0.count, c0.count, c0.type, acc.data());

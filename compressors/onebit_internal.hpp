@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// What the 1-bit codec (compressors/onebit.cpp) and the 1-bit allreduce plan (plans/onebit.cpp)
-// share: the kernel's norm code of a scaling and the sign-mode geometry.
+// What the 1-bit codec (compressors/onebit_codec.cpp) and the 1-bit allreduce plan
+// (plans/onebit_plan.cpp) share: the kernel's norm code of a scaling and the sign-mode geometry.
 #pragma once
 
 #include <algorithm>
@@ -8,7 +8,7 @@
 
 #include "compressors/checks.hpp"  // check_grad, check_dense: shared with the other codecs
 #include "gradcomp/onebit.hpp"
-#include "kernels/onebit.hpp"
+#include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
 namespace gradcomp::detail {

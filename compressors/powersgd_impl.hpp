@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The inside of a PowerSGD state (PowerSGDState::Impl), shared by the state
-// (compressors/powersgd.cpp: layout, checkpoints) and the plan that steps it (plans/powersgd.cpp).
+// (compressors/powersgd_state.cpp: layout, checkpoints) and the plan that steps it
+// (plans/powersgd_plan.cpp).
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/workspace.hpp"
 #include "kernels/dispatch.hpp"
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 
 namespace gradcomp {
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // One CPU/CUDA dispatch per kernel entry point: the algorithms above (compressors/, plans/) call
 // these with an execution context and never branch on the device themselves. Each function has
-// the contract of its kernels::cpu / kernels::cuda twin (kernels/onebit.hpp, kernels/topk.hpp,
-// kernels/scan.hpp); on the CPU the stream is ignored.
+// the contract of its kernels::cpu / kernels::cuda twin (kernels/onebit_kernels.hpp,
+// kernels/topk_kernels.hpp, kernels/scan_kernels.hpp); on the CPU the stream is ignored.
 //
 // Covered: the shared scan (first_nonfinite), the 1-bit family, the DGC/top-k local steps and
 // PowerSGD's phases (the same phase API; the CPU runs fused tile passes, CUDA per-group BLAS).
@@ -14,9 +14,9 @@
 #include "gradcomp/rng.hpp"
 #include "gradcomp/select.hpp"
 #include "gradcomp/tensor.hpp"
-#include "kernels/onebit.hpp"
-#include "kernels/powersgd.hpp"
-#include "kernels/topk.hpp"
+#include "kernels/onebit_kernels.hpp"
+#include "kernels/powersgd_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 
 namespace gradcomp::kernels {
 

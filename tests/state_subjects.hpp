@@ -12,6 +12,7 @@
 
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
+#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/topk.hpp"
 

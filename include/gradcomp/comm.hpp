@@ -43,10 +43,10 @@ struct CommStats {
 ///  - the collectives below (public, the same for every engine): argument checks, statistics,
 ///    and the rank-ordered sums. allreduce and reduce_scatter are written once, here, over the
 ///    engine's primitives: an all-to-all of chunks, a rank-ordered local sum of this rank's chunk
-///    (kernels/reduce.hpp, on device()), then an allgather of the chunks (2 n (P-1)/P elements
-///    sent per rank, like a ring); vectors of at most 32 KiB take one allgather of the whole
-///    vector and a rank-ordered sum on every rank (one round of latency). Every rank therefore
-///    ends with the same bits, equal to run_plans_in_process(), whatever the engine.
+///    (kernels/reduce_kernels.hpp, on device()), then an allgather of the chunks (2 n (P-1)/P
+///    elements sent per rank, like a ring); vectors of at most 32 KiB take one allgather of the
+///    whole vector and a rank-ordered sum on every rank (one round of latency). Every rank
+///    therefore ends with the same bits, equal to run_plans_in_process(), whatever the engine.
 ///  - the engine's primitives (protected, below): move bytes, never sum. An engine must execute
 ///    them the same on every rank, accept buffers on device() only, and turn a failed or
 ///    vanished peer into gradcomp::BackendError within timeout_seconds() instead of hanging;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compressed allreduce plans: plain, fp16/bf16 cast, top-k (sparse allgather or densify, chosen
-// per bucket by a cost model) and random-k. Each is a step machine (plan.hpp) that any driver
+// Every bucket plan: plain, fp16/bf16 cast, top-k (sparse allgather or densify, chosen per bucket
+// by a cost model), random-k, the 1-bit two-phase allreduce and PowerSGD; make_plan.hpp builds
+// any of them by name. Each is a step machine (plan.hpp) that any driver
 // executes: run_plan() over an MPI or NCCL communicator, run_plans_in_process() in tests, the
 // Python driver over torch.distributed.
 //
@@ -20,7 +21,9 @@
 
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/cost_model.hpp"
+#include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
+#include "gradcomp/powersgd.hpp"
 #include "gradcomp/topk.hpp"
 #include "gradcomp/types.hpp"
 #include "gradcomp/workspace.hpp"
@@ -279,6 +282,165 @@ class RandomKAllreducePlan : public GradientPlan {
   Buffer acc_;
   bool check_finite_ = true;
   int64_t bad_ = -1;
+};
+
+/// 1-bit Adam's compressed allreduce (Tang et al. 2021) as a plan, for one rank of `world`:
+///  (1) x = g + worker_error (with cfg.momentum m: u = m u + g, x = u + worker_error) is
+///      compressed (scaled sign, one scale per block of S elements) and
+///      its bits are split into P server chunks of W words, W = the smallest multiple of S / 32
+///      with 32 W P >= n (chunks hold whole blocks; the last chunks are padded with zero bits and
+///      an empty block has scale 0). Each chunk holds NB = 32 W / S blocks. Send block p =
+///      [NB scales of chunk p (fp32) | W words of bits]: B = 4 (NB + W) bytes.
+///  (2) all-to-all (ElemType::kU8, B bytes per rank): rank r receives chunk r from every rank.
+///  (3) rank r decodes the P blocks, sums them in rank order, multiplies by 1/P, adds
+///      server_error and recompresses its chunk with the same blocks (server error feedback).
+///  (4) allgather (ElemType::kU8, B bytes per rank) of the recompressed blocks.
+///  (5) every rank decodes all P blocks into the gradient (or `out`): bitwise the same result on
+///      every rank.
+/// S is cfg.chunk_size (a positive multiple of 32), or 0: one scale per server chunk (the form
+/// of the 1-bit Adam paper). One scale for a whole chunk lets layers of very different gradient
+/// magnitude share it: the small-gradient layers then get steps far above their own size and the
+/// large ones far below, which error feedback cannot repair (measured in
+/// experiments/results/fashion_mnist_accuracy_2026-11-23.md); the hook
+/// therefore uses S = 128 by default (0.25 bit of scale per element). Uses cfg.scaling kSignL1
+/// or kSignL2, error_feedback (worker and server), check_finite.
+/// With cfg.rotate (the hook's default), (1) compresses the rotation z = H D x / sqrt(S) of
+/// every full block of S elements (kernels/onebit_math.h, rotation_sign: a fixed pattern of the
+/// global element index), the server averages rotated values (the rotation is linear and the
+/// same on every rank) and (5) rotates each decoded chunk back; the wire layout is unchanged,
+/// its bits and scales describe rotated values. Worker error, server error and momentum are
+/// kept rotated. The partial last block is sent unrotated.
+///
+/// Example (one rank; a driver executes the collectives):
+///   gradcomp::OneBitAllreducePlan plan(cfg, n, world, rank);
+///   plan.begin(TensorView::cpu(g.data(), n));
+///   while (auto c = plan.next()) driver.run(*c);   // g now holds the averaged gradient
+class OneBitAllreducePlan : public BucketPlan {
+ public:
+  OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel, int world, int rank,
+                      Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+  ~OneBitAllreducePlan() override;
+  /// Starts a step that averages in place, like every other bucket plan: grad (numel elements,
+  /// fp32/fp16/bf16, on the plan's device) receives the average (rounded to its dtype,
+  /// saturating: a finite average stays finite) when
+  /// next() returns nullopt. Checks sizes, dtype and device before any state changes (throws
+  /// InvalidArgument, also if a step is still in progress); a NaN/Inf gradient (check_finite)
+  /// does not throw here: the step goes on and is skipped on every rank, or raises on every rank
+  /// at its end (OnNonFinite, gradcomp/plan.hpp). With check_finite the worker error, server
+  /// error and momentum are double-buffered (4 more bytes per element, 8 with momentum; which
+  /// also lets undo_step() take a kept step back). With cfg.rotate an fp32 grad
+  /// is rotated in place by begin() (no scratch copy): until the step ends it holds rotated values.
+  /// fp16/bf16 gradients, and the form with `out`, are rotated in a scratch copy (4 bytes per
+  /// element, kept by the plan).
+  void begin(const TensorView& grad) override;
+  /// The same, with the average written to a separate fp32 `out` (numel, not aliasing grad);
+  /// grad is left as it was.
+  void begin(const TensorView& grad, const TensorView& out);
+  std::optional<Collective> next() override;
+  std::string name() const override { return "onebit-allreduce"; }
+  /// Elements per server chunk (32 W), elements per scale (S; = chunk_elems() when
+  /// cfg.chunk_size is 0), scales per chunk (NB) and bytes per block (4 (NB + W)).
+  int64_t chunk_elems() const { return 32 * words_per_chunk_; }
+  int64_t scale_block() const { return scale_block_; }
+  int64_t scales_per_chunk() const { return scales_per_chunk_; }
+  size_t block_bytes() const {
+    return static_cast<size_t>(4 * (words_per_chunk_ + scales_per_chunk_));
+  }
+  int64_t numel() const override { return numel_; }
+  int64_t step() const { return step_; }
+  Device device() const { return device_; }
+  const OneBitConfig& config() const { return cfg_; }
+  /// Worker error (numel floats) and server error (chunk_elems() floats, for this rank's chunk).
+  /// With momentum and error feedback off, worker_error() holds the last compressed x instead.
+  const float* worker_error() const;
+  /// The momentum u (numel floats; null when cfg.momentum == 0).
+  const float* momentum_buffer() const;
+  const float* server_error() const;
+  /// Bytes this rank sends per step (all-to-all + allgather), for compression-ratio reports.
+  uint64_t bytes_sent() const { return block_bytes() * static_cast<uint64_t>(world_ + 1); }
+  bool stateful() const override { return true; }
+  std::vector<uint8_t> state_dict() const override;
+  /// Restores state_dict(); throws InvalidArgument on a mismatch and then changes nothing.
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
+
+ private:
+  void start(const TensorView& grad, const TensorView* out);
+  void undo_state() override;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  OneBitConfig cfg_;
+  int64_t numel_;
+  int world_, rank_;
+  Device device_;
+  int64_t words_per_chunk_ = 0;
+  int64_t scale_block_ = 32;
+  int64_t scales_per_chunk_ = 1;
+  int64_t step_ = 0;
+  int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
+};
+
+/// One step of PowerSGD on a bucket, as a plan (see plan.hpp). begin() checks the gradients and
+/// changes nothing when it throws; a non-finite gradient (check_finite) makes the step skipped
+/// (or raising) on every rank at its first collective, changing nothing. next() runs the phases:
+///   local (M, P = M Q, pack)  -> allreduce(uncompressed + P)  [or two allreduces, see config]
+///   local (P /= world, orth, Q = M^T P_hat) -> allreduce(Q)
+///   local (Q /= world, grad = P_hat Q^T, error = M - grad, unpack uncompressed / world)
+/// Steps before start_iter: pack everything -> allreduce -> unpack / world.
+///
+/// Example:  gradcomp::PowerSGDPlan plan(state, 4);
+///           plan.begin(grads);
+///           gradcomp::run_plans_in_process({&plan0, &plan1, &plan2, &plan3});
+class PowerSGDPlan : public BucketPlan {
+ public:
+  /// A plan over a state the caller keeps alive (several plans may step it in turn).
+  PowerSGDPlan(PowerSGDState& state, int world);
+  /// A plan that owns its state (what make_plan() builds).
+  PowerSGDPlan(std::unique_ptr<PowerSGDState> state, int world);
+  /// The bucket's gradients, in the order of the shapes given to the state; written in place.
+  void begin(const std::vector<TensorView>& grads);
+  /// The bucket as one flat view of its tensors laid out back to back in the state's order (a
+  /// DDP bucket: its gradients are views into it); each tensor is viewed with its shape.
+  void begin(const TensorView& bucket) override;
+  std::optional<Collective> next() override;
+  std::string name() const override { return "powersgd"; }
+  /// Elements of the bucket (all its tensors), for run_plan()'s size handshake.
+  int64_t numel() const override { return st_.compressed_numel() + st_.uncompressed_numel(); }
+  /// The state the plan steps (error, Q, step): checkpoint it through the plan as through any
+  /// other bucket plan.
+  PowerSGDState& state() { return st_; }
+  bool stateful() const override { return true; }
+  std::vector<uint8_t> state_dict() const override { return st_.state_dict(); }
+  /// Restores state_dict() into the state (see PowerSGDState::load_state_dict); throws
+  /// InvalidArgument while a step is in progress.
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
+
+ private:
+  enum class Phase : uint8_t { kIdle, kStart, kPlainWait, kWaitU, kWaitP, kWaitQ, kDone };
+  Collective make(void* buf, size_t count, const char* tag) const;
+  void phase_compress();
+  void phase_project();
+  void phase_finish();
+  /// This rank's first bad value, for the message (CPU: a scan of the bucket).
+  void find_bad();
+  /// Ends a step found bad on some rank: error, Q and step restored, gradients NaN.
+  std::optional<Collective> skip_step();
+  /// Whether a summed buffer of n floats holds NaN or Inf (a bad rank, or an overflowing sum).
+  bool sum_nonfinite(const float* buf, int64_t n);
+  void undo_state() override;
+  std::unique_ptr<PowerSGDState> owned_;  ///< null when the caller keeps the state
+  bool bad_ = false;  ///< this step: this rank's gradient (or its P) was not finite
+  bool q_ready_saved_ = false;
+  bool esaved_ = false;   ///< this step copied the error (CUDA, check_finite, error feedback)
+  bool flipped_ = false;  ///< this step wrote the error into the other buffer (CPU)
+  bool last_compressed_ = false;  ///< the last kept step was compressed (not a plain one)
+  int64_t undo_at_ = -1;          ///< the state's step count right after the last kept step
+  uint64_t undo_gen_ = 0;         ///< the state's generation then (PowerSGDState::Impl)
+  std::string bad_what_;
+  PowerSGDState& st_;
+  int world_;
+  Phase phase_ = Phase::kIdle;
+  std::vector<TensorView> grads_;
+  std::vector<Collective> issued_;
 };
 
 }  // namespace gradcomp

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <limits>
 
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 #include "kernels/powersgd_math.h"
 
 namespace gradcomp::kernels::cpu {

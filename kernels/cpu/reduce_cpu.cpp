@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 #include "kernels/reduce_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "kernels/topk.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "kernels/topk_math.h"
 
 namespace gradcomp::kernels {

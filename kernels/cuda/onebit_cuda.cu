@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA backend of the 1-bit family; the CPU twin is kernels/cpu/onebit_cpu.cpp and both call the
+// CUDA backend of the 1-bit family; the CPU twins are kernels/cpu/onebit_cpu.cpp (scales, quantize,
+// decode) and hadamard_cpu.cpp (the rotation), and both call the
 // math of kernels/onebit_math.h.
 //  - scales: per-block partial sums (sign modes: fp32 per thread, a group whose total
 //    needs_wide_sum summed again in double from norm_term_wide, as the CPU's slices;
@@ -24,7 +25,7 @@
 #include "gradcomp/numeric.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/cuda/launch.cuh"
-#include "kernels/onebit.hpp"
+#include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
 namespace gradcomp::kernels::cuda {

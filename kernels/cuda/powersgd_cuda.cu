@@ -11,7 +11,7 @@
 
 #include "core/cuda/check.cuh"
 #include "kernels/cuda/launch.cuh"
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 #include "kernels/powersgd_math.h"
 
 #define GC_CUBLAS_CHECK(call)                                                               \

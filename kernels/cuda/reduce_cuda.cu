@@ -3,9 +3,9 @@
 // (same math from reduce_math.h, same rank order per element, so the bits agree).
 #include <cstring>
 
-#include "kernels/cuda/launch.cuh"
 #include "core/cuda/check.cuh"
-#include "kernels/reduce.hpp"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/reduce_kernels.hpp"
 #include "kernels/reduce_math.h"
 
 namespace gradcomp::kernels::cuda {

@@ -3,7 +3,7 @@
 // (A CPU-only build links the kernels/nocuda stubs, which throw "built without CUDA".)
 #include "kernels/dispatch.hpp"
 
-#include "kernels/scan.hpp"
+#include "kernels/scan_kernels.hpp"
 
 namespace gradcomp::kernels::dispatch {
 

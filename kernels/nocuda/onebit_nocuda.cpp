@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU-only build: the CUDA entry points of the 1-bit family throw "built without CUDA".
 #include "gradcomp/runtime.hpp"
-#include "kernels/onebit.hpp"
+#include "kernels/onebit_kernels.hpp"
 
 namespace gradcomp::kernels::cuda {
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU-only build: the CUDA entry points of PowerSGD throw "built without CUDA".
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 
 namespace gradcomp::kernels {
 

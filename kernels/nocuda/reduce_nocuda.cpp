@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU-only build: the CUDA entry points of the communication layer throw "built without CUDA".
 #include "gradcomp/runtime.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace gradcomp::kernels::cuda {
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU-only build: the CUDA entry points of the top-k family throw "built without CUDA".
-#include "kernels/topk.hpp"
+#include "kernels/topk_kernels.hpp"
 
 namespace gradcomp::kernels::cuda {
 

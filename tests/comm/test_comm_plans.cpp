@@ -12,7 +12,7 @@
 #include "comm_reference.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 #include "kernels/reduce_math.h"
 
 namespace gc = gradcomp;

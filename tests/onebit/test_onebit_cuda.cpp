@@ -13,7 +13,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
-#include "kernels/onebit.hpp"
+#include "kernels/onebit_kernels.hpp"
 #include "onebit/onebit_ref.hpp"
 #include "test_util.hpp"
 

@@ -12,7 +12,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
-#include "kernels/onebit.hpp"
+#include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 #include "test_util.hpp"
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/rng.hpp"
 #include "kernels/powersgd_math.h"

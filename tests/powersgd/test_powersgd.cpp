@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "gradcomp/numeric.hpp"
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 #include "psgd_test_util.hpp"
 
 namespace gradcomp::test {

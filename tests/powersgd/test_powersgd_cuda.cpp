@@ -7,7 +7,7 @@
 
 #include "gradcomp/numeric.hpp"
 #include "kernels/dispatch.hpp"
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 #include "psgd_test_util.hpp"
 
 namespace gradcomp::test {

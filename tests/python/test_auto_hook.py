@@ -202,7 +202,7 @@ def _prefetch_order(rank, world, out_dir):
     import torch.distributed as dist
 
     from gradcomp import _C
-    from gradcomp.torch._driver import Worker
+    from gradcomp.torch._worker import Worker
 
     w = Worker(dist.new_group(ranks=[0]), pipeline=True)
     gate = threading.Event()

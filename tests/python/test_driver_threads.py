@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradcomp.torch._driver import Worker  # noqa: E402
+from gradcomp.torch._worker import Worker  # noqa: E402
 
 
 class _NoCollectives:

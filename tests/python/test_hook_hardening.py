@@ -17,7 +17,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
-from gradcomp.torch._driver import Worker, launch  # noqa: E402
+from gradcomp.torch._driver import launch  # noqa: E402
+from gradcomp.torch._worker import Worker  # noqa: E402
 
 from ddp_util import Net, free_port, make_data, params_equal_across_ranks, run  # noqa: E402
 

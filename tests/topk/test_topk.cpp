@@ -11,7 +11,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
-#include "kernels/scan.hpp"
+#include "kernels/scan_kernels.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;

@@ -14,7 +14,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/numeric.hpp"
-#include "kernels/topk.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;

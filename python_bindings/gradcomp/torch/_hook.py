@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ._buckets import BucketTable, _as_int, _Bucket, _CompositePlan
-from ._driver import AfterBackward, PlanStats, Worker, group_ranks, group_timeout
+from ._compat import group_ranks, group_timeout
+from ._driver import PlanStats
+from ._worker import AfterBackward, Worker
 from ._families import COMPRESSORS
 from ._reshard import local_state_dict
 from ._stats import TIMELINE_RUNS, HookStats

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from gradcomp import _C
 
 from ._buckets import _as_int
-from ._driver import group_ranks
+from ._compat import group_ranks
 
 #: The key that marks a gathered checkpoint (its value: the format version).
 GATHERED = "gradcomp_ranks"

@@ -1,15 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // The 1-bit family: configuration and the per-tensor compressor (state, validation, payload
-// building). The two-phase allreduce plan is plans/onebit.cpp; the math lives in kernels/,
+// building). The two-phase allreduce plan is plans/onebit_plan.cpp; the math lives in kernels/,
 // reached through kernels/dispatch.hpp.
-#include "gradcomp/onebit.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
+#include "gradcomp/onebit.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
 
@@ -136,7 +135,7 @@ uint64_t onebit_payload_bytes(const OneBitConfig& cfg, int64_t rows, int64_t col
 }
 
 // ------------------------------------------------------------------------------------------------
-// State of the compressor (see kernels/onebit.hpp, "one-pass compress"): e[cur] holds the
+// State of the compressor (see kernels/onebit_kernels.hpp, "one-pass compress"): e[cur] holds the
 // error-feedback memory, either as e itself (lazy == false) or as the previous step's x with that
 // step's scales in prev_scales (lazy == true; the error is x - decode(sign_bit(x))). error() and
 // state_dict() materialize it in place, which changes the representation, not the value.

@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // PowerSGD for one bucket: layout (compress or not, batch groups) and state (error, Q, step,
-// checkpoints). The plan that runs one step is plans/powersgd.cpp.
-#include "gradcomp/powersgd.hpp"
-
+// checkpoints). The plan that runs one step is plans/powersgd_plan.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -13,9 +11,10 @@
 
 #include "compressors/powersgd_impl.hpp"
 #include "core/state_io.hpp"
+#include "gradcomp/powersgd.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/workspace.hpp"
-#include "kernels/powersgd.hpp"
+#include "kernels/powersgd_kernels.hpp"
 
 namespace gradcomp {
 

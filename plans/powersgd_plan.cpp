@@ -1,15 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// One PowerSGD step on a bucket as a plan (PowerSGDPlan, gradcomp/powersgd.hpp): compress
+// One PowerSGD step on a bucket as a plan (PowerSGDPlan, gradcomp/plans.hpp): compress
 // (M, P = M Q), allreduce P, orthogonalize, Q = M^T P, allreduce Q, reconstruct. The CPU runs the
-// fused phases of kernels/powersgd.hpp; CUDA runs them group by group (cuBLAS / cuSOLVER).
+// fused phases of kernels/powersgd_kernels.hpp; CUDA runs them group by group (cuBLAS / cuSOLVER).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compressors/powersgd_impl.hpp"
+#include "gradcomp/plans.hpp"  // PowerSGDPlan
 #include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
-#include "kernels/scan.hpp"
+#include "kernels/scan_kernels.hpp"
 
 namespace gradcomp {
 

@@ -2,17 +2,17 @@
 // 1-bit Adam's two-phase compressed allreduce plan (OneBitAllreducePlan, gradcomp/onebit.hpp):
 // worker compression and all-to-all of the chunks, server averaging and compression, allgather.
 // Local work goes through kernels/dispatch.hpp; the collectives are only asked for.
-#include "gradcomp/onebit.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
+#include "gradcomp/onebit.hpp"
+#include "gradcomp/plans.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
-#include "kernels/reduce.hpp"  // convert: the in-place result in the gradient's dtype
+#include "kernels/reduce_kernels.hpp"  // convert: the in-place result in the gradient's dtype
 
 namespace gradcomp {
 

@@ -7,7 +7,7 @@
 #include "gradcomp/error.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 #include "plans/per_rank.hpp"
 
 namespace gradcomp {

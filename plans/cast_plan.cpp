@@ -6,7 +6,7 @@
 
 #include "gradcomp/error.hpp"
 #include "gradcomp/plans.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace gradcomp {
 

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "gradcomp/rng.hpp"
-#include "gradcomp/tensor.hpp"
 #include "gradcomp/select.hpp"
+#include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
-#include "kernels/scan.hpp"
+#include "kernels/scan_kernels.hpp"
 
 namespace gradcomp::kernels {
 
@@ -30,7 +30,7 @@ namespace cpu {
 /// gradcomp::SelectOptions for the contract of each method.
 int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
                uint32_t* out, SelectWorkspace& ws);
-// first_nonfinite(g, t, n): kernels/scan.hpp
+// first_nonfinite(g, t, n): kernels/scan_kernels.hpp
 /// Sum of squares in double.
 double sum_squares(const void* g, DType t, int64_t n);
 /// u, v <- DGC update with g * coef (u may be null when momentum == 0). With u_src / v_src the

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Backend entry points of PowerSGD. compressors/powersgd.cpp calls these through the device of the
-// state; kernels/cpu implements `cpu::` (OpenMP + BLAS/LAPACKE), kernels/cuda (or kernels/nocuda)
-// `cuda::` (CUDA + cuBLAS/cuSOLVER). Every CUDA entry point has a CPU twin with the same contract.
-// All matrices are row-major fp32: M n x m, P n x r, Q m x r; a group is `batch` same-shape
-// matrices stored back to back (strides n*m, n*r, m*r).
+// Backend entry points of PowerSGD. compressors/powersgd_state.cpp calls these through the device
+// of the state; kernels/cpu implements `cpu::` (OpenMP + BLAS/LAPACKE), kernels/cuda (or
+// kernels/nocuda) `cuda::` (CUDA + cuBLAS/cuSOLVER). Every CUDA entry point has a CPU twin with the
+// same contract. All matrices are row-major fp32: M n x m, P n x r, Q m x r; a group is `batch`
+// same-shape matrices stored back to back (strides n*m, n*r, m*r).
 #pragma once
 
 #include <cstdint>
@@ -12,7 +12,7 @@
 #include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
-#include "kernels/scan.hpp"
+#include "kernels/scan_kernels.hpp"
 
 namespace gradcomp::kernels {
 
@@ -48,7 +48,7 @@ struct PsgdContext {
 };
 
 namespace cpu {
-// first_nonfinite(g, t, n): kernels/scan.hpp.
+// first_nonfinite(g, t, n): kernels/scan_kernels.hpp.
 /// dst = (add ? dst : 0) + float(g).
 void load(const void* g, DType t, int64_t n, float* dst, bool add);
 /// x = x / world.
@@ -74,10 +74,10 @@ void reconstruct(const PsgdGroup& g, int64_t b, float* out, PsgdContext& ctx);
 void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
                    PsgdContext& ctx);
 
-// Fused step (what compressors/powersgd.cpp runs on the CPU), over all batch groups of a bucket
-// at once: ONE OpenMP region per phase, work items (row tiles of about 64K floats that stay in
-// cache, or chunks of them) handed out dynamically, so a thread that the OS preempts does not hold
-// the others at a barrier per layer. Every GEMM is a per-tile call small enough to run
+// Fused step (what compressors/powersgd_state.cpp runs on the CPU), over all batch groups of a
+// bucket at once: ONE OpenMP region per phase, work items (row tiles of about 64K floats that stay
+// in cache, or chunks of them) handed out dynamically, so a thread that the OS preempts does not
+// hold the others at a barrier per layer. Every GEMM is a per-tile call small enough to run
 // single-threaded inside OpenBLAS, so OpenBLAS's thread pool never competes with the OpenMP
 // threads. Results do not depend on the thread count or the schedule. grads[g][b] is the gradient
 // of member b of group g (dtype t). `direct` (fp32 without error feedback): the gradient itself is

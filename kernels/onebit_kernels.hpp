@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Backend entry points of the 1-bit family. compressors/onebit.cpp calls these through the device
-// of the data; kernels/cpu implements `cpu::`, kernels/cuda (or kernels/nocuda) implements
+// Backend entry points of the 1-bit family. compressors/onebit_codec.cpp calls these through the
+// device of the data; kernels/cpu implements `cpu::`, kernels/cuda (or kernels/nocuda) implements
 // `cuda::`. Every CUDA entry point has a CPU twin with the same contract; the CUDA tests compare
 // them (bits bitwise, scales to rounding, decodes bitwise for the same payload).
 #pragma once
@@ -56,7 +56,7 @@ struct OneBitWorkspace {
 /// on CUDA, also in place (the check finishes before anything is written). The CPU pass is one
 /// sweep that cannot know about a NaN ahead of it, so an in-place CPU call that rejects its input
 /// has already overwritten part of the state: the compressor gives the CPU a second buffer when
-/// it checks finiteness (compressors/onebit.cpp).
+/// it checks finiteness (compressors/onebit_codec.cpp).
 ///
 /// state_in == nullptr: no error feedback (x = g) and state_out must be nullptr too.
 namespace cpu {

@@ -2,7 +2,7 @@
 // Plain allreduce plan: rank-ordered sum in the gradient's dtype, then / world.
 #include "gradcomp/error.hpp"
 #include "gradcomp/plans.hpp"
-#include "kernels/reduce.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace gradcomp {
 

@@ -1,0 +1,282 @@
+// SPDX-License-Identifier: Apache-2.0
+// The top-k / DGC codec (TopKCompressor) and the selection options and sizes it shares with the
+// plans: configuration checks, validation, payload building. The math lives in kernels/; the
+// backend is picked by the device of the data.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "compressors/checks.hpp"
+#include "compressors/sparsify_state.hpp"
+#include "core/state_io.hpp"
+#include "gradcomp/topk.hpp"
+#include "kernels/dispatch.hpp"
+#include "kernels/topk_math.h"
+
+namespace gradcomp {
+
+namespace k = kernels;
+using detail::check_dense;
+using detail::check_finite;
+using detail::check_grad;
+using detail::prepare_payload;
+using detail::read_header;
+using detail::SparsifyState;
+using detail::start_skipped_payload;
+using detail::write_header;
+
+void SelectOptions::validate() const {
+  GC_CHECK_ARG(method == SelectMethod::kExact || method == SelectMethod::kSampled,
+               "unknown selection method ", int(method));
+  GC_CHECK_ARG(sample_rate > 0.0 && sample_rate <= 1.0, "sample_rate must be in (0, 1], got ",
+               sample_rate);
+  GC_CHECK_ARG(oversample >= 1.0 && oversample <= 16.0, "oversample must be in [1, 16], got ",
+               oversample);
+  GC_CHECK_ARG(min_fraction > 0.0 && min_fraction <= 1.0, "min_fraction must be in (0, 1], got ",
+               min_fraction);
+  GC_CHECK_ARG(max_retries >= 0 && max_retries <= 16, "max_retries must be in [0, 16], got ",
+               max_retries);
+}
+
+static void check_ratio(double r, const char* what) {
+  GC_CHECK_ARG(std::isfinite(r) && r > 0.0 && r <= 1.0, what, " must be in (0, 1], got ", r);
+}
+
+void SparsifyConfig::validate() const {
+  check_ratio(ratio, "ratio");
+  GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
+               "momentum must be in [0, 1), got ", momentum);
+  GC_CHECK_ARG(std::isfinite(clip_norm) && clip_norm >= 0.0, "clip_norm must be >= 0, got ",
+               clip_norm);
+  GC_CHECK_ARG(warmup_ratios.empty() || warmup_steps > 0,
+               "warmup_steps must be > 0 when warmup_ratios are given, got ", warmup_steps);
+  GC_CHECK_ARG(warmup_steps >= 0, "warmup_steps must be >= 0, got ", warmup_steps);
+  for (double r : warmup_ratios) check_ratio(r, "each warm-up ratio");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
+  GC_CHECK_ARG(clip_scaling == ClipScaling::kSqrtWorld || clip_scaling == ClipScaling::kNone,
+               "unknown clip_scaling code ", static_cast<int>(clip_scaling));
+}
+
+void TopKConfig::validate() const {
+  SparsifyConfig::validate();
+  select.validate();
+}
+
+double SparsifyConfig::local_clip_norm(int world) const {
+  GC_CHECK_ARG(world >= 1, "world must be >= 1, got ", world);
+  if (clip_scaling == ClipScaling::kNone) return clip_norm;
+  return clip_norm / std::sqrt(static_cast<double>(world));
+}
+
+double SparsifyConfig::ratio_at(int64_t step) const {
+  // a negative step would index warmup_ratios below 0
+  GC_CHECK_ARG(step >= 0, "step must be >= 0, got ", step);
+  if (!warmup_ratios.empty() && warmup_steps > 0) {
+    const int64_t stage = step / warmup_steps;
+    if (stage < static_cast<int64_t>(warmup_ratios.size())) return warmup_ratios[stage];
+  }
+  return ratio;
+}
+
+int64_t topk_count(double ratio, int64_t n) {
+  if (n <= 0) return 0;
+  const double c = std::ceil(ratio * static_cast<double>(n) - 1e-9);
+  return std::clamp<int64_t>(static_cast<int64_t>(c), 1, n);
+}
+
+uint64_t sparse_payload_bound(int64_t count, int64_t n, DType value_dtype) {
+  GC_CHECK_ARG(count >= 0 && n >= 0 && count <= n,
+               "sparse_payload_bound: need 0 <= count <= n, got ", count, " and ", n);
+  const auto c = static_cast<uint64_t>(count);
+  const uint64_t idx = std::min<uint64_t>(4 * c, (static_cast<uint64_t>(n) + 7) / 8);
+  return sizeof(PayloadHeader) + PayloadHeader::align(idx) +
+         PayloadHeader::align(c * dtype_size(value_dtype));
+}
+
+int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, const RngKey& key,
+                     uint32_t* out) {
+  opt.validate();
+  GC_CHECK_ARG(x.dtype == DType::kFloat32, "top-k selection takes fp32, got ", x.describe());
+  GC_CHECK_ARG(kk >= 0 && kk <= x.numel, "k must be in [0, n] = [0, ", x.numel, "], got ", kk);
+  GC_CHECK_ARG(x.numel < (int64_t{1} << 32), "tensor has ", x.numel,
+               " elements; indices are uint32 (split the tensor)");
+  GC_CHECK_ARG(kk == 0 || out != nullptr, "output index pointer is null");
+  k::SelectWorkspace ws(x.device);
+  return k::dispatch::select({x.device, x.stream}, x.as<float>(), x.numel, kk, opt, key, out, ws);
+}
+
+// ------------------------------------------------------------------------------------------------
+struct TopKCompressor::Impl {
+  Impl(const SparsifyConfig& cfg, int64_t n, Device dev, void* s)
+      : dgc(cfg, n, dev, s), idx(dev, s), host_idx(Device::kCPU), ws(dev), stream(s) {}
+  SparsifyState dgc;
+  Buffer idx, host_idx;
+  k::SelectWorkspace ws;
+  void* stream;
+  int device_index = 0;
+};
+
+TopKCompressor::TopKCompressor(const TopKConfig& cfg, int64_t numel, DType grad_dtype,
+                               Device device, int device_index, void* stream)
+    : cfg_(cfg), numel_(numel), device_(device) {
+  cfg_.validate();
+  GC_CHECK_ARG(numel >= 0, "numel must be >= 0, got ", numel);
+  GC_CHECK_ARG(numel < (int64_t{1} << 32), "tensor has ", numel,
+               " elements; indices are uint32 (split the tensor)");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "unsupported gradient dtype");
+  if (device == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda("TopKCompressor on CUDA");
+  impl_ = std::make_unique<Impl>(cfg_, numel, device, stream);
+  impl_->device_index = device_index;
+  stats_.numel = numel;
+}
+
+TopKCompressor::~TopKCompressor() = default;
+
+const float* TopKCompressor::residual() const { return impl_->dgc.v(); }
+
+uint64_t TopKCompressor::payload_bound(int64_t step) const {
+  return sparse_payload_bound(topk_count(cfg_.ratio_at(step), numel_), numel_, cfg_.value_dtype);
+}
+const float* TopKCompressor::momentum_buffer() const { return impl_->dgc.u(); }
+
+void TopKCompressor::encode(const TensorView& g, Payload& out) {
+  Impl& s = *impl_;
+  check_grad(g, numel_, device_, s.device_index, cfg_.tensor_id, "topk");
+  // staged: the plan checked the gradient itself (and told the other ranks)
+  if (cfg_.check_finite && !s.dgc.staged()) check_finite(g, cfg_.tensor_id, "topk", s.ws);
+  // ---- from here on the state changes ----
+  const bool cuda = device_ == Device::kCUDA;
+  const int64_t n = numel_;
+  s.dgc.accumulate(g, s.ws);
+  float* v = s.dgc.work_v();  // the step's residual (staged: not yet the state)
+  const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
+  const RngKey key{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
+  uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
+  const int64_t c = k::dispatch::select({device_, s.stream}, v, n, kk, cfg_.select, key, idx, s.ws);
+
+  // ---- payload: header | indices | values ----
+  prepare_payload(out, device_, s.stream);
+  PayloadHeader& h = out.header;
+  h = PayloadHeader{};
+  h.kind = static_cast<uint8_t>(PayloadKind::kSparse);
+  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
+  h.tensor_id = cfg_.tensor_id;
+  h.numel = static_cast<uint64_t>(n);
+  h.count = static_cast<uint64_t>(c);
+  h.aux = static_cast<uint64_t>(step_);
+  uint64_t ibytes = 0;
+  IndexCoding coding;
+  if (cuda) {  // the GPU writes raw or bitmap indices (no serial varint pass on the device)
+    const uint64_t raw = 4 * static_cast<uint64_t>(c), bm = (static_cast<uint64_t>(n) + 7) / 8;
+    coding = (c > 0 && bm < raw) ? IndexCoding::kBitmap : IndexCoding::kRaw32;
+    ibytes = coding == IndexCoding::kBitmap ? bm : raw;
+  } else {
+    coding = choose_index_coding(h.numel, h.count, delta_varint_bytes(idx, h.count), &ibytes);
+  }
+  h.index_coding = static_cast<uint8_t>(coding);
+  h.section_bytes[0] = ibytes;
+  h.section_bytes[1] = static_cast<uint64_t>(c) * dtype_size(cfg_.value_dtype);
+  out.bytes.resize(h.total_bytes(), false);
+  uint8_t* base = static_cast<uint8_t*>(out.bytes.data());
+  void* values = base + h.section_offset(1);
+  s.dgc.take(idx, c, values);
+  if (cuda) {
+    if (coding == IndexCoding::kBitmap)
+      k::cuda::indices_to_bitmap(idx, c, n, base + h.section_offset(0), s.stream);
+    else
+      device_copy(base + h.section_offset(0), device_, idx, device_, ibytes, s.stream);
+  } else {
+    encode_indices(idx, h.count, h.numel, coding, base + h.section_offset(0));
+  }
+  write_header(out, device_, s.stream);
+
+  stats_.record(step_, n, c, g.dtype, h.total_bytes());
+  if (!s.dgc.staged()) ++step_;
+}
+
+void TopKCompressor::set_staged(bool on) { impl_->dgc.set_staged(on); }
+
+void TopKCompressor::commit() { impl_->dgc.commit_step(step_); }
+
+void TopKCompressor::uncommit() { impl_->dgc.uncommit_step(step_, name().c_str()); }
+
+void TopKCompressor::encode_skipped(Payload& out) {
+  Impl& s = *impl_;
+  start_skipped_payload(out, PayloadKind::kSparse, IndexCoding::kRaw32, cfg_, numel_, 0, step_,
+                        device_, s.stream);
+  write_header(out, device_, s.stream);
+}
+
+void TopKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,
+                                float scale) {
+  Impl& s = *impl_;
+  check_dense(dense, numel_, device_, "topk");
+  const PayloadHeader h = read_header(payload, nbytes, device_, s.stream);
+  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kSparse),
+                   "expected a sparse (top-k) payload, got ",
+                   payload_kind_name(PayloadKind(h.kind)));
+  GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
+                   " elements, the output has ", numel_);
+  GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload is for tensor ", h.tensor_id,
+                   ", this compressor is tensor ", cfg_.tensor_id);
+  GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
+                   "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
+                   dtype_size(DType(h.value_dtype)));
+  GC_CHECK_PAYLOAD(h.section_bytes[2] == 0, "unexpected extra section of ", h.section_bytes[2],
+                   " bytes in a sparse payload");
+  if (h.count == 0) return;
+  const auto* base = static_cast<const uint8_t*>(payload);
+  const uint8_t* isec = base + h.section_offset(0);
+  const void* values = base + h.section_offset(1);
+  const IndexCoding coding = IndexCoding(h.index_coding);
+  const int64_t c = static_cast<int64_t>(h.count);
+  if (device_ == Device::kCPU) {
+    uint32_t* idx = s.idx.get<uint32_t>(h.count);
+    decode_indices(isec, h.section_bytes[0], coding, h.count, h.numel, idx);  // validates
+    k::cpu::scatter_add(idx, values, DType(h.value_dtype), c, scale, dense.as<float>());
+    return;
+  }
+  uint32_t* idx = s.idx.get<uint32_t>(h.count);
+  const uint32_t* use = idx;
+  switch (coding) {
+    case IndexCoding::kRaw32: {
+      GC_CHECK_PAYLOAD(h.section_bytes[0] == 4 * h.count, "raw index section has ",
+                       h.section_bytes[0], " bytes, expected 4 x ", h.count);
+      use = reinterpret_cast<const uint32_t*>(isec);
+      const int64_t bad = k::cuda::check_indices(use, c, numel_, s.ws, s.stream);
+      GC_CHECK_PAYLOAD(bad < 0, "index at position ", bad, " is out of range or not ascending");
+      break;
+    }
+    case IndexCoding::kBitmap: {
+      GC_CHECK_PAYLOAD(h.section_bytes[0] == (h.numel + 7) / 8, "bitmap section has ",
+                       h.section_bytes[0], " bytes, expected ", (h.numel + 7) / 8);
+      const int64_t got = k::cuda::bitmap_to_indices(isec, numel_, idx, c, s.ws, s.stream);
+      GC_CHECK_PAYLOAD(got == c, "bitmap has ", got, " indices, header announces ", c);
+      break;
+    }
+    case IndexCoding::kDeltaVarint: {  // made on a CPU: decode on the host, then upload
+      std::vector<uint8_t> sec(h.section_bytes[0]);
+      device_copy(sec.data(), Device::kCPU, isec, device_, sec.size(), s.stream);
+      uint32_t* hidx = s.host_idx.get<uint32_t>(h.count);
+      decode_indices(sec.data(), sec.size(), coding, h.count, h.numel, hidx);
+      device_copy(idx, device_, hidx, Device::kCPU, 4 * h.count, s.stream);
+      break;
+    }
+    default:
+      GC_CHECK_PAYLOAD(false, "index coding ", int(h.index_coding),
+                       " is not valid for sparse payloads");
+  }
+  k::cuda::scatter_add(use, values, DType(h.value_dtype), c, scale, dense.as<float>(), s.stream);
+}
+
+std::vector<uint8_t> TopKCompressor::state_dict() const {
+  return impl_->dgc.state_dict("topk", numel_, step_);
+}
+
+void TopKCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
+  step_ = impl_->dgc.load_state_dict("topk", numel_, data, nbytes);
+}
+
+}  // namespace gradcomp

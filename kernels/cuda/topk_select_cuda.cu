@@ -1,0 +1,400 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA backend of the top-k family. Same contracts as the CPU twins in kernels/cpu/topk_cpu.cpp.
+//
+// Exact selection is a radix select on the 31 magnitude bits in the style of AIR top-k (Zhang et
+// al., SC'23): three digit levels ([30:20], [19:9], [8:0]); each level is one pass that builds a
+// per-block shared-memory histogram and adds it to a global one, and a one-block kernel that finds
+// the digit holding the k-th largest magnitude and what is left to take from it, on the device
+// (no host round trip between passes). The second pass also writes the members of the first
+// level's bucket to a list (when it is small enough), so the third pass reads only those. An
+// ordered compaction then writes the result ascending: per-block counts of |x| > T and |x| == T,
+// a CUB scan over the blocks, and a write pass that keeps the first `need` ties in index order.
+// The result is identical to the CPU's and the selection itself never synchronises the host.
+//
+// Sampled selection follows the CPU step by step (same strided sample and RNG offset, same
+// threshold rank, same retry rule), so its result equals the CPU's too; each attempt reads its
+// candidate count back once (pinned memory, one synchronisation per attempt).
+//
+// Compiled with --fmad=false like the rest of the family (cmake/topk.cmake).
+#include "kernels/cuda/topk_common.cuh"
+
+namespace gradcomp::kernels::cuda {
+namespace {
+
+using namespace topk_detail;
+using cuda_detail::as_stream;
+
+// ------------------------------------------------------------------------------------------------
+// Radix select on a "source": element i of x, or element list[i] of x when a candidate list is
+// given (ascending, so positions in the source order like indices in x).
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+struct Src {
+  const float* x;
+  const uint32_t* list;  // null: the identity
+  uint32_t m;            // elements in the source
+  __device__ __forceinline__ uint32_t pos(int64_t i) const {
+    return list ? list[i] : static_cast<uint32_t>(i);
+  }
+  __device__ __forceinline__ uint32_t bits(int64_t i) const { return abs_bits(x[pos(i)]); }
+};
+
+/// Device-side state of one radix select; written by the digit-search kernel, read by the passes.
+struct RadixState {
+  uint32_t prefix;     // known high bits of T (the k-th largest magnitude); all 31 at the end
+  uint32_t need;       // elements still to take from the bucket `prefix` (ties to take at the end)
+  uint32_t in_bucket;  // elements in the bucket `prefix`
+  uint32_t filtered;   // 1 when pass 1 writes the level-0 bucket's positions to the filter list
+  uint32_t nfilt;      // length of the filter list
+};
+
+/// Histogram pass of level L. L = 0: digit a >> 20 of all elements. L = 1: digit (a >> 9) & 2047
+/// of the bucket (a >> 20) == prefix, also appending its positions to `filt` when filtered.
+/// L = 2: digit a & 511 of the bucket (a >> 9) == prefix, read from `filt` when filtered.
+template <int L>
+__global__ void __launch_bounds__(kThreads)
+    radix_hist_kernel(Src src, RadixState* st, uint32_t* hist, uint32_t* filt) {
+  __shared__ uint32_t sh[kBins];
+  for (int d = threadIdx.x; d < kBins; d += kThreads) sh[d] = 0;
+  __syncthreads();
+  const int64_t m = src.m;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  if constexpr (L == 0) {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < m; i += stride)
+      atomicAdd(&sh[src.bits(i) >> 20], 1u);
+  } else if constexpr (L == 1) {
+    const uint32_t p = st->prefix;
+    const bool filter = st->filtered != 0;
+    const unsigned lane = threadIdx.x & 31u;
+    // block-uniform loop so that whole warps take part in the ballot
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < m; base += stride) {
+      const int64_t i = base + threadIdx.x;
+      bool hit = false;
+      uint32_t a = 0;
+      if (i < m) {
+        a = src.bits(i);
+        hit = (a >> 20) == p;
+      }
+      if (hit) atomicAdd(&sh[(a >> 9) & (kBins - 1)], 1u);
+      if (filter) {
+        const unsigned mask = __ballot_sync(0xffffffffu, hit);
+        if (mask != 0) {
+          const int leader = __ffs(mask) - 1;
+          uint32_t slot = 0;
+          if (lane == static_cast<unsigned>(leader)) slot = atomicAdd(&st->nfilt, __popc(mask));
+          slot = __shfl_sync(0xffffffffu, slot, leader);
+          if (hit) filt[slot + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint32_t>(i);
+        }
+      }
+    }
+  } else {
+    const uint32_t p = st->prefix;
+    if (st->filtered != 0) {
+      const int64_t nf = st->nfilt;
+      for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < nf;
+           j += stride) {
+        const uint32_t a = src.bits(filt[j]);
+        if ((a >> 9) == p) atomicAdd(&sh[a & 511u], 1u);
+      }
+    } else {
+      for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < m;
+           i += stride) {
+        const uint32_t a = src.bits(i);
+        if ((a >> 9) == p) atomicAdd(&sh[a & 511u], 1u);
+      }
+    }
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < kBins; d += kThreads)
+    if (sh[d] != 0) atomicAdd(&hist[d], sh[d]);
+}
+
+/// Digit search of level L (one block): walks the histogram from the top digit down to the digit
+/// d where the running count reaches `need`, then narrows the state to that bucket.
+template <int L>
+__global__ void __launch_bounds__(kThreads)
+    radix_choose_kernel(const uint32_t* hist, RadixState* st, uint32_t k, uint32_t filter_cap) {
+  using Scan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const uint32_t need = L == 0 ? k : st->need;
+  uint32_t cnt[kScanItems], incl[kScanItems];
+  // rank r = t * kScanItems + j counts from the top digit: digit kBins - 1 - r
+  for (int j = 0; j < kScanItems; ++j) cnt[j] = hist[kBins - 1 - (threadIdx.x * kScanItems + j)];
+  Scan(tmp).InclusiveSum(cnt, incl);
+  __syncthreads();  // every thread has read st->need before the one writer below changes it
+  for (int j = 0; j < kScanItems; ++j) {
+    const uint32_t excl = incl[j] - cnt[j];
+    if (excl < need && need <= incl[j]) {  // exactly one digit satisfies this
+      const uint32_t d = kBins - 1 - (threadIdx.x * kScanItems + j);
+      constexpr int dbits = L == 2 ? 9 : 11;
+      st->prefix = L == 0 ? d : ((st->prefix << dbits) | d);
+      st->need = need - excl;
+      st->in_bucket = cnt[j];
+      if (L == 0) st->filtered = cnt[j] <= filter_cap ? 1u : 0u;
+    }
+  }
+}
+
+/// Per-block counts over chunk b of kChunk elements, packed as (above << 32) | ties.
+/// kTies: above = |x| > T, ties = |x| == T. Otherwise: above = |x| >= T, ties = 0.
+template <bool kTies>
+__global__ void __launch_bounds__(kThreads)
+    block_count_kernel(Src src, const uint32_t* thr, uint64_t* blk) {
+  using Reduce = cub::BlockReduce<uint64_t, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const uint32_t t = *thr;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  const int64_t end = imin(begin + kChunk, static_cast<int64_t>(src.m));
+  uint64_t c = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const uint32_t a = src.bits(i);
+    if (kTies)
+      c += (static_cast<uint64_t>(a > t) << 32) | static_cast<uint64_t>(a == t);
+    else
+      c += static_cast<uint64_t>(a >= t) << 32;
+  }
+  const uint64_t total = Reduce(tmp).Sum(c);
+  if (threadIdx.x == 0) blk[blockIdx.x] = total;
+}
+
+/// Ordered write over the chunks: element i is kept when it is above, or a tie among the first
+/// `need` ties in index order; it goes to position (above before i) + min(ties before i, need),
+/// when that is below `cap`. `incl` is the inclusive scan of the block counts.
+template <bool kTies>
+__global__ void __launch_bounds__(kThreads)
+    ordered_write_kernel(Src src, const uint32_t* thr, const uint32_t* need_ptr,
+                         const uint64_t* incl, uint64_t cap, uint32_t* out) {
+  using Scan = cub::BlockScan<uint64_t, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  constexpr uint64_t kLow = 0xffffffffull;
+  const uint32_t t = *thr;
+  uint64_t need = 0;
+  if constexpr (kTies) need = *need_ptr;
+  const uint64_t before = blockIdx.x > 0 ? incl[blockIdx.x - 1] : 0;
+  const uint64_t mine = incl[blockIdx.x] - before;
+  uint64_t above = before >> 32, ties = before & kLow;
+  if ((mine >> 32) == 0) {  // no element above T here: write only if a wanted tie is here
+    if constexpr (kTies) {
+      if ((mine & kLow) == 0 || ties >= need) return;
+    } else {
+      return;
+    }
+  }
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  const int64_t end = imin(begin + kChunk, static_cast<int64_t>(src.m));
+  for (int64_t base = begin; base < end; base += kThreads) {  // block-uniform loop
+    const int64_t i = base + threadIdx.x;
+    bool ab = false, eq = false;
+    if (i < end) {
+      const uint32_t a = src.bits(i);
+      if (kTies) {
+        ab = a > t;
+        eq = a == t;
+      } else {
+        ab = a >= t;
+      }
+    }
+    const uint64_t flag = (static_cast<uint64_t>(ab) << 32) | static_cast<uint64_t>(eq);
+    uint64_t excl, agg;
+    Scan(tmp).ExclusiveSum(flag, excl, agg);
+    const uint64_t a_before = above + (excl >> 32), t_before = ties + (excl & kLow);
+    if constexpr (kTies) {
+      if (ab || (eq && t_before < need)) {
+        const uint64_t p = a_before + (t_before < need ? t_before : need);
+        if (p < cap) out[p] = src.pos(i);
+      }
+    } else {
+      if (ab && a_before < cap) out[a_before] = src.pos(i);
+    }
+    above += agg >> 32;
+    ties += agg & kLow;
+    __syncthreads();  // tmp is reused by the next tile
+  }
+}
+
+/// Scratch of one ordered compaction over `m` source elements.
+struct CompactLayout {
+  size_t blk, incl, temp;
+  size_t temp_bytes = 0;
+  int64_t blocks = 0;
+  void plan(Carve& cv, int64_t m) {
+    blocks = std::max<int64_t>(1, (m + kChunk - 1) / kChunk);
+    GC_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, temp_bytes,
+                                                static_cast<const uint64_t*>(nullptr),
+                                                static_cast<uint64_t*>(nullptr), blocks));
+    blk = cv.take<uint64_t>(blocks);
+    incl = cv.take<uint64_t>(blocks);
+    temp = cv.take<char>(temp_bytes);
+  }
+};
+
+/// Count, scan, write. The packed total (above << 32 | ties) ends at incl[blocks - 1].
+template <bool kTies>
+void ordered_compact(const Src& src, const uint32_t* thr, const uint32_t* need, uint64_t cap,
+                     uint32_t* out, const CompactLayout& L, void* base, cudaStream_t s) {
+  const int g = static_cast<int>(L.blocks);
+  uint64_t* blk = at<uint64_t>(base, L.blk);
+  uint64_t* incl = at<uint64_t>(base, L.incl);
+  block_count_kernel<kTies><<<g, kThreads, 0, s>>>(src, thr, blk);
+  GC_CUDA_CHECK_LAUNCH();
+  size_t tb = L.temp_bytes;
+  GC_CUDA_CHECK(cub::DeviceScan::InclusiveSum(at<char>(base, L.temp), tb, blk, incl, L.blocks, s));
+  ordered_write_kernel<kTies><<<g, kThreads, 0, s>>>(src, thr, need, incl, cap, out);
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+/// Exact top-k of the source (1 <= k < m) into out, ascending, ties by lowest position. Uses ws.a.
+/// No host synchronisation.
+void radix_select(const Src& src, int64_t k, uint32_t* out, SelectWorkspace& ws, cudaStream_t s) {
+  const int64_t m = src.m;
+  // the level-0 bucket is written to a list for the last pass when it has at most this many
+  const int64_t filter_cap = std::min<int64_t>(m, std::max<int64_t>(m / 16, 1 << 14));
+  Carve cv;
+  const size_t o_state = cv.take<RadixState>(1);
+  const size_t o_hist = cv.take<uint32_t>(3 * kBins);
+  const size_t zero_bytes = cv.bytes();  // state and histograms start at zero
+  CompactLayout cl;
+  cl.plan(cv, m);
+  const size_t o_filt = cv.take<uint32_t>(static_cast<size_t>(filter_cap));
+  void* base = ws.a.get<char>(cv.bytes());
+  auto* st = at<RadixState>(base, o_state);
+  uint32_t* hist = at<uint32_t>(base, o_hist);
+  uint32_t* filt = at<uint32_t>(base, o_filt);
+  GC_CUDA_CHECK(cudaMemsetAsync(base, 0, zero_bytes, s));
+
+  const int g = grid_for(m, int64_t{kThreads} * 8, int64_t{sm_count()} * 8);
+  const uint32_t kk = static_cast<uint32_t>(k), fc = static_cast<uint32_t>(filter_cap);
+  radix_hist_kernel<0><<<g, kThreads, 0, s>>>(src, st, hist, filt);
+  GC_CUDA_CHECK_LAUNCH();
+  radix_choose_kernel<0><<<1, kThreads, 0, s>>>(hist, st, kk, fc);
+  GC_CUDA_CHECK_LAUNCH();
+  radix_hist_kernel<1><<<g, kThreads, 0, s>>>(src, st, hist + kBins, filt);
+  GC_CUDA_CHECK_LAUNCH();
+  radix_choose_kernel<1><<<1, kThreads, 0, s>>>(hist + kBins, st, kk, fc);
+  GC_CUDA_CHECK_LAUNCH();
+  radix_hist_kernel<2><<<g, kThreads, 0, s>>>(src, st, hist + 2 * kBins, filt);
+  GC_CUDA_CHECK_LAUNCH();
+  radix_choose_kernel<2><<<1, kThreads, 0, s>>>(hist + 2 * kBins, st, kk, fc);
+  GC_CUDA_CHECK_LAUNCH();
+  // now st->prefix = T (all 31 bits) and st->need = ties at T to take, the lowest-index ones
+  ordered_compact<true>(src, &st->prefix, &st->need, static_cast<uint64_t>(k), out, cl, base, s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sampled selection.
+
+constexpr int64_t kSampleBlock = 16;  // contiguous elements per sample position (as on the CPU)
+
+/// Sample element j: element j % kSampleBlock of the run at offset + (j / kSampleBlock) * stride.
+__global__ void __launch_bounds__(kThreads)
+    sample_kernel(const float* x, int64_t s, int64_t offset, int64_t stride, uint32_t* out) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < s;
+       j += static_cast<int64_t>(gridDim.x) * kThreads)
+    out[j] = abs_bits(x[offset + (j / kSampleBlock) * stride + (j % kSampleBlock)]);
+}
+
+__global__ void __launch_bounds__(kThreads) iota_kernel(uint32_t* out, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    out[i] = static_cast<uint32_t>(i);
+}
+
+int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions& opt,
+                       const RngKey& key, uint32_t* out, SelectWorkspace& ws, cudaStream_t s) {
+  // Identical arithmetic to the CPU twin (sizes, sample positions, ranks, retry rule).
+  const int64_t ss = std::min<int64_t>(n, static_cast<int64_t>(std::ceil(opt.sample_rate * n)));
+  const Src full{x, nullptr, static_cast<uint32_t>(n)};
+  if (n < 4096 || ss < 64 || 2 * ss > n) {
+    radix_select(full, k, out, ws, s);
+    return k;
+  }
+  // runs of kSampleBlock elements at a constant stride from a random offset, as on the CPU
+  const int64_t blocks = (ss + kSampleBlock - 1) / kSampleBlock;
+  const int64_t stride = n / blocks;  // >= 2 * kSampleBlock since 2 ss <= n
+  const int64_t offset =
+      static_cast<int64_t>(key.below(0, static_cast<uint64_t>(stride - kSampleBlock + 1)));
+  const int64_t s_used = blocks * kSampleBlock;
+  double want = opt.oversample * static_cast<double>(k);
+  const int64_t min_ok = static_cast<int64_t>(std::ceil(opt.min_fraction * static_cast<double>(k)));
+  const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(opt.oversample * 2 * k)) + 64;
+
+  size_t sort_bytes = 0;
+  GC_CUDA_CHECK(cub::DeviceRadixSort::SortKeysDescending(
+      nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      s_used, 0, 31));
+  Carve cv;
+  const size_t o_in = cv.take<uint32_t>(s_used);
+  const size_t o_sorted = cv.take<uint32_t>(s_used);
+  const size_t o_sort_tmp = cv.take<char>(sort_bytes);
+  CompactLayout cl;
+  cl.plan(cv, n);
+  const size_t o_cand = cv.take<uint32_t>(static_cast<size_t>(cap) + 1);
+  void* base = ws.b.get<char>(cv.bytes());
+  uint32_t* sample = at<uint32_t>(base, o_in);
+  uint32_t* sorted = at<uint32_t>(base, o_sorted);
+  uint32_t* cand = at<uint32_t>(base, o_cand);
+  const uint64_t* total = at<uint64_t>(base, cl.incl) + (cl.blocks - 1);
+
+  sample_kernel<<<grid_for(s_used, kThreads, kMaxGrid), kThreads, 0, s>>>(x, s_used, offset, stride,
+                                                                          sample);
+  GC_CUDA_CHECK_LAUNCH();
+  GC_CUDA_CHECK(cub::DeviceRadixSort::SortKeysDescending(at<char>(base, o_sort_tmp), sort_bytes,
+                                                         sample, sorted, s_used, 0, 31, s));
+  uint64_t* host = pinned_slot(ws);
+  for (int attempt = 0; attempt <= opt.max_retries; ++attempt) {
+    int64_t r = static_cast<int64_t>(
+        std::ceil(want * static_cast<double>(s_used) / static_cast<double>(n)));
+    if (r > s_used) break;  // the sample cannot place a threshold that low: be exact
+    r = std::max<int64_t>(r, 1);
+    // threshold = the r-th largest sampled magnitude, read on the device
+    ordered_compact<false>(full, sorted + (r - 1), nullptr, static_cast<uint64_t>(cap), cand, cl,
+                           base, s);
+    GC_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
+    GC_CUDA_CHECK(cudaStreamSynchronize(s));
+    const int64_t count = static_cast<int64_t>(host[0] >> 32);
+    if (count > cap) break;  // heavy ties (e.g. constant input): exact selection handles them
+    if (count >= k) {
+      if (count == k) {
+        GC_CUDA_CHECK(
+            cudaMemcpyAsync(out, cand, static_cast<size_t>(k) * 4, cudaMemcpyDeviceToDevice, s));
+      } else {
+        radix_select(Src{x, cand, static_cast<uint32_t>(count)}, k, out, ws, s);
+      }
+      return k;
+    }
+    if (count >= min_ok) {
+      if (count > 0)
+        GC_CUDA_CHECK(cudaMemcpyAsync(out, cand, static_cast<size_t>(count) * 4,
+                                      cudaMemcpyDeviceToDevice, s));
+      return count;
+    }
+    // too few: aim lower, in proportion to the shortfall
+    want *= 1.5 * static_cast<double>(k) / static_cast<double>(std::max<int64_t>(count, 1));
+  }
+  radix_select(full, k, out, ws, s);
+  return k;
+}
+
+}  // namespace
+
+int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
+               uint32_t* out, SelectWorkspace& ws, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  if (k <= 0 || n == 0) return 0;
+  GC_CHECK_ARG(n < (int64_t{1} << 32), "top-k selection: ", n,
+               " elements do not fit uint32 indices");
+  if (k >= n) {
+    iota_kernel<<<grid_for(n, kThreads, kMaxGrid), kThreads, 0, s>>>(out, n);
+    GC_CUDA_CHECK_LAUNCH();
+    return n;
+  }
+  bind(ws, stream);
+  if (opt.method == SelectMethod::kExact) {
+    radix_select(Src{x, nullptr, static_cast<uint32_t>(n)}, k, out, ws, s);
+    return k;
+  }
+  return sampled_select(x, n, k, opt, key, out, ws, s);
+}
+
+}  // namespace gradcomp::kernels::cuda

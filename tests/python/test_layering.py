@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The include graph points downwards only (docs/ARCHITECTURE.md, "Layers"): each public header
+includes only headers below it in the order the architecture document lists, the kernels'
+entry-point headers include no codec, plan or engine header, and no codec or kernel includes the
+communicator. Read from the sources; nothing is built."""
+import os
+import re
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+# bottom up, as docs/ARCHITECTURE.md lists them
+PUBLIC = ["error", "types", "tensor", "runtime", "workspace", "wire", "macros", "rng", "numeric",
+          "select", "orthogonalization", "compressor", "topk", "onebit", "powersgd", "plan",
+          "cost_model", "plans", "make_plan", "comm", "straggler", "gradcomp"]
+# what the kernels may see of the public API: value types, no codec, plan or engine
+KERNEL_OK = {"error", "types", "tensor", "runtime", "workspace", "macros", "rng", "numeric",
+             "select", "orthogonalization"}
+
+
+def _includes(path):
+    with open(path) as f:
+        return re.findall(r'#include "gradcomp/([a-z_]+)\.hpp"', f.read())
+
+
+def _files(folder, exts):
+    base = os.path.join(ROOT, folder)
+    for dirpath, _, names in os.walk(base):
+        for n in names:
+            if n.endswith(exts):
+                yield os.path.join(dirpath, n)
+
+
+def test_public_headers_include_only_headers_below_them():
+    folder = os.path.join(ROOT, "include", "gradcomp")
+    names = sorted(n[:-4] for n in os.listdir(folder) if n.endswith(".hpp"))
+    assert sorted(PUBLIC) == names, "a public header was added or removed: place it in PUBLIC"
+    rank = {h: i for i, h in enumerate(PUBLIC)}
+    upward = [(h, inc) for h in PUBLIC for inc in _includes(os.path.join(folder, h + ".hpp"))
+              if rank[inc] >= rank[h]]
+    assert not upward, f"headers including one above them: {upward}"
+
+
+def test_kernels_and_codecs_do_not_reach_up():
+    bad = []
+    for path in _files("kernels", (".hpp", ".h", ".cpp", ".cu", ".cuh")):
+        bad += [(path, inc) for inc in _includes(path) if inc not in KERNEL_OK]
+    for path in _files("compressors", (".hpp", ".cpp")):
+        bad += [(path, inc) for inc in _includes(path) if inc in ("comm", "make_plan", "plans")]
+    assert not bad, f"kernels or codecs including headers above their layer: {bad}"
