@@ -109,6 +109,12 @@ def test_report_time_to_target_and_speedups(tmp_path):
     ]
     assert fm.time_to_target(res[0], 0.85) == 20.0
     assert fm.time_to_target(res[6], 0.85) is None
+    # smoothed: the mean of the last evaluations must reach the target, not one grazing point
+    graze = _fake("x", [(25, 5.0, 0.86), (50, 10.0, 0.80), (75, 15.0, 0.84), (100, 20.0, 0.87),
+                        (125, 25.0, 0.87)])
+    assert fm.time_to_target(graze, 0.85) == 5.0
+    assert fm.time_to_target(graze, 0.85, window=3) == 25.0  # (0.84 + 0.87 + 0.87) / 3
+    assert fm.time_to_target(graze, 0.87, window=3) is None
     rows = {r["config"]: r for r in fm.summarize(res, 0.85)}
     assert rows["plain"]["time_to_target"] == pytest.approx(22.0)  # 20 and 24 over two seeds
     assert rows["plain"]["accuracy"] == pytest.approx(0.865)
@@ -116,6 +122,8 @@ def test_report_time_to_target_and_speedups(tmp_path):
     assert rows["fp16"]["speedup_vs_torch"] == pytest.approx(15.0 / 5.0)
     assert rows["topk+slow+dropcompute"]["speedup_vs_no_dropcompute"] == pytest.approx(16 / 12)
     assert rows["onebit"]["time_to_target"] is None and rows["onebit"]["speedup_vs_plain"] is None
+    # two evaluations: no 3-evaluation mean exists, so no smoothed time
+    assert rows["plain"]["time_to_target_smoothed"] is None
     meta = dict(model="cnn", world=4, link="loopback", date="2026-11-24", commit="abc",
                 torch="x", command="cmd", load_before=1.0, load_after=2.0, wall_s=3.0,
                 lr=0.05, momentum=0.9, batch=32, eval_every=50)
