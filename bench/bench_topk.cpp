@@ -9,7 +9,7 @@
 
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/scan_kernels.hpp"
 
 using namespace gradcomp;

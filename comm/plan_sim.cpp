@@ -5,7 +5,7 @@
 #include <cstring>
 #include <exception>
 
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/plan.hpp"
 #include "kernels/reduce_kernels.hpp"
 

@@ -19,8 +19,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "gradcomp/macros.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/macros.hpp"
+#include "gradcomp/detail/numeric.hpp"
 
 namespace gradcomp::kernels::onebit {
 

@@ -16,7 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/tensor.hpp"
 #include "kernels/reduce_math.h"

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "gradcomp/macros.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/macros.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/tensor.hpp"
 
 namespace gradcomp::kernels {

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "gradcomp/macros.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/macros.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/rng.hpp"
 #include "kernels/reduce_math.h"
 

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "gradcomp/macros.hpp"
+#include "gradcomp/detail/macros.hpp"
 
 namespace gradcomp {
 

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "core/cuda/check.cuh"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/onebit_kernels.hpp"

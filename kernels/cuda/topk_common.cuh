@@ -16,7 +16,7 @@
 #include <type_traits>
 
 #include "core/cuda/check.cuh"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/topk_kernels.hpp"
 #include "kernels/topk_math.h"

@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"

@@ -16,7 +16,7 @@
 
 #include "comm_reference.hpp"
 #include "gradcomp/comm.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "gradcomp/make_plan.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "test_util.hpp"

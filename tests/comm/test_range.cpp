@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "gradcomp/make_plan.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/plan.hpp"
 
 namespace gc = gradcomp;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "onebit/onebit_ref.hpp"
 #include "test_util.hpp"
 

@@ -12,7 +12,7 @@
 #include <optional>
 
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "onebit/onebit_ref.hpp"
 #include "test_util.hpp"

@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 #include "test_util.hpp"

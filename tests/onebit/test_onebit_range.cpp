@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "onebit/onebit_ref.hpp"
 #include "test_util.hpp"
 

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <memory>
 
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/powersgd_kernels.hpp"
 #include "psgd_test_util.hpp"
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <utility>
 
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/powersgd_kernels.hpp"
 #include "psgd_test_util.hpp"

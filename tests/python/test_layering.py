@@ -8,17 +8,19 @@ import re
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 # bottom up, as docs/ARCHITECTURE.md lists them
-PUBLIC = ["error", "types", "tensor", "runtime", "workspace", "wire", "macros", "rng", "numeric",
-          "select", "orthogonalization", "compressor", "topk", "onebit", "powersgd", "plan",
+PUBLIC = ["error", "types", "tensor", "runtime", "workspace", "wire", "rng", "select", "orthogonalization", "compressor", "topk", "onebit", "powersgd", "plan",
           "cost_model", "plans", "make_plan", "comm", "straggler", "gradcomp"]
 # what the kernels may see of the public API: value types, no codec, plan or engine
-KERNEL_OK = {"error", "types", "tensor", "runtime", "workspace", "macros", "rng", "numeric",
-             "select", "orthogonalization"}
+KERNEL_OK = {"error", "types", "tensor", "runtime", "workspace", "rng", "select",
+             "orthogonalization", "detail/macros", "detail/numeric"}
+# include/gradcomp/detail/: what kernels and codecs share (host-device macros, fp16/bf16 rounding),
+# below every public header and including none of them but error.hpp and tensor.hpp
+DETAIL = {"detail/macros": [], "detail/numeric": ["detail/macros", "tensor"]}
 
 
 def _includes(path):
     with open(path) as f:
-        return re.findall(r'#include "gradcomp/([a-z_]+)\.hpp"', f.read())
+        return re.findall(r'#include "gradcomp/([a-z_/]+)\.hpp"', f.read())
 
 
 def _files(folder, exts):
@@ -34,9 +36,13 @@ def test_public_headers_include_only_headers_below_them():
     names = sorted(n[:-4] for n in os.listdir(folder) if n.endswith(".hpp"))
     assert sorted(PUBLIC) == names, "a public header was added or removed: place it in PUBLIC"
     rank = {h: i for i, h in enumerate(PUBLIC)}
+    rank.update({d: -1 for d in DETAIL})
     upward = [(h, inc) for h in PUBLIC for inc in _includes(os.path.join(folder, h + ".hpp"))
               if rank[inc] >= rank[h]]
     assert not upward, f"headers including one above them: {upward}"
+    for d, allowed in DETAIL.items():
+        got = set(_includes(os.path.join(folder, d + ".hpp")))
+        assert got <= set(allowed), f"{d}.hpp includes {sorted(got - set(allowed))}"
 
 
 def test_kernels_and_codecs_do_not_reach_up():

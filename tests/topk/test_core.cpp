@@ -14,7 +14,7 @@
 
 #include "core/state_io.hpp"
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/scan_kernels.hpp"
 #include "test_util.hpp"
 

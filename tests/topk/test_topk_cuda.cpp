@@ -13,7 +13,7 @@
 #include <set>
 
 #include "gradcomp/gradcomp.hpp"
-#include "gradcomp/numeric.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "kernels/topk_kernels.hpp"
 #include "test_util.hpp"
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "gradcomp/macros.hpp"
+#include "gradcomp/detail/macros.hpp"
 #include "gradcomp/tensor.hpp"
 
 namespace gradcomp {
