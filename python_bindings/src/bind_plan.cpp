@@ -2,6 +2,8 @@
 // Plans and their collectives, for the Python driver (gradcomp.torch) that runs them over
 // torch.distributed. Buffers are exposed as zero-copy views (NumPy on CPU, torch on CUDA).
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "common.hpp"
 
@@ -51,7 +53,19 @@ size_t recv_elems(const Collective& c) {
              : c.count;
 }
 
+/// The canonical names of an enum's members, in enum order (gradcomp/types.hpp).
+template <class E>
+std::vector<std::string> member_names() {
+  std::vector<std::string> v;
+  for (std::size_t i = 0; i < EnumNames<E>::members; ++i) v.emplace_back(EnumNames<E>::table[i].name);
+  return v;
+}
+
 void bind_plan(nb::module_& m) {
+  m.def("collective_names", &member_names<CollectiveKind>,
+        "The names a Collective's `kind` takes (gradcomp/types.hpp), in enum order.");
+  m.def("elem_type_names", &member_names<ElemType>,
+        "The names a Collective's `type` takes (gradcomp/types.hpp), in enum order.");
   nb::class_<Collective>(m, "Collective", "One collective a plan asks its driver to run.")
       .def_prop_ro("kind", [](const Collective& c) { return std::string(collective_name(c.kind)); })
       .def_prop_ro("type", [](const Collective& c) { return std::string(elem_type_name(c.type)); })

@@ -18,16 +18,15 @@
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "plan_variant.hpp"
 #include "test_util.hpp"
 
 namespace gc = gradcomp;
 
 namespace {
 
-struct Variant {
-  const char* family;
-  gc::PlanOptions options;
-};
+using Variant = gc::test::PlanVariant;
+using gc::test::describe;
 
 // Each family with the options that change which buffers carry the signal or the state.
 std::vector<Variant> variants() {
@@ -47,18 +46,6 @@ std::vector<Variant> variants() {
       {"powersgd", {{"rank", int64_t{2}}}},
       {"powersgd", {{"rank", int64_t{1}}, {"warm_start", false}}},
   };
-}
-
-std::string describe(const Variant& v) {
-  std::string s = v.family;
-  for (const auto& [k, o] : v.options) {
-    s += " " + k + "=";
-    if (auto* d = std::get_if<double>(&o)) s += std::to_string(*d);
-    if (auto* i = std::get_if<int64_t>(&o)) s += std::to_string(*i);
-    if (auto* b = std::get_if<bool>(&o)) s += *b ? "true" : "false";
-    if (auto* n = std::get_if<std::string>(&o)) s += *n;
-  }
-  return s;
 }
 
 // The bucket's tensor shapes for n elements: a matrix and a vector when n allows (PowerSGD then

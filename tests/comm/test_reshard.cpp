@@ -20,15 +20,13 @@
 #include "gradcomp/plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "plan_variant.hpp"
 
 namespace gc = gradcomp;
 
 namespace {
 
-struct Variant {
-  const char* family;
-  gc::PlanOptions options;
-};
+using Variant = gc::test::PlanVariant;
 
 std::vector<Variant> variants() {
   using S = std::string;
@@ -42,17 +40,6 @@ std::vector<Variant> variants() {
       {"onebit", {{"rotate", false}, {"block_size", int64_t{0}}}},  // one scale per chunk
       {"powersgd", {{"rank", int64_t{2}}}},
   };
-}
-
-std::string label(const Variant& v) {
-  std::string s = v.family;
-  for (const auto& [k, val] : v.options) {
-    s += " " + k;
-    if (auto* d = std::get_if<double>(&val)) s += "=" + std::to_string(*d);
-    if (auto* i = std::get_if<int64_t>(&val)) s += "=" + std::to_string(*i);
-    if (auto* b = std::get_if<bool>(&val)) s += *b ? "=on" : "=off";
-  }
-  return s;
 }
 
 // a matrix PowerSGD compresses and a vector it sends whole, when n allows
@@ -179,7 +166,7 @@ TEST(Reshard, ConservesErrorFeedbackMassAndTrainsOnInEveryFamily) {
   for (const Variant& v : variants())
     for (auto [P, P2] : {std::pair{4, 2}, std::pair{2, 3}, std::pair{3, 1}, std::pair{1, 4}})
       for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{4137}}) {
-        SCOPED_TRACE(label(v) + " P=" + std::to_string(P) + " -> " + std::to_string(P2) +
+        SCOPED_TRACE(gc::test::describe(v) + " P=" + std::to_string(P) + " -> " + std::to_string(P2) +
                      " n=" + std::to_string(n));
         const Job old = trained(v, n, P, 5, 11);
         const auto& states = old.states;
@@ -224,7 +211,7 @@ TEST(Reshard, ConservesErrorFeedbackMassAndTrainsOnInEveryFamily) {
 
 TEST(Reshard, SameWorldSizeGivesEachRankItsOwnBytes) {
   for (const Variant& v : variants()) {
-    SCOPED_TRACE(label(v));
+    SCOPED_TRACE(gc::test::describe(v));
     const int P = 3;
     const int64_t n = 1000;
     const auto states = trained(v, n, P, 4, 5).states;

@@ -6,6 +6,8 @@ communicator. Read from the sources; nothing is built."""
 import os
 import re
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 # bottom up, as docs/ARCHITECTURE.md lists them
 PUBLIC = ["error", "types", "tensor", "runtime", "workspace", "wire", "rng", "select", "orthogonalization", "compressor", "topk", "onebit", "powersgd", "plan",
@@ -52,3 +54,18 @@ def test_kernels_and_codecs_do_not_reach_up():
     for path in _files("compressors", (".hpp", ".cpp")):
         bad += [(path, inc) for inc in _includes(path) if inc in ("comm", "make_plan", "plans")]
     assert not bad, f"kernels or codecs including headers above their layer: {bad}"
+
+
+def test_python_reads_the_collective_vocabulary_of_the_one_cpp_table():
+    """The torch driver switches on a collective's kind and type names: those are the names of
+    gradcomp/types.hpp's tables, every one of them handled."""
+    pytest.importorskip("torch")
+    import inspect
+
+    from gradcomp import _C
+    from gradcomp.torch import _driver
+
+    assert sorted(_driver._TORCH_TYPES) == sorted(_C.elem_type_names())
+    src = inspect.getsource(_driver.launch)
+    for kind in _C.collective_names():
+        assert f'kind == "{kind}"' in src, f"launch() does not handle {kind!r}"
