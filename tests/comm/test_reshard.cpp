@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -258,6 +259,37 @@ TEST(Reshard, TopKResidualIsWhatTheNewJobStillSends) {
     total += std::fabs(mass[i]);
   }
   EXPECT_GT(total, 1.0);
+}
+
+// A resharded state is a state like any other: a step where one rank's gradient overflows (an
+// fp16 run's NaN/Inf) is skipped on every rank of the new job and leaves the state as loaded.
+TEST(Reshard, AnOverflowStepAfterResumingLeavesTheStateAsLoaded) {
+  const int64_t n = 1000;
+  const int P = 4, P2 = 3;
+  for (const Variant& v : variants()) {
+    SCOPED_TRACE(gc::test::describe(v));
+    const auto states = trained(v, n, P, 3, 7).states;
+    Plans fresh;
+    std::vector<std::vector<uint8_t>> loaded;
+    for (int r = 0; r < P2; ++r) {
+      loaded.push_back(gc::reshard_state(states, P2, r));
+      fresh.push_back(plan_for(v, n, P2, r));
+      fresh.back()->load_state_dict(loaded.back().data(), loaded.back().size());
+    }
+    std::vector<std::vector<float>> g(P2, std::vector<float>(n, 0.5f));
+    g[1][17] = std::numeric_limits<float>::infinity();
+    std::vector<gc::Plan*> raw;
+    for (int r = 0; r < P2; ++r) {
+      fresh[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+      raw.push_back(fresh[r].get());
+    }
+    gc::run_plans_in_process(raw);
+    for (int r = 0; r < P2; ++r) {
+      EXPECT_TRUE(fresh[r]->skipped()) << "rank " << r;
+      EXPECT_EQ(fresh[r]->state_dict(), loaded[r]) << "rank " << r << ": state changed";
+    }
+    train(fresh, n, 2, 3);  // and the next steps run, in consensus
+  }
 }
 
 TEST(Reshard, RefusesStatesThatAreNotOneJobsStep) {

@@ -604,3 +604,31 @@ def test_plan_memory_safety_in_subprocess(case):
                        env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
     assert r.stdout.startswith("OK"), r.stdout + r.stderr
+
+
+# ---- reshard_state: every input checked, the inputs left as they were ---------------------------
+def test_reshard_state_refuses_hostile_inputs():
+    import gc as pygc
+    states = []
+    for r in range(2):
+        p = _C.make_plan("topk", 64, "float32", 2, rank=r, options=dict(ratio=0.25))
+        states.append(p.state_dict())
+    before = [bytes(s) for s in states]
+    out = _C.reshard_state(states, 3, 1)
+    _C.make_plan("topk", 64, "float32", 3, rank=1, options=dict(ratio=0.25)).load_state_dict(out)
+    assert _C.reshard_state(states, 2, 1) == states[1]  # as many ranks: its own bytes
+    with pytest.raises(TypeError):
+        _C.reshard_state(states + ["not bytes"], 3, 0)
+    with pytest.raises(TypeError):
+        _C.reshard_state(b"".join(states), 3, 0)  # one blob, not a list of states
+    for bad_world, bad_rank in ((0, 0), (3, 3), (3, -1)):
+        with pytest.raises(ValueError, match="not a rank"):
+            _C.reshard_state(states, bad_world, bad_rank)
+    with pytest.raises(ValueError, match="no states"):
+        _C.reshard_state([], 2, 0)
+    with pytest.raises(ValueError, match="rank 1's state_dict"):
+        _C.reshard_state([states[0], states[1][:-5]], 3, 0)
+    assert [bytes(s) for s in states] == before  # inputs untouched
+    del states
+    pygc.collect()
+    assert isinstance(out, bytes) and len(out) > 0  # the result owns its memory

@@ -70,12 +70,17 @@ def test_resume_is_bitwise_on_a_model_whose_buckets_ddp_regroups(name, keyed):
 
 
 # ---- load_state_dict validates first ------------------------------------------------------------
-def _bad_loads(rank, world, out_dir):
+def _topk_ddp():
+    """A small DDP model with a top-k hook (keyed by the model) and its optimizer."""
     torch.manual_seed(0)
     model = DDP(Net())
     state, hook = gt.hook("topk", ratio=0.1, model=model)
     model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _bad_loads(rank, world, out_dir):
+    model, state, opt = _topk_ddp()
     data = make_data(rank, 4)
     train(model, opt, data)
     good = state.state_dict()
@@ -122,11 +127,7 @@ def test_load_state_dict_refuses_a_bad_checkpoint_whole():
 
 # ---- bounded statistics -------------------------------------------------------------------------
 def _history(rank, world, out_dir):
-    torch.manual_seed(0)
-    model = DDP(Net())
-    state, hook = gt.hook("topk", ratio=0.1, model=model)
-    model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, state, opt = _topk_ddp()
     batch = make_data(rank, 1)
     train(model, opt, batch * 3)
     sd = state.state_dict()

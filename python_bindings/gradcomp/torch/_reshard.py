@@ -94,7 +94,7 @@ def for_rank(sd: Dict[str, Any], world: int, rank: int) -> Dict[str, Any]:
         if s.get("world_size") not in (None, P):
             raise ValueError(f"gathered checkpoint: rank {r}'s state was saved on "
                              f"{s.get('world_size')} ranks, the checkpoint says {P}")
-    _same(ranks, ("compressor", "options", "iter", "start_iter"), "")
+    _same(ranks, _STEP_KEYS, "")
     if world == P:
         return dict(ranks[rank])
     base = ranks[0]
@@ -103,9 +103,17 @@ def for_rank(sd: Dict[str, Any], world: int, rank: int) -> Dict[str, Any]:
         if not all(isinstance(x, dict) and sorted(x) == sorted(subs[0]) for x in subs):
             raise ValueError("gathered checkpoint: the ranks' hook('auto') states have different "
                              "candidates")
-        return dict(base, subs={n: _reshard([x[n] for x in subs], world, rank, f"candidate {n}: ")
-                                for n in subs[0]})
+        out = {}
+        for n in subs[0]:
+            where = f"candidate {n}: "
+            _same([x[n] for x in subs], _STEP_KEYS, where)
+            out[n] = _reshard([x[n] for x in subs], world, rank, where)
+        return dict(base, subs=out)
     return _reshard(ranks, world, rank, "")
+
+
+#: what every rank's state must hold alike to be one job's checkpoint of one step
+_STEP_KEYS = ("compressor", "options", "iter", "start_iter")
 
 
 def _same(ranks, keys, where: str) -> None:
@@ -117,9 +125,9 @@ def _same(ranks, keys, where: str) -> None:
 
 
 def _reshard(ranks: List[Dict[str, Any]], world: int, rank: int, where: str) -> Dict[str, Any]:
-    """One hook's per-rank states -> rank `rank`'s of `world`: each bucket's plan state through
-    _C.reshard_state (the parameters, sizes and layout must agree across ranks)."""
-    _same(ranks, ("compressor", "options", "iter", "start_iter"), where)
+    """One hook's per-rank states (already checked with _STEP_KEYS) -> rank `rank`'s of `world`:
+    each bucket's plan state through _C.reshard_state (the parameters, sizes and layout must
+    agree across ranks)."""
     tables = [s.get("buckets") for s in ranks]
     if not all(isinstance(t, dict) for t in tables):
         raise ValueError(f"gathered checkpoint: {where}a rank's 'buckets' is not a dict")
