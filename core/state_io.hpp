@@ -222,6 +222,8 @@ std::vector<uint8_t> reshard_sparsify_state(const std::vector<std::vector<uint8_
                                             const std::string& kind);
 std::vector<uint8_t> reshard_onebit_state(const std::vector<std::vector<uint8_t>>& states,
                                           int world, int rank);
+std::vector<uint8_t> reshard_quant_state(const std::vector<std::vector<uint8_t>>& states, int world,
+                                         int rank);
 std::vector<uint8_t> reshard_powersgd_state(const std::vector<std::vector<uint8_t>>& states);
 
 }  // namespace gradcomp::detail

@@ -4,8 +4,9 @@
 // the contract of its kernels::cpu / kernels::cuda twin (kernels/onebit_kernels.hpp,
 // kernels/topk_kernels.hpp, kernels/scan_kernels.hpp); on the CPU the stream is ignored.
 //
-// Covered: the shared scan (first_nonfinite), the 1-bit family, the DGC/top-k local steps and
-// PowerSGD's phases (the same phase API; the CPU runs fused tile passes, CUDA per-group BLAS).
+// Covered: the shared scan (first_nonfinite), the 1-bit and multi-bit families, the DGC/top-k local
+// steps and PowerSGD's phases (the same phase API; the CPU runs fused tile passes, CUDA per-group
+// BLAS).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include "gradcomp/tensor.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/powersgd_kernels.hpp"
+#include "kernels/quant_kernels.hpp"
 #include "kernels/topk_kernels.hpp"
 
 namespace gradcomp::kernels {
@@ -49,6 +51,14 @@ void onebit_decode_average(const Exec& e, const uint32_t* const* bits, const flo
                            float* dense, OneBitWorkspace& ws);
 void hadamard_rotate(const Exec& e, float* x, int64_t nblocks, int64_t S, int64_t first_block,
                      bool inverse);
+
+// ---- multi-bit ----
+/// On CUDA the compress checks nothing (returns -1): scan with first_nonfinite first.
+int64_t quant_compress(const Exec& e, const void* g, DType t, const float* e_in, float* e_out,
+                       const QuantGeom& geo, const QuantRng& rng, bool check_finite, uint8_t* body);
+/// bodies: a host array of pointers on the device of e.
+void quant_decode_average(const Exec& e, const uint8_t* const* bodies, int count,
+                          const QuantGeom& geo, float scale, float* dense, QuantWorkspace& ws);
 
 // ---- top-k / random-k / DGC ----
 int64_t select(const Exec& e, const float* x, int64_t n, int64_t k, const SelectOptions& opt,

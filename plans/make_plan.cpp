@@ -64,6 +64,19 @@ PlanOptions defaults_of(const std::string& name) {
             {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
             {"momentum", d.momentum}};
   }
+  if (name == "quant") {
+    const QuantConfig d;
+    return {{"bits", int64_t{d.bits}},
+            {"block_size", d.block_size},
+            {"rounding", std::string(enum_name(d.rounding))},
+            {"scale", std::string(enum_name(d.scale))},
+            {"scale_dtype", std::string(enum_name(d.scale_dtype))},
+            {"rotate", d.rotate},
+            {"error_feedback", d.error_feedback},
+            {"check_finite", d.check_finite},
+            {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
+            {"seed", static_cast<int64_t>(d.seed)}};
+  }
   if (name == "powersgd") {
     const PowerSGDConfig d;
     return {{"rank", int64_t{d.rank}},
@@ -196,7 +209,7 @@ RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id) {
 }
 
 std::vector<std::string> plan_names() {
-  return {"allreduce", "fp16", "bf16", "topk", "randomk", "onebit", "powersgd"};
+  return {"allreduce", "fp16", "bf16", "topk", "randomk", "onebit", "quant", "powersgd"};
 }
 
 PlanOptions plan_defaults(const std::string& name) { return defaults_of(name); }
@@ -281,6 +294,24 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
     return std::make_unique<OneBitAllreducePlan>(c, b.numel, b.world, b.rank, b.device,
                                                  b.device_index, b.stream);
   }
+  if (name == "quant") {
+    QuantConfig c;
+    const int64_t bits = o.integer("bits");
+    GC_CHECK_ARG(bits == 2 || bits == 4 || bits == 8,
+                 "invalid option for compressor 'quant': ", "bits must be 2, 4 or 8, got ", bits);
+    c.bits = static_cast<int>(bits);
+    c.block_size = o.integer("block_size");
+    c.rounding = parse_enum<QuantRounding>(o.name("rounding"));
+    c.scale = parse_enum<QuantScale>(o.name("scale"));
+    c.scale_dtype = parse_enum<DType>(o.name("scale_dtype"));
+    c.rotate = o.flag("rotate");
+    c.error_feedback = o.flag("error_feedback");
+    c.check_finite = o.flag("check_finite");
+    c.seed = o.seed("seed");
+    c.tensor_id = b.bucket_id;
+    return std::make_unique<QuantAllreducePlan>(c, b.numel, b.world, b.rank, b.dtype, b.device,
+                                                b.device_index, b.stream);
+  }
   // powersgd
   PowerSGDConfig c;
   c.rank = static_cast<int>(std::min<int64_t>(o.integer("rank"), int64_t{1} << 30));
@@ -321,6 +352,8 @@ std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& stat
     out = detail::reshard_sparsify_state(states, kind);
   else if (kind == "onebit-allreduce")
     out = detail::reshard_onebit_state(states, world, rank);
+  else if (kind == "quant-allreduce")
+    out = detail::reshard_quant_state(states, world, rank);
   else if (kind == "powersgd")
     out = detail::reshard_powersgd_state(states);
   else

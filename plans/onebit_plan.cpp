@@ -13,6 +13,7 @@
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
 #include "kernels/reduce_kernels.hpp"  // convert: the in-place result in the gradient's dtype
+#include "plans/two_phase.hpp"
 
 namespace gradcomp {
 
@@ -70,15 +71,9 @@ struct OneBitAllreducePlan::Impl {
 };
 
 namespace {
-/// 32-bit words of a server chunk: the bucket's words split over the ranks, rounded up to whole
-/// scale blocks (chunk_size elements) when blocks are set.
+/// 32-bit words of a server chunk (plans/two_phase.hpp): whole scale blocks when blocks are set.
 int64_t chunk_words(int64_t numel, int world, int64_t chunk_size) {
-  int64_t w = (k::onebit::num_words(numel) + world - 1) / world;
-  if (chunk_size > 0) {
-    const int64_t wb = chunk_size / 32;
-    w = (w + wb - 1) / wb * wb;
-  }
-  return w;
+  return detail::two_phase_chunk_elems(numel, world, chunk_size > 0 ? chunk_size : 32) / 32;
 }
 }  // namespace
 
@@ -188,24 +183,10 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
   s.src_t = grad.dtype;
   if (cfg_.rotate && numel_ > 0) {
     // in place on an fp32 gradient that receives the average anyway; else into a scratch copy
-    float* r;
-    if (!out && grad.dtype == DType::kFloat32) {
-      r = static_cast<float*>(grad.data);
-    } else {
-      r = s.rot.get<float>(static_cast<size_t>(numel_));
-      k::convert(device_, grad.data, grad.dtype, r, DType::kFloat32, numel_, 1.0f, s.stream);
-    }
-    k::dispatch::hadamard_rotate(s.ex, r, numel_ / scale_block_, scale_block_, 0, false);
-    if (cfg_.check_finite) {
-      // finite values above about FLT_MAX / S overflow in the butterflies: treated as a
-      // non-finite gradient (one more read pass, only with check_finite)
-      const int64_t big = k::dispatch::first_nonfinite(s.ex, r, DType::kFloat32, numel_, s.sws);
-      if (big >= 0)
-        return found_bad(big, detail::cat("gradient values too large to rotate (block ",
-                                          big / scale_block_, " overflows fp32; |g| must stay ",
-                                          "below about 3.4e38 / ", scale_block_, ")"));
-    }
-    s.src = r;
+    const detail::TwoPhaseSource r =
+        detail::two_phase_rotate(s.ex, grad, !out, s.rot, scale_block_, cfg_.check_finite, s.sws);
+    if (r.bad >= 0) return found_bad(r.bad, r.what);
+    s.src = r.data;
     s.src_t = DType::kFloat32;
   }
   if (cfg_.momentum > 0.0) {
@@ -466,12 +447,7 @@ std::vector<uint8_t> detail::reshard_onebit_state(const std::vector<std::vector<
   if (has_u) u = rs.mean("momentum", numel);
   rs.finish();
   const int64_t ce2 = 32 * chunk_words(numel, world, chunk_size);
-  std::vector<float> se2(static_cast<size_t>(ce2), 0.0f);
-  for (int64_t i = 0; i < ce2; ++i) {
-    const int64_t g = static_cast<int64_t>(rank) * ce2 + i;  // global position
-    if (g < static_cast<int64_t>(P) * ce)
-      std::memcpy(&se2[static_cast<size_t>(i)], se[static_cast<size_t>(g / ce)] + (g % ce) * 4, 4);
-  }
+  const std::vector<float> se2 = rechunk_server_error(se, ce, ce2, rank);
   StateWriter w("onebit-allreduce");
   w.put<int64_t>(numel);
   w.put<int32_t>(world);

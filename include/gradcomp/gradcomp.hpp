@@ -10,6 +10,7 @@
 #include "gradcomp/plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "gradcomp/quant.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/straggler.hpp"

@@ -19,6 +19,7 @@
 #include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/quant.hpp"
 #include "gradcomp/select.hpp"
 
 namespace gradcomp {
@@ -52,7 +53,7 @@ struct BucketSpec {
 };
 
 /// The families make_plan() knows, in a fixed order: "allreduce", "fp16", "bf16", "topk",
-/// "randomk", "onebit", "powersgd".
+/// "randomk", "onebit", "quant", "powersgd".
 std::vector<std::string> plan_names();
 
 /// Every option of a family with its default (InvalidArgument for an unknown family). These are
@@ -86,15 +87,16 @@ RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id = 0)
 /// from every rank of a job of P = states.size() ranks, in rank order, all taken after the same
 /// step; the result is the state to load into rank `rank` of a job of `world` ranks that runs the
 /// same family and options on the same bucket. Families with state: top-k, random-k, 1-bit
-/// (the allreduce plan), PowerSGD.
+/// (the allreduce plan), quant, PowerSGD.
 ///
 /// What is kept, per element of the bucket (each rank's arrays add to the average with weight
 /// 1/P, so every new rank gets their element-wise mean, summed in fp64 in rank order and rounded
 /// once to fp32; the sums below hold to that rounding):
 ///  - top-k, random-k: sum over ranks of the residual / P (what the residuals will still send)
 ///    and of the momentum / P;
-///  - 1-bit: sum over ranks of the worker error / P, plus the server error, which is re-chunked
-///    for the new world size element by element, exactly; the momentum as the residual;
+///  - 1-bit and quant: sum over ranks of the worker error / P, plus the server error, which is
+///    re-chunked for the new world size element by element, exactly; the 1-bit momentum as the
+///    residual;
 ///  - PowerSGD: sum over ranks of the error / P; Q (equal on every rank) is kept;
 ///  - every family: the step counter (warm-up position, RNG keys), which must be equal on every
 ///    rank. What each old rank held apart from the mean is not kept: it is a P-rank quantity.

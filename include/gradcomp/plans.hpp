@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Every bucket plan: plain, fp16/bf16 cast, top-k (sparse allgather or densify, chosen per bucket
-// by a cost model), random-k, the 1-bit two-phase allreduce and PowerSGD; make_plan.hpp builds
-// any of them by name. Each is a step machine (plan.hpp) that any driver
+// by a cost model), random-k, the 1-bit and multi-bit two-phase allreduces and PowerSGD;
+// make_plan.hpp builds any of them by name. Each is a step machine (plan.hpp) that any driver
 // executes: run_plan() over an MPI or NCCL communicator, run_plans_in_process() in tests, the
 // Python driver over torch.distributed.
 //
@@ -24,6 +24,7 @@
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "gradcomp/quant.hpp"
 #include "gradcomp/topk.hpp"
 #include "gradcomp/types.hpp"
 #include "gradcomp/workspace.hpp"
@@ -375,6 +376,76 @@ class OneBitAllreducePlan : public BucketPlan {
   int64_t words_per_chunk_ = 0;
   int64_t scale_block_ = 32;
   int64_t scales_per_chunk_ = 1;
+  int64_t step_ = 0;
+  int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
+};
+
+/// Multi-bit quantized allreduce (gradcomp/quant.hpp): the 1-bit plan's two phases with a b-bit
+/// codec (plans/two_phase.hpp holds what they share).
+///  (1) x = g + worker_error (or the rotation of g, see QuantConfig::rotate) is cut into P server
+///      chunks of CE elements (CE: the bucket's 32-element words split over the ranks, rounded up
+///      to whole blocks); chunk q goes to rank q (all-to-all) as [header | scales | codes],
+///      B = block_bytes() bytes per chunk. The worker error keeps what the codes lost.
+///  (2) rank r decodes chunk r of every rank, sums them in rank order in fp32, multiplies by 1/P,
+///      adds its server error and quantizes again (server error feedback, same block grid).
+///  (3) allgather of the P averaged chunks; every rank decodes them all (and rotates them back):
+///      bitwise the same average on every rank.
+/// The 24-byte chunk header carries the codec (bits, block, scale kind and dtype, rounding), the
+/// chunk's element count, the sender's step and two flags; every receiver checks them, so ranks
+/// whose options or steps differ (a checkpoint restored on one rank only) fail the step on every
+/// rank with InvalidArgument, the state unchanged, instead of averaging garbage. A NaN/Inf
+/// gradient (check_finite) is flagged in the header and the step skipped (or raised) on every rank
+/// (OnNonFinite). The worker and server errors are double-buffered (the step writes the other
+/// copy; a kept step swaps it in), so a failed or skipped step changes no state and undo_step()
+/// can take a kept step back.
+///
+/// Example (one rank; a driver executes the collectives):
+///   gradcomp::QuantConfig cfg;  cfg.bits = 4;
+///   gradcomp::QuantAllreducePlan plan(cfg, n, world, rank);
+///   plan.begin(TensorView::cpu(g.data(), n));
+///   while (auto c = plan.next()) driver.run(*c);   // g now holds the averaged gradient
+class QuantAllreducePlan : public BucketPlan {
+ public:
+  QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
+                     DType grad_dtype = DType::kFloat32, Device device = Device::kCPU,
+                     int device_index = 0, void* stream = nullptr);
+  ~QuantAllreducePlan() override;
+  /// Starts a step that averages grad (numel elements of the plan's dtype and device) in place.
+  /// Checks before any state changes (InvalidArgument, also while a step is in progress). With
+  /// rotate, an fp32 grad holds rotated values until the step ends; fp16/bf16 gradients are
+  /// rotated in a scratch copy (4 bytes per element, kept by the plan).
+  void begin(const TensorView& grad) override;
+  std::optional<Collective> next() override;
+  std::string name() const override { return "quant"; }
+  int64_t numel() const override { return numel_; }
+  Device device() const { return device_; }
+  int64_t step() const { return step_; }
+  const QuantConfig& config() const { return cfg_; }
+  /// Elements per server chunk and bytes per chunk on the wire (header, scales, codes).
+  int64_t chunk_elems() const { return chunk_elems_; }
+  size_t block_bytes() const { return block_bytes_; }
+  /// Bytes this rank hands to the collectives per step (all-to-all + allgather).
+  uint64_t bytes_sent() const { return block_bytes_ * static_cast<uint64_t>(world_ + 1); }
+  /// Worker error (numel floats) and this rank's server error (chunk_elems() floats), fp32 on the
+  /// plan's device (rotated coordinates with rotate).
+  const float* worker_error() const;
+  const float* server_error() const;
+  bool stateful() const override { return true; }
+  std::vector<uint8_t> state_dict() const override;
+  /// Restores state_dict(); InvalidArgument on a mismatch or during a step (nothing changes).
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
+
+ private:
+  void undo_state() override;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  QuantConfig cfg_;
+  int64_t numel_;
+  int world_, rank_;
+  DType dtype_;
+  Device device_;
+  int64_t chunk_elems_ = 0;
+  size_t block_bytes_ = 0;
   int64_t step_ = 0;
   int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
 };

@@ -59,6 +59,21 @@ void hadamard_rotate(const Exec& e, float* x, int64_t nblocks, int64_t S, int64_
     cpu::hadamard_rotate(x, nblocks, S, first_block, inverse);
 }
 
+int64_t quant_compress(const Exec& e, const void* g, DType t, const float* e_in, float* e_out,
+                       const QuantGeom& geo, const QuantRng& rng, bool check_finite,
+                       uint8_t* body) {
+  return e.cuda() ? cuda::quant_compress(g, t, e_in, e_out, geo, rng, check_finite, body, e.stream)
+                  : cpu::quant_compress(g, t, e_in, e_out, geo, rng, check_finite, body);
+}
+
+void quant_decode_average(const Exec& e, const uint8_t* const* bodies, int count,
+                          const QuantGeom& geo, float scale, float* dense, QuantWorkspace& ws) {
+  if (e.cuda())
+    cuda::quant_decode_average(bodies, count, geo, scale, dense, ws, e.stream);
+  else
+    cpu::quant_decode_average(bodies, count, geo, scale, dense);
+}
+
 int64_t select(const Exec& e, const float* x, int64_t n, int64_t k, const SelectOptions& opt,
                const RngKey& key, uint32_t* out, SelectWorkspace& ws) {
   return e.cuda() ? cuda::select(x, n, k, opt, key, out, ws, e.stream)

@@ -31,6 +31,8 @@ void bind_plans(nb::module_& m) {
                             "How a top-k step learns the payload sizes (option: exchange).");
   option_enum<CastRoute>(m, "CastRoute", "fp16/bf16 summation route (option: route).");
   option_enum<OneBitScaling>(m, "OneBitScaling", "1-bit scales (option: scaling).");
+  option_enum<QuantRounding>(m, "QuantRounding", "Multi-bit rounding (option: rounding).");
+  option_enum<QuantScale>(m, "QuantScale", "Multi-bit block scales (option: scale).");
   option_enum<Orthogonalization>(m, "Orthogonalization",
                                  "PowerSGD orthogonalization (option: orthogonalization).");
   option_enum<OnNonFinite>(m, "OnNonFinite",

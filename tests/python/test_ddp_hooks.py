@@ -26,12 +26,13 @@ HOOKS = {
     # them all whole: 1000 samples fc1 and fc2 (6,144 elements) and sends the rest whole (648)
     "randomk": dict(ratio=0.05, dense_below=1000),
     "onebit": {},
+    "quant": {},
     "powersgd": dict(rank=2),
 }
 # bytes handed to collectives per step must be below plain allreduce by at least this factor
 # (random-k: 6,792 elements over 308 sampled + 648 whole = 7.1x)
 MIN_FACTOR = {"allreduce": 1.0, "fp16": 2.0, "topk": 4.0, "randomk": 5.0, "onebit": 8.0,
-              "powersgd": 3.0}
+              "quant": 5.0, "powersgd": 3.0}
 STEPS = 50
 
 
@@ -118,7 +119,7 @@ def _ckpt_run(rank, world, out_dir, name, phase):
         torch.save(model.module.state_dict(), os.path.join(out_dir, f"final_{phase}_{rank}.pt"))
 
 
-@pytest.mark.parametrize("name", ["topk", "onebit", "powersgd"])
+@pytest.mark.parametrize("name", ["topk", "onebit", "quant", "powersgd"])
 def test_checkpoint_round_trip_is_identical_to_uninterrupted(name):
     d = tmpdir()
     run(_ckpt_run, 2, d, name, "first")
@@ -227,7 +228,7 @@ def _features(rank, world, out_dir):
     # matmul and gloo cannot broadcast bf16, so these buckets go through the hook directly, with
     # a bucket object shaped like DDP's GradBucket
     for dt in (torch.float16, torch.bfloat16):
-        for name in ("topk", "onebit", "powersgd", "randomk", "allreduce"):
+        for name in ("topk", "onebit", "quant", "powersgd", "randomk", "allreduce"):
             extra = {"rank": 2} if name == "powersgd" else {}
             torch.manual_seed(1 + rank)
             params = [torch.nn.Parameter(torch.randn(16, 8, dtype=dt)),

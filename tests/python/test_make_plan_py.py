@@ -24,7 +24,7 @@ def test_names_and_defaults_are_the_hooks():
 
 
 @pytest.mark.parametrize("name", ["allreduce", "fp16", "bf16", "topk", "randomk", "onebit",
-                                  "powersgd"])
+                                  "quant", "powersgd"])
 def test_every_family_takes_its_defaults_and_averages_in_place(name):
     n = 1000
     p = _C.make_plan(name, n, "float32", 1, options=_C.plan_defaults(name))

@@ -31,6 +31,7 @@ FAMILIES = [
     ("randomk", dict(ratio=0.05, dense_below=1000)),
     ("onebit", dict()),
     ("onebit", dict(momentum=0.9)),
+    ("quant", dict(bits=4)),
     ("powersgd", dict(rank=2)),
 ]
 STEPS, BAD = 8, 4  # BAD > start_iter (2): the step is a compressed one
@@ -111,7 +112,7 @@ def test_overflow_step_leaves_no_trace(name, opts, where):
 def _raise_policy(rank, world, out_dir):
     data = make_data(rank, 6)
     for name, opts in (("topk", dict(ratio=0.1)), ("onebit", {}), ("powersgd", dict(rank=2)),
-                       ("randomk", dict(ratio=0.1, dense_below=100))):
+                       ("randomk", dict(ratio=0.1, dense_below=100)), ("quant", {})):
         torch.manual_seed(0)
         model = DDP(Net())
         state, hook = gt.hook(name, start_iter=0, on_nonfinite="raise", **opts)
@@ -203,8 +204,8 @@ def _grad_scaler(rank, world, name, opts, out_dir):
 
 @pytest.mark.skipif(not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"),
                     reason="torch.amp.GradScaler on the CPU needs torch 2.x")
-@pytest.mark.parametrize("name,opts", [FAMILIES[0], FAMILIES[2], FAMILIES[3], FAMILIES[5]],
-                         ids=["topk", "randomk", "onebit", "powersgd"])
+@pytest.mark.parametrize("name,opts", [FAMILIES[0], FAMILIES[2], FAMILIES[3], FAMILIES[5], FAMILIES[6]],
+                         ids=["topk", "randomk", "onebit", "quant", "powersgd"])
 def test_grad_scaler_skips_match_the_hooks_and_training_goes_on(name, opts):
     out = tmpdir()
     run(_grad_scaler, 2, name, opts, out)

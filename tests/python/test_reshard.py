@@ -27,6 +27,7 @@ FAMILIES = {
     "topk": dict(ratio=0.05),
     "randomk": dict(ratio=0.05, dense_below=0),
     "onebit": dict(),
+    "quant": dict(bits=2),
     "powersgd": dict(rank=2),
     "auto": dict(trial_steps=2, candidates=["allreduce", "fp16", "powersgd"]),
 }
@@ -72,7 +73,7 @@ def _job(rank, world, out_dir, name, phase, gathered_from=None):
         mark_ok(out_dir, rank)
 
 
-@pytest.mark.parametrize("name", ["topk", "onebit", "auto (one candidate)"])
+@pytest.mark.parametrize("name", ["topk", "onebit", "quant", "auto (one candidate)"])
 def test_gathered_checkpoint_resumes_bitwise_on_as_many_ranks(name):
     d = tmpdir()
     for phase in ("first", "resume", "straight"):
@@ -80,7 +81,7 @@ def test_gathered_checkpoint_resumes_bitwise_on_as_many_ranks(name):
     assert_resumed_equals_straight(d, 2, name)
 
 
-@pytest.mark.parametrize("name", ["topk", "randomk", "onebit", "powersgd", "auto"])
+@pytest.mark.parametrize("name", ["topk", "randomk", "onebit", "quant", "powersgd", "auto"])
 @pytest.mark.parametrize("worlds", [(4, 2), (2, 3)])
 def test_gathered_checkpoint_resumes_on_another_world_size(name, worlds):
     P, P2 = worlds

@@ -30,6 +30,7 @@ FAMILIES = {
     "topk": dict(ratio=0.01),
     "randomk": dict(ratio=0.01),
     "onebit": dict(),
+    "quant": dict(bits=4),
     "powersgd": dict(rank=2),
 }
 
@@ -57,7 +58,7 @@ def _ckpt(rank, world, out_dir, name, phase, keyed):
 
 
 @pytest.mark.parametrize("name,keyed", [("topk", True), ("randomk", True), ("onebit", True),
-                                        ("powersgd", True), ("topk", False)])
+                                        ("quant", True), ("powersgd", True), ("topk", False)])
 def test_resume_is_bitwise_on_a_model_whose_buckets_ddp_regroups(name, keyed):
     d = tmpdir()
     for phase in ("first", "resume", "straight"):

@@ -56,6 +56,9 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "randomk10-mc": ("randomk", dict(ratio=0.1, momentum=0.9), True),
     "onebit": ("onebit", {}, False),
     "onebit-mc": ("onebit", dict(momentum=0.9), True),
+    "quant8": ("quant", dict(bits=8), False),
+    "quant4": ("quant", dict(bits=4), False),
+    "quant2": ("quant", dict(bits=2), False),
     "powersgd": ("powersgd", dict(rank=4), False),
 }
 #: suffixes a configuration may carry: "+slow" injects log-normal delays on the last rank and

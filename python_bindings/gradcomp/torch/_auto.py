@@ -9,14 +9,15 @@ itself spent on it: local compression work plus launching and waiting for its co
 its plans, is not counted). The medians are averaged over the ranks (one small allreduce on the
 hook's own process group, so every rank decides the same) and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
-the cheapest (faithfulness: allreduce, bf16, fp16, powersgd, topk). Every ``recheck_every``
+the cheapest (faithfulness: allreduce, bf16, fp16, quant, powersgd, topk). Every ``recheck_every``
 iterations the trial runs again (0: never). The ``allreduce`` candidate (and the plain steps
 before ``start_iter``) is DDP's own average: torch.distributed's allreduce on the user's process
 group, issued by the hook at once, so that on a fast link auto costs what plain DDP costs; its
 cost is measured from launch to completion.
 
-The accuracy budget is the candidate list and two bounds: ``min_rank`` (PowerSGD's rank) and
-``max_density`` (top-k's fraction of elements sent). Top-k is not a default candidate: it needs
+The accuracy budget is the candidate list and three bounds: ``min_rank`` (PowerSGD's rank),
+``min_bits`` (the multi-bit candidate's bits per value, 2, 4 or 8) and ``max_density`` (top-k's
+fraction of elements sent). Top-k is not a default candidate: it needs
 DGC momentum correction (``dgc_optimizer``) to match plain SGD with momentum. When a bucket's
 choice changes, the state of the compressor it leaves (PowerSGD's error and Q, top-k's residual)
 is dropped, so a later return starts clean; the residual a stateful candidate held at the end of
@@ -42,7 +43,7 @@ from ._reshard import local_state_dict
 log = logging.getLogger("gradcomp")
 
 #: Candidates from the most to the least faithful to the plain average.
-FIDELITY = ("allreduce", "bf16", "fp16", "powersgd", "topk")
+FIDELITY = ("allreduce", "bf16", "fp16", "quant", "powersgd", "topk")
 DEFAULT_CANDIDATES = ("allreduce", "fp16", "powersgd")
 
 
@@ -86,6 +87,7 @@ class AutoState:
     def __init__(self, process_group=None, start_iter: Optional[int] = None, log_every: int = 0,
                  model=None, timeout=None, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
+                 min_bits: int = 4,
                  recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
                  _lazy: bool = False):
 
@@ -98,6 +100,8 @@ class AutoState:
                              f"{cands!r}")
         self.candidates = [c for c in FIDELITY if c in cands]
         _check_int("min_rank", min_rank, 1)
+        if _check_int("min_bits", min_bits, 2) not in (2, 4, 8):
+            raise ValueError(f"min_bits must be 2, 4 or 8, got {min_bits!r}")
         if isinstance(max_density, bool) or not isinstance(max_density, (int, float)) \
                 or not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density!r}")
@@ -111,14 +115,15 @@ class AutoState:
                 or not (margin >= 0 and math.isfinite(margin)):
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
         self.options = dict(candidates=list(self.candidates), min_rank=min_rank,
-                            max_density=max_density, trial_steps=trial_steps,
+                            max_density=max_density, min_bits=min_bits, trial_steps=trial_steps,
                             recheck_every=recheck_every, margin=margin)
         self.start_iter = 2 if start_iter is None else _check_int("start_iter", start_iter, 0)
         self.margin = float(margin)
         self.pipeline = pipeline
         self.log_every = _check_int("log_every", log_every, 0)
         self.timeout = timeout
-        per = {"allreduce": {}, "bf16": {}, "fp16": {}, "powersgd": {"rank": min_rank},
+        per = {"allreduce": {}, "bf16": {}, "fp16": {}, "quant": {"bits": min_bits},
+               "powersgd": {"rank": min_rank},
                "topk": {"ratio": max_density}}
         names = self.candidates if "allreduce" in self.candidates else \
             ["allreduce"] + self.candidates  # plain steps before start_iter

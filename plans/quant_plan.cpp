@@ -1,0 +1,489 @@
+// SPDX-License-Identifier: Apache-2.0
+// The multi-bit two-phase allreduce (QuantAllreducePlan, gradcomp/plans.hpp): worker quantization
+// and all-to-all of the chunks, server averaging and quantization, allgather. Local work goes
+// through kernels/dispatch.hpp; the collectives are only asked for.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "compressors/checks.hpp"
+#include "core/state_io.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/quant.hpp"
+#include "kernels/dispatch.hpp"
+#include "kernels/reduce_kernels.hpp"
+#include "plans/two_phase.hpp"
+
+namespace gradcomp {
+
+namespace k = kernels;
+
+void QuantConfig::validate() const {
+  GC_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, "quant: bits must be 2, 4 or 8, got ", bits);
+  GC_CHECK_ARG(block_size >= 32 && block_size <= 8192 && (block_size & (block_size - 1)) == 0,
+               "quant: block_size must be a power of two in [32, 8192], got ", block_size);
+  GC_CHECK_ARG(scale_dtype == DType::kFloat32 || scale_dtype == DType::kFloat16,
+               "quant: scale_dtype must be float32 or float16, got ", dtype_name(scale_dtype));
+  GC_CHECK_ARG(static_cast<uint8_t>(rounding) <= 1, "quant: unknown rounding ", int(rounding));
+  GC_CHECK_ARG(static_cast<uint8_t>(scale) <= 1, "quant: unknown scale ", int(scale));
+}
+
+double quant_bits_per_value(const QuantConfig& cfg) {
+  const int per_block = (cfg.scale == QuantScale::kAsymmetric ? 2 : 1) *
+                        (cfg.scale_dtype == DType::kFloat16 ? 16 : 32);
+  return cfg.bits + static_cast<double>(per_block) / static_cast<double>(cfg.block_size);
+}
+
+namespace {
+
+/// The chunk header every sent chunk starts with (24 bytes, little-endian).
+struct ChunkHeader {
+  uint32_t magic = kMagic;
+  uint8_t bits = 0, log2_block = 0, scale = 0, scale_dtype = 0;
+  uint8_t rounding = 0, flags = 0;
+  uint16_t reserved = 0;
+  uint32_t step = 0;                               ///< the sender's step (low 32 bits)
+  uint64_t count = 0;                              ///< elements in the chunk
+  static constexpr uint32_t kMagic = 0x31514347u;  // "GCQ1"
+  static constexpr uint8_t kBad = 1;               ///< the sender's gradient held NaN / Inf
+  static constexpr uint8_t kMismatch = 2;  ///< the server got a chunk that disagrees with its own
+};
+static_assert(sizeof(ChunkHeader) == 24, "the chunk header is 24 bytes on the wire");
+
+int log2_of(int64_t v) {
+  int r = 0;
+  while ((int64_t{1} << r) < v) ++r;
+  return r;
+}
+
+}  // namespace
+
+struct QuantAllreducePlan::Impl {
+  Impl(Device dev, void* s)
+      : we{Buffer(dev, s), Buffer(dev, s)},
+        se{Buffer(dev, s), Buffer(dev, s)},
+        send(dev, s),
+        recv(dev, s),
+        gsend(dev, s),
+        grecv(dev, s),
+        avg(dev, s),
+        rot(dev, s),
+        ws(dev),
+        sws(dev),
+        stream(s),
+        ex{dev, s} {}
+  // Worker and server error: [cur] is the state; a step writes [1 - cur] and a kept step swaps.
+  Buffer we[2], se[2];
+  Buffer send, recv, gsend, grecv, avg, rot;
+  k::QuantWorkspace ws;
+  k::SelectWorkspace sws;
+  void* stream;
+  k::Exec ex;
+  int device_index = 0;
+  int cur = 0;
+  TensorView grad;
+  const void* src = nullptr;
+  DType src_t = DType::kFloat32;
+  int64_t bad = -1;  ///< this step: this rank's first bad index, or -1
+  std::string bad_what;
+  std::string mismatch;  ///< this step: what the server found wrong with a received chunk
+  float* we_in() { return static_cast<float*>(we[cur].data()); }
+  float* we_out() { return static_cast<float*>(we[1 - cur].data()); }
+  float* se_in() { return static_cast<float*>(se[cur].data()); }
+  float* se_out() { return static_cast<float*>(se[1 - cur].data()); }
+};
+
+QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
+                                       DType grad_dtype, Device device, int device_index,
+                                       void* stream)
+    : cfg_(cfg), numel_(numel), world_(world), rank_(rank), dtype_(grad_dtype), device_(device) {
+  cfg_.validate();
+  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "numel must be in [0, 2^40], got ",
+               numel);
+  GC_CHECK_ARG(world >= 1 && world <= (1 << 20), "world size must be in [1, 2^20], got ", world);
+  GC_CHECK_ARG(rank >= 0 && rank < world, "rank ", rank, " is outside [0, ", world, ")");
+  GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "quant: unsupported gradient dtype");
+  if (device == Device::kCUDA && !built_with_cuda())
+    throw_not_built_with_cuda("QuantAllreducePlan on CUDA");
+  chunk_elems_ = detail::two_phase_chunk_elems(numel, world, cfg_.block_size);
+  k::QuantGeom geo;
+  geo.bits = cfg_.bits;
+  geo.block = cfg_.block_size;
+  geo.asym = cfg_.scale == QuantScale::kAsymmetric;
+  geo.half = cfg_.scale_dtype == DType::kFloat16;
+  geo.n = chunk_elems_;
+  block_bytes_ = sizeof(ChunkHeader) + static_cast<size_t>(geo.body_bytes());
+  impl_ = std::make_unique<Impl>(device, stream);
+  impl_->device_index = device_index;
+  Impl& s = *impl_;
+  const size_t P = static_cast<size_t>(world), B = block_bytes_;
+  const auto n = static_cast<size_t>(numel), ce = static_cast<size_t>(chunk_elems_);
+  for (Buffer& b : s.we) device_zero(device, b.get<float>(n + 1), (n + 1) * sizeof(float), stream);
+  for (Buffer& b : s.se)
+    device_zero(device, b.get<float>(ce + 1), (ce + 1) * sizeof(float), stream);
+  // the bytes a chunk does not fill (padding, a short last chunk) stay zero for good
+  device_zero(device, s.send.get<uint8_t>(P * B), P * B, stream);
+  device_zero(device, s.gsend.get<uint8_t>(B), B, stream);
+  s.recv.get<uint8_t>(P * B);
+  s.grecv.get<uint8_t>(P * B);
+  s.avg.get<float>(ce + 1);
+}
+
+QuantAllreducePlan::~QuantAllreducePlan() = default;
+
+const float* QuantAllreducePlan::worker_error() const { return impl_->we_in(); }
+const float* QuantAllreducePlan::server_error() const { return impl_->se_in(); }
+
+void QuantAllreducePlan::begin(const TensorView& grad) {
+  Impl& s = *impl_;
+  GC_CHECK_ARG(phase_ == 0, "quant rank ", rank_,
+               ": begin() called while a step is in progress (run next() until it returns "
+               "nullopt)");
+  detail::check_grad(grad, numel_, device_, s.device_index, cfg_.tensor_id, "quant");
+  GC_CHECK_ARG(grad.dtype == dtype_, "quant tensor ", cfg_.tensor_id, ": gradient is ",
+               dtype_name(grad.dtype), " but the plan was built for ", dtype_name(dtype_));
+  s.bad = -1;
+  s.bad_what.clear();
+  s.mismatch.clear();
+  s.grad = grad;
+  s.src = grad.data;
+  s.src_t = grad.dtype;
+  phase_ = 1;
+  start_step();
+  // a bad gradient changes nothing here: phase 1 flags it in every chunk header instead of
+  // sending its data, and every rank learns of it from the step's own data
+  const bool prescan = cfg_.check_finite && (cfg_.rotate || device_ == Device::kCUDA);
+  if (prescan && numel_ > 0) {
+    // the rotation spreads a bad value over its block and the CUDA compress checks nothing:
+    // scanned first, so the index is the gradient's own
+    const int64_t bad = k::dispatch::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
+    if (bad >= 0) {
+      s.bad = bad;
+      s.bad_what = detail::cat("gradient has a non-finite value (NaN or Inf) at index ", bad);
+      return;
+    }
+  }
+  if (cfg_.rotate && numel_ > 0) {
+    const detail::TwoPhaseSource r = detail::two_phase_rotate(
+        s.ex, grad, true, s.rot, cfg_.block_size, cfg_.check_finite, s.sws);
+    s.src = r.data;
+    s.src_t = DType::kFloat32;
+    if (r.bad >= 0) {
+      s.bad = r.bad;
+      s.bad_what = r.what;
+    }
+  }
+}
+
+std::optional<Collective> QuantAllreducePlan::next() {
+  Impl& s = *impl_;
+  const size_t P = static_cast<size_t>(world_), B = block_bytes_;
+  const int64_t CE = chunk_elems_;
+  auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
+  k::QuantGeom geo;
+  geo.bits = cfg_.bits;
+  geo.block = cfg_.block_size;
+  geo.asym = cfg_.scale == QuantScale::kAsymmetric;
+  geo.half = cfg_.scale_dtype == DType::kFloat16;
+  geo.capacity = CE;
+  auto header = [&](int64_t len, uint8_t flags) {
+    ChunkHeader h;
+    h.bits = static_cast<uint8_t>(cfg_.bits);
+    h.log2_block = static_cast<uint8_t>(log2_of(cfg_.block_size));
+    h.scale = static_cast<uint8_t>(cfg_.scale);
+    h.scale_dtype = static_cast<uint8_t>(geo.half);
+    h.rounding = static_cast<uint8_t>(cfg_.rounding);
+    h.flags = flags;
+    h.step = static_cast<uint32_t>(step_);
+    h.count = static_cast<uint64_t>(len);
+    return h;
+  };
+  auto put_header = [&](uint8_t* dst, const ChunkHeader& h) {
+    device_copy(dst, device_, &h, Device::kCPU, sizeof h, s.stream);
+  };
+  auto get_header = [&](const uint8_t* src) {
+    ChunkHeader h;
+    device_copy(&h, Device::kCPU, src, device_, sizeof h, s.stream);
+    return h;
+  };
+  // what a received header says that this rank does not ("" when it agrees)
+  auto disagreement = [&](const ChunkHeader& h, int64_t len) -> std::string {
+    const ChunkHeader mine = header(len, 0);
+    if (h.magic != ChunkHeader::kMagic) return "is not a quant chunk (bad magic)";
+    if (h.bits != mine.bits || h.log2_block != mine.log2_block || h.scale != mine.scale ||
+        h.scale_dtype != mine.scale_dtype || h.rounding != mine.rounding)
+      return detail::cat("has other options (bits ", int(h.bits), ", block 2^", int(h.log2_block),
+                         ", scale ", int(h.scale), "/", int(h.scale_dtype), ", rounding ",
+                         int(h.rounding), "; here bits ", cfg_.bits, ", block ", cfg_.block_size,
+                         ")");
+    if (h.count != mine.count) return detail::cat("holds ", h.count, " elements, not ", len);
+    if (h.step != mine.step)
+      return detail::cat("was sent at step ", h.step, " while this rank is at step ", mine.step,
+                         " (ranks at different steps: a checkpoint restored on some ranks only?)");
+    if (h.flags & ~(ChunkHeader::kBad | ChunkHeader::kMismatch)) return "has unknown flags";
+    return "";
+  };
+  auto rng_of = [&](uint64_t role, int64_t first) {
+    k::QuantRng r;
+    r.stochastic = cfg_.rounding == QuantRounding::kStochastic;
+    r.key = RngKey{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
+    r.role = role;
+    r.first = static_cast<uint64_t>(first);
+    return r;
+  };
+  Collective c;
+  c.device = device_;
+  c.stream = s.stream;
+  c.world = world_;
+  c.type = ElemType::kU8;
+  c.count = B;
+  switch (phase_) {
+    case 1: {  // (1) worker: quantize every chunk into its send block
+      auto* send = static_cast<uint8_t*>(s.send.data());
+      const size_t es = dtype_size(s.src_t);
+      const bool ef = cfg_.error_feedback;
+      const bool check = cfg_.check_finite && device_ == Device::kCPU && !cfg_.rotate;
+      for (size_t q = 0; q < P && s.bad < 0; ++q) {
+        const int64_t L = chunk_len(static_cast<int64_t>(q)), off = static_cast<int64_t>(q) * CE;
+        if (L == 0) continue;
+        geo.n = L;
+        const int64_t bad = k::dispatch::quant_compress(
+            s.ex, static_cast<const uint8_t*>(s.src) + static_cast<size_t>(off) * es, s.src_t,
+            ef ? s.we_in() + off : nullptr, ef ? s.we_out() + off : nullptr, geo,
+            rng_of(static_cast<uint64_t>(rank_), off), check, send + q * B + sizeof(ChunkHeader));
+        if (bad >= 0) {
+          s.bad = off + bad;
+          s.bad_what = detail::cat("gradient has a non-finite value (NaN or Inf) at index ", s.bad);
+        }
+      }
+      for (size_t q = 0; q < P; ++q)
+        put_header(send + q * B,
+                   header(chunk_len(static_cast<int64_t>(q)), s.bad >= 0 ? ChunkHeader::kBad : 0));
+      c.kind = CollectiveKind::kAllToAll;
+      c.send = send;
+      c.recv = s.recv.data();
+      c.tag = "quant worker chunks";
+      phase_ = 2;
+      return c;
+    }
+    case 2: {  // (2) server: average chunk `rank` of every worker, add server error, quantize
+      const int64_t L = chunk_len(rank_), off = static_cast<int64_t>(rank_) * CE;
+      const auto* recv = static_cast<const uint8_t*>(s.recv.data());
+      auto* gsend = static_cast<uint8_t*>(s.gsend.data());
+      uint8_t flags = 0;
+      for (size_t q = 0; q < P; ++q) {
+        const ChunkHeader h = get_header(recv + q * B);
+        const std::string d = disagreement(h, L);
+        if (!d.empty()) {
+          if (s.mismatch.empty()) s.mismatch = detail::cat("rank ", q, "'s chunk ", rank_, " ", d);
+          flags |= ChunkHeader::kMismatch;
+        } else if (h.flags & ChunkHeader::kBad) {
+          flags |= ChunkHeader::kBad;
+        }
+      }
+      if (flags == 0 && L > 0) {
+        std::vector<const uint8_t*> bodies(P);
+        for (size_t q = 0; q < P; ++q) bodies[q] = recv + q * B + sizeof(ChunkHeader);
+        geo.n = L;
+        float* avg = static_cast<float*>(s.avg.data());
+        k::dispatch::quant_decode_average(s.ex, bodies.data(), world_, geo,
+                                          1.0f / static_cast<float>(world_), avg, s.ws);
+        const bool ef = cfg_.error_feedback;
+        k::dispatch::quant_compress(
+            s.ex, avg, DType::kFloat32, ef ? s.se_in() : nullptr, ef ? s.se_out() : nullptr, geo,
+            rng_of(static_cast<uint64_t>(world_ + rank_), off), false, gsend + sizeof(ChunkHeader));
+      }
+      put_header(gsend, header(L, flags));
+      c.kind = CollectiveKind::kAllgather;
+      c.send = gsend;
+      c.recv = s.grecv.data();
+      c.tag = "quant server chunks";
+      phase_ = 3;
+      return c;
+    }
+    case 3: {  // (3) decode every averaged chunk into the gradient
+      const auto* grecv = static_cast<const uint8_t*>(s.grecv.data());
+      bool skip = false;
+      std::string fault;
+      for (size_t q = 0; q < P && fault.empty(); ++q) {
+        const ChunkHeader h = get_header(grecv + q * B);
+        const std::string d = disagreement(h, chunk_len(static_cast<int64_t>(q)));
+        if (!d.empty())
+          fault = detail::cat("the averaged chunk of rank ", q, " ", d);
+        else if (h.flags & ChunkHeader::kMismatch)
+          fault = detail::cat("rank ", q, " received a chunk that disagrees with its own",
+                              q == static_cast<size_t>(rank_) ? ": " + s.mismatch : std::string(),
+                              " (ranks with different options or at different steps)");
+        skip |= (h.flags & ChunkHeader::kBad) != 0;
+      }
+      phase_ = 0;
+      if (!fault.empty()) {
+        // no state changed (the step wrote only the other copy of the errors)
+        GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
+                     "; the step failed on every rank and no state changed");
+      }
+      if (skip) {
+        device_fill_nan(device_, s.grad.data, static_cast<size_t>(s.grad.nbytes()), s.stream);
+        set_skipped(true);
+        if (on_nonfinite_ == OnNonFinite::kRaise) {
+          GC_CHECK_ARG(s.bad < 0, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ",
+                       s.bad_what, "; the step was dropped on every rank and no state changed ",
+                       "(on_nonfinite='raise')");
+          GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_,
+                       ": another rank's gradient held a non-finite value (NaN or Inf); the step ",
+                       "was dropped on every rank and no state changed (on_nonfinite='raise')");
+        }
+        return std::nullopt;
+      }
+      const DType ot = s.grad.dtype;
+      const size_t es = dtype_size(ot);
+      for (size_t q = 0; q < P; ++q) {
+        const int64_t L = chunk_len(static_cast<int64_t>(q));
+        if (L == 0) continue;
+        const uint8_t* body = grecv + q * B + sizeof(ChunkHeader);
+        void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(q * CE) * es;
+        float* f =
+            ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
+        geo.n = L;
+        k::dispatch::quant_decode_average(s.ex, &body, 1, geo, 1.0f, f, s.ws);
+        if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
+          k::dispatch::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
+                                       static_cast<int64_t>(q) * CE / cfg_.block_size, true);
+        if (ot != DType::kFloat32)
+          k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
+      }
+      if (cfg_.error_feedback) s.cur = 1 - s.cur;  // the step's errors become the state
+      ++step_;
+      set_skipped(false, true);
+      return std::nullopt;
+    }
+    default:
+      GC_CHECK_ARG(false, "quant rank ", rank_, ": next() called before begin() (no step in ",
+                   "progress)");
+  }
+  return std::nullopt;
+}
+
+void QuantAllreducePlan::undo_state() {
+  if (cfg_.error_feedback) impl_->cur = 1 - impl_->cur;  // [1 - cur] still holds the prior state
+  --step_;
+}
+
+std::vector<uint8_t> QuantAllreducePlan::state_dict() const {
+  detail::StateWriter w("quant-allreduce");
+  w.put<int64_t>(numel_);
+  w.put<int32_t>(world_);
+  w.put<int32_t>(rank_);
+  w.put<uint8_t>(static_cast<uint8_t>(cfg_.bits));
+  w.put<int64_t>(cfg_.block_size);
+  w.put<uint8_t>(static_cast<uint8_t>(cfg_.rounding));
+  w.put<uint8_t>(static_cast<uint8_t>(cfg_.scale));
+  w.put<uint8_t>(static_cast<uint8_t>(cfg_.scale_dtype));
+  w.put<uint8_t>(cfg_.error_feedback);
+  w.put<uint8_t>(cfg_.rotate);
+  w.put<uint64_t>(cfg_.seed);
+  w.put<int64_t>(step_);
+  w.put_array(impl_->we_in(), device_, numel_ * sizeof(float), impl_->stream);
+  w.put_array(impl_->se_in(), device_, chunk_elems_ * sizeof(float), impl_->stream);
+  return w.take();
+}
+
+namespace {
+/// The fields of a quant state before the step, checked against a plan's (or, in reshard, read).
+struct QuantStateHead {
+  int64_t numel;
+  int32_t world, rank;
+  uint8_t bits;
+  int64_t block;
+  uint8_t rounding, scale, scale_dtype, ef, rotate;
+  uint64_t seed;
+};
+}  // namespace
+
+void QuantAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
+  GC_CHECK_ARG(phase_ == 0, "quant: load_state_dict() during a step");
+  detail::StateReader r(data, nbytes, "quant-allreduce");
+  r.expect<int64_t>("numel", numel_);
+  r.expect<int32_t>("world", world_);
+  r.expect<int32_t>("rank", rank_);
+  r.expect<uint8_t>("bits", static_cast<uint8_t>(cfg_.bits));
+  r.expect<int64_t>("block_size", cfg_.block_size);
+  r.expect<uint8_t>("rounding", static_cast<uint8_t>(cfg_.rounding));
+  r.expect<uint8_t>("scale", static_cast<uint8_t>(cfg_.scale));
+  r.expect<uint8_t>("scale_dtype", static_cast<uint8_t>(cfg_.scale_dtype));
+  r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
+  r.expect<uint8_t>("rotate", cfg_.rotate);
+  r.expect<uint64_t>("seed", cfg_.seed);
+  const auto step = r.get_step();
+  const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
+  const uint64_t sb = static_cast<uint64_t>(chunk_elems_) * sizeof(float);
+  const uint8_t* we = r.finite_array("worker_error", wb);
+  const uint8_t* se = r.finite_array("server_error", sb);
+  r.finish();
+  device_copy(impl_->we_in(), device_, we, Device::kCPU, wb, impl_->stream);
+  device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
+  step_ = step;
+  start_step();
+}
+
+// The quant plan's state (state_dict above), resharded as the 1-bit plan's: worker errors add to
+// the average with weight 1/P (every new rank gets their mean), server errors are re-chunked.
+std::vector<uint8_t> detail::reshard_quant_state(const std::vector<std::vector<uint8_t>>& states,
+                                                 int world, int rank) {
+  RankStates rs(states, "quant-allreduce");
+  const int P = static_cast<int>(rs.size());
+  QuantStateHead h{};
+  h.numel = rs.same<int64_t>("numel");
+  GC_CHECK_ARG(h.numel >= 0 && h.numel <= (int64_t{1} << 40), "state_dict: numel ", h.numel,
+               " out of range");
+  h.world = rs.same<int32_t>("world");
+  GC_CHECK_ARG(h.world == P, "state_dict: the states were saved by a job of ", h.world, " ranks, ",
+               P, " were given (one per rank, in rank order)");
+  for (int r = 0; r < P; ++r) {
+    const auto got = rs[static_cast<size_t>(r)].get<int32_t>("rank");
+    GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
+                 " (give one state per rank, in rank order)");
+  }
+  QuantConfig cfg;
+  h.bits = rs.same<uint8_t>("bits");
+  h.block = rs.same<int64_t>("block_size");
+  h.rounding = rs.same<uint8_t>("rounding");
+  h.scale = rs.same<uint8_t>("scale");
+  h.scale_dtype = rs.same<uint8_t>("scale_dtype");
+  cfg.bits = h.bits;
+  cfg.block_size = h.block;
+  cfg.rounding = static_cast<QuantRounding>(h.rounding);
+  cfg.scale = static_cast<QuantScale>(h.scale);
+  cfg.scale_dtype = static_cast<DType>(h.scale_dtype);
+  cfg.validate();  // a corrupt option is refused before it sizes anything
+  h.ef = rs.same<uint8_t>("error_feedback");
+  h.rotate = rs.same<uint8_t>("rotate");
+  h.seed = rs.same<uint64_t>("seed");
+  const auto step = rs.same<int64_t>("step");
+  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
+               " out of range");
+  const std::vector<float> we = rs.mean("worker_error", h.numel);
+  const int64_t ce = two_phase_chunk_elems(h.numel, P, h.block);
+  const auto se = rs.arrays("server_error", static_cast<uint64_t>(ce) * sizeof(float));
+  rs.finish();
+  const std::vector<float> se2 =
+      rechunk_server_error(se, ce, two_phase_chunk_elems(h.numel, world, h.block), rank);
+  StateWriter w("quant-allreduce");
+  w.put<int64_t>(h.numel);
+  w.put<int32_t>(world);
+  w.put<int32_t>(rank);
+  w.put<uint8_t>(h.bits);
+  w.put<int64_t>(h.block);
+  w.put<uint8_t>(h.rounding);
+  w.put<uint8_t>(h.scale);
+  w.put<uint8_t>(h.scale_dtype);
+  w.put<uint8_t>(h.ef);
+  w.put<uint8_t>(h.rotate);
+  w.put<uint64_t>(h.seed);
+  w.put<int64_t>(step);
+  w.put_floats(we);
+  w.put_floats(se2);
+  return w.take();
+}
+
+}  // namespace gradcomp

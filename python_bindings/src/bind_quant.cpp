@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// The multi-bit family's plan, for the Python driver's hooks and for standalone use.
+#include "common.hpp"
+
+namespace gradcomp::py {
+namespace {
+
+void bind(nb::module_& m) {
+  nb::class_<QuantAllreducePlan, BucketPlan>(
+      m, "QuantAllreducePlan",
+      "Multi-bit (2/4/8) two-phase compressed allreduce (one rank); built by "
+      "make_plan('quant', ...).")
+      .def_prop_ro("step", &QuantAllreducePlan::step)
+      .def_prop_ro("bytes_sent", &QuantAllreducePlan::bytes_sent)
+      .def_prop_ro("chunk_elems", &QuantAllreducePlan::chunk_elems)
+      .def_prop_ro("bits", [](const QuantAllreducePlan& p) { return p.config().bits; })
+      .def_prop_ro("block_size", [](const QuantAllreducePlan& p) { return p.config().block_size; })
+      .def_prop_ro("rotate", [](const QuantAllreducePlan& p) { return p.config().rotate; })
+      .def(
+          "worker_error",
+          [](const QuantAllreducePlan& p) {
+            return host_copy(p.worker_error(), p.numel(), p.device());
+          },
+          "A copy (NumPy, fp32) of the worker error-feedback memory, for diagnostics.")
+      .def(
+          "server_error",
+          [](const QuantAllreducePlan& p) {
+            return host_copy(p.server_error(), p.chunk_elems(), p.device());
+          },
+          "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats).");
+  m.def(
+      "quant_bits_per_value",
+      [](int bits, int64_t block_size, const std::string& scale, const std::string& scale_dtype) {
+        QuantConfig c;
+        c.bits = bits;
+        c.block_size = block_size;
+        c.scale = parse_enum<QuantScale>(scale);
+        c.scale_dtype = parse_enum<DType>(scale_dtype);
+        c.validate();
+        return quant_bits_per_value(c);
+      },
+      nb::arg("bits") = 4, nb::arg("block_size") = 128, nb::arg("scale") = "symmetric",
+      nb::arg("scale_dtype") = "float32",
+      "Bits on the wire per value for these options (scales included; chunk headers aside).");
+}
+
+Register reg(35, bind);
+
+}  // namespace
+}  // namespace gradcomp::py

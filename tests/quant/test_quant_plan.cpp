@@ -1,0 +1,572 @@
+// SPDX-License-Identifier: Apache-2.0
+// The multi-bit plan (QuantAllreducePlan) against a scalar reference of the whole two-phase
+// algorithm written from the documented contract (gradcomp/quant.hpp, plans.hpp), for every
+// bits x rounding x scale x scale dtype x rotation option, sizes 0, 1, odd, block +- 1 and large,
+// 1-4 ranks, fp32/fp16/bf16 gradients; then the state contract: consensus, error-feedback mass,
+// skipped and raising steps, ranks at different steps, checkpoints and resharding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/error.hpp"
+#include "gradcomp/make_plan.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/quant.hpp"
+#include "gradcomp/rng.hpp"
+#include "kernels/onebit_kernels.hpp"
+#include "test_util.hpp"
+
+namespace gradcomp {
+namespace {
+
+using test::normal;
+
+// ---------------------------------------------------------------- the scalar reference
+struct Ref {
+  QuantConfig cfg;
+  int P;
+  int64_t n, CE;
+};
+
+uint16_t ref_half_up(float v) {  // the smallest fp16 >= v (v >= 0), at most 65504
+  uint16_t h = float_to_half(v);
+  if (h >= 0x7c00) return 0x7bff;
+  while (half_to_float(h) < v) ++h;
+  return h >= 0x7c00 ? 0x7bff : h;
+}
+float ref_half_down(float v) {  // the largest fp16 <= v
+  if (v < 0) return -half_to_float(ref_half_up(-v));
+  uint16_t h = float_to_half(v);
+  if (h >= 0x7c00) return 65504.0f;
+  while (half_to_float(h) > v) --h;
+  return half_to_float(h);
+}
+
+/// Quantizes x (one chunk; `first`: its global index) block by block; returns the decoded values.
+std::vector<float> ref_quantize(const Ref& R, const std::vector<float>& x, uint64_t role,
+                                uint64_t first, int64_t step) {
+  const QuantConfig& c = R.cfg;
+  const int64_t S = c.block_size;
+  const bool half = c.scale_dtype == DType::kFloat16;
+  const RngKey key{c.seed, static_cast<uint64_t>(step), c.tensor_id};
+  std::vector<float> dec(x.size());
+  for (size_t b0 = 0; b0 < x.size(); b0 += static_cast<size_t>(S)) {
+    const size_t b1 = std::min(x.size(), b0 + static_cast<size_t>(S));
+    float amax = 0, mn = x[b0], mx = x[b0];
+    for (size_t i = b0; i < b1; ++i) {
+      amax = std::max(amax, std::fabs(x[i]));
+      mn = std::min(mn, x[i]);
+      mx = std::max(mx, x[i]);
+    }
+    float base = 0, step_v, lo_c, hi_c;
+    if (c.scale == QuantScale::kSymmetric) {
+      const int L = (1 << (c.bits - 1)) - 1;
+      step_v = static_cast<float>(double(amax) / L);
+      if (half) step_v = half_to_float(ref_half_up(step_v));
+      lo_c = -L;
+      hi_c = L;
+    } else {
+      const int M = (1 << c.bits) - 1;
+      base = half ? ref_half_down(mn) : mn;
+      step_v = static_cast<float>((double(mx) - double(base)) / M);
+      if (half) step_v = half_to_float(ref_half_up(step_v));
+      lo_c = 0;
+      hi_c = M;
+    }
+    float inv = step_v > 0 ? 1.0f / step_v : 0.0f;
+    if (std::isinf(inv)) inv = std::numeric_limits<float>::max();
+    for (size_t i = b0; i < b1; ++i) {
+      const float diff = c.scale == QuantScale::kSymmetric ? x[i] : x[i] - base;
+      float t = diff * inv;
+      t = std::min(hi_c, std::max(lo_c, t));
+      float code;
+      if (c.rounding == QuantRounding::kNearest) {
+        code = std::nearbyint(t);
+      } else {
+        const uint64_t idx = (role << 41) + first + i;
+        const float u = static_cast<float>(key.word(idx) >> 8) / 16777216.0f;
+        code = std::min(hi_c, std::floor(t + u));
+      }
+      const float ci = static_cast<float>(static_cast<int>(code));  // an integer: no -0
+      dec[i] = c.scale == QuantScale::kSymmetric ? ci * step_v : base + ci * step_v;
+    }
+  }
+  return dec;
+}
+
+struct RefRanks {
+  std::vector<std::vector<float>> we;  // per rank, numel
+  std::vector<std::vector<float>> se;  // per rank, CE
+};
+
+/// One step of the two-phase algorithm on every rank's fp32 gradient; returns the average.
+std::vector<float> ref_step(const Ref& R, RefRanks& st, const std::vector<std::vector<float>>& g,
+                            int64_t step) {
+  const int64_t n = R.n, CE = R.CE, S = R.cfg.block_size;
+  const bool ef = R.cfg.error_feedback;
+  std::vector<std::vector<float>> dec(R.P);
+  for (int r = 0; r < R.P; ++r) {
+    std::vector<float> x = g[r];
+    if (R.cfg.rotate && n / S > 0)
+      kernels::cpu::hadamard_rotate_baseline(x.data(), n / S, S, 0, false);
+    if (ef)
+      for (int64_t i = 0; i < n; ++i) x[i] += st.we[r][i];
+    dec[r].assign(n, 0.0f);
+    for (int64_t q = 0; q * CE < n; ++q) {
+      const int64_t L = std::min(CE, n - q * CE);
+      std::vector<float> xc(x.begin() + q * CE, x.begin() + q * CE + L);
+      const auto d = ref_quantize(R, xc, r, q * CE, step);
+      std::copy(d.begin(), d.end(), dec[r].begin() + q * CE);
+    }
+    if (ef)
+      for (int64_t i = 0; i < n; ++i) st.we[r][i] = x[i] - dec[r][i];
+  }
+  std::vector<float> out(n, 0.0f);
+  const float inv_p = 1.0f / static_cast<float>(R.P);
+  for (int q = 0; q < R.P; ++q) {
+    const int64_t L = std::clamp<int64_t>(n - q * CE, 0, CE);
+    if (L == 0) continue;
+    std::vector<float> y(L);
+    for (int64_t i = 0; i < L; ++i) {
+      float s = 0;
+      for (int r = 0; r < R.P; ++r) s += dec[r][q * CE + i];
+      y[i] = inv_p * s + (ef ? st.se[q][i] : 0.0f);
+    }
+    const auto d = ref_quantize(R, y, R.P + q, q * CE, step);
+    for (int64_t i = 0; i < L; ++i) {
+      if (ef) st.se[q][i] = y[i] - d[i];
+      out[q * CE + i] = d[i];
+    }
+    if (R.cfg.rotate && L / S > 0)
+      kernels::cpu::hadamard_rotate_baseline(out.data() + q * CE, L / S, S, q * CE / S, true);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- helpers
+std::vector<std::unique_ptr<QuantAllreducePlan>> make_ranks(const QuantConfig& c, int64_t n, int P,
+                                                            DType t = DType::kFloat32) {
+  std::vector<std::unique_ptr<QuantAllreducePlan>> v;
+  for (int r = 0; r < P; ++r) v.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r, t));
+  return v;
+}
+
+void run(std::vector<std::unique_ptr<QuantAllreducePlan>>& plans,
+         std::vector<std::vector<float>>& g) {
+  std::vector<Plan*> ps;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
+    ps.push_back(plans[r].get());
+  }
+  run_plans_in_process(ps);
+}
+
+std::string describe(const QuantConfig& c) {
+  return detail::cat("bits ", c.bits, " ", enum_name(c.rounding), " ", enum_name(c.scale), " ",
+                     dtype_name(c.scale_dtype), c.rotate ? " rotate" : "",
+                     c.error_feedback ? " ef" : "", " block ", c.block_size);
+}
+
+// ---------------------------------------------------------------- the reference, every option
+TEST(QuantPlan, MatchesScalarReferenceForEveryOption) {
+  int checked = 0;
+  for (int bits : {2, 4, 8})
+    for (auto rounding : {QuantRounding::kNearest, QuantRounding::kStochastic})
+      for (auto scale : {QuantScale::kSymmetric, QuantScale::kAsymmetric})
+        for (auto sd : {DType::kFloat32, DType::kFloat16})
+          for (bool rotate : {false, true})
+            for (int64_t n : {0, 1, 31, 127, 128, 129, 1000, 4137})
+              for (int P : {1, 2, 3, 4}) {
+                QuantConfig c;
+                c.bits = bits;
+                c.rounding = rounding;
+                c.scale = scale;
+                c.scale_dtype = sd;
+                c.rotate = rotate;
+                c.error_feedback = rounding == QuantRounding::kNearest || (n % 2 == 1);
+                c.seed = 7;
+                c.tensor_id = 3;
+                auto plans = make_ranks(c, n, P);
+                Ref R{c, P, n, plans[0]->chunk_elems()};
+                RefRanks st;
+                st.we.assign(P, std::vector<float>(n, 0.0f));
+                st.se.assign(P, std::vector<float>(R.CE, 0.0f));
+                for (int step = 0; step < 3; ++step) {
+                  std::vector<std::vector<float>> g(P);
+                  for (int r = 0; r < P; ++r) g[r] = normal(n, 100 * step + r, 0.1f + r);
+                  const auto want = ref_step(R, st, g, step);
+                  run(plans, g);
+                  for (int r = 0; r < P; ++r) {
+                    ASSERT_TRUE(test::same_bytes(g[r].data(), want.data(), n * sizeof(float)))
+                        << describe(c) << " n " << n << " P " << P << " rank " << r << " step "
+                        << step;
+                    if (c.error_feedback)
+                      ASSERT_TRUE(test::same_bytes(plans[r]->worker_error(), st.we[r].data(),
+                                                   n * sizeof(float)))
+                          << describe(c) << " n " << n << " P " << P;
+                  }
+                }
+                ++checked;
+              }
+  EXPECT_EQ(checked, 3 * 2 * 2 * 2 * 2 * 8 * 4);
+}
+
+TEST(QuantPlan, LargeBucketsAndOtherBlockSizes) {
+  for (int bits : {2, 4, 8})
+    for (int64_t S : {32, 1024, 8192}) {
+      QuantConfig c;
+      c.bits = bits;
+      c.block_size = S;
+      const int64_t n = 300001;
+      const int P = 3;
+      auto plans = make_ranks(c, n, P);
+      Ref R{c, P, n, plans[0]->chunk_elems()};
+      RefRanks st;
+      st.we.assign(P, std::vector<float>(n, 0.0f));
+      st.se.assign(P, std::vector<float>(R.CE, 0.0f));
+      for (int step = 0; step < 2; ++step) {
+        std::vector<std::vector<float>> g(P);
+        for (int r = 0; r < P; ++r) g[r] = test::heavy_tailed(n, 10 * step + r);
+        const auto want = ref_step(R, st, g, step);
+        run(plans, g);
+        for (int r = 0; r < P; ++r)
+          ASSERT_TRUE(test::same_bytes(g[r].data(), want.data(), n * sizeof(float)))
+              << describe(c) << " rank " << r;
+      }
+    }
+}
+
+// fp16 / bf16 gradients: the fp32 reference of their widened values, rounded to the dtype
+TEST(QuantPlan, HalfPrecisionGradients) {
+  for (DType t : {DType::kFloat16, DType::kBFloat16})
+    for (int bits : {2, 4, 8})
+      for (int64_t n : {1, 129, 5000}) {
+        QuantConfig c;
+        c.bits = bits;
+        const int P = 3;
+        auto plans = make_ranks(c, n, P, t);
+        Ref R{c, P, n, plans[0]->chunk_elems()};
+        RefRanks st;
+        st.we.assign(P, std::vector<float>(n, 0.0f));
+        st.se.assign(P, std::vector<float>(R.CE, 0.0f));
+        for (int step = 0; step < 2; ++step) {
+          std::vector<std::vector<uint16_t>> h(P);
+          std::vector<std::vector<float>> g(P);
+          std::vector<Plan*> ps;
+          for (int r = 0; r < P; ++r) {
+            const auto v = normal(n, 31 * step + r);
+            for (float x : v) {
+              h[r].push_back(t == DType::kFloat16 ? float_to_half(x) : float_to_bf16(x));
+              g[r].push_back(t == DType::kFloat16 ? half_to_float(h[r].back())
+                                                  : bf16_to_float(h[r].back()));
+            }
+            plans[r]->begin(TensorView(h[r].data(), {n}, t, Device::kCPU));
+            ps.push_back(plans[r].get());
+          }
+          const auto want = ref_step(R, st, g, step);
+          run_plans_in_process(ps);
+          for (int r = 0; r < P; ++r)
+            for (int64_t i = 0; i < n; ++i) {
+              const uint16_t w =
+                  t == DType::kFloat16 ? float_to_half(want[i]) : float_to_bf16(want[i]);
+              ASSERT_EQ(h[r][i], w)
+                  << dtype_name(t) << " bits " << bits << " n " << n << " i " << i;
+            }
+        }
+      }
+}
+
+// ---------------------------------------------------------------- properties
+// Error feedback keeps every value: over the ranks, what was averaged plus what the errors hold
+// now equals what they held before plus the mean gradient (up to fp32 rounding).
+TEST(QuantPlan, ErrorFeedbackConservesTheMass) {
+  for (int bits : {2, 4, 8}) {
+    QuantConfig c;
+    c.bits = bits;
+    c.rotate = false;
+    const int64_t n = 2000;
+    const int P = 3;
+    auto plans = make_ranks(c, n, P);
+    const int64_t CE = plans[0]->chunk_elems();
+    std::vector<double> before(n, 0.0);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<std::vector<float>> g(P);
+      std::vector<double> mean_g(n, 0.0);
+      for (int r = 0; r < P; ++r) {
+        g[r] = normal(n, 5 * step + r);
+        for (int64_t i = 0; i < n; ++i) mean_g[i] += g[r][i] / P;
+      }
+      run(plans, g);
+      double worst = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        double after = plans[i / CE]->server_error()[i % CE];
+        for (int r = 0; r < P; ++r) after += plans[r]->worker_error()[i] / P;
+        worst = std::max(worst, std::fabs(before[i] + mean_g[i] - (g[0][i] + after)));
+        before[i] = after;
+      }
+      EXPECT_LT(worst, 1e-5) << "bits " << bits << " step " << step;
+    }
+  }
+}
+
+// Stochastic rounding without error feedback is unbiased: the mean of many averaged steps of one
+// gradient approaches it, far closer than one step's grid.
+TEST(QuantPlan, StochasticRoundingIsUnbiased) {
+  QuantConfig c;
+  c.bits = 2;
+  c.rounding = QuantRounding::kStochastic;
+  c.error_feedback = false;
+  c.rotate = false;
+  const int64_t n = 512;
+  const int P = 2, steps = 2000;
+  auto plans = make_ranks(c, n, P);
+  const auto g0 = normal(n, 1), g1 = normal(n, 2);
+  std::vector<double> sum(n, 0.0);
+  double one_step_err = 0;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<float>> g{g0, g1};
+    run(plans, g);
+    for (int64_t i = 0; i < n; ++i) {
+      sum[i] += g[0][i];
+      if (s == 0) one_step_err += std::fabs(g[0][i] - 0.5 * (g0[i] + g1[i])) / n;
+    }
+  }
+  double mean_err = 0;
+  for (int64_t i = 0; i < n; ++i) mean_err += std::fabs(sum[i] / steps - 0.5 * (g0[i] + g1[i])) / n;
+  EXPECT_GT(one_step_err, 0.2);              // one 2-bit step is coarse
+  EXPECT_LT(mean_err, one_step_err / 15.0);  // ~ 1 / sqrt(steps) of it when unbiased
+  // nearest rounding without error feedback is biased: its mean stays off
+  QuantConfig d = c;
+  d.rounding = QuantRounding::kNearest;
+  auto det = make_ranks(d, n, P);
+  std::vector<std::vector<float>> g{g0, g1};
+  run(det, g);
+  double det_err = 0;
+  for (int64_t i = 0; i < n; ++i) det_err += std::fabs(g[0][i] - 0.5 * (g0[i] + g1[i])) / n;
+  EXPECT_GT(det_err, 4 * mean_err);
+}
+
+TEST(QuantPlan, MoreBitsLoseLess) {
+  double prev = 1e30;
+  for (int bits : {2, 4, 8}) {
+    QuantConfig c;
+    c.bits = bits;
+    c.error_feedback = false;
+    const int64_t n = 10000;
+    auto plans = make_ranks(c, n, 2);
+    const auto g0 = normal(n, 1), g1 = normal(n, 2);
+    std::vector<std::vector<float>> g{g0, g1};
+    run(plans, g);
+    double err = 0, ref = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double m = 0.5 * (g0[i] + g1[i]);
+      err += (g[0][i] - m) * (g[0][i] - m);
+      ref += m * m;
+    }
+    const double rel = std::sqrt(err / ref);
+    EXPECT_LT(rel, prev) << bits;
+    if (bits == 8) EXPECT_LT(rel, 0.02);
+    if (bits == 4) EXPECT_LT(rel, 0.3);
+    prev = rel;
+  }
+}
+
+// ---------------------------------------------------------------- wire size
+TEST(QuantPlan, WireBytesPerValue) {
+  QuantConfig c;
+  const int64_t n = 1 << 20;
+  for (int bits : {2, 4, 8}) {
+    c.bits = bits;
+    QuantAllreducePlan p(c, n, 4, 0);
+    const double per_value = 8.0 * p.block_bytes() * 4 / n;  // 4 chunks cover the bucket
+    EXPECT_NEAR(per_value, quant_bits_per_value(c), 0.01) << bits;
+    EXPECT_NEAR(quant_bits_per_value(c), bits + 0.25, 1e-12);
+  }
+  c.bits = 4;
+  c.scale_dtype = DType::kFloat16;
+  EXPECT_NEAR(quant_bits_per_value(c), 4.125, 1e-12);
+  c.scale = QuantScale::kAsymmetric;
+  EXPECT_NEAR(quant_bits_per_value(c), 4.25, 1e-12);
+}
+
+// ---------------------------------------------------------------- the step contract
+TEST(QuantPlan, NonFiniteGradientSkipsOnEveryRankAndChangesNothing) {
+  for (bool rotate : {false, true})
+    for (DType t : {DType::kFloat32, DType::kFloat16}) {
+      QuantConfig c;
+      c.rotate = rotate;
+      const int64_t n = 1000;
+      const int P = 3;
+      auto plans = make_ranks(c, n, P);
+      std::vector<std::vector<float>> g(P);
+      for (int r = 0; r < P; ++r) g[r] = normal(n, r);
+      run(plans, g);
+      std::vector<std::vector<uint8_t>> st;
+      for (auto& p : plans) st.push_back(p->state_dict());
+      for (int r = 0; r < P; ++r) g[r] = normal(n, 10 + r);
+      g[1][777] = std::numeric_limits<float>::infinity();
+      run(plans, g);
+      for (int r = 0; r < P; ++r) {
+        EXPECT_TRUE(plans[r]->skipped());
+        EXPECT_TRUE(std::isnan(g[r][0]) && std::isnan(g[r][n - 1]));
+        EXPECT_EQ(plans[r]->state_dict(), st[r]) << "rank " << r << " rotate " << rotate;
+      }
+      // raise: every rank throws, rank 1 names the index; states unchanged
+      for (auto& p : plans) p->set_on_nonfinite(OnNonFinite::kRaise);
+      for (int r = 0; r < P; ++r) g[r] = normal(n, 20 + r);
+      g[1][5] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<Plan*> ps;
+      for (int r = 0; r < P; ++r) {
+        plans[r]->begin(TensorView::cpu(g[r].data(), n));
+        ps.push_back(plans[r].get());
+      }
+      try {
+        run_plans_in_process(ps);
+        ADD_FAILURE() << "NaN accepted";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("another rank"), std::string::npos) << e.what();
+      }
+      // the next step of rank 1 alone reports its own index
+      for (int r = 0; r < P; ++r) EXPECT_EQ(plans[r]->state_dict(), st[r]);
+      (void)t;
+    }
+}
+
+TEST(QuantPlan, UndoStepRestoresTheStateBitwise) {
+  QuantConfig c;
+  const int64_t n = 3000;
+  auto plans = make_ranks(c, n, 2);
+  std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
+  run(plans, g);
+  const auto st0 = plans[0]->state_dict(), st1 = plans[1]->state_dict();
+  g = {normal(n, 3), normal(n, 4)};
+  run(plans, g);
+  EXPECT_NE(plans[0]->state_dict(), st0);
+  plans[0]->undo_step();
+  plans[1]->undo_step();
+  EXPECT_EQ(plans[0]->state_dict(), st0);
+  EXPECT_EQ(plans[1]->state_dict(), st1);
+  EXPECT_THROW(plans[0]->undo_step(), InvalidArgument);
+}
+
+TEST(QuantPlan, RanksAtDifferentStepsFailOnEveryRankAndChangeNothing) {
+  QuantConfig c;
+  const int64_t n = 2000;
+  const int P = 3;
+  auto plans = make_ranks(c, n, P);
+  std::vector<std::vector<float>> g(P);
+  for (int r = 0; r < P; ++r) g[r] = normal(n, r);
+  run(plans, g);
+  const auto old1 = plans[1]->state_dict();
+  run(plans, g);
+  plans[1]->load_state_dict(old1.data(), old1.size());  // rank 1 restored alone, one step back
+  std::vector<std::vector<uint8_t>> st;
+  for (auto& p : plans) st.push_back(p->state_dict());
+  std::vector<Plan*> ps;
+  for (int r = 0; r < P; ++r) {
+    g[r] = normal(n, 50 + r);
+    plans[r]->begin(TensorView::cpu(g[r].data(), n));
+    ps.push_back(plans[r].get());
+  }
+  try {
+    run_plans_in_process(ps);
+    ADD_FAILURE() << "ranks at different steps accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("different steps"), std::string::npos) << e.what();
+  }
+  for (int r = 0; r < P; ++r) EXPECT_EQ(plans[r]->state_dict(), st[r]);
+  // options that differ across ranks: the same, from the headers
+  QuantConfig c8 = c;
+  c8.bits = 8;
+  QuantAllreducePlan a(c, n, 2, 0), b(c8, n, 2, 1);
+  std::vector<float> ga = normal(n, 1), gb = normal(n, 2);
+  a.begin(TensorView::cpu(ga.data(), n));
+  b.begin(TensorView::cpu(gb.data(), n));
+  EXPECT_THROW(run_plans_in_process({&a, &b}), InvalidArgument);  // block sizes differ too
+}
+
+TEST(QuantPlan, CheckpointRoundTripAndRefusals) {
+  QuantConfig c;
+  const int64_t n = 1500;
+  auto plans = make_ranks(c, n, 2);
+  std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
+  run(plans, g);
+  const auto s0 = plans[0]->state_dict(), s1 = plans[1]->state_dict();
+  auto fresh = make_ranks(c, n, 2);
+  fresh[0]->load_state_dict(s0.data(), s0.size());
+  fresh[1]->load_state_dict(s1.data(), s1.size());
+  std::vector<std::vector<float>> a{normal(n, 5), normal(n, 6)}, b = a;
+  run(plans, a);
+  run(fresh, b);
+  EXPECT_EQ(a[0], b[0]);
+  EXPECT_EQ(fresh[0]->step(), 2);
+  // refused whole: corrupt, other options, other rank, during a step
+  auto bad = s0;
+  bad[bad.size() / 2] ^= 1;
+  const auto before = fresh[0]->state_dict();
+  EXPECT_THROW(fresh[0]->load_state_dict(bad.data(), bad.size()), InvalidArgument);
+  EXPECT_THROW(fresh[1]->load_state_dict(s0.data(), s0.size()), InvalidArgument);
+  QuantConfig c2 = c;
+  c2.bits = 2;
+  QuantAllreducePlan other(c2, n, 2, 0);
+  EXPECT_THROW(other.load_state_dict(s0.data(), s0.size()), InvalidArgument);
+  EXPECT_EQ(fresh[0]->state_dict(), before);
+}
+
+TEST(QuantPlan, ReshardKeepsTheErrorMass) {
+  QuantConfig c;
+  c.rotate = true;
+  const int64_t n = 5000;
+  auto plans = make_ranks(c, n, 4);
+  std::vector<std::vector<float>> g(4);
+  for (int r = 0; r < 4; ++r) g[r] = normal(n, r);
+  run(plans, g);
+  std::vector<std::vector<uint8_t>> states;
+  for (auto& p : plans) states.push_back(p->state_dict());
+  auto next = make_ranks(c, n, 3);
+  for (int r = 0; r < 3; ++r) {
+    const auto s = reshard_state(states, 3, r);
+    next[r]->load_state_dict(s.data(), s.size());
+    EXPECT_EQ(next[r]->step(), 1);
+  }
+  const int64_t ce4 = plans[0]->chunk_elems(), ce3 = next[0]->chunk_elems();
+  for (int64_t i = 0; i < n; i += 97) {
+    double old_mass = plans[i / ce4]->server_error()[i % ce4],
+           new_mass = next[i / ce3]->server_error()[i % ce3];
+    EXPECT_EQ(old_mass, new_mass) << i;  // server errors re-chunked exactly
+    double om = 0, nm = 0;
+    for (int r = 0; r < 4; ++r) om += plans[r]->worker_error()[i] / 4.0;
+    for (int r = 0; r < 3; ++r) nm += next[r]->worker_error()[i] / 3.0;
+    EXPECT_NEAR(om, nm, 1e-6 * (1 + std::fabs(om)));
+  }
+  std::vector<std::vector<float>> h(3);
+  for (int r = 0; r < 3; ++r) h[r] = normal(n, 9 + r);
+  run(next, h);
+  EXPECT_EQ(h[0], h[2]);
+}
+
+TEST(QuantPlan, MakePlanOptions) {
+  BucketSpec b;
+  b.numel = 1000;
+  b.world = 2;
+  auto p = make_plan("quant", b, {{"bits", int64_t{8}}, {"scale", std::string("asymmetric")}});
+  auto* q = dynamic_cast<QuantAllreducePlan*>(p.get());
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(q->config().bits, 8);
+  EXPECT_EQ(q->config().scale, QuantScale::kAsymmetric);
+  EXPECT_TRUE(plan_is_stateful("quant"));
+  EXPECT_THROW(make_plan("quant", b, {{"bits", int64_t{3}}}), InvalidArgument);
+  EXPECT_THROW(make_plan("quant", b, {{"block_size", int64_t{100}}}), InvalidArgument);
+  EXPECT_THROW(make_plan("quant", b, {{"block_size", int64_t{16384}}}), InvalidArgument);
+  EXPECT_THROW(make_plan("quant", b, {{"scale_dtype", std::string("bfloat16")}}), InvalidArgument);
+  EXPECT_THROW(make_plan("quant", b, {{"rounding", std::string("up")}}), InvalidArgument);
+  EXPECT_THROW(make_plan("quant", b, {{"momentum", 0.9}}), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace gradcomp
