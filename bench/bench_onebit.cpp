@@ -27,7 +27,9 @@
 #include "kernels/onebit_kernels.hpp"
 
 using namespace gradcomp;
+using gradcomp::bench::IterTimer;
 using gradcomp::bench::LoopTimer;
+using gradcomp::bench::set_counters;
 
 namespace {
 
@@ -39,35 +41,6 @@ std::vector<float> data(int64_t n, uint64_t seed) {
   for (int64_t i = 0; i < m; ++i) v[i] = d(rng);
   for (int64_t i = m; i < n; ++i) v[i] = v[i % m] * (1.0f + 1e-3f * static_cast<float>(i / m % 7));
   return v;
-}
-
-/// Times every iteration of a loop. frac_of_copy uses the fastest iteration, as
-/// copy_bandwidth() keeps the fastest of its 5 copies: on a shared machine load only ever slows a
-/// run down, so best against best compares the kernels rather than the scheduler (mean-based
-/// values: bytes_per_second and frac_of_copy_mean).
-class IterTimer {
- public:
-  void start() { t0_ = std::chrono::steady_clock::now(); }
-  void stop() {
-    best_ = std::min(best_,
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
-  }
-  double best() const { return best_; }
-
- private:
-  std::chrono::steady_clock::time_point t0_;
-  double best_ = 1e30;
-};
-
-/// bytes_per_second and frac_of_copy_mean for `bytes` per iteration over the loop's `seconds`;
-/// frac_of_copy from the fastest iteration.
-void set_counters(benchmark::State& st, double bytes_per_iter, int64_t n, double seconds,
-                  const IterTimer& it, double ratio) {
-  gradcomp::bench::set_bandwidth(st, bytes_per_iter, n, seconds);
-  st.counters["frac_of_copy_mean"] = st.counters["frac_of_copy"];
-  st.counters["frac_of_copy"] = bytes_per_iter / it.best() / gradcomp::bench::copy_bandwidth(n);
-  st.counters["best_ms"] = 1e3 * it.best();
-  if (ratio > 0) st.counters["compression_ratio"] = ratio;
 }
 
 OneBitConfig cfg_of(int mode) {

@@ -147,10 +147,13 @@ GC_HD uint32_t encode(float x, const Grid& g, int bits, bool asym, bool stochast
   return static_cast<uint32_t>(asym ? ci : ci + sym_levels(bits));
 }
 
-/// The value of a stored code (saturated: base + c d of finite operands may round past FLT_MAX).
+/// The value of a stored code, saturated to +-FLT_MAX: L s and base + c d may round past FLT_MAX
+/// for a block near the top of the range, and a code or scale that no encoder made (a corrupt
+/// chunk with finite scales) must still decode to a finite value.
 GC_HD float decode(uint32_t code, const Grid& g, int bits, bool asym) {
   if (asym) return saturate_f32(add_rn(g.base, mul_rn(static_cast<float>(code), g.step)));
-  return mul_rn(static_cast<float>(static_cast<int>(code) - sym_levels(bits)), g.step);
+  return saturate_f32(
+      mul_rn(static_cast<float>(static_cast<int>(code) - sym_levels(bits)), g.step));
 }
 
 /// Stochastic rounding's uniform number for stream index i (see stream_index): 24 random bits.

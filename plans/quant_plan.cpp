@@ -3,11 +3,13 @@
 // and all-to-all of the chunks, server averaging and quantization, allgather. Local work goes
 // through kernels/dispatch.hpp; the collectives are only asked for.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "compressors/checks.hpp"
 #include "core/state_io.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/quant.hpp"
 #include "kernels/dispatch.hpp"
@@ -223,6 +225,28 @@ std::optional<Collective> QuantAllreducePlan::next() {
     if (h.flags & ~(ChunkHeader::kBad | ChunkHeader::kMismatch)) return "has unknown flags";
     return "";
   };
+  // what is wrong with a received chunk's scales ("" when they are usable): a scale that no
+  // encoder makes (NaN, Inf, a negative step) would poison the average and the server error
+  auto scale_fault = [&](const uint8_t* body, int64_t len) -> std::string {
+    const int spb = geo.scales_per_block(), sb = geo.scale_bytes();
+    const int64_t count = (len + cfg_.block_size - 1) / cfg_.block_size * spb;
+    std::vector<uint8_t> host(static_cast<size_t>(count * sb));
+    device_copy(host.data(), Device::kCPU, body, device_, host.size(), s.stream);
+    for (int64_t i = 0; i < count; ++i) {
+      float v;
+      if (geo.half) {
+        uint16_t h;
+        std::memcpy(&h, host.data() + 2 * i, 2);
+        v = half_to_float(h);
+      } else {
+        std::memcpy(&v, host.data() + 4 * i, 4);
+      }
+      const bool is_step = !geo.asym || i % 2 == 1;
+      if (!std::isfinite(v) || (is_step && v < 0.0f))
+        return detail::cat("has an invalid scale (", v, ") for block ", i / spb);
+    }
+    return "";
+  };
   auto rng_of = [&](uint64_t role, int64_t first) {
     k::QuantRng r;
     r.stochastic = cfg_.rounding == QuantRounding::kStochastic;
@@ -273,7 +297,9 @@ std::optional<Collective> QuantAllreducePlan::next() {
       uint8_t flags = 0;
       for (size_t q = 0; q < P; ++q) {
         const ChunkHeader h = get_header(recv + q * B);
-        const std::string d = disagreement(h, L);
+        std::string d = disagreement(h, L);
+        if (d.empty() && !(h.flags & ChunkHeader::kBad) && L > 0)
+          d = scale_fault(recv + q * B + sizeof(ChunkHeader), L);
         if (!d.empty()) {
           if (s.mismatch.empty()) s.mismatch = detail::cat("rank ", q, "'s chunk ", rank_, " ", d);
           flags |= ChunkHeader::kMismatch;
@@ -307,7 +333,10 @@ std::optional<Collective> QuantAllreducePlan::next() {
       std::string fault;
       for (size_t q = 0; q < P && fault.empty(); ++q) {
         const ChunkHeader h = get_header(grecv + q * B);
-        const std::string d = disagreement(h, chunk_len(static_cast<int64_t>(q)));
+        const int64_t L = chunk_len(static_cast<int64_t>(q));
+        std::string d = disagreement(h, L);
+        if (d.empty() && h.flags == 0 && L > 0)
+          d = scale_fault(grecv + q * B + sizeof(ChunkHeader), L);
         if (!d.empty())
           fault = detail::cat("the averaged chunk of rank ", q, " ", d);
         else if (h.flags & ChunkHeader::kMismatch)

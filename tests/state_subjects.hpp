@@ -30,8 +30,9 @@ class StateSubject {
 
 /// Names of every state kind (the kind string written into the state, plus variants).
 inline const std::vector<std::string>& state_kinds() {
-  static const std::vector<std::string> k = {"topk",   "topk-momentum",    "randomk",
-                                             "onebit", "onebit-allreduce", "powersgd"};
+  static const std::vector<std::string> k = {"topk",    "topk-momentum",    "randomk",
+                                             "onebit",  "onebit-allreduce", "quant-allreduce",
+                                             "powersgd"};
   return k;
 }
 
@@ -93,6 +94,29 @@ class OneBitPlanSubject : public StateSubject {
   OneBitAllreducePlan plan_;
 };
 
+class QuantPlanSubject : public StateSubject {
+ public:
+  explicit QuantPlanSubject(bool check_finite) : plan_(cfg(check_finite), kN, 1, 0) {}
+  std::vector<uint8_t> save() const override { return plan_.state_dict(); }
+  void load(const uint8_t* d, size_t n) override { plan_.load_state_dict(d, n); }
+  void step(uint32_t seed, bool poison) override {
+    auto g = grad(kN, seed, poison);
+    plan_.begin(TensorView::cpu(g.data(), kN));
+    run_plans_in_process({&plan_});
+  }
+
+ private:
+  static constexpr int64_t kN = 80;
+  static QuantConfig cfg(bool check_finite) {
+    QuantConfig c;
+    c.bits = 2;
+    c.block_size = 32;
+    c.check_finite = check_finite;
+    return c;
+  }
+  QuantAllreducePlan plan_;
+};
+
 class PowerSGDSubject : public StateSubject {
  public:
   explicit PowerSGDSubject(bool check_finite) : st_(cfg(check_finite), {{6, 5}, {7}}) {}
@@ -147,6 +171,7 @@ inline std::unique_ptr<StateSubject> make_state_subject(const std::string& kind,
     return std::make_unique<CompressorSubject>(std::make_unique<OneBitCompressor>(c, 6, 8), 8);
   }
   if (kind == "onebit-allreduce") return std::make_unique<OneBitPlanSubject>(check_finite);
+  if (kind == "quant-allreduce") return std::make_unique<QuantPlanSubject>(check_finite);
   if (kind == "powersgd") return std::make_unique<PowerSGDSubject>(check_finite);
   throw InvalidArgument("make_state_subject: unknown kind " + kind);
 }

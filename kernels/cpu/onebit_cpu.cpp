@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/simd.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
@@ -69,26 +70,6 @@ int64_t first_nonfinite(const void* g, int64_t n) {
     if (!is_finite_bits(Load::load(g, i))) return i;
   return -1;
 }
-
-#if GC_ONEBIT_SSE
-/// m ? a : b per lane (m all-ones or all-zeros lanes).
-inline __m128 select_ps(__m128 m, __m128 a, __m128 b) {
-#if defined(__SSE4_1__)
-  return _mm_blendv_ps(b, a, m);
-#else
-  return _mm_or_ps(_mm_and_ps(m, a), _mm_andnot_ps(m, b));
-#endif
-}
-/// onebit::compensate on 4 lanes: g + e, saturated to +-FLT_MAX where g is finite (min / max in
-/// this operand order return a NaN sum unchanged, as saturate does).
-inline __m128 compensate_ps(__m128 g, __m128 e) {
-  const __m128 big = _mm_set1_ps(kMaxFinite), nbig = _mm_set1_ps(-kMaxFinite);
-  const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-  const __m128 r = _mm_add_ps(g, e);
-  const __m128 sat = _mm_min_ps(big, _mm_max_ps(nbig, r));
-  return select_ps(_mm_cmple_ps(_mm_and_ps(g, absmask), big), sat, r);
-}
-#endif
 
 /// Sum over [b, end) of onebit::norm_term_wide(x(i)) in double (4 lanes, i - b mod 4, added in
 /// order): the redo of a slice whose fp32 sum needs_wide_sum flags. Rare: scalar.

@@ -29,6 +29,14 @@ Geo to_geo(const QuantGeom& g) {
   return Geo{g.n, g.block, g.codes_offset(), g.bits, g.scales_per_block(), g.asym, g.half};
 }
 
+/// max / min in the CPU twin's operand order (v > m ? v : m), for cub::BlockReduce.
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return a > b ? a : b; }
+};
+struct MinOp {
+  __device__ float operator()(float a, float b) const { return a < b ? a : b; }
+};
+
 __device__ uint32_t load_scale(const uint8_t* body, int64_t slot, bool half) {
   if (half) return reinterpret_cast<const uint16_t*>(body)[slot];
   return reinterpret_cast<const uint32_t*>(body)[slot];
@@ -51,17 +59,18 @@ __global__ void compress_kernel(const void* g, const float* e_in, float* e_out, 
       const float gj = Load::load(g, i0 + j);
       const float v = HasE ? onebit::compensate(gj, e_in[i0 + j]) : gj;
       x[j] = v;
-      mx = fmaxf(mx, v);
-      mn = fminf(mn, v);
-      amax = fmaxf(amax, fabsf(v));
+      mx = v > mx ? v : mx;
+      mn = v < mn ? v : mn;
+      const float a = fabsf(v);
+      amax = a > amax ? a : amax;
     }
-    const float bmx = Reduce(tmp).Reduce(mx, cub::Max());
+    const float bmx = Reduce(tmp).Reduce(mx, MaxOp{});
     __syncthreads();
-    const float bmn = Reduce(tmp).Reduce(mn, cub::Min());
+    const float bmn = Reduce(tmp).Reduce(mn, MinOp{});
     __syncthreads();
-    const float bam = Reduce(tmp).Reduce(amax, cub::Max());
+    const float bam = Reduce(tmp).Reduce(amax, MaxOp{});
     if (threadIdx.x == 0) {
-      uint32_t stored[2];
+      uint32_t stored[2] = {0, 0};
       grid = geo.asym ? asym_grid(bmn, bmx, geo.bits, geo.half, stored)
                       : sym_grid(bam, geo.bits, geo.half, stored);
       for (int k = 0; k < geo.spb; ++k) {

@@ -4,6 +4,7 @@
 // valid payloads for the targets, and the checks a target makes beyond "no crash".
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "gradcomp/onebit.hpp"
+#include "gradcomp/plans.hpp"
 #include "gradcomp/topk.hpp"
 
 namespace gradcomp::fuzz {
@@ -55,6 +57,24 @@ inline OneBitConfig onebit_config(OneBitScaling s = OneBitScaling::kColumnMeans,
   return c;
 }
 
+/// Multi-bit: rank 0 of a 2-rank plan over kNumel elements (4 bits, 32-element blocks, rotated,
+/// fp16 scales) receives its peer's two chunks from the fuzzer: the worker chunk of the
+/// all-to-all and the averaged chunk of the allgather (input = both, block_bytes() each).
+inline QuantConfig quant_config() {
+  QuantConfig c;
+  c.bits = 4;
+  c.block_size = 32;
+  c.scale_dtype = DType::kFloat16;
+  c.tensor_id = kTensorId;
+  return c;
+}
+
+/// One step of rank 0 of the multi-bit target's plan, its peer's chunks taken from `in` (two
+/// chunks of block_bytes(), zero-padded); the averaged gradient lands in g. InvalidArgument when
+/// the plan refuses a chunk.
+inline void quant_step_with_peer(QuantAllreducePlan& plan, const uint8_t* in, size_t size,
+                                 std::vector<float>& g);
+
 /// A deterministic gradient of n finite values with a spread of magnitudes and both signs.
 inline std::vector<float> gradient(int64_t n, uint32_t seed) {
   std::vector<float> g(static_cast<size_t>(n));
@@ -97,6 +117,26 @@ inline int64_t changed(const std::vector<float>& dense) {
   int64_t c = 0;
   for (float v : dense) c += std::memcmp(&v, &kCanary, sizeof v) != 0;
   return c;
+}
+
+inline void quant_step_with_peer(QuantAllreducePlan& plan, const uint8_t* in, size_t size,
+                                 std::vector<float>& g) {
+  const size_t B = plan.block_bytes();
+  std::vector<uint8_t> peer(2 * B, 0);
+  std::memcpy(peer.data(), in, std::min(size, peer.size()));
+  g = gradient(plan.numel(), 1);
+  plan.begin(TensorView::cpu(g.data(), plan.numel()));
+  auto c = plan.next();  // all-to-all: own chunk 0 stays, the peer's chunk 0 is the input
+  require(c && c->kind == CollectiveKind::kAllToAll && c->count == B, "not an all-to-all");
+  auto* recv = static_cast<uint8_t*>(c->recv);
+  std::memcpy(recv, c->send, B);
+  std::memcpy(recv + B, peer.data(), B);
+  c = plan.next();  // allgather: own averaged chunk, then the peer's (the input)
+  require(c && c->kind == CollectiveKind::kAllgather && c->count == B, "not an allgather");
+  recv = static_cast<uint8_t*>(c->recv);
+  std::memcpy(recv, c->send, B);
+  std::memcpy(recv + B, peer.data() + B, B);
+  require(!plan.next().has_value(), "the step did not end after the allgather");
 }
 
 }  // namespace gradcomp::fuzz

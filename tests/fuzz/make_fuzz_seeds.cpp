@@ -8,10 +8,12 @@
 //                               corpus: a format change that invalidates the seeds fails it)
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -97,6 +99,40 @@ Seeds onebit_seeds() {
   return s;
 }
 
+/// The chunks rank 1 of the multi-bit target's 2-rank job sends rank 0 in one step (its worker
+/// chunk 0, then its averaged chunk), from a fresh job and from one whose rank 1 holds a NaN.
+Seeds quant_chunk_seeds() {
+  Seeds s;
+  for (bool bad : {false, true}) {
+    constexpr int64_t n = fuzz::kNumel;
+    QuantAllreducePlan p0(fuzz::quant_config(), n, 2, 0), p1(fuzz::quant_config(), n, 2, 1);
+    auto g0 = fuzz::gradient(n, 1), g1 = fuzz::gradient(n, 2);
+    if (bad) g1[500] = std::numeric_limits<float>::quiet_NaN();
+    p0.begin(TensorView::cpu(g0.data(), n));
+    p1.begin(TensorView::cpu(g1.data(), n));
+    const size_t B = p0.block_bytes();
+    Bytes seed;
+    for (int phase = 0; phase < 2; ++phase) {
+      auto c0 = p0.next(), c1 = p1.next();
+      auto* s0 = static_cast<const uint8_t*>(c0->send);
+      auto* s1 = static_cast<const uint8_t*>(c1->send);
+      auto* r0 = static_cast<uint8_t*>(c0->recv);
+      auto* r1 = static_cast<uint8_t*>(c1->recv);
+      // all-to-all: rank r gets block r of each rank; allgather: both get the one block of each
+      const size_t to_rank1 = phase == 0 ? B : 0;
+      std::memcpy(r0, s0, B);
+      std::memcpy(r0 + B, s1, B);
+      std::memcpy(r1, s0 + to_rank1, B);
+      std::memcpy(r1 + B, s1 + to_rank1, B);
+      seed.insert(seed.end(), s1, s1 + B);
+    }
+    (void)p0.next();
+    (void)p1.next();
+    s[bad ? "peer_nan" : "step0"] = seed;
+  }
+  return s;
+}
+
 Seeds state_seeds(const std::string& kind) {
   Seeds s;
   auto subject = test::make_state_subject(kind);
@@ -124,6 +160,7 @@ std::map<std::string, Seeds> all_seeds() {
   for (const auto* src : {&t["fuzz_topk_decode"], &t["fuzz_randomk_decode"],
                           &t["fuzz_onebit_decode"]})
     for (const auto& [name, b] : *src) t["fuzz_wire"][name] = b;
+  t["fuzz_quant_chunks"] = quant_chunk_seeds();
   for (const auto& kind : test::state_kinds()) t[state_target(kind)] = state_seeds(kind);
   return t;
 }
@@ -144,6 +181,10 @@ void accept(const std::string& target, const Bytes& b) {
     OneBitCompressor c(fuzz::onebit_config(), fuzz::kOneBitRows, fuzz::kOneBitCols);
     c.decode_add(in.data(), in.size,
                  TensorView::cpu(dense.data(), {fuzz::kOneBitRows, fuzz::kOneBitCols}));
+  } else if (target == "fuzz_quant_chunks") {
+    QuantAllreducePlan plan(fuzz::quant_config(), fuzz::kNumel, 2, 0);
+    std::vector<float> g;
+    fuzz::quant_step_with_peer(plan, b.data(), b.size(), g);
   } else {
     for (const auto& kind : test::state_kinds())
       if (target == state_target(kind)) {

@@ -93,7 +93,9 @@ std::vector<float> ref_quantize(const Ref& R, const std::vector<float>& x, uint6
         code = std::min(hi_c, std::floor(t + u));
       }
       const float ci = static_cast<float>(static_cast<int>(code));  // an integer: no -0
-      dec[i] = c.scale == QuantScale::kSymmetric ? ci * step_v : base + ci * step_v;
+      const float d = c.scale == QuantScale::kSymmetric ? ci * step_v : base + ci * step_v;
+      dec[i] = std::max(-std::numeric_limits<float>::max(),
+                        std::min(std::numeric_limits<float>::max(), d));
     }
   }
   return dec;

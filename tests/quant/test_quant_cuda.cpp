@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: Apache-2.0
+// The multi-bit family on CUDA against its CPU twin: the compress (body and error bitwise) and
+// the averaging decode (bitwise) for every bits x scale x scale dtype x rounding, and the
+// two-phase plan on the device against the CPU plan (average and state bitwise, over steps, for
+// fp32 and fp16 gradients). Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "device_driver.hpp"
+#include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/gradcomp.hpp"
+#include "kernels/quant_kernels.hpp"
+#include "test_util.hpp"
+
+using namespace gradcomp;
+using namespace gradcomp::test;
+
+TEST(QuantCuda, CompressAndDecodeMatchTheCpuBitwise) {
+  GC_REQUIRE_GPU();
+  for (int bits : {2, 4, 8})
+    for (bool asym : {false, true})
+      for (bool half : {false, true})
+        for (bool stochastic : {false, true})
+          for (int64_t n : {int64_t{1}, int64_t{129}, int64_t{4137}, int64_t{300001}}) {
+            SCOPED_TRACE(std::to_string(bits) + " bits asym " + std::to_string(asym) + " half " +
+                         std::to_string(half) + " stochastic " + std::to_string(stochastic) +
+                         " n " + std::to_string(n));
+            kernels::QuantGeom geo;
+            geo.n = n;
+            geo.bits = bits;
+            geo.block = 128;
+            geo.asym = asym;
+            geo.half = half;
+            kernels::QuantRng rng;
+            rng.stochastic = stochastic;
+            rng.key = RngKey{5, 3, 7};
+            rng.role = 2;
+            const std::vector<float> g = heavy_tailed(n, 1), e = normal(n, 2, 0.1f);
+            std::vector<float> e_cpu(n);
+            std::vector<uint8_t> b_cpu(geo.body_bytes(), 0), b_gpu(geo.body_bytes());
+            kernels::cpu::quant_compress(g.data(), DType::kFloat32, e.data(), e_cpu.data(), geo,
+                                         rng, false, b_cpu.data());
+            DevBuf dg(4 * n), de(4 * n), deo(4 * n), db(b_gpu.size());
+            dg.upload(g.data(), 4 * n);
+            de.upload(e.data(), 4 * n);
+            db.upload(std::vector<uint8_t>(b_gpu.size(), 0).data(), b_gpu.size());
+            kernels::cuda::quant_compress(dg.p, DType::kFloat32, de.as<float>(), deo.as<float>(),
+                                          geo, rng, false, db.as<uint8_t>(), nullptr);
+            std::vector<float> e_gpu(n);
+            db.download(b_gpu.data(), b_gpu.size());
+            deo.download(e_gpu.data(), 4 * n);
+            ASSERT_EQ(b_cpu, b_gpu);
+            ASSERT_EQ(0, std::memcmp(e_cpu.data(), e_gpu.data(), 4 * n));
+            // the averaging decode of three payloads (the same one thrice is enough for the order)
+            std::vector<float> d_cpu(n), d_gpu(n);
+            const uint8_t* hp[3] = {b_cpu.data(), b_cpu.data(), b_cpu.data()};
+            kernels::cpu::quant_decode_average(hp, 3, geo, 1.0f / 3, d_cpu.data());
+            const uint8_t* dp[3] = {db.as<uint8_t>(), db.as<uint8_t>(), db.as<uint8_t>()};
+            DevBuf dd(4 * n);
+            kernels::QuantWorkspace ws(Device::kCUDA);
+            kernels::cuda::quant_decode_average(dp, 3, geo, 1.0f / 3, dd.as<float>(), ws, nullptr);
+            dd.download(d_gpu.data(), 4 * n);
+            ASSERT_EQ(0, std::memcmp(d_cpu.data(), d_gpu.data(), 4 * n));
+          }
+}
+
+TEST(QuantCuda, PlanMatchesTheCpuPlanBitwise) {
+  GC_REQUIRE_GPU();
+  for (DType dt : {DType::kFloat32, DType::kFloat16})
+    for (int bits : {2, 4, 8})
+      for (bool rotate : {false, true}) {
+        const int P = 3;
+        const int64_t n = 100003;
+        QuantConfig c;
+        c.bits = bits;
+        c.rotate = rotate;
+        const int dev = gradcomp::cuda::current_device();
+        std::vector<std::unique_ptr<QuantAllreducePlan>> cp, gp;
+        for (int r = 0; r < P; ++r) {
+          cp.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r, dt));
+          gp.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r, dt, Device::kCUDA, dev));
+        }
+        const size_t es = dtype_size(dt);
+        for (int step = 0; step < 3; ++step) {
+          std::vector<std::vector<uint8_t>> h(P);
+          std::vector<std::unique_ptr<DevBuf>> d;
+          std::vector<QuantAllreducePlan*> gps;
+          std::vector<Plan*> cps;
+          for (int r = 0; r < P; ++r) {
+            const auto v = normal(n, 10 * step + r);
+            h[r].resize(n * es);
+            for (int64_t i = 0; i < n; ++i) {
+              if (dt == DType::kFloat32) {
+                std::memcpy(h[r].data() + 4 * i, &v[i], 4);
+              } else {
+                const uint16_t x = float_to_half(v[i]);
+                std::memcpy(h[r].data() + 2 * i, &x, 2);
+              }
+            }
+            d.push_back(std::make_unique<DevBuf>(n * es));
+            d[r]->upload(h[r].data(), n * es);
+            gp[r]->begin(TensorView(d[r]->p, {n}, dt, Device::kCUDA, dev));
+            cp[r]->begin(TensorView(h[r].data(), {n}, dt, Device::kCPU));
+            gps.push_back(gp[r].get());
+            cps.push_back(cp[r].get());
+          }
+          run_device_plans(gps);
+          run_plans_in_process(cps);
+          for (int r = 0; r < P; ++r) {
+            std::vector<uint8_t> got(n * es);
+            d[r]->download(got.data(), n * es);
+            ASSERT_EQ(got, h[r]) << dtype_name(dt) << " bits " << bits << " rotate " << rotate
+                                 << " step " << step << " rank " << r;
+            ASSERT_EQ(gp[r]->state_dict(), cp[r]->state_dict());
+          }
+        }
+      }
+}
