@@ -263,29 +263,57 @@ inline void unpack_word(uint32_t w, __m128i* out) {
 }
 #endif
 
-/// acc[0, len) += decode of the block's codes (words from the block's first), in order.
+/// acc[0, len) += decode of one block's codes (w0: the block's first word, grid g0), then, when
+/// w1 is not null, += those of a second payload's block (w1, g1): two payloads per pass over acc,
+/// added in the same order as two calls would.
 template <int B, bool Asym>
-void decode_add_block(const uint32_t* words, int64_t len, const Grid& gr, float* acc) {
+void decode_add_block(const uint32_t* w0, const Grid& g0, const uint32_t* w1, const Grid& g1,
+                      int64_t len, float* acc) {
   constexpr int per = 32 / B;
   int64_t j = 0;
 #if defined(__SSE4_1__)
-  const __m128 step = _mm_set1_ps(gr.step), base = _mm_set1_ps(gr.base);
+  const __m128 s0 = _mm_set1_ps(g0.step), b0 = _mm_set1_ps(g0.base);
+  const __m128 s1 = _mm_set1_ps(g1.step), b1 = _mm_set1_ps(g1.base);
   const __m128i off = _mm_set1_epi32(Asym ? 0 : (1 << (B - 1)) - 1);
-  for (; j + per <= len; j += per) {
-    __m128i c[per / 4];
-    unpack_word<B>(words[j / per], c);
-    for (int k = 0; k < per / 4; ++k) {
-      const __m128 v = _mm_cvtepi32_ps(_mm_sub_epi32(c[k], off));
-      const __m128 d =
-          saturate_ps(Asym ? _mm_add_ps(base, _mm_mul_ps(v, step)) : _mm_mul_ps(v, step));
-      _mm_storeu_ps(acc + j + 4 * k, _mm_add_ps(_mm_loadu_ps(acc + j + 4 * k), d));
+  auto value = [&](__m128i c, __m128 step, __m128 base, auto saturating) {
+    const __m128 v = _mm_cvtepi32_ps(_mm_sub_epi32(c, off));
+    const __m128 d = Asym ? _mm_add_ps(base, _mm_mul_ps(v, step)) : _mm_mul_ps(v, step);
+    if constexpr (decltype(saturating)::value) return saturate_ps(d);
+    return d;
+  };
+  auto lanes = [&](auto saturating, auto two) {
+    for (; j + per <= len; j += per) {
+      __m128i c0[per / 4], c1[per / 4];
+      unpack_word<B>(w0[j / per], c0);
+      if constexpr (decltype(two)::value) unpack_word<B>(w1[j / per], c1);
+      for (int k = 0; k < per / 4; ++k) {
+        __m128 a = _mm_add_ps(_mm_loadu_ps(acc + j + 4 * k), value(c0[k], s0, b0, saturating));
+        if constexpr (decltype(two)::value) a = _mm_add_ps(a, value(c1[k], s1, b1, saturating));
+        _mm_storeu_ps(acc + j + 4 * k, a);
+      }
     }
-  }
+  };
+  // a symmetric code is at most 2^(B-1) steps from zero: when that many steps are finite, no
+  // decode of the block can overflow and the saturation is the identity (skipped: faster)
+  auto fits = [](const Grid& g) {
+    return is_finite_bits(g.step * static_cast<float>(1 << (B - 1)));
+  };
+  const bool sat = Asym || !fits(g0) || (w1 && !fits(g1));
+  auto with_sat = [&](auto two) {
+    if (sat)
+      lanes(std::true_type{}, two);
+    else
+      lanes(std::false_type{}, two);
+  };
+  if (w1)
+    with_sat(std::true_type{});
+  else
+    with_sat(std::false_type{});
 #endif
   constexpr uint32_t mask = (1u << B) - 1u;
   for (; j < len; ++j) {
-    const uint32_t c = (words[j / per] >> ((j % per) * B)) & mask;
-    acc[j] = add_rn(acc[j], decode(c, gr, B, Asym));
+    acc[j] = add_rn(acc[j], decode((w0[j / per] >> ((j % per) * B)) & mask, g0, B, Asym));
+    if (w1) acc[j] = add_rn(acc[j], decode((w1[j / per] >> ((j % per) * B)) & mask, g1, B, Asym));
   }
 }
 
@@ -307,12 +335,30 @@ void decode_average_all(const uint8_t* const* bodies, int count, const QuantGeom
       return read_grid(stored, Asym, geo.half);
     };
     // the P payloads summed in rank order (every rank gets the same bits)
-    for (int p = 0; p < count; ++p) {
-      const auto* words = reinterpret_cast<const uint32_t*>(bodies[p] + geo.codes_offset());
-      decode_add_block<B, Asym>(words + i0 / per, len, grid_of(p), acc);
+    auto words_of = [&](int p) {
+      return reinterpret_cast<const uint32_t*>(bodies[p] + geo.codes_offset()) + i0 / per;
+    };
+    for (int p = 0; p < count; p += 2) {
+      if (p + 1 < count)
+        decode_add_block<B, Asym>(words_of(p), grid_of(p), words_of(p + 1), grid_of(p + 1), len,
+                                  acc);
+      else
+        decode_add_block<B, Asym>(words_of(p), grid_of(p), nullptr, Grid{}, len, acc);
     }
     bool finite = true;
-    for (int64_t j = 0; j < len; ++j) {
+    int64_t j = 0;
+#if defined(__SSE4_1__)
+    const __m128 sc = _mm_set1_ps(scale);
+    const __m128i expm = _mm_set1_epi32(0x7f800000);
+    __m128i bad = _mm_setzero_si128();
+    for (; j + 4 <= len; j += 4) {
+      const __m128 v = _mm_mul_ps(sc, _mm_load_ps(acc + j));
+      _mm_storeu_ps(dense + i0 + j, v);
+      bad = _mm_or_si128(bad, _mm_cmpeq_epi32(_mm_and_si128(_mm_castps_si128(v), expm), expm));
+    }
+    finite = _mm_movemask_epi8(bad) == 0;
+#endif
+    for (; j < len; ++j) {
       const float v = mul_rn(scale, acc[j]);
       dense[i0 + j] = v;
       finite &= is_finite_bits(v);
