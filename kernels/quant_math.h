@@ -32,8 +32,10 @@ GC_HD int asym_levels(int bits) { return (1 << bits) - 1; }
 /// Codes per 32-bit word.
 GC_HD int codes_per_word(int bits) { return 32 / bits; }
 
-/// fp16 bits of the smallest fp16 value >= v (v finite, >= 0), saturating at 65504.
+/// fp16 bits of the smallest fp16 value >= v (v finite, >= 0), saturating at 65504; +0 for
+/// v <= 0 (either zero, and anything a caller did not mean).
 GC_HD uint16_t half_up(float v) {
+  if (!(v > 0.0f)) return 0;
   uint16_t h = float_to_half(v);
   if (h >= 0x7c00u) return 0x7bffu;  // beyond fp16: its largest finite value
   if (half_to_float(h) < v) ++h;     // one fp16 ulp up (a carry into the exponent is right too)
@@ -41,7 +43,8 @@ GC_HD uint16_t half_up(float v) {
 }
 /// fp16 bits of the largest fp16 value <= v (v finite), saturating at -65504 / 65504.
 GC_HD uint16_t half_down(float v) {
-  if (v >= 0.0f) {
+  if (v == 0.0f) return 0;  // -0 too: its fp16 bits 0x8000 must not pass for a large value
+  if (v > 0.0f) {
     uint16_t h = float_to_half(v);
     if (h >= 0x7c00u) return 0x7bffu;
     if (half_to_float(h) > v) --h;  // h > 0 here: only a positive value rounds up
@@ -88,6 +91,10 @@ GC_HD Grid sym_grid(float amax, int bits, bool half, uint32_t* stored) {
 /// stored[0] = lo, stored[1] = d.
 GC_HD Grid asym_grid(float mn, float mx, int bits, bool half, uint32_t* stored) {
   const int M = asym_levels(bits);
+  // -0 and +0 tie in the max / min reductions, whose order differs between the backends: a zero
+  // is stored as +0 so that both send the same bytes
+  mn = mn == 0.0f ? 0.0f : mn;
+  mx = mx == 0.0f ? 0.0f : mx;
   float lo = mn;
   if (half) {
     const uint16_t h = half_down(mn);
@@ -140,6 +147,7 @@ GC_HD uint32_t encode(float x, const Grid& g, int bits, bool asym, bool stochast
     hi_c = static_cast<float>(sym_levels(bits));
     lo_c = -hi_c;
   }
+  t = t == t ? t : 0.0f;  // NaN (only with the finiteness check off): a code in range, not UB
   t = t < lo_c ? lo_c : (t > hi_c ? hi_c : t);
   float c = stochastic ? floorf(add_rn(t, u)) : rintf(t);
   c = c > hi_c ? hi_c : c;  // t + u may round up to hi + 1

@@ -21,8 +21,9 @@
 // Scales. fp32, or fp16 (2 bytes instead of 4 per scale: at block 128 and 4 bits, 4.125 instead
 // of 4.25 bits per value). An fp16 symmetric scale is rounded up, so the grid still covers the
 // block; a block whose fp32 scale exceeds fp16's largest value (65504, i.e. max |x| above
-// 65504 L) is clipped to that grid and one whose scale is below fp16's smallest (2^-24) sends
-// zeros: error feedback carries the rest to later steps. fp32 scales have no such limits.
+// 65504 L) is clipped to that grid and one whose scale is below fp16's smallest (2^-24) gets
+// 2^-24 and sends zeros: error feedback carries the rest to later steps. fp32 scales have no such
+// limits.
 //
 // Example (through make_plan, gradcomp/make_plan.hpp):
 //   auto plan = gradcomp::make_plan("quant", bucket, {{"bits", int64_t{4}}});
@@ -56,7 +57,9 @@ struct QuantConfig {
   /// a few RMS instead of set by a single outlier, and the grid is finer for the rest.
   bool rotate = true;
   /// Skip (or raise, OnNonFinite) a step in which some rank's gradient holds NaN or Inf, leaving
-  /// the state unchanged (the errors are then double-buffered: 4 more bytes per element).
+  /// the state unchanged. The errors are double-buffered whatever this says (4 more bytes per
+  /// element), so a step that fails on a bad peer chunk changes nothing either, and undo_step()
+  /// can always take a kept step back.
   bool check_finite = true;
   uint64_t seed = 0;       ///< stochastic rounding's key
   uint32_t tensor_id = 0;  ///< the bucket (keys the random numbers)

@@ -145,6 +145,7 @@ void encode_nearest(const float* x, int64_t len, const Grid& gr, uint32_t* code,
   for (; j + 4 <= len; j += 4) {
     const __m128 v = _mm_loadu_ps(x + j);
     __m128 t = Asym ? _mm_mul_ps(saturate_ps(_mm_sub_ps(v, base)), inv) : _mm_mul_ps(v, inv);
+    t = _mm_and_ps(t, _mm_cmpeq_ps(t, t));  // NaN -> 0, as encode()
     t = _mm_max_ps(lo, _mm_min_ps(hi, t));
     const __m128i ci =
         _mm_cvttps_epi32(_mm_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -254,3 +254,25 @@ def _pipeline_bitwise(rank, world, out_dir):
 
 def test_pipelined_hooks_give_the_serial_bits():
     run(_pipeline_bitwise, 2, tmpdir())
+
+
+def test_quant_is_a_candidate_with_its_bits_bound():
+    state, _ = gt.hook("auto", candidates=["quant", "allreduce"], min_bits=2)
+    assert state.candidates == ["allreduce", "quant"]  # in faithfulness order
+    assert state.subs["quant"].options == {"bits": 2}
+    for bad in (3, 1, 16, 4.0, True):
+        with pytest.raises(ValueError, match="min_bits"):
+            gt.hook("auto", candidates=["quant"], min_bits=bad)
+
+
+def test_auto_with_the_quant_candidate_trains_and_decides_alike():
+    d = tmpdir()
+    run(_auto_run, 2, d, "straight", ["allreduce", "quant"])
+    r = [json.load(open(os.path.join(d, f"straight_{k}.json"))) for k in range(2)]
+    for x in r:
+        assert x["same"] and x["iter"] == 30
+        assert sum(x["losses"][-5:]) < 0.7 * sum(x["losses"][:5]), x["losses"]
+        for t in x["trials"]:
+            for costs in t["costs"].values():
+                assert set(costs) == {"allreduce", "quant"} and all(v > 0 for v in costs.values())
+    assert r[0]["trials"] == r[1]["trials"]

@@ -378,6 +378,29 @@ TEST(QuantPlan, MoreBitsLoseLess) {
   }
 }
 
+// Signed zeros: a block of -0 (a zero gradient rotated, or -0 entries) with asymmetric fp16
+// scales and no error feedback must send zeros, not a grid whose low end is fp16's largest value.
+TEST(QuantPlan, NegativeZerosDecodeToZero) {
+  for (bool rotate : {false, true})
+    for (auto sd : {DType::kFloat16, DType::kFloat32})
+      for (auto rounding : {QuantRounding::kNearest, QuantRounding::kStochastic}) {
+        QuantConfig c;
+        c.scale = QuantScale::kAsymmetric;
+        c.scale_dtype = sd;
+        c.rotate = rotate;
+        c.rounding = rounding;
+        c.error_feedback = false;
+        const int64_t n = 300;
+        auto plans = make_ranks(c, n, 2);
+        std::vector<std::vector<float>> g(2, std::vector<float>(n, -0.0f));
+        for (int64_t i = 0; i < n; i += 3) g[1][i] = 0.0f;
+        run(plans, g);
+        for (int r = 0; r < 2; ++r)
+          for (int64_t i = 0; i < n; ++i)
+            ASSERT_EQ(g[r][i], 0.0f) << "rotate " << rotate << " " << dtype_name(sd) << " i " << i;
+      }
+}
+
 // ---------------------------------------------------------------- wire size
 TEST(QuantPlan, WireBytesPerValue) {
   QuantConfig c;
