@@ -98,6 +98,10 @@ TEST(MakePlan, EveryFamilyMatchesThePlanBuiltByHand) {
           c.momentum = 0.5;
           c.tensor_id = 3;
           by_hand.push_back(std::make_unique<gc::OneBitAllreducePlan>(c, n, P, r));
+        } else if (name == "quant") {  // QuantConfig{}'s defaults are the plan's
+          gc::QuantConfig c;
+          c.tensor_id = 3;
+          by_hand.push_back(std::make_unique<gc::QuantAllreducePlan>(c, n, P, r));
         } else {
           gc::PowerSGDConfig c;
           c.rank = 2;
