@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 # bottom up, as docs/ARCHITECTURE.md lists them
-PUBLIC = ["error", "types", "tensor", "runtime", "workspace", "wire", "rng", "select", "orthogonalization", "compressor", "topk", "onebit", "powersgd", "plan",
+PUBLIC = ["error", "types", "tensor", "runtime", "workspace", "wire", "rng", "select", "orthogonalization", "compressor", "topk", "onebit", "quant", "powersgd", "plan",
           "cost_model", "plans", "make_plan", "comm", "straggler", "gradcomp"]
 # what the kernels may see of the public API: value types, no codec, plan or engine
 KERNEL_OK = {"error", "types", "tensor", "runtime", "workspace", "rng", "select",
