@@ -113,7 +113,9 @@ const char* type_name(const PlanOption& v) {
 class Options {
  public:
   Options(const std::string& family, const PlanOptions& given)
-      : family_(family), values_(defaults_of(family)) {
+      : Options(family, defaults_of(family), given) {}
+  Options(const std::string& family, PlanOptions defaults, const PlanOptions& given)
+      : family_(family), values_(std::move(defaults)) {
     std::vector<std::string> unknown;
     for (const auto& [k, v] : given) {
       auto it = values_.find(k);
@@ -180,6 +182,25 @@ TopKConfig topk_config_of(const Options& o, uint32_t tensor_id) {
   c.select.method = parse_enum<SelectMethod>(o.name("method"));
   c.select.sample_rate = o.real("sample_rate");
   c.validate();
+  return c;
+}
+
+/// The quant options (a form without rotate, error_feedback or check_finite has them off).
+QuantConfig quant_config_of(const Options& o, uint32_t tensor_id) {
+  QuantConfig c;
+  const int64_t bits = o.integer("bits");
+  GC_CHECK_ARG(bits == 2 || bits == 4 || bits == 8,
+               "invalid option for compressor 'quant': ", "bits must be 2, 4 or 8, got ", bits);
+  c.bits = static_cast<int>(bits);
+  c.block_size = o.integer("block_size");
+  c.rounding = parse_enum<QuantRounding>(o.name("rounding"));
+  c.scale = parse_enum<QuantScale>(o.name("scale"));
+  c.scale_dtype = parse_enum<DType>(o.name("scale_dtype"));
+  c.rotate = o.has("rotate") && o.flag("rotate");
+  c.error_feedback = o.has("error_feedback") && o.flag("error_feedback");
+  c.check_finite = o.has("check_finite") && o.flag("check_finite");
+  c.seed = o.seed("seed");
+  c.tensor_id = tensor_id;
   return c;
 }
 
@@ -294,24 +315,10 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
     return std::make_unique<OneBitAllreducePlan>(c, b.numel, b.world, b.rank, b.device,
                                                  b.device_index, b.stream);
   }
-  if (name == "quant") {
-    QuantConfig c;
-    const int64_t bits = o.integer("bits");
-    GC_CHECK_ARG(bits == 2 || bits == 4 || bits == 8,
-                 "invalid option for compressor 'quant': ", "bits must be 2, 4 or 8, got ", bits);
-    c.bits = static_cast<int>(bits);
-    c.block_size = o.integer("block_size");
-    c.rounding = parse_enum<QuantRounding>(o.name("rounding"));
-    c.scale = parse_enum<QuantScale>(o.name("scale"));
-    c.scale_dtype = parse_enum<DType>(o.name("scale_dtype"));
-    c.rotate = o.flag("rotate");
-    c.error_feedback = o.flag("error_feedback");
-    c.check_finite = o.flag("check_finite");
-    c.seed = o.seed("seed");
-    c.tensor_id = b.bucket_id;
-    return std::make_unique<QuantAllreducePlan>(c, b.numel, b.world, b.rank, b.dtype, b.device,
-                                                b.device_index, b.stream);
-  }
+  if (name == "quant")
+    return std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel, b.world,
+                                                b.rank, b.dtype, b.device, b.device_index,
+                                                b.stream);
   // powersgd
   PowerSGDConfig c;
   c.rank = static_cast<int>(std::min<int64_t>(o.integer("rank"), int64_t{1} << 30));
@@ -336,6 +343,53 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
 }
 }  // namespace
 
+std::vector<std::string> shard_plan_names() { return {"allreduce", "fp16", "bf16", "quant"}; }
+
+PlanOptions shard_plan_defaults(const std::string& name, PlanForm form) {
+  GC_CHECK_ARG(form == PlanForm::kReduceScatter || form == PlanForm::kAllgather,
+               "shard plans are reduce_scatter or allgather, not ", enum_name(form));
+  const auto names = shard_plan_names();
+  if (std::find(names.begin(), names.end(), name) == names.end()) {
+    std::string known;
+    for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+    throw InvalidArgument("compressor '" + name + "' has no " + std::string(enum_name(form)) +
+                          " form; choose one of " + known);
+  }
+  PlanOptions o = defaults_of(name);
+  o.erase("route");   // the shard forms have one route: all-to-all or allgather of the chunks
+  o.erase("rotate");  // the caller's chunks need not hold whole rotation blocks
+  if (form == PlanForm::kReduceScatter) {
+    o["average"] = true;
+  } else if (name == "quant") {
+    // parameters are gathered, not summed: nothing to feed back, no step to skip; 8 bits as
+    // ZeRO++'s quantized weights
+    o.erase("error_feedback");
+    o.erase("check_finite");
+    o.erase("on_nonfinite");
+    o["bits"] = int64_t{8};
+  }
+  return o;
+}
+
+std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const BucketSpec& b,
+                                            PlanForm form, const PlanOptions& options) {
+  const Options o(name, shard_plan_defaults(name, form), options);
+  const bool average = form == PlanForm::kReduceScatter ? o.flag("average") : true;
+  if (name != "quant") {
+    const DType wire = name == "fp16"   ? DType::kFloat16
+                       : name == "bf16" ? DType::kBFloat16
+                                        : b.dtype;
+    return std::make_unique<ShardCastPlan>(b.numel, b.dtype, wire, b.world, b.rank, form, average,
+                                           b.device, b.device_index, b.stream);
+  }
+  auto plan = std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel,
+                                                   b.world, b.rank, b.dtype, b.device,
+                                                   b.device_index, b.stream, form, average);
+  if (o.has("on_nonfinite"))
+    plan->set_on_nonfinite(parse_enum<OnNonFinite>(o.name("on_nonfinite")));
+  return plan;
+}
+
 std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& states, int world,
                                    int rank) {
   GC_CHECK_ARG(!states.empty(), "reshard_state: no states given (one per rank of the saved job)");
@@ -356,9 +410,16 @@ std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& stat
     out = detail::reshard_quant_state(states, world, rank);
   else if (kind == "powersgd")
     out = detail::reshard_powersgd_state(states);
+  else if (kind == "quant-reduce-scatter")
+    // a sharded job's bucket is padded to its world size (FSDP pads every parameter to P rows'
+    // worth): its worker error has no place in a bucket of another size
+    GC_CHECK_ARG(static_cast<size_t>(world) == states.size(),
+                 "reshard_state: a quant reduce-scatter state (sharded training) belongs ",
+                 "to its world size (", states.size(), " ranks) and cannot be resharded to ", world,
+                 "; resume on as many ranks, or start the error feedback afresh");
   else
     GC_CHECK_ARG(false, "reshard_state: a '", kind, "' state is not a bucket plan's (topk, ",
-                 "randomk, onebit-allreduce, powersgd)");
+                 "randomk, onebit-allreduce, quant-allreduce, powersgd)");
   // every state was checked on the way: on as many ranks, the rank's own state goes on exactly
   if (static_cast<size_t>(world) == states.size()) return states[static_cast<size_t>(rank)];
   return out;

@@ -97,8 +97,15 @@ struct QuantAllreducePlan::Impl {
 
 QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
                                        DType grad_dtype, Device device, int device_index,
-                                       void* stream)
-    : cfg_(cfg), numel_(numel), world_(world), rank_(rank), dtype_(grad_dtype), device_(device) {
+                                       void* stream, PlanForm form, bool average)
+    : cfg_(cfg),
+      form_(form),
+      average_(average),
+      numel_(numel),
+      world_(world),
+      rank_(rank),
+      dtype_(grad_dtype),
+      device_(device) {
   cfg_.validate();
   GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "numel must be in [0, 2^40], got ",
                numel);
@@ -107,7 +114,22 @@ QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, in
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "quant: unsupported gradient dtype");
   if (device == Device::kCUDA && !built_with_cuda())
     throw_not_built_with_cuda("QuantAllreducePlan on CUDA");
-  chunk_elems_ = detail::two_phase_chunk_elems(numel, world, cfg_.block_size);
+  GC_CHECK_ARG(static_cast<uint8_t>(form) <= 2, "quant: unknown plan form ", int(form));
+  if (form == PlanForm::kAllreduce) {
+    chunk_elems_ = detail::two_phase_chunk_elems(numel, world, cfg_.block_size);
+  } else {
+    // the caller's chunks (FSDP's shards) are the chunks: they need not hold whole blocks, so the
+    // block rotation, which needs whole blocks per chunk to be undone by a chunk's owner, is out
+    const char* f = form == PlanForm::kReduceScatter ? "reduce-scatter" : "allgather";
+    GC_CHECK_ARG(numel % world == 0, "quant ", f, ": the bucket's ", numel,
+                 " elements must split into ", world, " equal chunks (one per rank)");
+    GC_CHECK_ARG(!cfg_.rotate, "quant ", f,
+                 ": rotate is not available (the rotation needs chunks of whole blocks)");
+    GC_CHECK_ARG(form == PlanForm::kReduceScatter || (!cfg_.error_feedback && !cfg_.check_finite),
+                 "quant allgather: error_feedback and check_finite must be off (parameters are "
+                 "gathered, not summed: there is no error to feed back and no step to skip)");
+    chunk_elems_ = numel / world;
+  }
   k::QuantGeom geo;
   geo.bits = cfg_.bits;
   geo.block = cfg_.block_size;
@@ -120,9 +142,12 @@ QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, in
   Impl& s = *impl_;
   const size_t P = static_cast<size_t>(world), B = block_bytes_;
   const auto n = static_cast<size_t>(numel), ce = static_cast<size_t>(chunk_elems_);
-  for (Buffer& b : s.we) device_zero(device, b.get<float>(n + 1), (n + 1) * sizeof(float), stream);
+  const size_t wn = form == PlanForm::kAllgather ? 0 : n;   // no worker error to gather
+  const size_t sn = form == PlanForm::kAllreduce ? ce : 0;  // only the allreduce has a server
+  for (Buffer& b : s.we)
+    device_zero(device, b.get<float>(wn + 1), (wn + 1) * sizeof(float), stream);
   for (Buffer& b : s.se)
-    device_zero(device, b.get<float>(ce + 1), (ce + 1) * sizeof(float), stream);
+    device_zero(device, b.get<float>(sn + 1), (sn + 1) * sizeof(float), stream);
   // the bytes a chunk does not fill (padding, a short last chunk) stay zero for good
   device_zero(device, s.send.get<uint8_t>(P * B), P * B, stream);
   device_zero(device, s.gsend.get<uint8_t>(B), B, stream);
@@ -132,6 +157,12 @@ QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, in
 }
 
 QuantAllreducePlan::~QuantAllreducePlan() = default;
+
+std::string QuantAllreducePlan::name() const {
+  return form_ == PlanForm::kAllreduce       ? "quant"
+         : form_ == PlanForm::kReduceScatter ? "quant_rs"
+                                             : "quant_ag";
+}
 
 const float* QuantAllreducePlan::worker_error() const { return impl_->we_in(); }
 const float* QuantAllreducePlan::server_error() const { return impl_->se_in(); }
@@ -247,7 +278,11 @@ std::optional<Collective> QuantAllreducePlan::next() {
     }
     return "";
   };
+  // the kernels draw random words four at a time from a chunk's first index, which must be a
+  // multiple of 4: allreduce chunks start on whole blocks; a shard form's chunk q draws from
+  // q * CE rounded up to 4 (still one stream index per element)
   auto rng_of = [&](uint64_t role, int64_t first) {
+    if (form_ != PlanForm::kAllreduce && CE > 0) first = first / CE * ((CE + 3) / 4 * 4);
     k::QuantRng r;
     r.stochastic = cfg_.rounding == QuantRounding::kStochastic;
     r.key = RngKey{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
@@ -265,6 +300,24 @@ std::optional<Collective> QuantAllreducePlan::next() {
     case 1: {  // (1) worker: quantize every chunk into its send block
       auto* send = static_cast<uint8_t*>(s.send.data());
       const size_t es = dtype_size(s.src_t);
+      if (form_ == PlanForm::kAllgather) {  // only this rank's own chunk leaves it
+        auto* gsend = static_cast<uint8_t*>(s.gsend.data());
+        const int64_t L = chunk_len(rank_), off = static_cast<int64_t>(rank_) * CE;
+        if (L > 0) {
+          geo.n = L;
+          k::dispatch::quant_compress(
+              s.ex, static_cast<const uint8_t*>(s.src) + static_cast<size_t>(off) * es, s.src_t,
+              nullptr, nullptr, geo, rng_of(static_cast<uint64_t>(rank_), off), false,
+              gsend + sizeof(ChunkHeader));
+        }
+        put_header(gsend, header(L, 0));
+        c.kind = CollectiveKind::kAllgather;
+        c.send = gsend;
+        c.recv = s.grecv.data();
+        c.tag = "quant gather";
+        phase_ = 3;
+        return c;
+      }
       const bool ef = cfg_.error_feedback;
       const bool check = cfg_.check_finite && device_ == Device::kCPU && !cfg_.rotate;
       for (size_t q = 0; q < P && s.bad < 0; ++q) {
@@ -306,6 +359,45 @@ std::optional<Collective> QuantAllreducePlan::next() {
         } else if (h.flags & ChunkHeader::kBad) {
           flags |= ChunkHeader::kBad;
         }
+      }
+      if (form_ == PlanForm::kReduceScatter) {
+        // every server saw every rank's header: the flags agree across ranks (see plans.hpp)
+        phase_ = 0;
+        GC_CHECK_ARG(!(flags & ChunkHeader::kMismatch), "quant tensor ", cfg_.tensor_id, " rank ",
+                     rank_, ": ", s.mismatch,
+                     " (ranks with different options or at different steps); the step failed "
+                     "and no state changed");
+        const size_t es = dtype_size(s.grad.dtype);
+        void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(off) * es;
+        if (flags & ChunkHeader::kBad) {
+          device_fill_nan(device_, dst, static_cast<size_t>(L) * es, s.stream);
+          set_skipped(true);
+          if (on_nonfinite_ == OnNonFinite::kRaise) {
+            GC_CHECK_ARG(s.bad < 0, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ",
+                         s.bad_what, "; the step was dropped on every rank and no state changed ",
+                         "(on_nonfinite='raise')");
+            GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_,
+                         ": another rank's gradient held a non-finite value (NaN or Inf); the ",
+                         "step was dropped on every rank and no state changed ",
+                         "(on_nonfinite='raise')");
+          }
+          return std::nullopt;
+        }
+        if (L > 0) {
+          std::vector<const uint8_t*> bodies(P);
+          for (size_t q = 0; q < P; ++q) bodies[q] = recv + q * B + sizeof(ChunkHeader);
+          geo.n = L;
+          const bool f32 = s.grad.dtype == DType::kFloat32;
+          float* f = f32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
+          k::dispatch::quant_decode_average(s.ex, bodies.data(), world_, geo,
+                                            average_ ? 1.0f / static_cast<float>(world_) : 1.0f, f,
+                                            s.ws);
+          if (!f32) k::convert_saturating(device_, f, dst, s.grad.dtype, L, s.stream);
+        }
+        if (cfg_.error_feedback) s.cur = 1 - s.cur;
+        ++step_;
+        set_skipped(false, true);
+        return std::nullopt;
       }
       if (flags == 0 && L > 0) {
         std::vector<const uint8_t*> bodies(P);
@@ -398,8 +490,15 @@ void QuantAllreducePlan::undo_state() {
   --step_;
 }
 
+namespace {
+const char* quant_state_kind(PlanForm f) {
+  return f == PlanForm::kAllreduce ? "quant-allreduce" : "quant-reduce-scatter";
+}
+}  // namespace
+
 std::vector<uint8_t> QuantAllreducePlan::state_dict() const {
-  detail::StateWriter w("quant-allreduce");
+  if (form_ == PlanForm::kAllgather) return {};
+  detail::StateWriter w(quant_state_kind(form_));
   w.put<int64_t>(numel_);
   w.put<int32_t>(world_);
   w.put<int32_t>(rank_);
@@ -413,7 +512,8 @@ std::vector<uint8_t> QuantAllreducePlan::state_dict() const {
   w.put<uint64_t>(cfg_.seed);
   w.put<int64_t>(step_);
   w.put_array(impl_->we_in(), device_, numel_ * sizeof(float), impl_->stream);
-  w.put_array(impl_->se_in(), device_, chunk_elems_ * sizeof(float), impl_->stream);
+  if (form_ == PlanForm::kAllreduce)
+    w.put_array(impl_->se_in(), device_, chunk_elems_ * sizeof(float), impl_->stream);
   return w.take();
 }
 
@@ -431,7 +531,8 @@ struct QuantStateHead {
 
 void QuantAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(phase_ == 0, "quant: load_state_dict() during a step");
-  detail::StateReader r(data, nbytes, "quant-allreduce");
+  if (form_ == PlanForm::kAllgather) return BucketPlan::load_state_dict(data, nbytes);
+  detail::StateReader r(data, nbytes, quant_state_kind(form_));
   r.expect<int64_t>("numel", numel_);
   r.expect<int32_t>("world", world_);
   r.expect<int32_t>("rank", rank_);
@@ -445,12 +546,13 @@ void QuantAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<uint64_t>("seed", cfg_.seed);
   const auto step = r.get_step();
   const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
-  const uint64_t sb = static_cast<uint64_t>(chunk_elems_) * sizeof(float);
+  const uint64_t sb =
+      form_ == PlanForm::kAllreduce ? static_cast<uint64_t>(chunk_elems_) * sizeof(float) : 0;
   const uint8_t* we = r.finite_array("worker_error", wb);
-  const uint8_t* se = r.finite_array("server_error", sb);
+  const uint8_t* se = sb ? r.finite_array("server_error", sb) : nullptr;
   r.finish();
   device_copy(impl_->we_in(), device_, we, Device::kCPU, wb, impl_->stream);
-  device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
+  if (sb) device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
   step_ = step;
   start_step();
 }

@@ -83,6 +83,25 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
 TopKConfig topk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 
+/// The families with a reduce-scatter and an allgather form (PlanForm), for sharded data
+/// parallelism (FSDP2, ZeRO): "allreduce" (plain: the wire is the bucket's dtype), "fp16",
+/// "bf16" (ShardCastPlan: fp32 sums in rank order) and "quant" (QuantAllreducePlan's forms).
+std::vector<std::string> shard_plan_names();
+/// The options of a shard plan with their defaults: the family's (plan_defaults) without those
+/// that only the allreduce has (the cast route, quant's rotate), plus "average" (reduce-scatter:
+/// true = the chunk's average, false = its sum). The quant allgather has no error_feedback,
+/// check_finite or on_nonfinite, and 8 bits by default.
+PlanOptions shard_plan_defaults(const std::string& name, PlanForm form);
+/// Builds family `name`'s plan of form `form` (reduce_scatter or allgather) for the bucket, which
+/// is P equal chunks (numel a multiple of bucket.world); options as make_plan (InvalidArgument
+/// for unknown options, wrong types and bad values, and for a family without shard forms).
+///
+/// Example (FSDP2's reduce-scatter input of n = P c elements; rank r gets chunk r's average):
+///   auto rs = gradcomp::make_shard_plan("quant", b, gradcomp::PlanForm::kReduceScatter,
+///                                       {{"bits", int64_t{4}}});
+///   rs->begin(grad);  gradcomp::run_plan(*rs, comm);   // grad[r c, (r+1) c) holds the average
+std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const BucketSpec& bucket,
+                                            PlanForm form, const PlanOptions& options = {});
 /// Resumes a checkpoint on another world size. `states` holds one bucket's plan state_dict()
 /// from every rank of a job of P = states.size() ranks, in rank order, all taken after the same
 /// step; the result is the state to load into rank `rank` of a job of `world` ranks that runs the

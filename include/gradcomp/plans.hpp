@@ -134,6 +134,50 @@ class CastAllreducePlan : public GradientPlan {
   Buffer wide_;    ///< kReduceScatter: the P chunks in fp32
 };
 
+/// What a plan computes over a bucket of P equal chunks (chunk r: elements [r n/P, (r+1) n/P)).
+/// Sharded data parallelism (FSDP2, ZeRO) needs the two halves of an allreduce: gradients leave a
+/// rank by a reduce-scatter and parameters arrive by an allgather.
+enum class PlanForm : uint8_t {
+  kAllreduce = 0,      ///< every rank ends with the whole average (DDP)
+  kReduceScatter = 1,  ///< rank r ends with the average (or sum) of chunk r in its chunk r; the
+                       ///< rest of the bucket is left as scratch (unspecified values)
+  kAllgather = 2,      ///< rank r's chunk r is its input; every rank ends with every rank's chunk
+};
+
+/// The reduce-scatter and allgather forms of the plain and cast plans (PlanForm): chunks move in
+/// `wire_dtype` (float32 = lossless for an fp32 bucket; float16 / bfloat16 = half the bytes) and
+/// are summed in fp32 in rank order, so every rank's chunk has the same bits whoever computes
+/// it. Reduce-scatter: an all-to-all of the wire chunks, then rank r sums the P chunks r and
+/// writes sum / P (`average`, else the sum) into its chunk r in the bucket's dtype; an fp16 or
+/// bf16 wire divides before the cast (so fp16 does not overflow), an fp32 wire after the sum (so
+/// the result is what a rank-ordered fp32 reduce-scatter gives). Allgather: each rank's chunk r
+/// in the wire dtype to every rank, widened back into the bucket. Stateless: a NaN simply travels.
+/// The bucket's numel must be a multiple of P.
+///
+/// Example:  gradcomp::ShardCastPlan rs(n, DType::kFloat32, DType::kBFloat16, P,
+///                                      PlanForm::kReduceScatter);
+class ShardCastPlan : public GradientPlan {
+ public:
+  ShardCastPlan(int64_t numel, DType grad_dtype, DType wire_dtype, int world, int rank,
+                PlanForm form, bool average = true, Device device = Device::kCPU,
+                int device_index = 0, void* stream = nullptr);
+  std::optional<Collective> next() override;
+  std::string name() const override;
+  PlanForm form() const { return form_; }
+  int64_t chunk_elems() const { return chunk_; }
+  size_t workspace_bytes() const override {
+    return wire_.capacity() + chunks_.capacity() + wide_.capacity();
+  }
+
+ private:
+  DType wire_dtype_;
+  int rank_;
+  PlanForm form_;
+  bool average_;
+  int64_t chunk_;
+  Buffer wire_, chunks_, wide_;
+};
+
 /// Which exchange a top-k step used.
 enum class TopKRoute : uint8_t {
   kAuto = 0,    ///< (option) let the cost model choose per step
@@ -399,6 +443,19 @@ class OneBitAllreducePlan : public BucketPlan {
 /// copy; a kept step swaps it in), so a failed or skipped step changes no state and undo_step()
 /// can take a kept step back.
 ///
+/// The sharded forms (PlanForm; the bucket is P equal chunks of n/P elements, no rotation):
+///  - reduce-scatter: phase (1) with the worker error, then rank r decodes chunk r of every rank,
+///    sums them in rank order in fp32 and writes the average (or, with `average` false, the sum)
+///    into its chunk r (ZeRO++'s quantized gradients). Stochastic rounding draws element i of chunk
+///    q at stream index q * (n/P rounded up to a multiple of 4) + i. No server error: nothing is
+///    quantized a second time. Every rank's server sees every rank's header, so a NaN/Inf flag or
+///    ranks that disagree end the step the same way on every rank (the step skipped, its chunk NaN;
+///    or InvalidArgument); only a chunk whose scales were damaged in flight is seen by its receiver
+///    alone, which then raises alone. State kind "quant-reduce-scatter": the worker error.
+///  - allgather: rank r quantizes its chunk r (no error feedback, no finiteness check: parameters
+///    are gathered, not summed) and every rank decodes every chunk, its own included, so every
+///    rank computes with the same values (ZeRO++'s quantized weights). Stateless.
+///
 /// Example (one rank; a driver executes the collectives):
 ///   gradcomp::QuantConfig cfg;  cfg.bits = 4;
 ///   gradcomp::QuantAllreducePlan plan(cfg, n, world, rank);
@@ -408,7 +465,8 @@ class QuantAllreducePlan : public BucketPlan {
  public:
   QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
                      DType grad_dtype = DType::kFloat32, Device device = Device::kCPU,
-                     int device_index = 0, void* stream = nullptr);
+                     int device_index = 0, void* stream = nullptr,
+                     PlanForm form = PlanForm::kAllreduce, bool average = true);
   ~QuantAllreducePlan() override;
   /// Starts a step that averages grad (numel elements of the plan's dtype and device) in place.
   /// Checks before any state changes (InvalidArgument, also while a step is in progress). With
@@ -416,7 +474,8 @@ class QuantAllreducePlan : public BucketPlan {
   /// rotated in a scratch copy (4 bytes per element, kept by the plan).
   void begin(const TensorView& grad) override;
   std::optional<Collective> next() override;
-  std::string name() const override { return "quant"; }
+  std::string name() const override;
+  PlanForm form() const { return form_; }
   int64_t numel() const override { return numel_; }
   Device device() const { return device_; }
   int64_t step() const { return step_; }
@@ -424,13 +483,19 @@ class QuantAllreducePlan : public BucketPlan {
   /// Elements per server chunk and bytes per chunk on the wire (header, scales, codes).
   int64_t chunk_elems() const { return chunk_elems_; }
   size_t block_bytes() const { return block_bytes_; }
-  /// Bytes this rank hands to the collectives per step (all-to-all + allgather).
-  uint64_t bytes_sent() const { return block_bytes_ * static_cast<uint64_t>(world_ + 1); }
+  /// Bytes this rank hands to the collectives per step (all-to-all and / or allgather).
+  uint64_t bytes_sent() const {
+    const auto P = static_cast<uint64_t>(world_);
+    return block_bytes_ * (form_ == PlanForm::kAllreduce       ? P + 1
+                           : form_ == PlanForm::kReduceScatter ? P
+                                                               : 1);
+  }
   /// Worker error (numel floats) and this rank's server error (chunk_elems() floats), fp32 on the
   /// plan's device (rotated coordinates with rotate).
   const float* worker_error() const;
   const float* server_error() const;
-  bool stateful() const override { return true; }
+  /// The allgather form keeps no state (no error feedback: what it gathers is parameters).
+  bool stateful() const override { return form_ != PlanForm::kAllgather; }
   std::vector<uint8_t> state_dict() const override;
   /// Restores state_dict(); InvalidArgument on a mismatch or during a step (nothing changes).
   void load_state_dict(const uint8_t* data, size_t nbytes) override;
@@ -440,6 +505,8 @@ class QuantAllreducePlan : public BucketPlan {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   QuantConfig cfg_;
+  PlanForm form_;
+  bool average_;
   int64_t numel_;
   int world_, rank_;
   DType dtype_;
@@ -534,6 +601,15 @@ struct EnumNames<TopKExchange> {
   static constexpr EnumName<TopKExchange> table[] = {{"auto", TopKExchange::kAuto},
                                                      {"bound", TopKExchange::kBound},
                                                      {"sizes", TopKExchange::kSizes}};
+};
+
+template <>
+struct EnumNames<PlanForm> {
+  static constexpr const char* what = "plan form";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<PlanForm> table[] = {{"allreduce", PlanForm::kAllreduce},
+                                                 {"reduce_scatter", PlanForm::kReduceScatter},
+                                                 {"allgather", PlanForm::kAllgather}};
 };
 
 template <>

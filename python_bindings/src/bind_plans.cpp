@@ -155,6 +155,51 @@ void bind_plans(nb::module_& m) {
       "world size is kept), 1-bit's server errors re-chunked, PowerSGD's Q and the step kept; "
       "with world equal to the old world size, the rank's own bytes. ValueError for corrupt "
       "states or states that are not one job's checkpoint of one step.");
+  option_enum<PlanForm>(m, "PlanForm",
+                        "What a plan computes: allreduce, reduce_scatter or allgather (the shard "
+                        "plans of sharded training, make_shard_plan).");
+  m.def(
+      "make_shard_plan",
+      [](const std::string& name, int64_t numel, const std::string& dtype, int world,
+         const std::string& form, int rank, const std::string& device, int device_index,
+         uintptr_t stream, uint32_t bucket_id, nb::dict options) {
+        BucketSpec b;
+        b.numel = numel;
+        b.dtype = parse_enum<DType>(dtype);
+        b.world = world;
+        b.rank = rank;
+        b.device = parse_enum<Device>(device);
+        b.device_index = device_index;
+        b.stream = reinterpret_cast<void*>(stream);
+        b.bucket_id = bucket_id;
+        PlanOptions o;
+        for (auto [k, v] : options) {
+          const std::string key = nb::cast<std::string>(nb::str(k));
+          o[key] = to_option(name, key, v);
+        }
+        return make_shard_plan(name, b, parse_enum<PlanForm>(form), o);
+      },
+      nb::arg("name"), nb::arg("numel"), nb::arg("dtype"), nb::arg("world"), nb::arg("form"),
+      nb::kw_only(), nb::arg("rank") = 0, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+      nb::arg("stream") = 0, nb::arg("bucket_id") = 0, nb::arg("options") = nb::dict(),
+      "The reduce-scatter or allgather form (form: 'reduce_scatter' / 'allgather') of compressor "
+      "`name` (shard_plan_names()) for a bucket of numel elements (P equal chunks, one per rank) "
+      "of `dtype` on `device`, for rank `rank` of `world`. Reduce-scatter: at the end chunk "
+      "`rank` of the bucket holds the chunk's average (option average=False: its sum); "
+      "allgather: chunk `rank` is the input and every chunk the output. options as make_plan "
+      "(shard_plan_defaults(name, form) lists them); a bad one is a ValueError.");
+  m.def("shard_plan_names", &shard_plan_names,
+        "The compressors with reduce-scatter and allgather forms (make_shard_plan).");
+  m.def(
+      "shard_plan_defaults",
+      [](const std::string& name, const std::string& form) {
+        nb::dict d;
+        for (const auto& [k, v] : shard_plan_defaults(name, parse_enum<PlanForm>(form)))
+          d[k.c_str()] = from_option(v);
+        return d;
+      },
+      nb::arg("name"), nb::arg("form"),
+      "Every option of a compressor's shard plan of `form` with its default.");
   m.def("plan_names", &plan_names, "The compressor names make_plan() knows.");
   m.def(
       "plan_defaults",
@@ -168,6 +213,10 @@ void bind_plans(nb::module_& m) {
         "Whether the compressor's plans carry state between steps.");
 
   // The families' plan classes: built by make_plan(); each adds what only it reports.
+  nb::class_<ShardCastPlan, BucketPlan>(
+      m, "ShardCastPlan",
+      "The reduce-scatter or allgather of plain, fp16 or bf16 chunks (fp32 sums in rank order).")
+      .def_prop_ro("form", [](const ShardCastPlan& p) { return enum_name(p.form()); });
   nb::class_<DenseAllreducePlan, BucketPlan>(m, "DenseAllreducePlan",
                                              "Plain allreduce (rank-ordered sum, then / world).");
   nb::class_<CastAllreducePlan, BucketPlan>(

@@ -3,7 +3,9 @@
 // algorithm written from the documented contract (gradcomp/quant.hpp, plans.hpp), for every
 // bits x rounding x scale x scale dtype x rotation option, sizes 0, 1, odd, block +- 1 and large,
 // 1-4 ranks, fp32/fp16/bf16 gradients; then the state contract: consensus, error-feedback mass,
-// skipped and raising steps, ranks at different steps, checkpoints and resharding.
+// skipped and raising steps, ranks at different steps, checkpoints and resharding. Then the
+// sharded forms (reduce-scatter, allgather) of the quant plan and of the plain and cast plans
+// (ShardCastPlan) against scalar references, and their state.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -591,6 +593,253 @@ TEST(QuantPlan, MakePlanOptions) {
   EXPECT_THROW(make_plan("quant", b, {{"scale_dtype", std::string("bfloat16")}}), InvalidArgument);
   EXPECT_THROW(make_plan("quant", b, {{"rounding", std::string("up")}}), InvalidArgument);
   EXPECT_THROW(make_plan("quant", b, {{"momentum", 0.9}}), InvalidArgument);
+}
+
+// ---------------------------------------------------------------- the sharded forms
+// Runs one step of the shard plans (one per rank) on g (each rank's bucket, fp32).
+template <class PlanPtr>
+void run_shard(std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g) {
+  std::vector<Plan*> ps;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
+    ps.push_back(plans[r].get());
+  }
+  run_plans_in_process(ps);
+}
+
+std::vector<std::unique_ptr<BucketPlan>> make_shard_ranks(const std::string& name, int64_t n, int P,
+                                                          PlanForm form, const PlanOptions& o = {},
+                                                          DType t = DType::kFloat32) {
+  std::vector<std::unique_ptr<BucketPlan>> v;
+  for (int r = 0; r < P; ++r) {
+    BucketSpec b;
+    b.numel = n;
+    b.dtype = t;
+    b.world = P;
+    b.rank = r;
+    v.push_back(make_shard_plan(name, b, form, o));
+  }
+  return v;
+}
+
+TEST(QuantShard, ReduceScatterMatchesScalarReference) {
+  for (int bits : {2, 4, 8})
+    for (auto rounding : {QuantRounding::kNearest, QuantRounding::kStochastic})
+      for (auto scale : {QuantScale::kSymmetric, QuantScale::kAsymmetric})
+        for (int P : {1, 2, 3, 4})
+          for (int64_t c : {0, 1, 31, 129, 300}) {
+            const bool average = (bits + P) % 2 == 0;  // both settings over the sweep
+            PlanOptions o{{"bits", int64_t{bits}},
+                          {"rounding", std::string(enum_name(rounding))},
+                          {"scale", std::string(enum_name(scale))},
+                          {"block_size", int64_t{32}},
+                          {"average", average}};
+            const int64_t n = c * P;
+            auto plans = make_shard_ranks("quant", n, P, PlanForm::kReduceScatter, o);
+            Ref R;
+            R.cfg.bits = bits;
+            R.cfg.rounding = rounding;
+            R.cfg.scale = scale;
+            R.cfg.block_size = 32;
+            R.P = P;
+            R.n = n;
+            R.CE = c;
+            std::vector<std::vector<float>> we(P, std::vector<float>(n, 0.0f));
+            for (int64_t step = 0; step < 3; ++step) {
+              std::vector<std::vector<float>> g(P), dec(P);
+              for (int r = 0; r < P; ++r) g[r] = normal(n, 100 * step + r);
+              for (int r = 0; r < P; ++r) {  // worker: x = g + e, chunk q quantized, e = x - q(x)
+                std::vector<float> x = g[r];
+                for (int64_t i = 0; i < n; ++i) x[i] += we[r][i];
+                dec[r].assign(n, 0.0f);
+                for (int q = 0; q < P && c > 0; ++q) {
+                  std::vector<float> xc(x.begin() + q * c, x.begin() + (q + 1) * c);
+                  // stochastic draws: chunk q from q * (c rounded up to 4)
+                  const auto d = ref_quantize(R, xc, r, q * ((c + 3) / 4 * 4), step);
+                  std::copy(d.begin(), d.end(), dec[r].begin() + q * c);
+                }
+                for (int64_t i = 0; i < n; ++i) we[r][i] = x[i] - dec[r][i];
+              }
+              run_shard(plans, g);
+              const float w = average ? 1.0f / static_cast<float>(P) : 1.0f;
+              for (int q = 0; q < P; ++q)
+                for (int64_t i = 0; i < c; ++i) {
+                  float sum = 0;
+                  for (int r = 0; r < P; ++r) sum += dec[r][q * c + i];
+                  ASSERT_EQ(g[q][q * c + i], w * sum)
+                      << "bits " << bits << " " << enum_name(rounding) << " " << enum_name(scale)
+                      << " P " << P << " c " << c << " step " << step << " rank " << q << " i "
+                      << i;
+                }
+            }
+          }
+}
+
+TEST(QuantShard, AllgatherMatchesScalarReferenceOnEveryRank) {
+  for (DType t : {DType::kFloat32, DType::kBFloat16})
+    for (int P : {1, 2, 3})
+      for (int64_t c : {0, 1, 130, 1000}) {
+        const int64_t n = c * P;
+        auto plans = make_shard_ranks("quant", n, P, PlanForm::kAllgather, {}, t);
+        Ref R;  // the allgather's defaults: 8 bits, nearest, symmetric, block 128
+        R.cfg.bits = 8;
+        R.P = P;
+        R.n = n;
+        R.CE = c;
+        std::vector<std::vector<float>> g(P);
+        std::vector<float> want(n);
+        for (int r = 0; r < P; ++r) {
+          g[r] = normal(n, 7 + r);
+          if (t == DType::kBFloat16)
+            for (auto& v : g[r]) v = bf16_to_float(float_to_bf16(v));
+          std::vector<float> own(g[r].begin() + r * c, g[r].begin() + (r + 1) * c);
+          const auto d = ref_quantize(R, own, r, r * ((c + 3) / 4 * 4), 0);
+          std::copy(d.begin(), d.end(), want.begin() + r * c);
+        }
+        if (t == DType::kBFloat16)
+          for (auto& v : want) v = bf16_to_float(float_to_bf16(v));
+        std::vector<std::vector<uint16_t>> h(P, std::vector<uint16_t>(n));
+        std::vector<Plan*> ps;
+        for (int r = 0; r < P; ++r) {
+          if (t == DType::kBFloat16) {
+            for (int64_t i = 0; i < n; ++i) h[r][i] = float_to_bf16(g[r][i]);
+            plans[r]->begin(TensorView(h[r].data(), {n}, t, Device::kCPU));
+          } else {
+            plans[r]->begin(TensorView::cpu(g[r].data(), n));
+          }
+          ps.push_back(plans[r].get());
+        }
+        run_plans_in_process(ps);
+        for (int r = 0; r < P; ++r) {
+          EXPECT_FALSE(plans[r]->stateful());
+          EXPECT_TRUE(plans[r]->state_dict().empty());
+          for (int64_t i = 0; i < n; ++i) {
+            const float got = t == DType::kBFloat16 ? bf16_to_float(h[r][i]) : g[r][i];
+            ASSERT_EQ(got, want[i]) << "P " << P << " c " << c << " rank " << r << " i " << i;
+          }
+        }
+      }
+}
+
+TEST(QuantShard, NonFiniteSkipsEveryRankAndCheckpointsRoundTrip) {
+  const int P = 3;
+  const int64_t c = 500, n = P * c;
+  auto plans = make_shard_ranks("quant", n, P, PlanForm::kReduceScatter, {{"bits", int64_t{4}}});
+  std::vector<std::vector<float>> g(P);
+  for (int r = 0; r < P; ++r) g[r] = normal(n, r);
+  run_shard(plans, g);
+  std::vector<std::vector<uint8_t>> st;
+  for (auto& p : plans) st.push_back(p->state_dict());
+  for (int r = 0; r < P; ++r) g[r] = normal(n, 10 + r);
+  g[2][3] = std::numeric_limits<float>::quiet_NaN();  // a value of rank 0's chunk, on rank 2
+  run_shard(plans, g);
+  for (int r = 0; r < P; ++r) {
+    EXPECT_TRUE(plans[r]->skipped()) << r;
+    EXPECT_TRUE(std::isnan(g[r][r * c]) && std::isnan(g[r][(r + 1) * c - 1])) << r;
+    EXPECT_EQ(plans[r]->state_dict(), st[r]) << r;
+  }
+  // the state goes into a fresh plan and continues bitwise; an allreduce plan refuses it, and a
+  // reduce-scatter state cannot be resharded to another world size
+  auto fresh = make_shard_ranks("quant", n, P, PlanForm::kReduceScatter, {{"bits", int64_t{4}}});
+  for (int r = 0; r < P; ++r) fresh[r]->load_state_dict(st[r].data(), st[r].size());
+  std::vector<std::vector<float>> a(P), b;
+  for (int r = 0; r < P; ++r) a[r] = normal(n, 30 + r);
+  b = a;
+  run_shard(plans, a);
+  run_shard(fresh, b);
+  for (int r = 0; r < P; ++r)
+    for (int64_t i = r * c; i < (r + 1) * c; ++i) ASSERT_EQ(a[r][i], b[r][i]);
+  QuantConfig q;
+  q.bits = 4;
+  QuantAllreducePlan whole(q, n, P, 0);
+  EXPECT_THROW(whole.load_state_dict(st[0].data(), st[0].size()), InvalidArgument);
+  EXPECT_THROW(reshard_state(st, 2, 0), InvalidArgument);
+  EXPECT_EQ(reshard_state(st, P, 1), st[1]);
+  // ranks at different steps: every rank's server sees it and every rank fails, state kept
+  auto s0 = plans[0]->state_dict();
+  plans[0]->load_state_dict(st[0].data(), st[0].size());
+  const auto before = plans[1]->state_dict();
+  for (int r = 0; r < P; ++r) a[r] = normal(n, 40 + r);
+  std::vector<Plan*> ps;
+  for (int r = 0; r < P; ++r) {
+    plans[r]->begin(TensorView::cpu(a[r].data(), n));
+    ps.push_back(plans[r].get());
+  }
+  EXPECT_THROW(run_plans_in_process(ps), InvalidArgument);
+  EXPECT_EQ(plans[1]->state_dict(), before);
+  (void)s0;
+}
+
+TEST(ShardCast, ReduceScatterAndAllgatherMatchScalarReference) {
+  for (const char* name : {"allreduce", "fp16", "bf16"})
+    for (int P : {1, 2, 3, 4})
+      for (int64_t c : {0, 1, 33, 1001})
+        for (bool average : {true, false}) {
+          const int64_t n = c * P;
+          const DType wire = std::string(name) == "fp16"   ? DType::kFloat16
+                             : std::string(name) == "bf16" ? DType::kBFloat16
+                                                           : DType::kFloat32;
+          auto to_wire = [&](float v) {
+            return wire == DType::kFloat16    ? half_to_float(float_to_half(v))
+                   : wire == DType::kBFloat16 ? bf16_to_float(float_to_bf16(v))
+                                              : v;
+          };
+          auto rs = make_shard_ranks(name, n, P, PlanForm::kReduceScatter, {{"average", average}});
+          std::vector<std::vector<float>> g(P);
+          for (int r = 0; r < P; ++r) g[r] = normal(n, 50 + r);
+          const auto g0 = g;
+          run_shard(rs, g);
+          const float div = static_cast<float>(P);
+          for (int q = 0; q < P; ++q)
+            for (int64_t i = 0; i < c; ++i) {
+              float s = 0;  // half wires carry g / P (average); fp32 divides after the sum
+              for (int r = 0; r < P; ++r)
+                s += to_wire(wire != DType::kFloat32 && average ? g0[r][q * c + i] / div
+                                                                : g0[r][q * c + i]);
+              const float want = wire == DType::kFloat32 && average ? s / div : s;
+              ASSERT_EQ(g[q][q * c + i], want) << name << " P " << P << " c " << c << " i " << i;
+            }
+          if (!average) continue;
+          auto ag = make_shard_ranks(name, n, P, PlanForm::kAllgather);
+          g = g0;
+          run_shard(ag, g);
+          for (int r = 0; r < P; ++r)
+            for (int64_t i = 0; i < n; ++i)
+              ASSERT_EQ(g[r][i], to_wire(g0[i / std::max<int64_t>(c, 1)][i]))
+                  << name << " allgather P " << P << " rank " << r << " i " << i;
+        }
+}
+
+TEST(ShardPlans, OptionsAndRefusals) {
+  BucketSpec b;
+  b.numel = 10;
+  b.world = 4;  // 10 elements do not split into 4 chunks
+  EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter), InvalidArgument);
+  EXPECT_THROW(make_shard_plan("fp16", b, PlanForm::kAllgather), InvalidArgument);
+  b.numel = 12;
+  EXPECT_THROW(make_shard_plan("topk", b, PlanForm::kReduceScatter), InvalidArgument);
+  EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kAllreduce), InvalidArgument);
+  EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter, {{"rotate", true}}),
+               InvalidArgument);
+  EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kAllgather, {{"error_feedback", true}}),
+               InvalidArgument);
+  EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter, {{"bits", int64_t{3}}}),
+               InvalidArgument);
+  EXPECT_THROW(make_shard_plan("bf16", b, PlanForm::kAllgather, {{"average", true}}),
+               InvalidArgument);
+  const auto d = shard_plan_defaults("quant", PlanForm::kAllgather);
+  EXPECT_EQ(std::get<int64_t>(d.at("bits")), 8);
+  EXPECT_EQ(d.count("error_feedback"), 0u);
+  EXPECT_TRUE(std::get<bool>(shard_plan_defaults("quant", PlanForm::kReduceScatter).at("average")));
+  auto p = make_shard_plan("quant", b, PlanForm::kReduceScatter, {{"bits", int64_t{4}}});
+  EXPECT_EQ(p->name(), "quant_rs");
+  EXPECT_TRUE(p->stateful());
+  EXPECT_EQ(make_shard_plan("bf16", b, PlanForm::kAllgather)->name(), "ag_bf16");
+  // a C++ caller's QuantConfig: the allgather refuses error feedback and rotation
+  QuantConfig q;
+  EXPECT_THROW(QuantAllreducePlan(q, 12, 4, 0, DType::kFloat32, Device::kCPU, 0, nullptr,
+                                  PlanForm::kAllgather),
+               InvalidArgument);
 }
 
 }  // namespace

@@ -22,6 +22,9 @@ the stateful compressors) and creates per-bucket state (residuals, momenta, Q, e
 first compressed step, keyed by ``bucket.index()``. A bucket whose size or dtype changes after
 that is an error (a silent re-initialisation would drop error-feedback memory).
 
+Sharded training (FSDP2): :func:`compress_fsdp` (``gradcomp.torch.fsdp``) gives every
+``fully_shard`` module a compressed reduce-scatter and, optionally, allgather.
+
 Momentum. With ``momentum > 0`` the top-k and random-k hooks apply DGC's momentum correction
 themselves (random-k keeps the momentum of the tensors it sends whole); the optimizer must then
 not apply momentum again: use ``torch.optim.SGD(..., momentum=0)`` (see
@@ -35,7 +38,9 @@ from ._hook import GradcompState, dgc_optimizer  # noqa: F401
 from ._reshard import gather_state_dict  # noqa: F401
 from ._stats import format_timeline, timeline  # noqa: F401
 from .dropcompute import CudaEventClock, DropCompute  # noqa: F401
+from .fsdp import FSDPCompression, compress_fsdp  # noqa: F401
 from .qsr import QSRAverager  # noqa: F401
 
 __all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "format_timeline",
-           "gather_state_dict", "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager"]
+           "gather_state_dict", "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager",
+           "compress_fsdp", "FSDPCompression"]

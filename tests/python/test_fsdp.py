@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""compress_fsdp: FSDP2 (fully_shard) with gradcomp's reduce-scatter and allgather plans, on gloo
+ranks. Lossless settings against FSDP2's own collectives bitwise; quantized ones against FSDP2's
+gradients within the codec's error, their wire bytes, checkpoints, refusals and skipped steps.
+The shard plans themselves are checked against scalar references in C++
+(tests/quant/test_quant_plan.cpp)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradcomp.torch as gt
+from ddp_util import Net, make_data, run
+
+try:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    HAVE_FSDP2 = hasattr(FSDPModule, "set_custom_reduce_scatter")
+except (ImportError, ValueError):  # torch 1.13's fsdp package fails to import on Python 3.11
+    HAVE_FSDP2 = False
+
+needs_fsdp2 = pytest.mark.skipif(
+    not HAVE_FSDP2, reason=f"FSDP2 custom collectives need torch 2.x (this is {torch.__version__})")
+
+
+@pytest.mark.skipif(HAVE_FSDP2, reason="this torch has FSDP2: the refusal is for older ones")
+def test_old_torch_is_refused_with_the_version():
+    with pytest.raises(RuntimeError, match=torch.__version__.split("+")[0]):
+        gt.compress_fsdp(torch.nn.Linear(2, 2))
+
+
+def _sharded(seed=0, d_hidden=37):
+    torch.manual_seed(seed)
+    m = Net(d_hidden=d_hidden)  # 37: rows that do not split evenly (FSDP pads the shards)
+    for layer in (m.fc1, m.fc2, m.fc3):
+        fully_shard(layer)
+    fully_shard(m)
+    return m
+
+
+def _shards(model):
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _grads(model):
+    return [p.grad.to_local().detach().clone() for p in model.parameters()]
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _lossless(rank, world):
+    data = make_data(rank, 3)
+    ref, ours = _sharded(), _sharded()
+    comp = gt.compress_fsdp(ours, grads="allreduce", params="allreduce")
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    o_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
+    for x, y in data:
+        _step(ref, o_ref, x, y)
+        _step(ours, o_ours, x, y)
+    for a, b in zip(_shards(ref), _shards(ours)):
+        assert torch.equal(a, b)
+    t = comp.totals()
+    assert t["reduce_scatter"]["calls"] == 3 * 3  # three layers, three steps
+    assert t["allgather"]["calls"] >= 3 * 3
+    assert t["reduce_scatter"]["wire_bytes"] == t["reduce_scatter"]["dense_wire_bytes"] > 0
+
+
+@needs_fsdp2
+def test_lossless_plans_match_fsdp2_bitwise():
+    run(_lossless, 2)
+
+
+def _compressed(rank, world):
+    x, y = make_data(rank, 1, batch=64)[0]
+    # gradients: 4-bit against FSDP2's own, within the codec's error, same on every rank
+    ref, ours = _sharded(), _sharded()
+    comp = gt.compress_fsdp(ours, grads="quant", bits=4, params="int8")
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    torch.nn.functional.mse_loss(ours(x), y).backward()
+    for a, b in zip(_grads(ref), _grads(ours)):
+        err = (a - b).norm() / a.norm()
+        assert err < 0.4, err  # one 4-bit step (no error fed back yet) with int8 weights
+    t = comp.totals()
+    rs, ag = t["reduce_scatter"], t["allgather"]
+    assert rs["dense_wire_bytes"] / rs["wire_bytes"] > 6.0  # 4.25 bits + a 24-byte header
+    assert ag["dense_wire_bytes"] / ag["wire_bytes"] > 3.0  # 8.25 bits of 32
+    # the shards every rank gathered are equal: every rank sees the same rounded weights
+    full = [p.full_tensor() for p in ours.parameters()]
+    for f in full:
+        g = [torch.empty_like(f) for _ in range(world)]
+        dist.all_gather(g, f)
+        assert all(torch.equal(g[0], h) for h in g)
+
+    # checkpoint: a fresh model and compression restored from it continues bitwise
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05)
+    opt.step()
+    sd = comp.state_dict()
+    assert set(sd["modules"]) == {"fc1", "fc2", "fc3"}
+    twin = _sharded()
+    with torch.no_grad():
+        for p, q in zip(twin.parameters(), ours.parameters()):
+            p.to_local().copy_(q.to_local())
+    comp2 = gt.compress_fsdp(twin, grads="quant", bits=4, params="int8")
+    comp2.load_state_dict(copy.deepcopy(sd))
+    x2, y2 = make_data(rank, 1, batch=64, seed=5)[0]
+    for m in (ours, twin):
+        m.zero_grad()
+        torch.nn.functional.mse_loss(m(x2), y2).backward()
+    for a, b in zip(_grads(ours), _grads(twin)):
+        assert torch.equal(a, b)
+
+    # refusals, each before anything changes
+    before = comp2.state_dict()
+    for bad, match in [
+        (dict(sd, world=world + 1), "cannot be resharded"),
+        (dict(sd, grad_options={"bits": 2}), "bits"),
+        (dict(sd, modules={"nope": sd["modules"]["fc1"]}), "nope"),
+        (dict(sd, format="x"), "not a compress_fsdp"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            comp2.load_state_dict(bad)
+    corrupt = copy.deepcopy(sd)
+    blob = bytearray(corrupt["modules"]["fc2"][0]["state"])
+    blob[len(blob) // 2] ^= 1
+    corrupt["modules"]["fc2"][0]["state"] = bytes(blob)
+    with pytest.raises(ValueError):
+        comp2.load_state_dict(corrupt)
+    after = comp2.state_dict()
+    assert after["modules"].keys() == before["modules"].keys()
+    for k in before["modules"]:
+        assert after["modules"][k][0]["state"] == before["modules"][k][0]["state"]
+
+    # a NaN on one rank: that module's shard is NaN on every rank, no error changes
+    before = comp2.state_dict()
+    twin.zero_grad()
+    xb = x2.clone()
+    if rank == 1:
+        xb[0, 0] = float("nan")
+    torch.nn.functional.mse_loss(twin(xb), y2).backward()
+    for g in _grads(twin):
+        assert torch.isnan(g).any()
+    assert comp2.settle()
+    after = comp2.state_dict()
+    for k in before["modules"]:
+        assert after["modules"][k][0]["state"] == before["modules"][k][0]["state"]
+
+    # options are checked at once
+    with pytest.raises(ValueError, match="rotate"):
+        gt.compress_fsdp(_sharded(), grads="quant", rotate=True)
+    with pytest.raises(ValueError, match="bits"):
+        gt.compress_fsdp(_sharded(), grads="quant", params="int8", param_options={"bits": 4})
+    with pytest.raises(ValueError, match="grads"):
+        gt.compress_fsdp(_sharded(), grads="topk")
+
+
+@needs_fsdp2
+def test_quantized_gradients_and_weights_checkpoint_and_refusals():
+    run(_compressed, 3)
