@@ -60,6 +60,12 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "quant4": ("quant", dict(bits=4), False),
     "quant2": ("quant", dict(bits=2), False),
     "powersgd": ("powersgd", dict(rank=4), False),
+    # sharded (FSDP2: fully_shard on every conv / linear layer and the root; torch 2.x) with
+    # FSDP's own collectives, or gradcomp.torch.compress_fsdp(model, **options)
+    "fsdp": ("fsdp", {}, False),
+    "fsdp-bf16": ("fsdp", dict(grads="bf16", params="bf16"), False),
+    "fsdp-quant4": ("fsdp", dict(grads="quant", bits=4), False),
+    "fsdp-quant4-int8": ("fsdp", dict(grads="quant", bits=4, params="int8"), False),
 }
 #: suffixes a configuration may carry: "+slow" injects log-normal delays on the last rank and
 #: trains with micro-batches; "+dropcompute" adds DropCompute (automatic tau) to that loop
@@ -169,12 +175,23 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     torch.manual_seed(seed)
     net = make_model(args.get("model", "cnn"))
     names = [n for n, _ in net.named_parameters()]
-    model = DDP(net)
+    fsdp = hook_name == "fsdp"
+    comp = None
+    if fsdp:
+        model = _shard(net)
+        if opts:
+            import gradcomp.torch as gt
+
+            comp = gt.compress_fsdp(model, **opts)
+    else:
+        model = DDP(net)
     diag = _Diag(net, names) if args.get("diag") else None
     state = None
     from gradcomp.experiments import baselines
 
-    if hook_name in baselines.KINDS:
+    if fsdp:
+        pass
+    elif hook_name in baselines.KINDS:
         baselines.register(hook_name, model, opts)
     elif hook_name is not None:
         import gradcomp.torch as gt
@@ -203,7 +220,9 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
 
         dc = DropCompute(model, M, tau=None, warmup_steps=int(args.get("dc_warmup", 5)))
     # bytes a ring allreduce moves per step without a gradcomp hook (analytic)
-    plain_bytes = baselines.bytes_per_step(hook_name or "ddp", net, opts) if state is None else 0
+    plain_bytes = (0 if fsdp else baselines.bytes_per_step(hook_name or "ddp", net, opts)
+                   if state is None else 0)
+    fsdp_seen = [0, 0]  # compress_fsdp's total wire bytes, dense wire bytes at the last step
     # bytes on one rank's link per step when a ring allreduce moves `b` bytes
     ring_wire = lambda b: 2 * (world - 1) * b / world  # noqa: E731
 
@@ -260,7 +279,11 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
             opt.step()
             train_s += time.perf_counter() - t0
             losses.append(step_loss)
-            if state is not None:
+            if fsdp:
+                w, d = _fsdp_wire(model, world, comp)
+                wire, fsdp_seen[0] = w - fsdp_seen[0], w
+                fsdp_dense, fsdp_seen[1] = d - fsdp_seen[1], d
+            elif state is not None:
                 total = state.totals["wire_bytes"]
                 wire, wire_seen = total - wire_seen, total
             else:
@@ -273,8 +296,10 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                     rec["error"] = _error_norms(state, names)
                 log.append(rec)
             step += 1
-            if eval_every and step % eval_every == 0 and rank == 0:
-                acc_log.append((step, train_s, _evaluate(model, xte, yte)))
+            if eval_every and step % eval_every == 0 and (rank == 0 or fsdp):
+                a = _evaluate(model, xte, yte)  # a sharded model evaluates on every rank
+                if rank == 0:
+                    acc_log.append((step, train_s, a))
         if done:
             break
         accs.append(_evaluate(model, xte, yte))
@@ -293,6 +318,9 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     fr = torch.zeros(world, dtype=torch.float64)
     fr[rank] = (sum(sample_frac) / len(sample_frac)) if sample_frac else 1.0
     dist.all_reduce(fr)
+    if fsdp:  # per step: this rank's link, and what FSDP's own collectives move for the same
+        fsdp_wire = steps_log[-1][3] if steps_log else 0
+        plain_bytes = fsdp_dense if steps_log else 0
     hist = state.history if state is not None else []
     sent = [h["bytes_sent"] for h in hist[-10:]] if hist else []
     wire = [h["wire_bytes"] for h in hist[-10:]] if hist else []
@@ -307,13 +335,16 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "wall_s": train_s,
                "final_loss": sum(losses[-25:]) / max(1, len(losses[-25:])),
                "dense_bytes": dense,
-               "bytes_sent_per_step": ((sum(sent) / len(sent)) if state is not None and sent
+               "bytes_sent_per_step": (fsdp_wire if fsdp else
+                                       (sum(sent) / len(sent)) if state is not None and sent
                                        else None if state is not None else plain_bytes),
                # on this rank's link (ring allreduce / direct all-to-all / ring allgather):
                # plain DDP's allreduce moves 2 (P-1)/P of the dense bytes
-               "wire_bytes_per_step": ((sum(wire) / len(wire)) if state is not None and wire
+               "wire_bytes_per_step": (fsdp_wire if fsdp else
+                                       (sum(wire) / len(wire)) if state is not None and wire
                                        else None if state is not None else ring_wire(plain_bytes)),
-               "plain_wire_bytes_per_step": ring_wire(dense),
+               "plain_wire_bytes_per_step": plain_bytes if fsdp else ring_wire(dense),
+               "fsdp_totals": comp.totals() if comp is not None else None,
                "micro_batches": M,
                "samples_fraction": float(fr.mean()), "samples_fraction_per_rank": fr.tolist(),
                "dropcompute_tau": (dc.tau if dc is not None else None),
@@ -321,6 +352,45 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "log": log}
         with open(out_path, "w") as f:
             json.dump(res, f)
+
+
+def _shard(net):
+    """FSDP2: every conv / linear layer a unit of its own, then the root."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    for m in net:
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            fully_shard(m)
+    fully_shard(net)
+    return net
+
+
+def _fsdp_wire(model, world: int, comp) -> Tuple[int, int]:
+    """Cumulative bytes on this rank's link of a sharded model's collectives, and what FSDP's own
+    ring reduce-scatter and allgather move for the same calls. compress_fsdp counts the kinds it
+    runs; a kind left to FSDP is counted here from the shapes: per step, one reduce-scatter and
+    two allgathers (forward, and backward after resharding) of each layer's padded parameters,
+    (P - 1) / P of them on the link."""
+    import torch.nn as nn
+
+    if not hasattr(_fsdp_wire, "steps"):
+        _fsdp_wire.steps = 0
+    _fsdp_wire.steps += 1
+    per = 0
+    for m in model:
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            for p in m.parameters():
+                rows = p.shape[0]
+                padded = -(-rows // world) * world * (p.numel() // max(1, rows))
+                per += (world - 1) * padded * p.element_size() // world
+    t = comp.totals() if comp is not None else None
+    n = _fsdp_wire.steps
+    rs = t["reduce_scatter"] if t and comp.grads else {"wire_bytes": per * n,
+                                                       "dense_wire_bytes": per * n}
+    ag = t["allgather"] if t and comp.params else {"wire_bytes": 2 * per * n,
+                                                   "dense_wire_bytes": 2 * per * n}
+    return (rs["wire_bytes"] + ag["wire_bytes"], rs["dense_wire_bytes"] + ag["dense_wire_bytes"])
 
 
 def _error_norms(state, names) -> Dict[str, float]:
