@@ -3,6 +3,7 @@
 #include "gradcomp/make_plan.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <utility>
 
@@ -343,7 +344,9 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
 }
 }  // namespace
 
-std::vector<std::string> shard_plan_names() { return {"allreduce", "fp16", "bf16", "quant"}; }
+std::vector<std::string> shard_plan_names() {
+  return {"allreduce", "fp16", "bf16", "topk", "quant"};
+}
 
 PlanOptions shard_plan_defaults(const std::string& name, PlanForm form) {
   GC_CHECK_ARG(form == PlanForm::kReduceScatter || form == PlanForm::kAllgather,
@@ -354,6 +357,20 @@ PlanOptions shard_plan_defaults(const std::string& name, PlanForm form) {
     for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
     throw InvalidArgument("compressor '" + name + "' has no " + std::string(enum_name(form)) +
                           " form; choose one of " + known);
+  }
+  if (name == "topk") {
+    GC_CHECK_ARG(form == PlanForm::kReduceScatter,
+                 "compressor 'topk' has no allgather form (parameters are not sparse); choose "
+                 "one of allreduce, fp16, bf16, quant for parameters");
+    const TopKReduceScatterPlan::Options d;
+    return {{"ratio", d.ratio},
+            {"method", std::string(enum_name(d.select.method))},
+            {"sample_rate", d.select.sample_rate},
+            {"error_feedback", d.error_feedback},
+            {"check_finite", d.check_finite},
+            {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
+            {"seed", static_cast<int64_t>(d.seed)},
+            {"average", d.average}};
   }
   PlanOptions o = defaults_of(name);
   o.erase("route");   // the shard forms have one route: all-to-all or allgather of the chunks
@@ -375,6 +392,21 @@ std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const Bucke
                                             PlanForm form, const PlanOptions& options) {
   const Options o(name, shard_plan_defaults(name, form), options);
   const bool average = form == PlanForm::kReduceScatter ? o.flag("average") : true;
+  if (name == "topk") {
+    TopKReduceScatterPlan::Options t;
+    t.ratio = o.real("ratio");
+    t.select.method = parse_enum<SelectMethod>(o.name("method"));
+    t.select.sample_rate = o.real("sample_rate");
+    t.error_feedback = o.flag("error_feedback");
+    t.check_finite = o.flag("check_finite");
+    t.average = average;
+    t.seed = o.seed("seed");
+    t.tensor_id = b.bucket_id;
+    auto plan = std::make_unique<TopKReduceScatterPlan>(t, b.numel, b.dtype, b.world, b.rank,
+                                                        b.device, b.device_index, b.stream);
+    plan->set_on_nonfinite(parse_enum<OnNonFinite>(o.name("on_nonfinite")));
+    return plan;
+  }
   if (name != "quant") {
     const DType wire = name == "fp16"   ? DType::kFloat16
                        : name == "bf16" ? DType::kBFloat16
@@ -389,6 +421,50 @@ std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const Bucke
     plan->set_on_nonfinite(parse_enum<OnNonFinite>(o.name("on_nonfinite")));
   return plan;
 }
+
+namespace {
+/// A sharded job's reduce-scatter states (quant, top-k), checked whole: on as many ranks they are
+/// handed back as they are, so nothing a plan would refuse may pass here.
+void check_shard_states(const std::vector<std::vector<uint8_t>>& states, const std::string& kind) {
+  detail::RankStates rs(states, kind);
+  const auto P = static_cast<int64_t>(rs.size());
+  const auto numel = rs.same<int64_t>("numel");
+  const auto world = rs.same<int32_t>("world");
+  GC_CHECK_ARG(world == P, "state_dict: the states were saved by a job of ", world, " ranks, ", P,
+               " were given (one per rank, in rank order)");
+  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40) && numel % P == 0, "state_dict: numel ",
+               numel, " is not a bucket of ", P, " equal chunks");
+  for (int64_t r = 0; r < P; ++r) {
+    const auto got = rs[static_cast<size_t>(r)].get<int32_t>("rank");
+    GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
+                 " (give one state per rank, in rank order)");
+  }
+  const char* array = "residual";
+  if (kind == "quant-reduce-scatter") {
+    QuantConfig c;
+    c.bits = rs.same<uint8_t>("bits");
+    c.block_size = rs.same<int64_t>("block_size");
+    c.rounding = static_cast<QuantRounding>(rs.same<uint8_t>("rounding"));
+    c.scale = static_cast<QuantScale>(rs.same<uint8_t>("scale"));
+    c.scale_dtype = static_cast<DType>(rs.same<uint8_t>("scale_dtype"));
+    c.validate();
+    (void)rs.same<uint8_t>("error_feedback");
+    GC_CHECK_ARG(rs.same<uint8_t>("rotate") == 0, "state_dict: a reduce-scatter state with rotate");
+    (void)rs.same<uint64_t>("seed");
+    array = "worker_error";
+  } else {
+    const auto k = rs.same<int64_t>("k");
+    GC_CHECK_ARG(k >= 0 && k <= numel / P, "state_dict: k ", k, " out of range");
+    (void)rs.same<uint8_t>("error_feedback");
+    (void)rs.same<uint64_t>("seed");
+  }
+  const auto step = rs.same<int64_t>("step");
+  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
+               " out of range");
+  (void)rs.arrays(array, static_cast<uint64_t>(numel) * sizeof(float));
+  rs.finish();
+}
+}  // namespace
 
 std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& states, int world,
                                    int rank) {
@@ -410,14 +486,15 @@ std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& stat
     out = detail::reshard_quant_state(states, world, rank);
   else if (kind == "powersgd")
     out = detail::reshard_powersgd_state(states);
-  else if (kind == "quant-reduce-scatter")
+  else if (kind == "quant-reduce-scatter" || kind == "topk-reduce-scatter") {
+    check_shard_states(states, kind);
     // a sharded job's bucket is padded to its world size (FSDP pads every parameter to P rows'
     // worth): its worker error has no place in a bucket of another size
     GC_CHECK_ARG(static_cast<size_t>(world) == states.size(),
-                 "reshard_state: a quant reduce-scatter state (sharded training) belongs ",
+                 "reshard_state: a reduce-scatter state (sharded training) belongs ",
                  "to its world size (", states.size(), " ranks) and cannot be resharded to ", world,
                  "; resume on as many ranks, or start the error feedback afresh");
-  else
+  } else
     GC_CHECK_ARG(false, "reshard_state: a '", kind, "' state is not a bucket plan's (topk, ",
                  "randomk, onebit-allreduce, quant-allreduce, powersgd)");
   // every state was checked on the way: on as many ranks, the rank's own state goes on exactly

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/plans.hpp"
@@ -30,9 +31,10 @@ class StateSubject {
 
 /// Names of every state kind (the kind string written into the state, plus variants).
 inline const std::vector<std::string>& state_kinds() {
-  static const std::vector<std::string> k = {"topk",    "topk-momentum",    "randomk",
-                                             "onebit",  "onebit-allreduce", "quant-allreduce",
-                                             "powersgd"};
+  static const std::vector<std::string> k = {
+      "topk",     "topk-momentum",        "randomk",
+      "onebit",   "onebit-allreduce",     "quant-allreduce",
+      "powersgd", "quant-reduce-scatter", "topk-reduce-scatter"};
   return k;
 }
 
@@ -117,6 +119,31 @@ class QuantPlanSubject : public StateSubject {
   QuantAllreducePlan plan_;
 };
 
+// A reduce-scatter plan of sharded training (make_shard_plan), one rank.
+class ShardPlanSubject : public StateSubject {
+ public:
+  ShardPlanSubject(const std::string& family, bool check_finite) {
+    BucketSpec b;
+    b.numel = kN;
+    b.bucket_id = 7;
+    PlanOptions o{{"check_finite", check_finite}};
+    if (family == "quant") o["bits"] = int64_t{2};
+    if (family == "topk") o["ratio"] = 0.1;
+    plan_ = make_shard_plan(family, b, PlanForm::kReduceScatter, o);
+  }
+  std::vector<uint8_t> save() const override { return plan_->state_dict(); }
+  void load(const uint8_t* d, size_t n) override { plan_->load_state_dict(d, n); }
+  void step(uint32_t seed, bool poison) override {
+    auto g = grad(kN, seed, poison);
+    plan_->begin(TensorView::cpu(g.data(), kN));
+    run_plans_in_process({plan_.get()});
+  }
+
+ private:
+  static constexpr int64_t kN = 80;
+  std::unique_ptr<BucketPlan> plan_;
+};
+
 class PowerSGDSubject : public StateSubject {
  public:
   explicit PowerSGDSubject(bool check_finite) : st_(cfg(check_finite), {{6, 5}, {7}}) {}
@@ -173,6 +200,10 @@ inline std::unique_ptr<StateSubject> make_state_subject(const std::string& kind,
   if (kind == "onebit-allreduce") return std::make_unique<OneBitPlanSubject>(check_finite);
   if (kind == "quant-allreduce") return std::make_unique<QuantPlanSubject>(check_finite);
   if (kind == "powersgd") return std::make_unique<PowerSGDSubject>(check_finite);
+  if (kind == "quant-reduce-scatter")
+    return std::make_unique<ShardPlanSubject>("quant", check_finite);
+  if (kind == "topk-reduce-scatter")
+    return std::make_unique<ShardPlanSubject>("topk", check_finite);
   throw InvalidArgument("make_state_subject: unknown kind " + kind);
 }
 

@@ -85,12 +85,14 @@ RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id = 0)
 
 /// The families with a reduce-scatter and an allgather form (PlanForm), for sharded data
 /// parallelism (FSDP2, ZeRO): "allreduce" (plain: the wire is the bucket's dtype), "fp16",
-/// "bf16" (ShardCastPlan: fp32 sums in rank order) and "quant" (QuantAllreducePlan's forms).
+/// "bf16" (ShardCastPlan: fp32 sums in rank order), "topk" (TopKReduceScatterPlan; no allgather
+/// form) and "quant" (QuantAllreducePlan's forms).
 std::vector<std::string> shard_plan_names();
 /// The options of a shard plan with their defaults: the family's (plan_defaults) without those
 /// that only the allreduce has (the cast route, quant's rotate), plus "average" (reduce-scatter:
 /// true = the chunk's average, false = its sum). The quant allgather has no error_feedback,
-/// check_finite or on_nonfinite, and 8 bits by default.
+/// check_finite or on_nonfinite, and 8 bits by default. "topk": ratio (default 0.01), method,
+/// sample_rate, error_feedback, check_finite, on_nonfinite, seed, average.
 PlanOptions shard_plan_defaults(const std::string& name, PlanForm form);
 /// Builds family `name`'s plan of form `form` (reduce_scatter or allgather) for the bucket, which
 /// is P equal chunks (numel a multiple of bucket.world); options as make_plan (InvalidArgument

@@ -178,6 +178,54 @@ class ShardCastPlan : public GradientPlan {
   Buffer wire_, chunks_, wide_;
 };
 
+/// The reduce-scatter form of top-k (sharded training): each rank adds its gradient to its
+/// residual (error feedback over the whole bucket), takes the k = ceil(ratio n/P) largest
+/// magnitudes of every destination chunk (SelectOptions: exact or sampled) and sends chunk q's
+/// (index, fp32 value) pairs to rank q in one all-to-all of equal parts (a 24-byte header and k
+/// pairs per destination, so no size exchange is needed); rank r adds the P payloads of its chunk
+/// in rank order into an fp32 chunk and writes it, divided by P (`average`) or not, into its
+/// chunk r. What was not sent stays in the residual. The header carries the step, k and a
+/// NaN/Inf flag: ranks at other steps or with other k fail on every rank, a non-finite gradient
+/// (check_finite) skips the step on every rank (its chunk NaN, no state changed); the residual is
+/// double-buffered so a kept step can be undone. Received indices are checked before use.
+class TopKReduceScatterPlan : public GradientPlan {
+ public:
+  struct Options {
+    double ratio = 0.01;
+    SelectOptions select;  ///< exact or sampled threshold
+    bool error_feedback = true;
+    bool check_finite = true;
+    bool average = true;
+    uint64_t seed = 0;  ///< keys the sampled selection with (step, chunk)
+    uint32_t tensor_id = 0;
+  };
+  TopKReduceScatterPlan(const Options& o, int64_t numel, DType grad_dtype, int world, int rank,
+                        Device device = Device::kCPU, int device_index = 0, void* stream = nullptr);
+  ~TopKReduceScatterPlan() override;
+  std::optional<Collective> next() override;
+  std::string name() const override { return "topk_rs"; }
+  int64_t step() const { return step_; }
+  int64_t k() const { return k_; }
+  /// Bytes per destination chunk on the wire (header + k pairs).
+  size_t part_bytes() const { return part_; }
+  /// The residual (numel fp32 values on the plan's device).
+  const float* residual() const;
+  size_t workspace_bytes() const override;
+  bool stateful() const override { return true; }
+  std::vector<uint8_t> state_dict() const override;
+  void load_state_dict(const uint8_t* data, size_t nbytes) override;
+
+ private:
+  void undo_state() override;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  Options o_;
+  int rank_;
+  int64_t chunk_, k_;
+  size_t part_;
+  int64_t step_ = 0;
+};
+
 /// Which exchange a top-k step used.
 enum class TopKRoute : uint8_t {
   kAuto = 0,    ///< (option) let the cost model choose per step

@@ -148,13 +148,27 @@ def _compressed(rank, world):
     for k in before["modules"]:
         assert after["modules"][k][0]["state"] == before["modules"][k][0]["state"]
 
+    # top-k shards: the residual keeps what was not sent; 1% of each chunk on the wire
+    sparse = _sharded()
+    comp3 = gt.compress_fsdp(sparse, grads="topk", ratio=0.01)
+    torch.nn.functional.mse_loss(sparse(x), y).backward()
+    rs = comp3.totals()["reduce_scatter"]
+    assert rs["calls"] == 3 and rs["dense_wire_bytes"] > 4 * rs["wire_bytes"]
+    gs = _grads(sparse)
+    assert all(torch.isfinite(g).all() for g in gs)
+    nonzero = sum(int((g != 0).sum()) for g in gs)
+    assert 0 < nonzero <= 0.1 * sum(g.numel() for g in gs)  # at most 3 ranks x 1% (+ rounding)
+    assert set(comp3.state_dict()["modules"]) == {"fc1", "fc2", "fc3"}
+
     # options are checked at once
     with pytest.raises(ValueError, match="rotate"):
         gt.compress_fsdp(_sharded(), grads="quant", rotate=True)
     with pytest.raises(ValueError, match="bits"):
         gt.compress_fsdp(_sharded(), grads="quant", params="int8", param_options={"bits": 4})
+    with pytest.raises(ValueError, match="allgather form"):
+        gt.compress_fsdp(_sharded(), grads=None, params="topk")
     with pytest.raises(ValueError, match="grads"):
-        gt.compress_fsdp(_sharded(), grads="topk")
+        gt.compress_fsdp(_sharded(), grads="powersgd")
 
 
 @needs_fsdp2

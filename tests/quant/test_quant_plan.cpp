@@ -8,6 +8,7 @@
 // (ShardCastPlan) against scalar references, and their state.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -20,6 +21,7 @@
 #include "gradcomp/plans.hpp"
 #include "gradcomp/quant.hpp"
 #include "gradcomp/rng.hpp"
+#include "gradcomp/topk.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "test_util.hpp"
 
@@ -810,6 +812,98 @@ TEST(ShardCast, ReduceScatterAndAllgatherMatchScalarReference) {
         }
 }
 
+TEST(TopKShard, ReduceScatterMatchesScalarReference) {
+  for (int P : {1, 2, 3, 4})
+    for (int64_t c : {0, 1, 37, 1000})
+      for (double ratio : {0.05, 1.0})
+        for (bool ef : {true, false}) {
+          const int64_t n = c * P;
+          const bool average = P != 3;
+          auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter,
+                                        {{"ratio", ratio},
+                                         {"method", std::string("exact")},
+                                         {"error_feedback", ef},
+                                         {"average", average}});
+          const int64_t kk = topk_count(ratio, c);
+          std::vector<std::vector<float>> v(P, std::vector<float>(n, 0.0f));
+          for (int64_t step = 0; step < 3; ++step) {
+            std::vector<std::vector<float>> g(P), sent(P, std::vector<float>(n, 0.0f));
+            for (int r = 0; r < P; ++r) g[r] = normal(n, 10 * step + r);
+            for (int r = 0; r < P; ++r) {  // v += g; chunk q's kk largest |v| are sent and cleared
+              for (int64_t i = 0; i < n; ++i) v[r][i] = (ef ? v[r][i] : 0.0f) + g[r][i];
+              for (int q = 0; q < P && c > 0; ++q) {
+                std::vector<int64_t> order(c);
+                for (int64_t i = 0; i < c; ++i) order[i] = q * c + i;
+                std::partial_sort(
+                    order.begin(), order.begin() + kk, order.end(),
+                    [&](int64_t a, int64_t b) { return std::fabs(v[r][a]) > std::fabs(v[r][b]); });
+                for (int64_t j = 0; j < kk; ++j) {
+                  sent[r][order[j]] = v[r][order[j]];
+                  v[r][order[j]] = 0.0f;
+                }
+              }
+            }
+            run_shard(plans, g);
+            for (int q = 0; q < P; ++q)
+              for (int64_t i = q * c; i < (q + 1) * c; ++i) {
+                float sum = 0;
+                for (int r = 0; r < P; ++r) sum += sent[r][i];
+                ASSERT_EQ(g[q][i], average ? sum / static_cast<float>(P) : sum)
+                    << "P " << P << " c " << c << " ratio " << ratio << " step " << step;
+              }
+            for (int r = 0; r < P && ef; ++r) {
+              const auto* plan = dynamic_cast<const TopKReduceScatterPlan*>(plans[r].get());
+              ASSERT_NE(plan, nullptr);
+              for (int64_t i = 0; i < n; ++i) ASSERT_EQ(plan->residual()[i], v[r][i]);
+            }
+          }
+        }
+}
+
+TEST(TopKShard, SkipsUndoesAndCheckpoints) {
+  const int P = 2;
+  const int64_t c = 300, n = P * c;
+  auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, {{"ratio", 0.1}});
+  std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
+  run_shard(plans, g);
+  std::vector<std::vector<uint8_t>> st{plans[0]->state_dict(), plans[1]->state_dict()};
+  g = {normal(n, 3), normal(n, 4)};
+  g[0][n - 1] = std::numeric_limits<float>::infinity();
+  run_shard(plans, g);
+  for (int r = 0; r < P; ++r) {
+    EXPECT_TRUE(plans[r]->skipped());
+    EXPECT_TRUE(std::isnan(g[r][r * c]));
+    EXPECT_EQ(plans[r]->state_dict(), st[r]);
+  }
+  g = {normal(n, 5), normal(n, 6)};
+  run_shard(plans, g);
+  for (int r = 0; r < P; ++r) {
+    EXPECT_NE(plans[r]->state_dict(), st[r]);
+    plans[r]->undo_step();
+    EXPECT_EQ(plans[r]->state_dict(), st[r]);
+  }
+  auto fresh = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, {{"ratio", 0.1}});
+  for (int r = 0; r < P; ++r) fresh[r]->load_state_dict(st[r].data(), st[r].size());
+  std::vector<std::vector<float>> a{normal(n, 7), normal(n, 8)}, b = a;
+  run_shard(plans, a);
+  run_shard(fresh, b);
+  for (int r = 0; r < P; ++r)
+    for (int64_t i = r * c; i < (r + 1) * c; ++i) ASSERT_EQ(a[r][i], b[r][i]);
+  // another ratio (k) is refused at load; ranks at other steps fail on every rank
+  auto other = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, {{"ratio", 0.2}});
+  EXPECT_THROW(other[0]->load_state_dict(st[0].data(), st[0].size()), InvalidArgument);
+  plans[0]->load_state_dict(st[0].data(), st[0].size());
+  const auto before = plans[1]->state_dict();
+  a = {normal(n, 9), normal(n, 10)};
+  std::vector<Plan*> ps;
+  for (int r = 0; r < P; ++r) {
+    plans[r]->begin(TensorView::cpu(a[r].data(), n));
+    ps.push_back(plans[r].get());
+  }
+  EXPECT_THROW(run_plans_in_process(ps), InvalidArgument);
+  EXPECT_EQ(plans[1]->state_dict(), before);
+}
+
 TEST(ShardPlans, OptionsAndRefusals) {
   BucketSpec b;
   b.numel = 10;
@@ -817,7 +911,10 @@ TEST(ShardPlans, OptionsAndRefusals) {
   EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter), InvalidArgument);
   EXPECT_THROW(make_shard_plan("fp16", b, PlanForm::kAllgather), InvalidArgument);
   b.numel = 12;
-  EXPECT_THROW(make_shard_plan("topk", b, PlanForm::kReduceScatter), InvalidArgument);
+  EXPECT_THROW(make_shard_plan("topk", b, PlanForm::kAllgather), InvalidArgument);
+  EXPECT_THROW(make_shard_plan("powersgd", b, PlanForm::kReduceScatter), InvalidArgument);
+  EXPECT_THROW(make_shard_plan("topk", b, PlanForm::kReduceScatter, {{"ratio", 0.0}}),
+               InvalidArgument);
   EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kAllreduce), InvalidArgument);
   EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter, {{"rotate", true}}),
                InvalidArgument);

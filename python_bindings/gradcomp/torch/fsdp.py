@@ -15,7 +15,9 @@ reduce-scatter and, optionally, an allgather that run gradcomp's shard plans
 ZeRO++ does (qgZ: quantized gradients, qwZ: int8 weights):
 
 - ``grads``: ``"quant"`` (2/4/8-bit blocks with error feedback per rank, fp32 sums; options as
-  the DDP hook's ``quant`` without ``rotate``), ``"bf16"`` / ``"fp16"`` (half-precision chunks,
+  the DDP hook's ``quant`` without ``rotate``), ``"topk"`` (per destination chunk the
+  ``ratio`` largest of residual + gradient, residual per rank; default ratio 0.01),
+  ``"bf16"`` / ``"fp16"`` (half-precision chunks,
   fp32 sums), ``"allreduce"`` (the gradient's dtype, rank-ordered fp32 sums: lossless, for
   checking), or None (FSDP's own reduce-scatter).
 - ``params``: None (FSDP's own allgather, default), ``"bf16"`` / ``"fp16"`` or ``"int8"``

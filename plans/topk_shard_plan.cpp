@@ -1,0 +1,240 @@
+// SPDX-License-Identifier: Apache-2.0
+// The reduce-scatter form of top-k (TopKReduceScatterPlan, gradcomp/plans.hpp): per destination
+// chunk, the k largest magnitudes of residual + gradient, one all-to-all of equal parts, a
+// rank-ordered fp32 scatter-add on the chunk's owner.
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/state_io.hpp"
+#include "gradcomp/error.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/topk.hpp"
+#include "kernels/dispatch.hpp"
+#include "kernels/reduce_kernels.hpp"
+
+namespace gradcomp {
+
+namespace k = kernels;
+
+namespace {
+/// The header of every part (24 bytes, little-endian), then k uint32 indices (chunk-local), then
+/// k fp32 values; `count` <= k pairs are used.
+struct PartHeader {
+  uint32_t magic = kMagic;
+  uint8_t flags = 0;
+  uint8_t reserved[3] = {0, 0, 0};
+  uint32_t step = 0;                               ///< the sender's step (low 32 bits)
+  uint32_t k = 0;                                  ///< pairs the part has room for
+  uint64_t count = 0;                              ///< pairs used
+  static constexpr uint32_t kMagic = 0x31534B54u;  // "TKS1"
+  static constexpr uint8_t kBad = 1;               ///< the sender's gradient held NaN / Inf
+};
+static_assert(sizeof(PartHeader) == 24, "the part header is 24 bytes on the wire");
+}  // namespace
+
+struct TopKReduceScatterPlan::Impl {
+  Impl(Device d, void* s)
+      : v{Buffer(d, s), Buffer(d, s)}, send(d, s), recv(d, s), idx(d, s), wide(d, s), ws(d) {}
+  Buffer v[2];  ///< residual: [cur] is the state; a step writes [1 - cur] and a kept step swaps
+  Buffer send, recv, idx, wide;
+  k::SelectWorkspace ws;
+  int cur = 0;
+  int64_t bad = -1;
+  float* v_in() { return static_cast<float*>(v[cur].data()); }
+  float* v_out() { return static_cast<float*>(v[1 - cur].data()); }
+};
+
+TopKReduceScatterPlan::TopKReduceScatterPlan(const Options& o, int64_t numel, DType grad_dtype,
+                                             int world, int rank, Device device, int device_index,
+                                             void* stream)
+    : GradientPlan(numel, grad_dtype, world, device, device_index, stream),
+      o_(o),
+      rank_(rank),
+      chunk_(0),
+      k_(0),
+      part_(0) {
+  GC_CHECK_ARG(o.ratio > 0 && o.ratio <= 1, "topk reduce-scatter: ratio must be in (0, 1], got ",
+               o.ratio);
+  o.select.validate();
+  GC_CHECK_ARG(rank >= 0 && rank < world, "topk reduce-scatter: rank ", rank, " is outside [0, ",
+               world, ")");
+  GC_CHECK_ARG(numel % world == 0, "topk reduce-scatter: the bucket's ", numel,
+               " elements must split into ", world, " equal chunks (one per rank)");
+  chunk_ = numel / world;
+  GC_CHECK_ARG(chunk_ < (int64_t{1} << 32), "topk reduce-scatter: chunks of ", chunk_,
+               " elements; indices are uint32");
+  k_ = topk_count(o.ratio, chunk_);
+  part_ = sizeof(PartHeader) + 8 * static_cast<size_t>(k_);
+  impl_ = std::make_unique<Impl>(device, stream);
+  const auto n = static_cast<size_t>(numel), P = static_cast<size_t>(world);
+  for (Buffer& b : impl_->v) device_zero(device, b.get<float>(n + 1), (n + 1) * 4, stream);
+  device_zero(device, impl_->send.get<uint8_t>(P * part_), P * part_, stream);
+  impl_->recv.get<uint8_t>(P * part_);
+  impl_->idx.get<uint32_t>(static_cast<size_t>(k_) + 1);
+  impl_->wide.get<float>(static_cast<size_t>(chunk_) + 1);
+}
+
+TopKReduceScatterPlan::~TopKReduceScatterPlan() = default;
+
+const float* TopKReduceScatterPlan::residual() const { return impl_->v_in(); }
+
+size_t TopKReduceScatterPlan::workspace_bytes() const {
+  const Impl& s = *impl_;
+  return s.send.capacity() + s.recv.capacity() + s.idx.capacity() + s.wide.capacity();
+}
+
+std::optional<Collective> TopKReduceScatterPlan::next() {
+  require_begun();
+  Impl& s = *impl_;
+  const size_t P = static_cast<size_t>(world_), B = part_;
+  const k::Exec ex{device_, stream_};
+  auto* send = static_cast<uint8_t*>(s.send.data());
+  auto* recv = static_cast<uint8_t*>(s.recv.data());
+  switch (phase_) {
+    case 0: {  // residual + gradient, then chunk q's k largest to rank q
+      s.bad = o_.check_finite && numel_ > 0 ? first_nonfinite() : -1;
+      PartHeader h;
+      h.step = static_cast<uint32_t>(step_);
+      h.k = static_cast<uint32_t>(k_);
+      if (s.bad >= 0) h.flags = PartHeader::kBad;
+      float* v = s.v_out();
+      if (s.bad < 0 && numel_ > 0) {
+        // without error feedback the residual starts every step at zero
+        if (!o_.error_feedback) device_zero(device_, v, static_cast<size_t>(numel_) * 4, stream_);
+        k::dispatch::dgc_accumulate(ex, grad_.data, dtype_, numel_, 1.0f, 0.0f, false, nullptr, v,
+                                    nullptr, o_.error_feedback ? s.v_in() : nullptr);
+      }
+      auto* idx = s.idx.get<uint32_t>(static_cast<size_t>(k_) + 1);
+      for (size_t q = 0; q < P; ++q) {
+        uint8_t* part = send + q * B;
+        h.count = 0;
+        if (s.bad < 0 && chunk_ > 0) {
+          float* vq = v + static_cast<int64_t>(q) * chunk_;
+          const RngKey key{o_.seed, static_cast<uint64_t>(step_),
+                           o_.tensor_id * 0x9E3779B1u + static_cast<uint32_t>(q)};
+          const int64_t c = k::dispatch::select(ex, vq, chunk_, k_, o_.select, key, idx, s.ws);
+          // the pairs: indices, then the values taken out of the residual
+          device_copy(part + sizeof(PartHeader), device_, idx, device_, static_cast<size_t>(c) * 4,
+                      stream_);
+          k::dispatch::gather_and_clear(ex, vq, nullptr, idx, c,
+                                        part + sizeof(PartHeader) + 4 * static_cast<size_t>(k_),
+                                        DType::kFloat32);
+          h.count = static_cast<uint64_t>(c);
+        }
+        device_copy(part, device_, &h, Device::kCPU, sizeof h, stream_);
+      }
+      phase_ = 1;
+      return make(CollectiveKind::kAllToAll, ElemType::kU8, send, recv, B, "topk shard parts");
+    }
+    case 1: {  // rank r: the P parts of its chunk, checked, added in rank order
+      std::vector<uint8_t> host(P * B);
+      device_copy(host.data(), Device::kCPU, recv, device_, host.size(), stream_);
+      bool skip = false;
+      std::string fault;
+      for (size_t q = 0; q < P && fault.empty(); ++q) {
+        PartHeader h;
+        std::memcpy(&h, host.data() + q * B, sizeof h);
+        if (h.magic != PartHeader::kMagic)
+          fault = detail::cat("rank ", q, "'s part is not a top-k shard part (bad magic)");
+        else if (h.k != static_cast<uint32_t>(k_))
+          fault = detail::cat("rank ", q, "'s part has room for ", h.k, " pairs, not ", k_,
+                              " (another ratio or bucket)");
+        else if (h.step != static_cast<uint32_t>(step_))
+          fault = detail::cat("rank ", q, " is at step ", h.step, ", this rank at ", step_,
+                              " (a checkpoint restored on some ranks only?)");
+        else if (h.flags & ~PartHeader::kBad || h.count > h.k)
+          fault = detail::cat("rank ", q, "'s part has a bad header");
+        skip |= (h.flags & PartHeader::kBad) != 0;
+        if (!fault.empty() || (h.flags & PartHeader::kBad)) continue;
+        const uint8_t* ix = host.data() + q * B + sizeof(PartHeader);
+        for (uint64_t j = 0; j < h.count; ++j) {
+          uint32_t i;
+          std::memcpy(&i, ix + 4 * j, 4);
+          if (i >= static_cast<uint64_t>(chunk_)) {
+            fault =
+                detail::cat("rank ", q, "'s part has index ", i, " outside the chunk of ", chunk_);
+            break;
+          }
+        }
+      }
+      phase_ = kDone;
+      // every rank saw every rank's header: steps, k and flags agree across the servers
+      GC_CHECK_ARG(fault.empty(), "topk reduce-scatter tensor ", o_.tensor_id, " rank ", rank_,
+                   ": ", fault, "; the step failed and no state changed");
+      const size_t gs = dtype_size(dtype_);
+      void* own = static_cast<uint8_t*>(grad_.data) + static_cast<size_t>(rank_ * chunk_) * gs;
+      if (skip) {
+        device_fill_nan(device_, own, static_cast<size_t>(chunk_) * gs, stream_);
+        set_skipped(true);
+        if (on_nonfinite_ == OnNonFinite::kRaise)
+          GC_CHECK_ARG(false, "topk reduce-scatter tensor ", o_.tensor_id, " rank ", rank_, ": ",
+                       s.bad >= 0 ? detail::cat("gradient has a non-finite value (NaN or Inf) at "
+                                                "index ",
+                                                s.bad)
+                                  : std::string("another rank's gradient held a non-finite value"),
+                       "; the step was dropped on every rank and no state changed "
+                       "(on_nonfinite='raise')");
+        return std::nullopt;
+      }
+      if (chunk_ > 0) {
+        float* w = s.wide.get<float>(static_cast<size_t>(chunk_) + 1);
+        device_zero(device_, w, static_cast<size_t>(chunk_) * 4, stream_);
+        for (size_t q = 0; q < P; ++q) {
+          PartHeader h;
+          std::memcpy(&h, host.data() + q * B, sizeof h);
+          const uint8_t* part = recv + q * B + sizeof(PartHeader);
+          k::dispatch::scatter_add(ex, reinterpret_cast<const uint32_t*>(part),
+                                   part + 4 * static_cast<size_t>(k_), DType::kFloat32,
+                                   static_cast<int64_t>(h.count), 1.0f, w);
+        }
+        k::convert(device_, w, DType::kFloat32, own, dtype_, chunk_,
+                   o_.average ? float(world_) : 1.0f, stream_);
+      }
+      s.cur = 1 - s.cur;  // the step's residual becomes the state
+      ++step_;
+      set_skipped(false, true);
+      return std::nullopt;
+    }
+    default:
+      return std::nullopt;
+  }
+}
+
+void TopKReduceScatterPlan::undo_state() {
+  impl_->cur = 1 - impl_->cur;  // [1 - cur] still holds the residual before the step
+  --step_;
+}
+
+std::vector<uint8_t> TopKReduceScatterPlan::state_dict() const {
+  detail::StateWriter w("topk-reduce-scatter");
+  w.put<int64_t>(numel_);
+  w.put<int32_t>(world_);
+  w.put<int32_t>(rank_);
+  w.put<int64_t>(k_);
+  w.put<uint8_t>(o_.error_feedback);
+  w.put<uint64_t>(o_.seed);
+  w.put<int64_t>(step_);
+  w.put_array(impl_->v_in(), device_, static_cast<uint64_t>(numel_) * 4, stream_);
+  return w.take();
+}
+
+void TopKReduceScatterPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
+  require_idle("load_state_dict()");
+  detail::StateReader r(data, nbytes, "topk-reduce-scatter");
+  r.expect<int64_t>("numel", numel_);
+  r.expect<int32_t>("world", world_);
+  r.expect<int32_t>("rank", rank_);
+  r.expect<int64_t>("k", k_);
+  r.expect<uint8_t>("error_feedback", o_.error_feedback);
+  r.expect<uint64_t>("seed", o_.seed);
+  const auto step = r.get_step();
+  const uint64_t vb = static_cast<uint64_t>(numel_) * 4;
+  const uint8_t* v = r.finite_array("residual", vb);
+  r.finish();
+  device_copy(impl_->v_in(), device_, v, Device::kCPU, vb, stream_);
+  step_ = step;
+  start_step();
+}
+
+}  // namespace gradcomp
