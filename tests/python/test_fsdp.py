@@ -5,6 +5,8 @@ gradients within the codec's error, their wire bytes, checkpoints, refusals and 
 The shard plans themselves are checked against scalar references in C++
 (tests/quant/test_quant_plan.cpp)."""
 import copy
+import os
+import re
 
 import pytest
 import torch
@@ -69,8 +71,24 @@ def _lossless(rank, world):
     assert t["reduce_scatter"]["wire_bytes"] == t["reduce_scatter"]["dense_wire_bytes"] > 0
 
 
+    # the README's FSDP2 example (its second python block) runs as written on a model with layers
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    with open(readme) as f:
+        code = re.findall(r"```python\n(.*?)```", f.read(), re.S)[1]
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(32, 40), torch.nn.Linear(40, 8)])
+    model.forward = lambda x: model.layers[1](torch.relu(model.layers[0](x)))
+    env = {"gt": gt, "model": model}
+    exec(code, env)  # noqa: S102 - our own README
+    x, y = data[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    t = env["comp"].totals()
+    assert t["reduce_scatter"]["calls"] == 2 and t["allgather"]["calls"] >= 2
+
+
 @needs_fsdp2
-def test_lossless_plans_match_fsdp2_bitwise():
+def test_lossless_plans_match_fsdp2_bitwise_and_the_readme_example_runs():
     run(_lossless, 2)
 
 
@@ -159,6 +177,12 @@ def _compressed(rank, world):
     nonzero = sum(int((g != 0).sum()) for g in gs)
     assert 0 < nonzero <= 0.1 * sum(g.numel() for g in gs)  # at most 3 ranks x 1% (+ rounding)
     assert set(comp3.state_dict()["modules"]) == {"fc1", "fc2", "fc3"}
+
+    # a chosen subset of modules; the others keep FSDP's own collectives
+    part = gt.compress_fsdp(_sharded(), grads="quant", modules=["fc1", "fc3"])
+    assert set(part.reduce_scatters) == {"fc1", "fc3"}
+    with pytest.raises(ValueError, match="nope"):
+        gt.compress_fsdp(_sharded(), grads="quant", modules=["fc1", "nope"])
 
     # options are checked at once
     with pytest.raises(ValueError, match="rotate"):

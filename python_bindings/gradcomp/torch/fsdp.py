@@ -130,6 +130,13 @@ class _ShardComm:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         key = (flat.numel(), _dtype_name(flat), average)
         plan = self.plans.get(key)
+        if plan is not None and key in self.unused_loaded and flat.is_cuda:
+            # a checkpoint's plan is built on the CPU (where load_state_dict validates it): its
+            # state moves into a plan on the tensor's device at the first call
+            moved = self._make(key[0], key[1], world, rank, flat.device, _stream_of(flat),
+                               average)
+            moved.load_state_dict(plan.state_dict())
+            plan = self.plans[key] = moved
         if plan is None:
             if self.unused_loaded:
                 numel, dtype, avg = next(iter(self.unused_loaded))
@@ -156,11 +163,11 @@ class CompressedReduceScatter(_ShardComm):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
-        if op == dist.ReduceOp.AVG:
-            average = True
-        elif op == dist.ReduceOp.SUM:
-            average = False
-        else:
+        try:
+            average = {dist.ReduceOp.AVG: True, dist.ReduceOp.SUM: False}.get(op)
+        except TypeError:  # a PREMUL_SUM op object is not hashable
+            average = None
+        if average is None:
             raise ValueError(
                 f"gradcomp FSDP: module '{self.module_name}': reduce-scatter op {op} is not "
                 "supported (AVG or SUM; FSDP passes a PREMUL_SUM when set_gradient_divide_factor "
@@ -363,11 +370,15 @@ def _fsdp_modules(model, FSDPModule):
 
 
 def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] = None, *,
-                  param_options: Optional[Dict[str, Any]] = None, **grad_options) -> FSDPCompression:
+                  param_options: Optional[Dict[str, Any]] = None,
+                  modules: Optional[List[str]] = None, **grad_options) -> FSDPCompression:
     """Makes every FSDP module of ``model`` reduce-scatter its gradients through gradcomp's
     ``grads`` shard plan (options: ``grad_options``, e.g. ``bits=4``) and, with ``params``,
-    all-gather its parameters through the ``params`` plan (``param_options``). See the module
-    docstring. Every option is checked here (ValueError), before any training step."""
+    all-gather its parameters through the ``params`` plan (``param_options``). ``modules``: the
+    names (``model.named_modules()``; "<root>" for the model itself) of the FSDP modules to
+    compress, the others keeping FSDP's own collectives (e.g. an embedding or a head that is
+    sensitive to rounding); default all. See the module docstring. Every option and name is
+    checked here (ValueError), before any collective is replaced."""
     FSDPModule, (rs_base, ag_base) = _fsdp_api()
     names = list(_C.shard_plan_names())
     if grads is None and params is None:
@@ -400,8 +411,18 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
         if rs_base is not object else CompressedReduceScatter
     ag_cls = type("CompressedAllGather", (CompressedAllGather, ag_base), {}) \
         if ag_base is not object else CompressedAllGather
-    for i, (name, mod) in enumerate(_fsdp_modules(model, FSDPModule)):
-        label = name or "<root>"
+    found = [(i, name or "<root>", mod)
+             for i, (name, mod) in enumerate(_fsdp_modules(model, FSDPModule))]
+    if modules is not None:
+        if isinstance(modules, str):
+            raise ValueError("gradcomp FSDP: modules must be a list of module names, not a str")
+        known = [label for _, label, _ in found]
+        unknown = sorted(set(modules) - set(known))
+        if unknown:
+            raise ValueError(f"gradcomp FSDP: modules {unknown} are not FSDP modules of the "
+                             f"model; its FSDP modules: {known}")
+        found = [f for f in found if f[1] in set(modules)]
+    for i, label, mod in found:
         try:
             if grads is not None:
                 rs = rs_cls(comp, label, grads, grad_options, bucket_id=i)
