@@ -128,6 +128,13 @@ QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, in
     GC_CHECK_ARG(form == PlanForm::kReduceScatter || (!cfg_.error_feedback && !cfg_.check_finite),
                  "quant allgather: error_feedback and check_finite must be off (parameters are "
                  "gathered, not summed: there is no error to feed back and no step to skip)");
+    GC_CHECK_ARG(form == PlanForm::kReduceScatter || cfg_.rounding == QuantRounding::kNearest,
+                 "quant allgather: rounding must be nearest (a module's forward and backward "
+                 "gathers must give the same weights)");
+    GC_CHECK_ARG(form == PlanForm::kAllgather || cfg_.check_finite,
+                 "quant reduce-scatter: check_finite must be on (a non-finite gradient would "
+                 "otherwise reach the chunks' owners as an Inf scale, which only each owner sees: "
+                 "one rank would raise alone)");
     chunk_elems_ = numel / world;
   }
   k::QuantGeom geo;

@@ -5,11 +5,13 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "core/crc32c.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
@@ -119,28 +121,47 @@ class QuantPlanSubject : public StateSubject {
   QuantAllreducePlan plan_;
 };
 
-// A reduce-scatter plan of sharded training (make_shard_plan), one rank.
+// A reduce-scatter plan of sharded training (make_shard_plan), one rank. The quant form refuses
+// check_finite off (consensus needs the flag): without it, this subject forges what a NaN
+// gradient would leave, a well-sealed state whose error array is NaN.
 class ShardPlanSubject : public StateSubject {
  public:
-  ShardPlanSubject(const std::string& family, bool check_finite) {
+  ShardPlanSubject(const std::string& family, bool check_finite)
+      : forge_(family == "quant" && !check_finite) {
     BucketSpec b;
     b.numel = kN;
     b.bucket_id = 7;
-    PlanOptions o{{"check_finite", check_finite}};
+    PlanOptions o{{"check_finite", check_finite || forge_}};
     if (family == "quant") o["bits"] = int64_t{2};
     if (family == "topk") o["ratio"] = 0.1;
     plan_ = make_shard_plan(family, b, PlanForm::kReduceScatter, o);
   }
-  std::vector<uint8_t> save() const override { return plan_->state_dict(); }
-  void load(const uint8_t* d, size_t n) override { plan_->load_state_dict(d, n); }
+  std::vector<uint8_t> save() const override {
+    return forged_.empty() ? plan_->state_dict() : forged_;
+  }
+  void load(const uint8_t* d, size_t n) override {
+    plan_->load_state_dict(d, n);
+    forged_.clear();
+  }
   void step(uint32_t seed, bool poison) override {
     auto g = grad(kN, seed, poison);
     plan_->begin(TensorView::cpu(g.data(), kN));
     run_plans_in_process({plan_.get()});
+    if (poison && forge_) {  // the error array ends 4 bytes (the CRC-32C) before the end
+      forged_ = plan_->state_dict();
+      const size_t end = forged_.size() - sizeof(uint32_t);
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (size_t i = end - kN * sizeof(float); i < end; i += sizeof(float))
+        std::memcpy(forged_.data() + i, &nan, sizeof nan);
+      const uint32_t crc = gradcomp::detail::crc32c(forged_.data(), end);
+      std::memcpy(forged_.data() + end, &crc, sizeof crc);
+    }
   }
 
  private:
-  static constexpr int64_t kN = 80;
+  static constexpr size_t kN = 80;
+  bool forge_;
+  std::vector<uint8_t> forged_;
   std::unique_ptr<BucketPlan> plan_;
 };
 

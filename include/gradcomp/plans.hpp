@@ -499,10 +499,14 @@ class OneBitAllreducePlan : public BucketPlan {
 ///    quantized a second time. Every rank's server sees every rank's header, so a NaN/Inf flag or
 ///    ranks that disagree end the step the same way on every rank (the step skipped, its chunk NaN;
 ///    or InvalidArgument); only a chunk whose scales were damaged in flight is seen by its receiver
-///    alone, which then raises alone. State kind "quant-reduce-scatter": the worker error.
-///  - allgather: rank r quantizes its chunk r (no error feedback, no finiteness check: parameters
-///    are gathered, not summed) and every rank decodes every chunk, its own included, so every
-///    rank computes with the same values (ZeRO++'s quantized weights). Stateless.
+///    alone, which then raises alone. check_finite must be on: a non-finite gradient would
+///    otherwise give an Inf scale that only its chunk's receiver sees. State kind
+///    "quant-reduce-scatter": the worker error.
+///  - allgather: rank r quantizes its chunk r to nearest (no error feedback, no finiteness check,
+///    no stochastic rounding: parameters are gathered, not summed, and a module's forward and
+///    backward gathers must give the same values) and every rank decodes every chunk, its own
+///    included, so every rank computes with the same values (ZeRO++'s quantized weights).
+///    Stateless.
 ///
 /// Example (one rank; a driver executes the collectives):
 ///   gradcomp::QuantConfig cfg;  cfg.bits = 4;
@@ -542,6 +546,10 @@ class QuantAllreducePlan : public BucketPlan {
   /// plan's device (rotated coordinates with rotate).
   const float* worker_error() const;
   const float* server_error() const;
+  /// Floats behind worker_error() and server_error(): numel() and chunk_elems() for the
+  /// allreduce, numel() and 0 for the reduce-scatter (no server error), 0 and 0 for the allgather.
+  int64_t worker_error_elems() const { return form_ == PlanForm::kAllgather ? 0 : numel_; }
+  int64_t server_error_elems() const { return form_ == PlanForm::kAllreduce ? chunk_elems_ : 0; }
   /// The allgather form keeps no state (no error feedback: what it gathers is parameters).
   bool stateful() const override { return form_ != PlanForm::kAllgather; }
   std::vector<uint8_t> state_dict() const override;

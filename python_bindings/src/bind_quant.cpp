@@ -19,15 +19,17 @@ void bind(nb::module_& m) {
       .def(
           "worker_error",
           [](const QuantAllreducePlan& p) {
-            return host_copy(p.worker_error(), p.numel(), p.device());
+            return host_copy(p.worker_error(), p.worker_error_elems(), p.device());
           },
-          "A copy (NumPy, fp32) of the worker error-feedback memory, for diagnostics.")
+          "A copy (NumPy, fp32) of the worker error-feedback memory, for diagnostics (empty for "
+          "the allgather form).")
       .def(
           "server_error",
           [](const QuantAllreducePlan& p) {
-            return host_copy(p.server_error(), p.chunk_elems(), p.device());
+            return host_copy(p.server_error(), p.server_error_elems(), p.device());
           },
-          "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats).");
+          "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats; empty for the "
+          "reduce-scatter and allgather forms).");
   m.def(
       "quant_bits_per_value",
       [](int bits, int64_t block_size, const std::string& scale, const std::string& scale_dtype) {

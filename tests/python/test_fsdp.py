@@ -138,6 +138,13 @@ def _compressed(rank, world):
         (dict(sd, grad_options={"bits": 2}), "bits"),
         (dict(sd, modules={"nope": sd["modules"]["fc1"]}), "nope"),
         (dict(sd, format="x"), "not a compress_fsdp"),
+        (dict(sd, modules={k: v for k, v in sd["modules"].items() if k != "fc2"}), "fc2"),
+        (dict(sd, modules=dict(sd["modules"], fc1=[dict(sd["modules"]["fc1"][0],
+                                                         average="False")])), "average"),
+        (dict(sd, modules=dict(sd["modules"], fc1=[dict(sd["modules"]["fc1"][0],
+                                                         numel=3 << 40)])), "cannot hold"),
+        (dict(sd, modules=dict(sd["modules"], fc1=[dict(sd["modules"]["fc1"][0],
+                                                         numel=world * 8)])), "another model"),
     ]:
         with pytest.raises(ValueError, match=match):
             comp2.load_state_dict(bad)

@@ -922,6 +922,17 @@ TEST(ShardPlans, OptionsAndRefusals) {
                InvalidArgument);
   EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter, {{"bits", int64_t{3}}}),
                InvalidArgument);
+  // consensus needs the finiteness flag; forward and backward gathers must agree
+  EXPECT_THROW(make_shard_plan("quant", b, PlanForm::kReduceScatter, {{"check_finite", false}}),
+               InvalidArgument);
+  EXPECT_THROW(
+      make_shard_plan("quant", b, PlanForm::kAllgather, {{"rounding", std::string("stochastic")}}),
+      InvalidArgument);
+  auto rs = make_shard_plan("quant", b, PlanForm::kReduceScatter);
+  auto ag = make_shard_plan("quant", b, PlanForm::kAllgather);
+  EXPECT_EQ(dynamic_cast<QuantAllreducePlan&>(*rs).worker_error_elems(), 12);
+  EXPECT_EQ(dynamic_cast<QuantAllreducePlan&>(*rs).server_error_elems(), 0);
+  EXPECT_EQ(dynamic_cast<QuantAllreducePlan&>(*ag).worker_error_elems(), 0);
   EXPECT_THROW(make_shard_plan("bf16", b, PlanForm::kAllgather, {{"average", true}}),
                InvalidArgument);
   const auto d = shard_plan_defaults("quant", PlanForm::kAllgather);

@@ -177,6 +177,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     names = [n for n, _ in net.named_parameters()]
     fsdp = hook_name == "fsdp"
     comp = None
+    _fsdp_wire.steps = 0  # the steps counted so far (this process may train more than once)
     if fsdp:
         model = _shard(net)
         if opts:
@@ -374,8 +375,6 @@ def _fsdp_wire(model, world: int, comp) -> Tuple[int, int]:
     (P - 1) / P of them on the link."""
     import torch.nn as nn
 
-    if not hasattr(_fsdp_wire, "steps"):
-        _fsdp_wire.steps = 0
     _fsdp_wire.steps += 1
     per = 0
     for m in model:

@@ -100,7 +100,9 @@ def _allocate(size, *, dtype, device):
 
 class _ShardComm:
     """What the reduce-scatter and the allgather share: the plans of one FSDP module, keyed by
-    (numel, dtype, average), built at the first call (or by a checkpoint) and kept."""
+    (numel, dtype, average, group size, group rank), built at the first call (or by a
+    checkpoint) and kept. The group is the one FSDP hands over (the shard group: under HSDP or
+    with reshard_after_forward=<int> not the global one)."""
 
     def __init__(self, owner: "FSDPCompression", module_name: str, family: str,
                  options: Dict[str, Any], form: str, bucket_id: int):
@@ -112,9 +114,29 @@ class _ShardComm:
         self.bucket_id = bucket_id
         self.plans: Dict[tuple, Any] = {}
         self.unused_loaded: set = set()  # keys of plans a checkpoint made that no call used yet
+        self.module = None  # the FSDP module (set by compress_fsdp)
+
+    fsdp_module_class = None  # FSDPModule (set by compress_fsdp)
 
     def allocate(self, size, *, dtype, device):
         return _allocate(size, dtype=dtype, device=device)
+
+    def expected_numel(self, world: int) -> Optional[int]:
+        """The module's reduce-scatter size for a shard group of `world` ranks, from its
+        parameters' global shapes (FSDP2 pads dim 0 of each to a multiple of the group), or None
+        when the module is not known or some parameter is not sharded on dim 0 (then the first
+        call checks)."""
+        mod = self.module
+        if mod is None:
+            return None
+        total = 0
+        for p in _own_params(mod, type(self).fsdp_module_class):
+            placements = getattr(p, "placements", None)
+            if not placements or getattr(placements[-1], "dim", None) != 0 or p.dim() == 0:
+                return None
+            rows = p.shape[0]
+            total += -(-rows // world) * world * (p.numel() // rows if rows else 0)
+        return total or None
 
     def _make(self, numel: int, dtype: str, world: int, rank: int, device: torch.device,
               stream: int, average: bool):
@@ -128,7 +150,7 @@ class _ShardComm:
 
     def plan_for(self, flat: torch.Tensor, group, average: bool):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        key = (flat.numel(), _dtype_name(flat), average)
+        key = (flat.numel(), _dtype_name(flat), average, world, rank)
         plan = self.plans.get(key)
         if plan is not None and key in self.unused_loaded and flat.is_cuda:
             # a checkpoint's plan is built on the CPU (where load_state_dict validates it): its
@@ -139,12 +161,13 @@ class _ShardComm:
             plan = self.plans[key] = moved
         if plan is None:
             if self.unused_loaded:
-                numel, dtype, avg = next(iter(self.unused_loaded))
+                numel, dtype, avg, w, r = next(iter(self.unused_loaded))
                 raise ValueError(
                     f"gradcomp FSDP: module '{self.module_name}': the checkpoint's state is for a "
-                    f"{self.form} of {numel} {dtype} elements (average={avg}) but FSDP's "
-                    f"{self.form} has {key[0]} {key[1]} elements (average={average}): another "
-                    "model, mixed-precision policy or world size")
+                    f"{self.form} of {numel} {dtype} elements (average={avg}) as rank {r} of "
+                    f"{w}, but FSDP's {self.form} has {key[0]} {key[1]} elements "
+                    f"(average={average}) as rank {rank} of {world}: another model, "
+                    "mixed-precision policy or group layout")
             _device_of(flat)  # a CUDA tensor in a CPU-only build: a clear error
             plan = self._make(key[0], key[1], world, rank, flat.device, _stream_of(flat), average)
             self.plans[key] = plan
@@ -181,11 +204,15 @@ class CompressedReduceScatter(_ShardComm):
         plan = self.plan_for(flat, group, average)
         self.owner._steps.enter(plan)
         t0 = time.perf_counter()
-        plan.begin(flat, _stream_of(flat))
-        stats = run_sync(plan, group)
+        try:
+            plan.begin(flat, _stream_of(flat))
+            stats = run_sync(plan, group)
+        finally:
+            # also a step that raised (on_nonfinite="raise") is settled with the others: the
+            # modules that already reduce-scattered in this backward take theirs back
+            self.owner._steps.done(plan)
         output_tensor.view(-1).copy_(flat.view(world, -1)[rank])
         self.owner._record("reduce_scatter", stats, flat, world, time.perf_counter() - t0)
-        self.owner._steps.done(plan)
         return None
 
 
@@ -290,15 +317,16 @@ class FSDPCompression:
     def state_dict(self) -> Dict[str, Any]:
         """The error feedback of every module's gradient plan (after settling the last step):
         {"format", "version", "world", "rank", "grads", "grad_options", "modules": {name:
-        [{"numel", "dtype", "average", "state": bytes}, ...]}}."""
+        [{"numel", "dtype", "average", "world", "rank", "state": bytes}, ...]}} ("world" and
+        "rank" at the top are the job's; an entry's are its reduce-scatter group's)."""
         self.settle()
         mods: Dict[str, list] = {}
         for name, comm in self.reduce_scatters.items():
             entries = []
-            for (numel, dtype, average), plan in comm.plans.items():
+            for (numel, dtype, average, world, rank), plan in comm.plans.items():
                 if plan.stateful:
                     entries.append({"numel": numel, "dtype": dtype, "average": average,
-                                    "state": plan.state_dict()})
+                                    "world": world, "rank": rank, "state": plan.state_dict()})
             if entries:
                 mods[name] = entries
         return {"format": FORMAT, "version": VERSION, "world": self._world,
@@ -333,6 +361,17 @@ class FSDPCompression:
         mods = sd.get("modules")
         if not isinstance(mods, dict):
             raise ValueError("gradcomp FSDP: state_dict['modules'] must be a dict")
+        unknown = sorted(set(mods) - set(self.reduce_scatters))
+        if unknown:
+            raise ValueError(f"gradcomp FSDP: the checkpoint has state for modules {unknown}, "
+                             "which this model does not have (or does not compress)")
+        owning = {n for n, c in self.reduce_scatters.items()
+                  if c.module is None or _own_params(c.module, c.fsdp_module_class)}
+        missing = sorted(owning - set(mods)) if mods else []
+        if missing:
+            raise ValueError(f"gradcomp FSDP: the checkpoint has no state for modules {missing} "
+                             "(saved with other modules=, or from another model); their error "
+                             "feedback would start afresh")
         staged: Dict[str, Dict[tuple, Any]] = {}
         for name, entries in mods.items():
             comm = self.reduce_scatters.get(name)
@@ -343,22 +382,63 @@ class FSDPCompression:
                 raise ValueError(f"gradcomp FSDP: module '{name}': a list of states expected")
             plans = {}
             for e in entries:
-                try:
-                    numel, dtype, average = int(e["numel"]), str(e["dtype"]), bool(e["average"])
-                    state = e["state"]
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise ValueError(f"gradcomp FSDP: module '{name}': malformed entry "
-                                     f"({exc!r})") from None
-                if not isinstance(state, (bytes, bytearray)) or numel < 0 or numel % world:
-                    raise ValueError(f"gradcomp FSDP: module '{name}': malformed entry")
-                plan = comm._make(numel, dtype, world, rank, torch.device("cpu"), 0, average)
-                plan.load_state_dict(bytes(state))  # ValueError on any mismatch
-                plans[(numel, dtype, average)] = plan
+                key = _entry_key(name, e, world)
+                numel, dtype, average, w, r = key
+                expected = comm.expected_numel(w)
+                if expected is not None and expected != numel:
+                    raise ValueError(
+                        f"gradcomp FSDP: module '{name}': the checkpoint's reduce-scatter has "
+                        f"{numel} elements, this model's has {expected} (padded to {w} ranks): "
+                        "another model")
+                plan = comm._make(numel, dtype, w, r, torch.device("cpu"), 0, average)
+                plan.load_state_dict(bytes(e["state"]))  # ValueError on any mismatch
+                plans[key] = plan
             staged[name] = plans
         for comm in self.reduce_scatters.values():
             comm.plans = staged.pop(comm.module_name, {})
             comm.unused_loaded = set(comm.plans)
         self._steps = _Steps()
+
+
+def _own_params(mod, FSDPModule) -> list:
+    """The parameters an FSDP module's own group holds: its subtree's, less those of FSDP
+    modules below it (which shard their own)."""
+    own: list = []
+
+    def walk(m, top: bool) -> None:
+        if not top and FSDPModule is not None and isinstance(m, FSDPModule):
+            return
+        own.extend(m.parameters(recurse=False))
+        for c in m.children():
+            walk(c, False)
+
+    walk(mod, True)
+    return own
+
+
+_ENTRY_TYPES = {"numel": int, "dtype": str, "average": bool, "world": int, "rank": int,
+                "state": (bytes, bytearray)}
+
+
+def _entry_key(name: str, e, job_world: int) -> tuple:
+    """A checkpoint entry's plan key, every field checked for its type and range (ValueError)."""
+    if not isinstance(e, dict):
+        raise ValueError(f"gradcomp FSDP: module '{name}': an entry must be a dict")
+    for k, t in _ENTRY_TYPES.items():
+        v = e.get(k)
+        if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+            raise ValueError(f"gradcomp FSDP: module '{name}': entry field {k!r} is "
+                             f"{type(v).__name__}, not {getattr(t, '__name__', 'bytes')}")
+    numel, w, r = e["numel"], e["world"], e["rank"]
+    if e["dtype"] not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"gradcomp FSDP: module '{name}': entry dtype {e['dtype']!r}")
+    if not (1 <= w <= job_world and 0 <= r < w and numel >= 0 and numel % w == 0):
+        raise ValueError(f"gradcomp FSDP: module '{name}': entry of {numel} elements as rank "
+                         f"{r} of {w} in a job of {job_world}")
+    if len(e["state"]) < 4 * numel:  # the error feedback alone takes 4 bytes per element
+        raise ValueError(f"gradcomp FSDP: module '{name}': a state of {len(e['state'])} bytes "
+                         f"cannot hold {numel} elements")
+    return (numel, e["dtype"], e["average"], w, r)
 
 
 def _fsdp_modules(model, FSDPModule):
@@ -380,6 +460,7 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
     sensitive to rounding); default all. See the module docstring. Every option and name is
     checked here (ValueError), before any collective is replaced."""
     FSDPModule, (rs_base, ag_base) = _fsdp_api()
+    _ShardComm.fsdp_module_class = FSDPModule
     names = list(_C.shard_plan_names())
     if grads is None and params is None:
         raise ValueError("gradcomp FSDP: grads and params are both None: nothing to compress")
@@ -426,6 +507,7 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
         try:
             if grads is not None:
                 rs = rs_cls(comp, label, grads, grad_options, bucket_id=i)
+                rs.module = mod
                 mod.set_custom_reduce_scatter(rs)
                 comp.reduce_scatters[label] = rs
             if pfamily is not None:
