@@ -297,6 +297,21 @@ std::optional<Collective> QuantAllreducePlan::next() {
     r.first = static_cast<uint64_t>(first);
     return r;
   };
+  // a step some rank's non-finite gradient dropped: `nbytes` at `out` become NaN (the output the
+  // optimizer sees), nothing else changes; OnNonFinite::kRaise raises on every rank
+  auto skip_step = [&](void* out, size_t nbytes) -> std::optional<Collective> {
+    device_fill_nan(device_, out, nbytes, s.stream);
+    set_skipped(true);
+    if (on_nonfinite_ == OnNonFinite::kRaise) {
+      GC_CHECK_ARG(s.bad < 0, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", s.bad_what,
+                   "; the step was dropped on every rank and no state changed ",
+                   "(on_nonfinite='raise')");
+      GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_,
+                   ": another rank's gradient held a non-finite value (NaN or Inf); the step ",
+                   "was dropped on every rank and no state changed (on_nonfinite='raise')");
+    }
+    return std::nullopt;
+  };
   Collective c;
   c.device = device_;
   c.stream = s.stream;
@@ -376,20 +391,7 @@ std::optional<Collective> QuantAllreducePlan::next() {
                      "and no state changed");
         const size_t es = dtype_size(s.grad.dtype);
         void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(off) * es;
-        if (flags & ChunkHeader::kBad) {
-          device_fill_nan(device_, dst, static_cast<size_t>(L) * es, s.stream);
-          set_skipped(true);
-          if (on_nonfinite_ == OnNonFinite::kRaise) {
-            GC_CHECK_ARG(s.bad < 0, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ",
-                         s.bad_what, "; the step was dropped on every rank and no state changed ",
-                         "(on_nonfinite='raise')");
-            GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_,
-                         ": another rank's gradient held a non-finite value (NaN or Inf); the ",
-                         "step was dropped on every rank and no state changed ",
-                         "(on_nonfinite='raise')");
-          }
-          return std::nullopt;
-        }
+        if (flags & ChunkHeader::kBad) return skip_step(dst, static_cast<size_t>(L) * es);
         if (L > 0) {
           std::vector<const uint8_t*> bodies(P);
           for (size_t q = 0; q < P; ++q) bodies[q] = recv + q * B + sizeof(ChunkHeader);
@@ -450,19 +452,7 @@ std::optional<Collective> QuantAllreducePlan::next() {
         GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
                      "; the step failed on every rank and no state changed");
       }
-      if (skip) {
-        device_fill_nan(device_, s.grad.data, static_cast<size_t>(s.grad.nbytes()), s.stream);
-        set_skipped(true);
-        if (on_nonfinite_ == OnNonFinite::kRaise) {
-          GC_CHECK_ARG(s.bad < 0, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ",
-                       s.bad_what, "; the step was dropped on every rank and no state changed ",
-                       "(on_nonfinite='raise')");
-          GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_,
-                       ": another rank's gradient held a non-finite value (NaN or Inf); the step ",
-                       "was dropped on every rank and no state changed (on_nonfinite='raise')");
-        }
-        return std::nullopt;
-      }
+      if (skip) return skip_step(s.grad.data, static_cast<size_t>(s.grad.nbytes()));
       const DType ot = s.grad.dtype;
       const size_t es = dtype_size(ot);
       for (size_t q = 0; q < P; ++q) {

@@ -13,6 +13,22 @@ nb::object from_option(const PlanOption& v) {
   return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }
 
+/// The bucket make_plan / make_shard_plan build for, from the bindings' arguments.
+BucketSpec bucket_spec(int64_t numel, const std::string& dtype, int world, int rank,
+                       const std::string& device, int device_index, uintptr_t stream,
+                       uint32_t bucket_id) {
+  BucketSpec b;
+  b.numel = numel;
+  b.dtype = parse_enum<DType>(dtype);
+  b.world = world;
+  b.rank = rank;
+  b.device = parse_enum<Device>(device);
+  b.device_index = device_index;
+  b.stream = reinterpret_cast<void*>(stream);
+  b.bucket_id = bucket_id;
+  return b;
+}
+
 /// Binds an enum with its canonical option names (EnumNames, gradcomp/types.hpp) as members, marked (with the
 /// enum's `what`) so that make_plan and the hooks take a member wherever its enum's name is taken.
 template <class E>
@@ -95,23 +111,11 @@ void bind_plans(nb::module_& m) {
          const std::string& device, int device_index, uintptr_t stream,
          std::vector<std::vector<int64_t>> shapes, uint32_t bucket_id, const std::string& backend,
          nb::dict options) {
-        BucketSpec b;
-        b.numel = numel;
-        b.dtype = parse_enum<DType>(dtype);
-        b.world = world;
-        b.rank = rank;
-        b.device = parse_enum<Device>(device);
-        b.device_index = device_index;
-        b.stream = reinterpret_cast<void*>(stream);
+        BucketSpec b =
+            bucket_spec(numel, dtype, world, rank, device, device_index, stream, bucket_id);
         b.shapes = std::move(shapes);
-        b.bucket_id = bucket_id;
         b.backend = backend;
-        PlanOptions o;
-        for (auto [k, v] : options) {
-          const std::string key = nb::cast<std::string>(nb::str(k));
-          o[key] = to_option(name, key, v);
-        }
-        return make_plan(name, b, o);
+        return make_plan(name, b, to_options(name, options));
       },
       nb::arg("name"), nb::arg("numel"), nb::arg("dtype"), nb::arg("world"), nb::kw_only(),
       nb::arg("rank") = 0, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
@@ -163,21 +167,9 @@ void bind_plans(nb::module_& m) {
       [](const std::string& name, int64_t numel, const std::string& dtype, int world,
          const std::string& form, int rank, const std::string& device, int device_index,
          uintptr_t stream, uint32_t bucket_id, nb::dict options) {
-        BucketSpec b;
-        b.numel = numel;
-        b.dtype = parse_enum<DType>(dtype);
-        b.world = world;
-        b.rank = rank;
-        b.device = parse_enum<Device>(device);
-        b.device_index = device_index;
-        b.stream = reinterpret_cast<void*>(stream);
-        b.bucket_id = bucket_id;
-        PlanOptions o;
-        for (auto [k, v] : options) {
-          const std::string key = nb::cast<std::string>(nb::str(k));
-          o[key] = to_option(name, key, v);
-        }
-        return make_shard_plan(name, b, parse_enum<PlanForm>(form), o);
+        const BucketSpec b =
+            bucket_spec(numel, dtype, world, rank, device, device_index, stream, bucket_id);
+        return make_shard_plan(name, b, parse_enum<PlanForm>(form), to_options(name, options));
       },
       nb::arg("name"), nb::arg("numel"), nb::arg("dtype"), nb::arg("world"), nb::arg("form"),
       nb::kw_only(), nb::arg("rank") = 0, nb::arg("device") = "cpu", nb::arg("device_index") = 0,

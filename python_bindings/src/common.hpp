@@ -188,12 +188,12 @@ inline PlanOption to_option(const std::string& name, const std::string& key, nb:
                                     " (expected bool, int, float, str or a list of numbers)"));
 }
 
-/// Keyword arguments as make_plan options of family `name` (make_plan.hpp: one table of names,
-/// types and defaults for the plans, the hooks and the per-tensor codecs).
-inline PlanOptions to_options(const std::string& name, const nb::kwargs& kw) {
+/// Keyword arguments (or an options dict) as make_plan options of family `name` (make_plan.hpp:
+/// one table of names, types and defaults for the plans, the hooks and the per-tensor codecs).
+inline PlanOptions to_options(const std::string& name, const nb::dict& kw) {
   PlanOptions o;
   for (auto [k, v] : kw) {
-    const std::string key = nb::cast<std::string>(k);
+    const std::string key = nb::cast<std::string>(nb::str(k));
     o[key] = to_option(name, key, v);
   }
   return o;
