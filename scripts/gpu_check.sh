@@ -7,13 +7,22 @@
 #                                     .gpu-deps/prefix, which git ignores, so that a device run can
 #                                     carry it (carry: [".gpu-deps"])
 #   scripts/gpu_check.sh OUT [COMMIT] there: configures with CUDA for the local GPU
-#                                     (CUDA_ARCHS, default native) and NCCL from PyTorch's
-#                                     nvidia-nccl wheel when the toolkit has none, builds, runs
-#                                     every CUDA suite (ctest -L cuda), each CUDA test binary under
-#                                     compute-sanitizer memcheck and racecheck, and the CUDA
-#                                     benchmarks; writes a few files into OUT (env.txt, build.log,
-#                                     ctest.log, sanitizer.log, bench_*.json/txt). COMMIT is
-#                                     recorded in env.txt (the copy there may have no .git).
+#                                     (CUDA_ARCHS, default native; -lineinfo, so that the
+#                                     sanitizers name source lines) and NCCL from PyTorch's
+#                                     nvidia-nccl wheel when the toolkit has none, and the Python
+#                                     extension when python3 has its headers and nanobind; builds;
+#                                     then, each step bounded in time, in order of what matters
+#                                     most: every CUDA suite (ctest -L cuda), the Python GPU tests
+#                                     (tests/python/test_gpu.py: hooks on CUDA with NCCL, GradScaler,
+#                                     checkpoints, FSDP2), the comparisons with PyTorch
+#                                     (bench/gpu_bench.py), every CUDA test binary under
+#                                     compute-sanitizer memcheck, racecheck on the binaries in
+#                                     RACECHECK (default: the PowerSGD and in-process suites;
+#                                     "all" for every one: the top-k suite alone takes minutes),
+#                                     and the C++ CUDA benchmarks when BENCH_CPP=1. Files in OUT:
+#                                     env.txt, build.log, ctest.log, pytest.log, gpu_bench.json/md,
+#                                     sanitizer.log, bench_*.txt. COMMIT is recorded in env.txt (the
+#                                     copy there may have no .git).
 #
 # Exit status: 0 when the build, ctest and every sanitizer run passed; the logs say what failed.
 set -uo pipefail
@@ -43,56 +52,100 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 
 out=${1:?usage: scripts/gpu_check.sh OUT [COMMIT] | --prepare}
+commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # the carried libraries' own dependencies (libgfortran for OpenBLAS) resolve through this
 export LD_LIBRARY_PATH="$PWD/.gpu-deps/prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 build=${BUILD_DIR:-build-gpu}
 status=0
+stamp() { echo "$(date -u +%T) $*" | tee -a "$out/env.txt"; }
 {
   echo "date: $(date -u +%FT%TZ)"
-  echo "commit: ${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  echo "commit: $commit"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   nvcc --version | tail -2 || true
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' || true
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' || true
   uptime
 } > "$out/env.txt" 2>&1
 
 # NCCL: the toolkit's if it has one, else the one PyTorch's wheels ship
 nccl_root=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' \
             2>/dev/null || true)
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-native}" \
-      -DCMAKE_PREFIX_PATH="$PWD/.gpu-deps/prefix" \
-      ${nccl_root:+-DGRADCOMP_NCCL_ROOT="$nccl_root"} > "$out/build.log" 2>&1 || status=1
-if [ $status -eq 0 ]; then
-  cmake --build "$build" -j "${JOBS:-$(nproc)}" >> "$out/build.log" 2>&1 || status=1
+# the Python extension: only where python3 has its headers (and nanobind) to build against
+python_ext=OFF
+if python3 -c 'import os, sysconfig, nanobind; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null; then
+  python_ext=ON
 fi
-if [ $status -ne 0 ]; then
+stamp "python extension: $python_ext"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-native}" -DCMAKE_CUDA_FLAGS=-lineinfo \
+      -DCMAKE_PREFIX_PATH="$PWD/.gpu-deps/prefix" -DGRADCOMP_BUILD_PYTHON=$python_ext \
+      -DPython_EXECUTABLE="$(command -v python3)" \
+      ${nccl_root:+-DGRADCOMP_NCCL_ROOT="$nccl_root"} > "$out/build.log" 2>&1 || status=1
+if [ $status -eq 0 ]; then  # -k 0: one target that fails leaves the others built
+  cmake --build "$build" -j "${JOBS:-$(nproc)}" -- -k 0 >> "$out/build.log" 2>&1 || status=1
+fi
+if [ ! -x "$build/tests/quant/test_quant_cuda" ]; then
   echo "gpu_check: build failed, see $out/build.log"; tail -30 "$out/build.log"; exit 1
 fi
-echo "build ok" >> "$out/env.txt"
+[ $status -eq 0 ] && stamp "build ok" || { stamp "build: some targets failed"; grep -m5 -B2 -A8 'FAILED:' "$out/build.log"; }
 
-ctest --test-dir "$build" -L cuda --output-on-failure --timeout 600 > "$out/ctest.log" 2>&1 \
-  || status=1
-tail -15 "$out/ctest.log"
+timeout 120 ctest --test-dir "$build" -L cuda --output-on-failure --timeout 100 \
+  > "$out/ctest.log" 2>&1 || status=1
+stamp "ctest: $(grep -E 'tests passed|tests failed' "$out/ctest.log")"
 
-# every CUDA test binary under memcheck and racecheck (the CPU twins' comparisons included)
+# Python: the package from the source tree with the extension just built
+so=$(ls "$build"/python_bindings/_C*.so 2>/dev/null | head -1)
+if [ -n "$so" ]; then
+  rm -rf "$build/pyroot" && mkdir -p "$build/pyroot"
+  cp -r python_bindings/gradcomp "$build/pyroot/" && cp "$so" "$build/pyroot/gradcomp/"
+  export PYTHONPATH="$PWD/$build/pyroot"
+  opts=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")
+  opts="$opts $(python3 -c 'import pytest_timeout' 2>/dev/null && echo "--timeout 150")"
+  (cd tests/python && timeout 200 python3 -m pytest -q -rs -p no:cacheprovider $opts \
+     test_gpu.py) > "$out/pytest.log" 2>&1 || status=1
+  stamp "pytest test_gpu.py: $(tail -1 "$out/pytest.log")"
+  rc=0
+  timeout 150 python3 bench/gpu_bench.py --device cuda --out "$out" --commit "$commit" --max-seconds 140 \
+    > "$out/gpu_bench.log" 2>&1 || rc=$?
+  [ $rc -eq 0 ] || status=1
+  stamp "gpu_bench: exit $rc"
+else
+  stamp "no Python extension: Python tests and bench/gpu_bench.py not run"; status=1
+fi
+
+# every CUDA test binary under memcheck; racecheck (slow) on RACECHECK's
 : > "$out/sanitizer.log"
+race=${RACECHECK:-test_powersgd_cuda test_comm_inprocess}
 for t in "$build"/tests/*/test_*cuda "$build"/tests/comm/test_comm_inprocess; do
   [ -x "$t" ] || continue
-  for tool in memcheck racecheck; do
-    echo "== $tool $(basename "$t")" >> "$out/sanitizer.log"
-    compute-sanitizer --tool "$tool" --error-exitcode 3 "$t" --gtest_brief=1 \
-      >> "$out/sanitizer.log" 2>&1 || { status=1; echo "FAILED: $tool $(basename "$t")" >> "$out/sanitizer.log"; }
+  n=$(basename "$t")
+  tools=memcheck
+  case " $race " in *" $n "*|*" all "*) tools="memcheck racecheck" ;; esac
+  for tool in $tools; do
+    echo "== $tool $n" >> "$out/sanitizer.log"
+    timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 40 "$t" \
+      --gtest_brief=1 >> "$out/sanitizer.log" 2>&1 \
+      || { status=1; echo "FAILED: $tool $n" >> "$out/sanitizer.log"; }
   done
 done
-grep -E '^== |FAILED|ERROR SUMMARY' "$out/sanitizer.log" | tail -30
+if [ -x "$build/tests/powersgd/test_powersgd_cuda" ]; then  # each hazard: threads, address
+  echo "== racecheck (hazards) test_powersgd_cuda Orthogonalize" >> "$out/sanitizer.log"
+  timeout 60 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 \
+    "$build/tests/powersgd/test_powersgd_cuda" --gtest_filter='*Orthogonalize*' \
+    --gtest_brief=1 >> "$out/sanitizer.log" 2>&1 || true
+fi
+stamp "sanitizers: $(grep -c '^FAILED' "$out/sanitizer.log") failed runs"
+grep -E '^== |FAILED|ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -30
 
-for b in "$build"/bench/bench_*cuda; do
-  [ -x "$b" ] || continue
-  n=$(basename "$b")
-  "$b" --benchmark_out="$out/$n.json" --benchmark_out_format=json > "$out/$n.txt" 2>&1 || status=1
-done
-echo "gpu_check: exit $status (logs in $out)"
+if [ "${BENCH_CPP:-0}" = 1 ]; then
+  for b in "$build"/bench/bench_*cuda; do
+    [ -x "$b" ] || continue
+    n=$(basename "$b")
+    timeout 200 "$b" > "$out/$n.txt" 2>&1 || status=1
+  done
+fi
+stamp "gpu_check: exit $status"
 exit $status

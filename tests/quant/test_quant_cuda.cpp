@@ -119,3 +119,90 @@ TEST(QuantCuda, PlanMatchesTheCpuPlanBitwise) {
         }
       }
 }
+
+// FSDP2's shard plans on the device against the same plans on the CPU: every family with a shard
+// form (the cast chunks, top-k exact and sampled, quant nearest and stochastic), reduce-scatter
+// and allgather, fp32 and bf16 gradients, over steps (residuals and errors carry): the bucket
+// each rank ends with and every plan's state bitwise equal.
+TEST(QuantCuda, ShardPlansMatchTheCpuPlansBitwise) {
+  GC_REQUIRE_GPU();
+  struct Case {
+    const char* name;
+    PlanForm form;
+    PlanOptions options;
+  };
+  const std::vector<Case> cases = {
+      {"allreduce", PlanForm::kReduceScatter, {}},
+      {"allreduce", PlanForm::kAllgather, {}},
+      {"fp16", PlanForm::kReduceScatter, {}},
+      {"bf16", PlanForm::kReduceScatter, {{"average", false}}},
+      {"bf16", PlanForm::kAllgather, {}},
+      {"topk", PlanForm::kReduceScatter, {{"ratio", 0.01}, {"method", std::string("exact")}}},
+      {"topk", PlanForm::kReduceScatter, {{"ratio", 0.01}, {"method", std::string("sampled")}}},
+      {"quant", PlanForm::kReduceScatter, {{"bits", int64_t{4}}}},
+      {"quant",
+       PlanForm::kReduceScatter,
+       {{"bits", int64_t{2}}, {"rounding", std::string("stochastic")}}},
+      {"quant", PlanForm::kAllgather, {}},
+  };
+  const int dev = gradcomp::cuda::current_device();
+  for (const Case& k : cases)
+    for (DType dt : {DType::kFloat32, DType::kBFloat16})
+      for (int64_t c : {int64_t{1}, int64_t{4099}, int64_t{300001}}) {
+        const int P = 3;
+        const int64_t n = P * c;
+        SCOPED_TRACE(std::string(k.name) + " " + std::string(enum_name(k.form)) + " " +
+                     dtype_name(dt) + " chunk " + std::to_string(c));
+        std::vector<std::unique_ptr<BucketPlan>> cp, gp;
+        for (int r = 0; r < P; ++r) {
+          BucketSpec b;
+          b.numel = n;
+          b.dtype = dt;
+          b.world = P;
+          b.rank = r;
+          cp.push_back(make_shard_plan(k.name, b, k.form, k.options));
+          b.device = Device::kCUDA;
+          b.device_index = dev;
+          gp.push_back(make_shard_plan(k.name, b, k.form, k.options));
+        }
+        const size_t es = dtype_size(dt);
+        for (int step = 0; step < 3; ++step) {
+          std::vector<std::vector<uint8_t>> h(P);
+          std::vector<std::unique_ptr<DevBuf>> d;
+          std::vector<BucketPlan*> gps;
+          std::vector<Plan*> cps;
+          for (int r = 0; r < P; ++r) {
+            const auto v = normal(n, 100 * step + r);
+            h[r].resize(n * es);
+            for (int64_t i = 0; i < n; ++i) {
+              if (dt == DType::kFloat32) {
+                std::memcpy(h[r].data() + 4 * i, &v[i], 4);
+              } else {
+                const uint16_t x = float_to_bf16(v[i]);
+                std::memcpy(h[r].data() + 2 * i, &x, 2);
+              }
+            }
+            d.push_back(std::make_unique<DevBuf>(n * es));
+            d[r]->upload(h[r].data(), n * es);
+            gp[r]->begin(TensorView(d[r]->p, {n}, dt, Device::kCUDA, dev));
+            cp[r]->begin(TensorView(h[r].data(), {n}, dt, Device::kCPU));
+            gps.push_back(gp[r].get());
+            cps.push_back(cp[r].get());
+          }
+          run_device_plans(gps);
+          run_plans_in_process(cps);
+          for (int r = 0; r < P; ++r) {
+            std::vector<uint8_t> got(n * es);
+            d[r]->download(got.data(), n * es);
+            if (k.form == PlanForm::kReduceScatter) {  // only the own chunk is defined
+              ASSERT_EQ(0, std::memcmp(got.data() + r * c * es, h[r].data() + r * c * es, c * es))
+                  << "step " << step << " rank " << r;
+            } else {
+              ASSERT_EQ(got, h[r]) << "step " << step << " rank " << r;
+            }
+            ASSERT_FALSE(gp[r]->skipped());
+            ASSERT_EQ(gp[r]->state_dict(), cp[r]->state_dict()) << "step " << step << " rank " << r;
+          }
+        }
+      }
+}
