@@ -85,7 +85,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_CUDA=ON \
       -DPython_EXECUTABLE="$(command -v python3)" \
       ${nccl_root:+-DGRADCOMP_NCCL_ROOT="$nccl_root"} > "$out/build.log" 2>&1 || status=1
 if [ $status -eq 0 ]; then  # -k 0: one target that fails leaves the others built
-  cmake --build "$build" -j "${JOBS:-$(nproc)}" -- -k 0 >> "$out/build.log" 2>&1 || status=1
+  timeout 330 cmake --build "$build" -j "${JOBS:-$(nproc)}" -- -k 0 >> "$out/build.log" 2>&1 || status=1
 fi
 if [ ! -x "$build/tests/quant/test_quant_cuda" ]; then
   echo "gpu_check: build failed, see $out/build.log"; tail -30 "$out/build.log"; exit 1
