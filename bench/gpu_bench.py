@@ -294,7 +294,7 @@ def bench_powersgd(dev: torch.device, small: bool) -> None:
                             "gradcomp powersgd check_finite=False"):
                 def case(variant=variant):
                     ddp = DDP(ShapeModel(shapes, w, dev),
-                              device_ids=[dev.index or 0] if dev.type == "cuda" else None)
+                              device_ids=None)  # (a forward without inputs: nothing to move)
                     ours, state = variant.startswith("gradcomp"), None
                     if variant.startswith("torch"):
                         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
