@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "gradcomp/tensor.hpp"
 
-#include <sstream>
 
 namespace gradcomp {
 
@@ -32,12 +31,11 @@ TensorView::TensorView(void* d, std::initializer_list<int64_t> dims, DType t, De
     : TensorView(d, dims.begin(), static_cast<int>(dims.size()), t, dev, dev_index, s) {}
 
 std::string TensorView::describe() const {
-  std::ostringstream os;
-  os << dtype_name(dtype) << "[";
-  for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << shape[i];
-  os << "] on " << device_name(device);
-  if (device == Device::kCUDA) os << ":" << device_index;
-  return os.str();
+  std::string s = detail::cat(dtype_name(dtype), "[");
+  for (int i = 0; i < ndim; ++i) s += detail::cat(i ? ", " : "", shape[i]);
+  s += detail::cat("] on ", device_name(device));
+  if (device == Device::kCUDA) s += detail::cat(":", device_index);
+  return s;
 }
 
 }  // namespace gradcomp

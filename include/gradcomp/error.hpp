@@ -4,9 +4,12 @@
 // RuntimeError.
 #pragma once
 
+#include <charconv>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace gradcomp {
@@ -43,11 +46,42 @@ class NotBuiltWithCuda : public Error {
 };
 
 namespace detail {
+/// Appends one value as `std::ostream <<` would print it with the default format (bool as 1/0,
+/// the char types as characters, floating point as %g with 6 digits), numbers through
+/// std::to_chars: no stream, no locale. An extension module compiled partly by nvcc can hold its
+/// own copy of the stream inserters, whose facet ids the C++ runtime never initialised; an
+/// ostringstream formatting a number there crashed a GPU build on its first error message (the
+/// message of a skipped fp16 step). Other types (their own operator<<) still go through a stream.
+template <class T>
+void cat_one(std::string& s, const T& v) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_same_v<U, bool>) {
+    s += v ? '1' : '0';
+  } else if constexpr (std::is_same_v<U, char> || std::is_same_v<U, signed char> ||
+                       std::is_same_v<U, unsigned char>) {
+    s += static_cast<char>(v);
+  } else if constexpr (std::is_integral_v<U> || std::is_floating_point_v<U>) {
+    char b[64];
+    std::to_chars_result r;
+    if constexpr (std::is_integral_v<U>)
+      r = std::to_chars(b, b + sizeof b, v);
+    else
+      r = std::to_chars(b, b + sizeof b, v, std::chars_format::general, 6);
+    s.append(b, r.ptr);
+  } else if constexpr (std::is_convertible_v<const U&, std::string_view>) {
+    s.append(std::string_view(v));
+  } else {
+    std::ostringstream os;
+    os << v;
+    s += os.str();
+  }
+}
+
 template <class... A>
 std::string cat(A&&... a) {
-  std::ostringstream os;
-  (os << ... << std::forward<A>(a));
-  return os.str();
+  std::string s;
+  (cat_one(s, a), ...);
+  return s;
 }
 }  // namespace detail
 
