@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "gradcomp/tensor.hpp"
 
-
 namespace gradcomp {
 
 TensorView::TensorView(void* d, const int64_t* dims, int nd, DType t, Device dev, int dev_index,

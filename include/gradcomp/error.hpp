@@ -48,10 +48,11 @@ class NotBuiltWithCuda : public Error {
 namespace detail {
 /// Appends one value as `std::ostream <<` would print it with the default format (bool as 1/0,
 /// the char types as characters, floating point as %g with 6 digits), numbers through
-/// std::to_chars: no stream, no locale. An extension module compiled partly by nvcc can hold its
-/// own copy of the stream inserters, whose facet ids the C++ runtime never initialised; an
-/// ostringstream formatting a number there crashed a GPU build on its first error message (the
-/// message of a skipped fp16 step). Other types (their own operator<<) still go through a stream.
+/// std::to_chars: no stream, no locale. Inserting a number into an ostringstream crashed
+/// (SIGSEGV inside the stream) the Python extension built on a GPU machine (GCC 13, CUDA 13) the
+/// first time it built a message, that of a skipped fp16 step; the cause inside the C++ runtime
+/// was not found, and to_chars avoids it. Other types (their own operator<<) still go through a
+/// stream.
 template <class T>
 void cat_one(std::string& s, const T& v) {
   using U = std::decay_t<T>;

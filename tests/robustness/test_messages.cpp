@@ -38,9 +38,9 @@ TEST(Messages, NumbersPrintAsTheStreamPrintsThem) {
   expect_as_streamed(size_t{12345});
   expect_as_streamed(uint32_t{4000000000u});
   expect_as_streamed(int16_t{-300});
-  for (double v : {0.0, -0.0, 0.1, 1.0 / 3.0, 1e-8, 1e8, 123456.0, 1234567.0, 65504.0, 1.5e300,
-                   -2.5, 4.9e-324, std::numeric_limits<double>::infinity(),
-                   -std::numeric_limits<double>::infinity()})
+  for (double v :
+       {0.0, -0.0, 0.1, 1.0 / 3.0, 1e-8, 1e8, 123456.0, 1234567.0, 65504.0, 1.5e300, -2.5, 4.9e-324,
+        std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()})
     expect_as_streamed(v);
   for (float v : {0.3f, 1e-20f, 3.4e38f, -7.25f}) expect_as_streamed(v);
   EXPECT_EQ(detail::cat(std::nan("")), streamed(std::nan("")));
