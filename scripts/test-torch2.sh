@@ -55,5 +55,5 @@ if major < 2:
 EOF
 
 # 3. the same pytest suite
-(cd tests/python && "../../$venv2/bin/python" -m pytest -q -p no:cacheprovider .)
+(cd tests/python && "../../$venv2/bin/python" -m pytest -q -p no:cacheprovider --durations=15 .)
 echo "test-torch2: done in $((SECONDS - t0)) s"

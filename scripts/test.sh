@@ -24,7 +24,8 @@ ctest --test-dir "$build" --output-on-failure --timeout 900
 venv=${GRADCOMP_VENV:-.venv}
 GRADCOMP_CUDA=OFF "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation .
 echo "test: pytest on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
-(cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider .)
+# --durations: the slowest tests in the CI log, for keeping CI inside its time budget
+(cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 .)
 
 # The same suite on the newest torch 2.x (the same extension build: gradcomp._C does not link
 # libtorch).

@@ -370,11 +370,17 @@ class RandomKAllreducePlan : public GradientPlan {
 
  private:
   void undo_state() override { comp_.uncommit(); }
+  /// Writes this step's consensus slots right after the values (see next()); returns how many
+  /// elements the allreduce then sums (values and slots).
+  size_t put_consensus(const PayloadHeader& h);
+  /// After the sum: InvalidArgument on every rank when some rank's step or options differ.
+  void check_consensus(const PayloadHeader& h);
   RandomKCompressor comp_;
   Payload payload_;
   Buffer acc_;
   bool check_finite_ = true;
   int64_t bad_ = -1;
+  uint32_t options_hash_ = 0;  ///< FNV-1a of what decides the indices and the count
 };
 
 /// 1-bit Adam's compressed allreduce (Tang et al. 2021) as a plan, for one rank of `world`:

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "comm_reference.hpp"
+#include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "kernels/reduce_kernels.hpp"
@@ -565,6 +566,113 @@ TEST(CommPlans, RandomKMatchesReference) {
           P, n, 3, [&](int) { return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P); },
           [&](const auto& in) { return ref.step(in); });
     }
+}
+
+// Random-k sums values of the indices its RNG draws for the step: ranks at different steps (one
+// restored alone, an older state loaded into a live plan) or with other options would average
+// values of different elements without any error. The consensus slots after the values tell
+// every rank, with the step left undone; every value dtype.
+TEST(CommPlans, RandomKRanksAtDifferentStepsOrOptionsFailOnEveryRank) {
+  const int P = 3;
+  const int64_t n = 4000;
+  auto run_step = [&](std::vector<std::unique_ptr<gc::RandomKAllreducePlan>>& plans, int step) {
+    std::vector<gc::Plan*> raw;
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) {
+      g[r] = rank_input(n, r, step);
+      plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+      raw.push_back(plans[r].get());
+    }
+    gc::run_plans_in_process(raw);
+  };
+  for (gc::DType vt : {gc::DType::kFloat32, gc::DType::kFloat16, gc::DType::kBFloat16}) {
+    SCOPED_TRACE(gc::dtype_name(vt));
+    gc::RandomKConfig cfg;
+    cfg.ratio = 0.05;
+    cfg.value_dtype = vt;
+    cfg.dense_below = 0;
+    std::vector<std::unique_ptr<gc::RandomKAllreducePlan>> plans;
+    for (int r = 0; r < P; ++r)
+      plans.push_back(std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P));
+    run_step(plans, 0);
+    const auto older = plans[1]->state_dict();
+    run_step(plans, 1);
+    plans[1]->load_state_dict(older.data(), older.size());  // rank 1 one step behind
+    std::vector<std::vector<uint8_t>> before;
+    for (auto& p : plans) before.push_back(p->state_dict());
+    // every rank is driven by hand: one allreduce (summed here in rank order), then each rank's
+    // next() must raise, and no state may change
+    std::vector<std::vector<float>> g(P);
+    std::vector<gc::Collective> cs;
+    for (int r = 0; r < P; ++r) {
+      g[r] = rank_input(n, r, 2);
+      plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+      auto c = plans[r]->next();
+      ASSERT_TRUE(c.has_value());
+      ASSERT_EQ(c->kind, gc::CollectiveKind::kAllreduceSum);
+      cs.push_back(*c);
+    }
+    const size_t m = cs[0].count, es = gc::elem_size(cs[0].type);
+    for (const auto& c : cs) ASSERT_EQ(c.count, m);
+    std::vector<float> sum(m, 0.0f);
+    auto get = [&](const void* p, size_t i) {
+      const auto* b = static_cast<const uint8_t*>(p) + i * es;
+      if (vt == gc::DType::kFloat32) {
+        float f;
+        std::memcpy(&f, b, 4);
+        return f;
+      }
+      uint16_t h;
+      std::memcpy(&h, b, 2);
+      return vt == gc::DType::kFloat16 ? gc::half_to_float(h) : gc::bf16_to_float(h);
+    };
+    for (int r = 0; r < P; ++r)
+      for (size_t i = 0; i < m; ++i) sum[i] += get(cs[r].send, i);
+    for (int r = 0; r < P; ++r)
+      for (size_t i = 0; i < m; ++i) {
+        auto* b = static_cast<uint8_t*>(cs[r].recv) + i * es;
+        if (vt == gc::DType::kFloat32) {
+          std::memcpy(b, &sum[i], 4);
+        } else {
+          const uint16_t h =
+              vt == gc::DType::kFloat16 ? gc::float_to_half(sum[i]) : gc::float_to_bf16(sum[i]);
+          std::memcpy(b, &h, 2);
+        }
+      }
+    for (int r = 0; r < P; ++r) {
+      try {
+        plans[r]->next();
+        ADD_FAILURE() << "rank " << r << " accepted a step of ranks at different steps";
+      } catch (const gc::InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("ranks are at different steps"), std::string::npos)
+            << e.what();
+      }
+      EXPECT_EQ(plans[r]->state_dict(), before[r]) << "rank " << r;
+    }
+    // the same states again on every rank: the next step runs
+    for (auto& p : plans) p->load_state_dict(before[0].data(), before[0].size());
+    run_step(plans, 3);
+    // another seed on one rank: other indices, told as an option mismatch
+    gc::RandomKConfig other = cfg;
+    other.seed = 5;
+    plans[2] = std::make_unique<gc::RandomKAllreducePlan>(other, n, P);
+    const auto same = plans[0]->state_dict();
+    plans[2]->load_state_dict(same.data(), same.size());
+    std::vector<gc::Plan*> raw;
+    std::vector<std::vector<float>> h(P);
+    for (int r = 0; r < P; ++r) {
+      h[r] = rank_input(n, r, 4);
+      plans[r]->begin(gc::TensorView::cpu(h[r].data(), n));
+      raw.push_back(plans[r].get());
+    }
+    try {
+      gc::run_plans_in_process(raw);
+      ADD_FAILURE() << "another seed accepted";
+    } catch (const gc::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("the options differ across ranks"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(CommPlans, CostModelChoosesDenseWhenDensityIsHigh) {
