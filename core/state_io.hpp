@@ -83,8 +83,8 @@ class StateReader {
     uint32_t stored;
     std::memcpy(&stored, p_ + n_, sizeof stored);
     const uint32_t computed = crc32c(p_, n_);
-    GC_CHECK_ARG(stored == computed, "state_dict: checksum mismatch (stored 0x", std::hex, stored,
-                 ", computed 0x", computed, std::dec, " over ", n_,
+    GC_CHECK_ARG(stored == computed, "state_dict: checksum mismatch (stored 0x",
+                 detail::hex(stored), ", computed 0x", detail::hex(computed), " over ", n_,
                  " bytes): the state is corrupt or truncated; nothing was loaded");
     kind_ = get_string("kind");
   }

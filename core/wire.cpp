@@ -9,11 +9,16 @@ namespace gradcomp {
 
 const char* payload_kind_name(PayloadKind k) {
   switch (k) {
-    case PayloadKind::kSparse: return "sparse";
-    case PayloadKind::kRandomK: return "random-k";
-    case PayloadKind::kOneBit: return "one-bit";
-    case PayloadKind::kLowRank: return "low-rank";
-    case PayloadKind::kDense: return "dense";
+    case PayloadKind::kSparse:
+      return "sparse";
+    case PayloadKind::kRandomK:
+      return "random-k";
+    case PayloadKind::kOneBit:
+      return "one-bit";
+    case PayloadKind::kLowRank:
+      return "low-rank";
+    case PayloadKind::kDense:
+      return "dense";
   }
   return "unknown";
 }
@@ -24,8 +29,8 @@ PayloadHeader parse_header(const void* host_bytes, size_t nbytes) {
                    " bytes, fewer than the 64-byte header");
   PayloadHeader h;
   std::memcpy(&h, host_bytes, sizeof h);
-  GC_CHECK_PAYLOAD(h.magic == kPayloadMagic, "bad magic 0x", std::hex, h.magic, " (expected 0x",
-                   kPayloadMagic, ")");
+  GC_CHECK_PAYLOAD(h.magic == kPayloadMagic, "bad magic 0x", detail::hex(h.magic), " (expected 0x",
+                   detail::hex(kPayloadMagic), ")");
   GC_CHECK_PAYLOAD(h.version == kPayloadVersion, "unsupported version ", h.version,
                    " (this build reads version ", kPayloadVersion, ")");
   GC_CHECK_PAYLOAD(h.header_bytes == 64, "header size field is ", h.header_bytes, ", expected 64");
@@ -76,7 +81,8 @@ IndexCoding choose_index_coding(uint64_t numel, uint64_t count, uint64_t delta_b
 void encode_indices(const uint32_t* idx, uint64_t count, uint64_t numel, IndexCoding coding,
                     uint8_t* out) {
   switch (coding) {
-    case IndexCoding::kNone: return;
+    case IndexCoding::kNone:
+      return;
     case IndexCoding::kRaw32:
       if (count > 0) std::memcpy(out, idx, 4 * count);  // empty: out and idx may be null
       return;
@@ -113,7 +119,8 @@ void decode_indices(const uint8_t* in, uint64_t in_bytes, IndexCoding coding, ui
       for (uint64_t i = 0; i < count; ++i) {
         GC_CHECK_PAYLOAD(idx_out[i] < numel, "index ", idx_out[i], " at position ", i,
                          " is out of range [0, ", numel, ")");
-        GC_CHECK_PAYLOAD(i == 0 || idx_out[i] > idx_out[i - 1], "indices not strictly ascending at position ", i);
+        GC_CHECK_PAYLOAD(i == 0 || idx_out[i] > idx_out[i - 1],
+                         "indices not strictly ascending at position ", i);
       }
       return;
     }
@@ -150,8 +157,8 @@ void decode_indices(const uint8_t* in, uint64_t in_bytes, IndexCoding coding, ui
           if (!(b & 0x80u)) break;
         }
         const uint64_t v = i == 0 ? gap : prev + 1 + gap;
-        GC_CHECK_PAYLOAD(v < numel, "index ", v, " at position ", i, " is out of range [0, ",
-                         numel, ")");
+        GC_CHECK_PAYLOAD(v < numel, "index ", v, " at position ", i, " is out of range [0, ", numel,
+                         ")");
         // indices are 32-bit: a header claiming more elements must not let one wrap around
         GC_CHECK_PAYLOAD(v <= UINT32_MAX, "index ", v, " at position ", i,
                          " does not fit the 32-bit index type");

@@ -24,7 +24,8 @@
 #                                     sanitizer.log, bench_*.txt. COMMIT is recorded in env.txt (the
 #                                     copy there may have no .git).
 #
-# Exit status: 0 when the build, ctest and every sanitizer run passed; the logs say what failed.
+# Exit status: 0 when the build, ctest, the Python GPU tests, bench/gpu_bench.py and every
+# sanitizer run passed; the logs say what failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -82,8 +83,11 @@ stamp "python extension: $python_ext"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-native}" -DCMAKE_CUDA_FLAGS=-lineinfo \
       -DCMAKE_PREFIX_PATH="$PWD/.gpu-deps/prefix" -DGRADCOMP_BUILD_PYTHON=$python_ext \
+      -DGRADCOMP_BUILD_TESTS=ON -DGRADCOMP_BUILD_BENCH=ON \
       -DPython_EXECUTABLE="$(command -v python3)" \
       ${nccl_root:+-DGRADCOMP_NCCL_ROOT="$nccl_root"} > "$out/build.log" 2>&1 || status=1
+# outputs of an earlier build on a warm machine must not pass for this one's
+rm -f "$build"/python_bindings/_C*.so "$build"/tests/*/test_*
 if [ $status -eq 0 ]; then  # -k 0: one target that fails leaves the others built
   timeout 330 cmake --build "$build" -j "${JOBS:-$(nproc)}" -- -k 0 >> "$out/build.log" 2>&1 || status=1
 fi
@@ -119,7 +123,8 @@ fi
 # every CUDA test binary under memcheck; racecheck (slow) on RACECHECK's
 : > "$out/sanitizer.log"
 race=${RACECHECK:-test_powersgd_cuda test_comm_inprocess}
-for t in "$build"/tests/*/test_*cuda "$build"/tests/comm/test_comm_inprocess; do
+for t in "$build"/tests/*/test_*cuda "$build"/tests/comm/test_comm_nccl \
+         "$build"/tests/comm/test_comm_inprocess; do
   [ -x "$t" ] || continue
   n=$(basename "$t")
   tools=memcheck

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <charconv>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -46,13 +45,27 @@ class NotBuiltWithCuda : public Error {
 };
 
 namespace detail {
+/// An unsigned integer printed in hexadecimal by cat (lower case, no prefix), as a stream after
+/// std::hex would: cat("0x", hex(crc)).
+struct Hex {
+  unsigned long long v;
+};
+template <class T>
+constexpr Hex hex(T v) {
+  static_assert(std::is_integral_v<T>, "detail::hex takes an integer");
+  return Hex{static_cast<unsigned long long>(v)};
+}
+
+template <class>
+inline constexpr bool kNotFormattable = false;
+
 /// Appends one value as `std::ostream <<` would print it with the default format (bool as 1/0,
 /// the char types as characters, floating point as %g with 6 digits), numbers through
 /// std::to_chars: no stream, no locale. Inserting a number into an ostringstream crashed
 /// (SIGSEGV inside the stream) the Python extension built on a GPU machine (GCC 13, CUDA 13) the
 /// first time it built a message, that of a skipped fp16 step; the cause inside the C++ runtime
-/// was not found, and to_chars avoids it. Other types (their own operator<<) still go through a
-/// stream.
+/// was not found, and to_chars avoids it. Hexadecimal: detail::hex. Any other type is a compile
+/// error (format it explicitly): no message goes through a stream.
 template <class T>
 void cat_one(std::string& s, const T& v) {
   using U = std::decay_t<T>;
@@ -69,12 +82,14 @@ void cat_one(std::string& s, const T& v) {
     else
       r = std::to_chars(b, b + sizeof b, v, std::chars_format::general, 6);
     s.append(b, r.ptr);
+  } else if constexpr (std::is_same_v<U, Hex>) {
+    char b[24];
+    const std::to_chars_result r = std::to_chars(b, b + sizeof b, v.v, 16);
+    s.append(b, r.ptr);
   } else if constexpr (std::is_convertible_v<const U&, std::string_view>) {
     s.append(std::string_view(v));
   } else {
-    std::ostringstream os;
-    os << v;
-    s += os.str();
+    static_assert(kNotFormattable<U>, "detail::cat: numbers, text, bool, chars or detail::hex");
   }
 }
 

@@ -72,11 +72,13 @@ TEST(PowerSGDCuda, OrthogonalizeMatchesCpuTwin) {
         EXPECT_LT(max_rel(gpu, cpu), 1e-3) << c.n << "x" << c.r;
       } else {
         // Householder: a full-rank member's Q is unique up to the sign of each column. Member 0
-        // (r >= 4) has a zero column 1 and a duplicate column 3: there, column 1 and every column
-        // from 3 on are a completion that only has to be orthonormal and keep the span (the
-        // reflector of a column that is zero up to rounding follows that rounding, which differs
-        // between cuSOLVER and LAPACK). Checked: every column of Q has norm 1 and is orthogonal
-        // to the others, and each input column k lies in the span of Q's columns 0..k.
+        // (r >= 4) has a zero column 1 and a duplicate column 3. Column 1 is exactly zero, so
+        // both libraries take the identity reflector there and columns 0 and 2 still agree;
+        // column 3 is zero only up to rounding, its reflector follows that rounding (which
+        // differs between cuSOLVER and LAPACK), and from there on Q is a completion that only
+        // has to be orthonormal and keep the span. Checked: every column of Q has norm 1 and is
+        // orthogonal to the others, and each input column k lies in the span of Q's columns
+        // 0..k; columns equal up to sign where they are unique.
         auto col = [&](const std::vector<float>& v, int b, int64_t i, int k) {
           return double(v[(b * c.n + i) * c.r + k]);
         };

@@ -18,6 +18,7 @@ GRADCOMP_TEST_DEVICE=cpu runs the same checks over gloo on the CPU (the logic of
 machine without a GPU); by default they need CUDA and gradcomp built with it.
 """
 import os
+import pickle
 import traceback
 
 import pytest
@@ -30,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, free_port, make_data  # noqa: E402
+from ddp_util import Net, finish, free_port, make_data  # noqa: E402
 
 DEV = os.environ.get("GRADCOMP_TEST_DEVICE", "cuda")
 if DEV == "cuda":
@@ -62,8 +63,10 @@ def _entry(rank, world, port, fn, args):
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()  # (ddp_util: every rank done, then no interpreter teardown)
 
 
 def _spawn(fn, world=1, *args):
@@ -158,8 +161,6 @@ def test_checkpoint_resumes_the_same_run(name, opts):
 
 
 def _scaler(rank, world, name, opts):
-    if not hasattr(torch.amp, "GradScaler"):
-        return  # (torch 1.13: the test is skipped by its caller)
     dev = torch.device(DEV)
     data = make_data(rank, 40)
     model = _model(dev)
@@ -287,6 +288,7 @@ def _fsdp(rank, world):
     assert totals, "no compressed collective ran"
     sd = comp.state_dict()
     comp.load_state_dict(sd)
+    assert pickle.dumps(comp.state_dict()) == pickle.dumps(sd), "the state changed on a reload"
 
 
 def _have_fsdp2():

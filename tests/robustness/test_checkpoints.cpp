@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,16 @@ TEST(StateIo, OldVersionAndBadChecksumSayWhy) {
   auto b = bytes;
   b[12 + 4 + 2] ^= 0x20;  // a byte of the field after magic, version, kind
   expect_msg(b, "checksum mismatch");
+  {  // both checksums in hexadecimal
+    const uint32_t stored = [&] {
+      uint32_t v;
+      std::memcpy(&v, bytes.data() + bytes.size() - 4, 4);
+      return v;
+    }();
+    std::ostringstream os;
+    os << "(stored 0x" << std::hex << stored << ", computed 0x";
+    expect_msg(b, os.str().c_str());
+  }
   b = bytes;
   const uint32_t v1 = 1;
   std::memcpy(b.data() + 4, &v1, 4);

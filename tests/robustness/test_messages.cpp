@@ -61,6 +61,18 @@ TEST(Messages, TextBoolsAndCharsPrintAsTheStreamPrintsThem) {
   EXPECT_EQ(detail::cat(), "");
 }
 
+TEST(Messages, HexPrintsAsTheStreamAfterStdHex) {
+  for (uint32_t v : {0u, 1u, 0xdeadbeefu, 0xffffffffu}) {
+    std::ostringstream os;
+    os << std::hex << v;
+    EXPECT_EQ(detail::cat(detail::hex(v)), os.str());
+  }
+  std::ostringstream os;
+  os << std::hex << uint64_t{0x0123456789abcdefull};
+  EXPECT_EQ(detail::cat("0x", detail::hex(uint64_t{0x0123456789abcdefull}), " ", 10),
+            "0x" + os.str() + " 10");
+}
+
 TEST(Messages, TensorsDescribeTheirShape) {
   float x[6] = {};
   EXPECT_EQ(TensorView(x, {2, 3}, DType::kFloat32, Device::kCPU).describe(),
