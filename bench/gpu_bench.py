@@ -390,10 +390,13 @@ def main() -> int:
     current = ["start"]
 
     def watchdog():
-        RESULT["errors"].append({"section": current[0], "case": "watchdog",
-                                 "error": f"still running after {a.max_seconds:.0f} s"})
-        print(write(a.out), flush=True)
-        os._exit(2)
+        # (the main thread may be changing RESULT: whatever the write meets, the exit happens)
+        try:
+            RESULT["errors"].append({"section": current[0], "case": "watchdog",
+                                     "error": f"still running after {a.max_seconds:.0f} s"})
+            print(write(a.out), flush=True)
+        finally:
+            os._exit(2)
     timer = threading.Timer(a.max_seconds, watchdog)
     timer.daemon = True
     timer.start()
