@@ -142,6 +142,19 @@ if [ -x "$build/tests/powersgd/test_powersgd_cuda" ]; then  # each hazard: threa
     "$build/tests/powersgd/test_powersgd_cuda" --gtest_filter='*Orthogonalize*' \
     --gtest_brief=1 >> "$out/sanitizer.log" 2>&1 || true
 fi
+# what racecheck's MGS report needs read: the kernel's shared variables (their offsets) and its
+# SASS around the reported offsets (+0x1bb0 read, +0x2c00 write in mgs_kernel<4>)
+if command -v cuobjdump > /dev/null && [ -f "$build/libgradcomp.a" ]; then
+  {
+    echo "== cuobjdump: shared symbols of the PowerSGD kernels"
+    cuobjdump -elf "$build/libgradcomp.a" 2>&1 | grep -E "shared|mgs_kernelILi4E|block_prescale" \
+      | head -80
+    echo "== cuobjdump -sass: mgs_kernel<4>"
+    cuobjdump -sass "$build/libgradcomp.a" 2>&1 \
+      | awk '/Function : .*mgs_kernelILi4E/ {p = 1; print; next} /Function : / {p = 0} p' \
+      | head -1500
+  } >> "$out/sanitizer.log"
+fi
 stamp "sanitizers: $(grep -c '^FAILED' "$out/sanitizer.log") failed runs"
 grep -E '^== |FAILED|ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -30
 
