@@ -8,6 +8,7 @@
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/options_hash.hpp"
 #include "plans/per_rank.hpp"
 
 namespace gradcomp {
@@ -58,31 +59,13 @@ RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t num
   // the plan checks finiteness itself (once), so that a bad rank can tell the others
   check_finite_ = cfg.check_finite;
   comp_.set_staged(check_finite_);
-  uint32_t h = 2166136261u;
-  auto mix = [&h](const void* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      h ^= static_cast<const uint8_t*>(p)[i];
-      h *= 16777619u;
-    }
-  };
-  auto mix_v = [&mix](auto v) { mix(&v, sizeof(v)); };
-  mix_v(numel);
-  mix_v(cfg.ratio);
-  mix_v(cfg.momentum);
-  mix_v(cfg.nesterov);
-  mix_v(cfg.momentum_masking);
-  mix_v(cfg.clip_norm);
-  mix_v(static_cast<int>(cfg.clip_scaling));
-  for (double r : cfg.warmup_ratios) mix_v(r);
-  mix_v(cfg.warmup_steps);
-  mix_v(static_cast<int>(cfg.value_dtype));
-  mix_v(cfg.error_feedback);
-  mix_v(cfg.check_finite);
-  mix_v(cfg.seed);
-  mix_v(cfg.tensor_id);
-  for (int64_t s : cfg.segments) mix_v(s);
-  mix_v(cfg.dense_below);
-  options_hash_ = h;
+  detail::OptionsHash h;  // what decides the indices and the count
+  h.add(numel).add(cfg.ratio).add(cfg.momentum).add(cfg.nesterov).add(cfg.momentum_masking);
+  h.add(cfg.clip_norm).add(static_cast<int>(cfg.clip_scaling)).add_all(cfg.warmup_ratios);
+  h.add(cfg.warmup_steps).add(static_cast<int>(cfg.value_dtype)).add(cfg.error_feedback);
+  h.add(cfg.check_finite).add(cfg.seed).add(cfg.tensor_id).add_all(cfg.segments);
+  h.add(cfg.dense_below);
+  options_hash_ = static_cast<uint32_t>(h.value());
 }
 
 size_t RandomKAllreducePlan::put_consensus(const PayloadHeader& h) {

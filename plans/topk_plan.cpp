@@ -8,6 +8,7 @@
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/options_hash.hpp"
 #include "plans/per_rank.hpp"
 
 namespace gradcomp {
@@ -43,23 +44,11 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   comp_.set_staged(check_finite_);
   // FNV-1a over the options that decide every later step's collectives (their sizes, the route,
   // the exchange): ranks whose options differ are told at the first step, not by an abort later
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](const void* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      h ^= static_cast<const uint8_t*>(p)[i];
-      h *= 1099511628211ull;
-    }
-  };
-  auto mix_v = [&mix](auto v) { mix(&v, sizeof(v)); };
-  mix_v(cfg.ratio);
-  mix_v(cfg.warmup_steps);
-  for (double r : cfg.warmup_ratios) mix_v(r);
-  mix_v(static_cast<int>(cfg.value_dtype));
-  mix_v(static_cast<int>(opt.route));
-  mix_v(static_cast<int>(opt.exchange));
-  mix_v(opt.cost.bandwidth_Bps);
-  mix_v(opt.cost.latency_s);
-  config_fingerprint_ = static_cast<int64_t>(h & 0x7fffffffffffffffull);
+  detail::OptionsHash h;
+  h.add(cfg.ratio).add(cfg.warmup_steps).add_all(cfg.warmup_ratios);
+  h.add(static_cast<int>(cfg.value_dtype)).add(static_cast<int>(opt.route));
+  h.add(static_cast<int>(opt.exchange)).add(opt.cost.bandwidth_Bps).add(opt.cost.latency_s);
+  config_fingerprint_ = static_cast<int64_t>(h.value() & 0x7fffffffffffffffull);
 }
 
 float* TopKAllreducePlan::target() {

@@ -380,7 +380,7 @@ class RandomKAllreducePlan : public GradientPlan {
   Buffer acc_;
   bool check_finite_ = true;
   int64_t bad_ = -1;
-  uint32_t options_hash_ = 0;  ///< FNV-1a of what decides the indices and the count
+  uint32_t options_hash_ = 0;  ///< low bits of detail::OptionsHash (plans/options_hash.hpp)
 };
 
 /// 1-bit Adam's compressed allreduce (Tang et al. 2021) as a plan, for one rank of `world`:

@@ -18,6 +18,21 @@
 using namespace gradcomp;
 using namespace gradcomp::test;
 
+/// A rank's gradient: normal(n, seed) as the bytes of dtype t (fp32, or rounded to fp16/bf16).
+std::vector<uint8_t> gradient_bytes(int64_t n, DType t, uint64_t seed) {
+  const auto v = normal(n, seed);
+  std::vector<uint8_t> h(static_cast<size_t>(n) * dtype_size(t));
+  for (int64_t i = 0; i < n; ++i) {
+    if (t == DType::kFloat32) {
+      std::memcpy(h.data() + 4 * i, &v[i], 4);
+    } else {
+      const uint16_t x = t == DType::kFloat16 ? float_to_half(v[i]) : float_to_bf16(v[i]);
+      std::memcpy(h.data() + 2 * i, &x, 2);
+    }
+  }
+  return h;
+}
+
 TEST(QuantCuda, CompressAndDecodeMatchTheCpuBitwise) {
   GC_REQUIRE_GPU();
   for (int bits : {2, 4, 8})
@@ -90,16 +105,7 @@ TEST(QuantCuda, PlanMatchesTheCpuPlanBitwise) {
           std::vector<QuantAllreducePlan*> gps;
           std::vector<Plan*> cps;
           for (int r = 0; r < P; ++r) {
-            const auto v = normal(n, 10 * step + r);
-            h[r].resize(n * es);
-            for (int64_t i = 0; i < n; ++i) {
-              if (dt == DType::kFloat32) {
-                std::memcpy(h[r].data() + 4 * i, &v[i], 4);
-              } else {
-                const uint16_t x = float_to_half(v[i]);
-                std::memcpy(h[r].data() + 2 * i, &x, 2);
-              }
-            }
+            h[r] = gradient_bytes(n, dt, 10 * step + r);
             d.push_back(std::make_unique<DevBuf>(n * es));
             d[r]->upload(h[r].data(), n * es);
             gp[r]->begin(TensorView(d[r]->p, {n}, dt, Device::kCUDA, dev));
@@ -172,16 +178,7 @@ TEST(QuantCuda, ShardPlansMatchTheCpuPlansBitwise) {
           std::vector<BucketPlan*> gps;
           std::vector<Plan*> cps;
           for (int r = 0; r < P; ++r) {
-            const auto v = normal(n, 100 * step + r);
-            h[r].resize(n * es);
-            for (int64_t i = 0; i < n; ++i) {
-              if (dt == DType::kFloat32) {
-                std::memcpy(h[r].data() + 4 * i, &v[i], 4);
-              } else {
-                const uint16_t x = float_to_bf16(v[i]);
-                std::memcpy(h[r].data() + 2 * i, &x, 2);
-              }
-            }
+            h[r] = gradient_bytes(n, dt, 100 * step + r);
             d.push_back(std::make_unique<DevBuf>(n * es));
             d[r]->upload(h[r].data(), n * es);
             gp[r]->begin(TensorView(d[r]->p, {n}, dt, Device::kCUDA, dev));
