@@ -289,6 +289,33 @@ std::vector<Collective> run_plan(Plan& plan, Communicator& comm, Handshake hs) {
       handshake(comm, plan, c, sig);
     first = false;
     if (!c) return log;
+    GC_CHECK_ARG(c->scope == Scope::kWorld, "plan '", plan.name(), "' asks for a ",
+                 scope_name(c->scope), " collective: run it with run_plan(plan, node, cross)");
+    comm.execute(*c);
+    log.push_back(std::move(*c));
+  }
+}
+
+std::vector<Collective> run_plan(Plan& plan, Communicator& node, Communicator& cross,
+                                 Handshake hs) {
+  std::vector<Collective> log;
+  Buffer sig_node(node.device()), sig_cross(cross.device());
+  bool first_node = true, first_cross = true;
+  if (hs != Handshake::kNone) {
+    handshake(node, plan, std::nullopt, sig_node, /*pre=*/true);
+    handshake(cross, plan, std::nullopt, sig_cross, /*pre=*/true);
+  }
+  for (;;) {
+    std::optional<Collective> c = plan.next();
+    if (!c) return log;  // (each group's last collective was checked when it was issued)
+    GC_CHECK_ARG(c->scope != Scope::kWorld, "plan '", plan.name(), "' asks for a flat ",
+                 collective_name(c->kind), ": run it with run_plan(plan, comm)");
+    const bool on_node = c->scope == Scope::kNode;
+    Communicator& comm = on_node ? node : cross;
+    bool& first = on_node ? first_node : first_cross;
+    if (hs == Handshake::kEvery || (hs == Handshake::kFirst && first))
+      handshake(comm, plan, c, on_node ? sig_node : sig_cross);
+    first = false;
     comm.execute(*c);
     log.push_back(std::move(*c));
   }

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/crc32c.hpp"
@@ -128,6 +129,14 @@ class StateReader {
     const uint8_t* r = p_ + pos_;
     pos_ += len;
     return r;
+  }
+  /// An array of any length (another object's state nested in this one): its bytes and length.
+  std::pair<const uint8_t*, uint64_t> blob(const char* field) {
+    const auto len = get<uint64_t>(field);
+    GC_CHECK_ARG(len <= n_ - pos_, "state_dict: truncated in array '", field, "'");
+    const uint8_t* r = p_ + pos_;
+    pos_ += len;
+    return {r, len};
   }
   /// array() of fp32 values that must all be finite (residuals, momenta, errors, factors): NaN or
   /// Inf is an InvalidArgument naming the field and the first bad element.

@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <limits>
 #include <set>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/topk.hpp"
+#include "plans/options_hash.hpp"
 
 namespace gradcomp {
 
@@ -244,7 +247,59 @@ bool plan_is_stateful(const std::string& name) {
 namespace {
 std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec& b,
                                        const Options& o);
+
+/// A hash of the family and every option as given (a default left out and the same default
+/// spelled out hash differently: ranks must build their plans the same way, which the hooks do).
+uint64_t hash_of(const std::string& name, const PlanOptions& options) {
+  detail::OptionsHash h;
+  h.add_all(name).add(uint8_t{0});
+  for (const auto& [key, value] : options) {
+    h.add_all(key).add(uint8_t{0}).add(static_cast<uint8_t>(value.index()));
+    std::visit(
+        [&](const auto& v) {
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<double>>)
+            h.add(v.size()).add_all(v);
+          else
+            h.add(v);
+        },
+        value);
+  }
+  return h.value();
+}
 }  // namespace
+
+std::unique_ptr<BucketPlan> make_hierarchical_plan(const std::string& name, const BucketSpec& b,
+                                                   int per_node, const PlanOptions& options) {
+  GC_CHECK_ARG(per_node >= 1 && b.world >= 1 && b.world % per_node == 0,
+               "hierarchical plan: ", b.world, " ranks do not split into nodes of ", per_node,
+               " ranks (per_node must divide the world size)");
+  GC_CHECK_ARG(b.rank >= 0 && b.rank < b.world, "hierarchical plan: rank ", b.rank, " outside [0, ",
+               b.world, ")");
+  const int nodes = b.world / per_node, local = b.rank % per_node;
+  const int64_t shard = HierarchicalPlan::shard_elems(b.numel, per_node);
+  BucketSpec inner = b;
+  inner.numel = shard;
+  inner.world = nodes;
+  inner.rank = b.rank / per_node;
+  if (!b.shapes.empty() || per_node > 1)
+    inner.shapes = HierarchicalPlan::shard_shapes(b.shapes, b.numel, per_node, local);
+  // each shard draws its own random numbers (top-k sampling, random-k, PowerSGD's first Q):
+  // bucket b's shard i is bucket b L + i to its family (one to one for a given layout)
+  GC_CHECK_ARG(b.bucket_id <= (UINT32_MAX - static_cast<uint32_t>(per_node)) / per_node,
+               "hierarchical plan: bucket_id ", b.bucket_id, " too large for ", per_node,
+               " shards per bucket");
+  inner.bucket_id = b.bucket_id * static_cast<uint32_t>(per_node) + static_cast<uint32_t>(local);
+  // the inner plan checks the options (and is built even with one node, so that bad options
+  // fail the same way on every layout)
+  std::unique_ptr<BucketPlan> plan = make_plan(name, inner, options);
+  if (nodes == 1) plan.reset();
+  detail::OptionsHash h;
+  h.add(hash_of(name, options)).add(b.numel).add(b.world).add(per_node).add(b.dtype);
+  return std::make_unique<HierarchicalPlan>(std::move(plan), b.numel, b.dtype, b.world, b.rank,
+                                            per_node, h.value(), b.device, b.device_index,
+                                            b.stream);
+}
 
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& b,
                                       const PlanOptions& options) {
@@ -494,6 +549,21 @@ std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& stat
                  "reshard_state: a reduce-scatter state (sharded training) belongs ",
                  "to its world size (", states.size(), " ranks) and cannot be resharded to ", world,
                  "; resume on as many ranks, or start the error feedback afresh");
+  } else if (kind == "hierarchical") {
+    // each rank holds the cross-node state of its own shard, whose bounds move with the layout
+    for (size_t r = 0; r < states.size(); ++r) {
+      try {
+        detail::StateReader(states[r].data(), states[r].size(), "hierarchical");
+      } catch (const InvalidArgument& e) {
+        GC_CHECK_ARG(false, "rank ", r, "'s ", e.what());
+      }
+    }
+    GC_CHECK_ARG(static_cast<size_t>(world) == states.size(),
+                 "reshard_state: a hierarchical plan's state (each rank's shard of the bucket) ",
+                 "belongs to its layout (", states.size(), " ranks) and cannot be resharded to ",
+                 world,
+                 "; resume on the same nodes x ranks per node, or start the error "
+                 "feedback afresh");
   } else
     GC_CHECK_ARG(false, "reshard_state: a '", kind, "' state is not a bucket plan's (topk, ",
                  "randomk, onebit-allreduce, quant-allreduce, powersgd)");

@@ -140,6 +140,15 @@ std::optional<Collective> TopKAllreducePlan::send(uint64_t longest) {
 }
 
 std::optional<Collective> TopKAllreducePlan::next() {
+  try {
+    return advance();
+  } catch (...) {
+    if (phase_ >= 0) phase_ = kDone;  // the checks run before anything is committed
+    throw;
+  }
+}
+
+std::optional<Collective> TopKAllreducePlan::advance() {
   require_begun();
   const auto P = static_cast<size_t>(world_);
   const auto n = static_cast<size_t>(numel_);

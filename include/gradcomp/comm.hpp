@@ -166,6 +166,19 @@ enum class Handshake : uint8_t {
 std::vector<Collective> run_plan(Plan& plan, Communicator& comm,
                                  Handshake handshake = Handshake::kFirst);
 
+/// Drives a hierarchical plan (make_hierarchical_plan, gradcomp/make_plan.hpp) to completion: its
+/// Scope::kNode collectives on `node` (the ranks of this rank's node, in local rank order) and
+/// its Scope::kCross collectives on `cross` (the ranks of this rank's local rank on every node,
+/// in node order); a flat (Scope::kWorld) collective is an InvalidArgument. With MPI the two
+/// come from MPI_Comm_split (color = node, key = rank; color = local rank, key = rank), wrapped
+/// by MpiCommunicator(&comm, opt); with NCCL, from ncclCommSplit or a bootstrap per group. The
+/// handshake runs on each communicator before its first collective (bucket sizes, then each
+/// collective as `handshake` says). Returns the collectives executed.
+///
+/// Example:  plan->begin(grad);  gradcomp::run_plan(*plan, node, cross);
+std::vector<Collective> run_plan(Plan& plan, Communicator& node, Communicator& cross,
+                                 Handshake handshake = Handshake::kFirst);
+
 /// Runs plans over one communicator, checking each bucket's sizes once: the first time a bucket
 /// id is seen it runs with Handshake::kEvery, afterwards with none (the per-step cost is then
 /// only the plan's own collectives).

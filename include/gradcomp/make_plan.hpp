@@ -74,6 +74,18 @@ bool plan_is_stateful(const std::string& name);
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& bucket,
                                       const PlanOptions& options = {});
 
+/// Builds family `name`'s two-level plan (HierarchicalPlan, gradcomp/plans.hpp) for a job of
+/// bucket.world ranks in nodes of `per_node` ranks, node-major (bucket.rank / per_node is the
+/// node): a full-precision reduce-scatter inside the node, the family's plan across the nodes on
+/// each shard (built by make_plan for the shard, world / per_node ranks, the options given; its
+/// shapes cut by HierarchicalPlan::shard_shapes and its RNG keyed by the bucket and the shard),
+/// an allgather inside the node. Run it with run_plan(plan, node, cross) (gradcomp/comm.hpp) or
+/// a driver that honours Collective::scope. InvalidArgument as make_plan, and when per_node does
+/// not divide the world size.
+std::unique_ptr<BucketPlan> make_hierarchical_plan(const std::string& name,
+                                                   const BucketSpec& bucket, int per_node,
+                                                   const PlanOptions& options = {});
+
 /// The configuration make_plan("topk" / "randomk", ...) gives its compressor, for callers that
 /// want the per-tensor codec (TopKCompressor, RandomKCompressor) rather than a bucket plan: the
 /// same option table (names, types, defaults). Options that only a plan has (route, exchange,

@@ -40,7 +40,8 @@ struct Collective {
   size_t send_bytes() const {
     return count * elem_size(type) * (kind == CollectiveKind::kAllToAll ? world : 1);
   }
-  int world = 1;  ///< filled by the plan: number of ranks it was built for
+  int world = 1;  ///< filled by the plan: number of ranks it was built for (in its scope)
+  Scope scope = Scope::kWorld;  ///< which ranks run it (a hierarchical plan's node or cross group)
 };
 
 /// Every plan must: ask only for collectives of the vocabulary above; name buffers that stay
@@ -151,6 +152,14 @@ bool settle_step(const std::vector<BucketPlan*>& plans);
 /// single-process experiments. Throws InvalidArgument if the ranks disagree on a collective.
 /// Returns the collectives executed (as seen by rank 0).
 std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks);
+/// The same for hierarchical plans: ranks[r] is rank r of a job of ranks.size() / per_node nodes
+/// with per_node ranks each, node-major (node r / per_node, local rank r % per_node). A
+/// collective of Scope::kNode runs among the ranks of one node, kCross among the ranks of equal
+/// local rank, kWorld among all; each group proceeds on its own (the cross groups of different
+/// local ranks need not ask for the same collectives). Throws InvalidArgument when the members
+/// of a group disagree, or when no group can proceed (naming what each rank waits for). Returns
+/// the collectives executed, in the order they ran.
+std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks, int per_node);
 
 }  // namespace gradcomp
 

@@ -48,6 +48,12 @@ enum class CollectiveKind : uint8_t {
   kBroadcast = 3,     ///< recv on every rank = send of rank `root` (count elements)
 };
 
+/// Which ranks a collective runs among. Flat plans use the whole group (kWorld); a hierarchical
+/// plan (HierarchicalPlan, gradcomp/plans.hpp) runs its full-precision reduce-scatter and
+/// allgather among the ranks of one node (kNode) and its compressed allreduce among the ranks of
+/// equal local rank on every node (kCross). A driver runs each on the matching communicator.
+enum class Scope : uint8_t { kWorld = 0, kNode = 1, kCross = 2 };
+
 /// The element types of a collective's buffers.
 enum class ElemType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kU32 = 4, kI64 = 5 };
 
@@ -103,6 +109,14 @@ struct EnumNames<CollectiveKind> {
                                                        {"broadcast", CollectiveKind::kBroadcast}};
 };
 
+template <>
+struct EnumNames<Scope> {
+  static constexpr const char* what = "collective scope";
+  static constexpr std::size_t members = 3;
+  static constexpr EnumName<Scope> table[] = {
+      {"world", Scope::kWorld}, {"node", Scope::kNode}, {"cross", Scope::kCross}};
+};
+
 /// The canonical names of E, "a, b or c" (for messages).
 template <class E>
 std::string enum_choices() {
@@ -150,6 +164,7 @@ const char* enum_name(E v) {
 inline const char* dtype_name(DType t) { return enum_name(t); }
 inline const char* device_name(Device d) { return enum_name(d); }
 inline const char* collective_name(CollectiveKind k) { return enum_name(k); }
+inline const char* scope_name(Scope s) { return enum_name(s); }
 inline const char* elem_type_name(ElemType t) { return enum_name(t); }
 
 }  // namespace gradcomp

@@ -72,6 +72,7 @@ void bind_plan(nb::module_& m) {
       .def_ro("count", &Collective::count)
       .def_ro("root", &Collective::root)
       .def_ro("world", &Collective::world)
+      .def_prop_ro("scope", [](const Collective& c) { return std::string(scope_name(c.scope)); })
       .def_ro("tag", &Collective::tag)
       .def_prop_ro("in_place", [](const Collective& c) { return c.send == c.recv; })
       .def_prop_ro("send_bytes", &Collective::send_bytes)

@@ -110,22 +110,28 @@ void bind_plans(nb::module_& m) {
       [](const std::string& name, int64_t numel, const std::string& dtype, int world, int rank,
          const std::string& device, int device_index, uintptr_t stream,
          std::vector<std::vector<int64_t>> shapes, uint32_t bucket_id, const std::string& backend,
-         nb::dict options) {
+         nb::dict options, int per_node) {
         BucketSpec b =
             bucket_spec(numel, dtype, world, rank, device, device_index, stream, bucket_id);
         b.shapes = std::move(shapes);
         b.backend = backend;
+        if (per_node > 0)
+          return make_hierarchical_plan(name, b, per_node, to_options(name, options));
+        GC_CHECK_ARG(per_node == 0, "per_node must be >= 0 (0: a flat plan), got ", per_node);
         return make_plan(name, b, to_options(name, options));
       },
       nb::arg("name"), nb::arg("numel"), nb::arg("dtype"), nb::arg("world"), nb::kw_only(),
       nb::arg("rank") = 0, nb::arg("device") = "cpu", nb::arg("device_index") = 0,
       nb::arg("stream") = 0, nb::arg("shapes") = std::vector<std::vector<int64_t>>{},
       nb::arg("bucket_id") = 0, nb::arg("backend") = "", nb::arg("options") = nb::dict(),
+      nb::arg("per_node") = 0,
       "The plan of compressor `name` (plan_names()) for a bucket of numel elements of `dtype` "
       "on `device`, for rank `rank` of `world`. options: the family's options (plan_defaults"
       "(name) lists them with their defaults); an unknown option, a wrong type or a bad value is "
       "a ValueError. shapes: the bucket's tensor shapes (PowerSGD). bucket_id keys the RNG per "
-      "bucket; backend ('gloo', 'nccl', ...) picks the cast plans' route='auto'.");
+      "bucket; backend ('gloo', 'nccl', ...) picks the cast plans' route='auto'. per_node > 0: the "
+      "two-level plan (make_hierarchical_plan) for nodes of per_node ranks, node-major: its "
+      "collectives' `scope` says which group runs them ('node' or 'cross').");
   m.def(
       "settle_step", [](const std::vector<BucketPlan*>& plans) { return settle_step(plans); },
       nb::arg("plans"),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._compat import global_rank
+from ._compat import global_rank, group_ranks
 
 log = logging.getLogger("gradcomp")
 
@@ -72,13 +72,14 @@ class PlanStats:
     """Per-step accounting of one plan run: bytes handed to collectives (bytes_sent), bytes on
     this rank's link (wire_bytes, see wire_bytes()) and local compute time."""
 
-    __slots__ = ("collectives", "bytes_sent", "wire_bytes", "local_seconds", "comm_seconds",
-                 "tags", "events", "submitted", "started")
+    __slots__ = ("collectives", "bytes_sent", "wire_bytes", "cross_wire_bytes", "local_seconds",
+                 "comm_seconds", "tags", "events", "submitted", "started")
 
     def __init__(self) -> None:
         self.collectives = 0
         self.bytes_sent = 0
         self.wire_bytes = 0
+        self.cross_wire_bytes = 0  # wire_bytes less a hierarchical plan's inside-node collectives
         self.local_seconds = 0.0
         self.comm_seconds = 0.0  # launching and waiting for the collectives
         self.tags: list = []
@@ -125,9 +126,60 @@ def _all_to_all_p2p(recv: torch.Tensor, send: torch.Tensor, world: int, group) -
     return _Done(works)
 
 
+class Topology:
+    """The process groups of a two-level job for a hierarchical plan: ``node`` (this rank's node,
+    local ranks in order) and ``cross`` (this rank's local rank on every node, nodes in order),
+    beside ``world``. Ranks are node-major, as torchrun numbers them: node = rank // per_node."""
+
+    def __init__(self, world, per_node: int, timeout=None):
+        ranks = group_ranks(world)
+        P = len(ranks)
+        if per_node < 1 or P % per_node:
+            raise ValueError(f"per_node={per_node} does not divide the world size {P}")
+        me = dist.get_rank(world)
+        kw = {} if timeout is None else {"timeout": timeout}
+        backend = dist.get_backend(world)
+        self.world, self.per_node, self.nodes = world, per_node, P // per_node
+        self.node = self.cross = None
+        # every rank creates every group, in the same order (new_group is collective); groups of
+        # one rank are never used (no node collectives with one rank per node, no cross ones
+        # with one node)
+        if per_node > 1:
+            for n in range(self.nodes):
+                g = dist.new_group(ranks=ranks[n * per_node:(n + 1) * per_node], backend=backend,
+                                   **kw)
+                if me // per_node == n:
+                    self.node = g
+        if self.nodes > 1:
+            for i in range(per_node):
+                g = dist.new_group(ranks=ranks[i::per_node], backend=backend, **kw)
+                if me % per_node == i:
+                    self.cross = g
+
+    def group(self, scope: str):
+        g = {"world": self.world, "node": self.node, "cross": self.cross}[scope]
+        if g is None:  # pragma: no cover - a plan of another layout
+            raise RuntimeError(f"gradcomp: a {scope} collective in a layout without {scope} "
+                               f"groups ({self.nodes} nodes x {self.per_node})")
+        return g
+
+
+def _group_for(c, group):
+    """The process group that runs collective c: a Topology's node or cross group for a
+    hierarchical plan's collectives, else the group itself."""
+    if isinstance(group, Topology):
+        return group.group(c.scope)
+    if c.scope != "world":
+        raise RuntimeError(f"gradcomp: a hierarchical plan's {c.scope} collective was given a "
+                           f"flat process group (build the hook with hierarchy='node')")
+    return group
+
+
 def launch(c, group) -> torch.futures.Future:
     """Starts one collective asynchronously; returns an object whose wait() blocks until it is
-    done (a torch Future, or _Done for an exchange made of point-to-point works)."""
+    done (a torch Future, or _Done for an exchange made of point-to-point works). `group`: a
+    process group, or a Topology for a hierarchical plan (each collective's scope picks)."""
+    group = _group_for(c, group)
     if c.send_bytes == 0:  # nothing to move (an empty bucket); gloo's all-to-all divides by it
         done = torch.futures.Future()
         done.set_result(None)
@@ -181,6 +233,8 @@ def _step(plan, stats: PlanStats):
         stats.collectives += 1
         stats.bytes_sent += c.send_bytes
         stats.wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
+        if c.scope != "node":  # what crosses the network between nodes (all of it when flat)
+            stats.cross_wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
         stats.tags.append(c.tag)
     return c
 

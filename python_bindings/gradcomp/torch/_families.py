@@ -47,12 +47,14 @@ class _Family:
         self.stateful = _C.plan_is_stateful(name)
         self.defaults: Dict[str, Any] = _C.plan_defaults(name)
 
-    def validate(self, opts: Dict[str, Any], world: int = 1, group=None) -> None:
+    def validate(self, opts: Dict[str, Any], world: int = 1, group=None,
+                 per_node: int = 0) -> None:
         """Builds this compressor's plan for a small CPU bucket from the options: C++ refuses an
         unknown option, a wrong type or a bad value with a ValueError, before any training step.
         (make_flat, not make: the probe bucket is not the user's, so nothing is said about it.)"""
         probe = _ProbeBucket()
-        self.make_flat(opts, probe.buffer(), world, 0, group, self._shapes(probe))
+        self.make_flat(opts, probe.buffer(), world, 0, group, self._shapes(probe),
+                       per_node=per_node)
 
     def _shapes(self, bucket) -> Optional[List[List[int]]]:
         """The bucket's tensor shapes, for the families that use them."""
@@ -60,11 +62,12 @@ class _Family:
             return None
         return [list(g.shape) for g in bucket.gradients()]
 
-    def make(self, opts, bucket, world: int, tensor_id: int, group=None):
-        """The plan for a DDP bucket (or anything with buffer() and gradients())."""
+    def make(self, opts, bucket, world: int, tensor_id: int, group=None, per_node: int = 0):
+        """The plan for a DDP bucket (or anything with buffer() and gradients()); per_node > 0:
+        the two-level plan for nodes of per_node ranks."""
         shapes = self._shapes(bucket)
-        plan = self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes)
-        if self.name == "randomk" and 0 < plan.numel == plan.dense_numel:
+        plan = self.make_flat(opts, bucket.buffer(), world, tensor_id, group, shapes, per_node)
+        if self.name == "randomk" and 0 < plan.numel == getattr(plan, "dense_numel", -1):
             self._warn_sent_whole(opts, shapes, tensor_id, group)
         return plan
 
@@ -85,9 +88,10 @@ class _Family:
             UserWarning, stacklevel=2)
 
     def make_flat(self, opts, flat: torch.Tensor, world: int, bucket_id: int = 0, group=None,
-                  shapes=None):
+                  shapes=None, per_node: int = 0):
         """The plan for a flat tensor of `world` ranks of `group` (shapes: its tensors, for
-        PowerSGD and random-k's dense_below; None = one 1-D tensor)."""
+        PowerSGD and random-k's dense_below; None = one 1-D tensor); per_node > 0: the two-level
+        plan (full precision inside nodes of per_node ranks, this family across them)."""
         dev, idx = _device_of(flat)
         if dist.is_initialized():
             rank, backend = dist.get_rank(group), str(dist.get_backend(group))
@@ -96,7 +100,7 @@ class _Family:
         return _C.make_plan(self.name, flat.numel(), _dtype_name(flat), world, rank=max(rank, 0),
                             device=dev, device_index=idx, stream=_stream_of(flat),
                             shapes=shapes or [], bucket_id=bucket_id, backend=backend,
-                            options=dict(opts))
+                            options=dict(opts), per_node=per_node)
 
     def begin(self, plan, bucket) -> None:
         """Starts a step: the plan averages the flat bucket in place."""

@@ -6,6 +6,7 @@ import collections
 import datetime
 import logging
 import math
+import os
 import threading
 import time
 from typing import Any, Dict, Optional
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from ._buckets import BucketTable, _as_int, _Bucket, _CompositePlan
 from ._compat import group_ranks, group_timeout
-from ._driver import PlanStats
+from ._driver import PlanStats, Topology
 from ._worker import AfterBackward, Worker
 from ._families import COMPRESSORS
 from ._reshard import local_state_dict
@@ -37,11 +38,17 @@ class GradcompState:
                  log_every: int = 0, model=None, timeout=None, pipeline: bool = True,
                  **options):
         lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
+        hierarchy, per_node = options.pop("hierarchy", None), options.pop("per_node", None)
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
         live = dist.is_available() and dist.is_initialized()
-        fam.validate(options, dist.get_world_size(process_group) if live else 1, process_group)
+        self.hierarchy = hierarchy
+        self.per_node = _layout(hierarchy, per_node, process_group if live else False)
+        self._per_node_given = per_node
+        # (without a process group yet the layout is checked against the world size at first use)
+        world = dist.get_world_size(process_group) if live else 1
+        fam.validate(options, world, process_group, self.per_node if live else 0)
         self.timeout = _as_timeout(timeout)
         if not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
@@ -77,6 +84,8 @@ class GradcompState:
                             "gradcomp.torch.hook)")
             kw = {} if timeout is None else {"timeout": timeout}
             own = dist.new_group(ranks=group_ranks(pg), backend=dist.get_backend(pg), **kw)
+            if self.per_node:  # a hierarchical plan's node and cross groups beside it
+                own = Topology(own, self.per_node, timeout)
             self._worker = Worker(own, pipeline=self.pipeline)
         return self._worker
 
@@ -138,14 +147,14 @@ class GradcompState:
 
     def _resolve(self, bucket):
         return self.table.resolve(bucket, lambda view, idx: COMPRESSORS[self.compressor].make(
-            self.options, view, self.world, idx, self.process_group))
+            self.options, view, self.world, idx, self.process_group, self.per_node))
 
     def state_dict(self) -> Dict[str, Any]:
         """Per-rank state: options, iteration and each bucket's compressor state (bytes)."""
         return {"compressor": self.compressor, "options": dict(self.options),
                 "start_iter": self.start_iter, "iter": self.iter,
                 "world_size": self.world if dist.is_initialized() else None,
-                "buckets": self.table.state_dict()}
+                "per_node": self.per_node, "buckets": self.table.state_dict()}
 
     def _check_state_dict(self, sd: Dict[str, Any]):
         """Everything load_state_dict() checks, nothing applied: (buckets, iter, start_iter)."""
@@ -168,6 +177,13 @@ class GradcompState:
                                  f"gradcomp.torch.gather_state_dict() saves one that loads on "
                                  f"any number)")
         world = ws or (self.world if dist.is_initialized() else 1)
+        saved_layout = _as_int(sd.get("per_node", 0), "state_dict['per_node']", 0)
+        if saved_layout != self.per_node:
+            def says(p):
+                return f"nodes of {p} ranks (hierarchy='node')" if p else "a flat plan"
+            raise ValueError(f"state was saved by {says(saved_layout)}, this hook runs "
+                             f"{says(self.per_node)}: a hierarchical plan's state is each rank's "
+                             f"shard, which moves with the layout")
         fam = COMPRESSORS[self.compressor]
 
         def check_state(k, e):  # a plan of that bucket's size loads the bytes, then is dropped
@@ -178,7 +194,8 @@ class GradcompState:
                 return                     # not known yet; the bytes are checked when applied)
             flat = torch.empty(e["numel"], dtype=_TORCH_DTYPES[e["dtype"]])
             shapes = e["shapes"] if fam.name in ("powersgd", "randomk") else None
-            plan = fam.make_flat(self.options, flat, world, k, self.process_group, shapes)
+            plan = fam.make_flat(self.options, flat, world, k, self.process_group, shapes,
+                                 self.per_node)
             try:
                 plan.load_state_dict(e["state"])
             except ValueError as err:
@@ -207,12 +224,16 @@ class GradcompState:
     def __getstate__(self):
         return {"compressor": self.compressor, "options": self.options,
                 "log_every": self.log_every, "timeout": self.timeout,
-                "pipeline": self.pipeline, "sd": self.state_dict()}
+                "pipeline": self.pipeline, "sd": self.state_dict(),
+                "hierarchy": self.hierarchy, "per_node": self._per_node_given}
     # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
+        layout = {} if d.get("hierarchy") is None else {"hierarchy": d["hierarchy"],
+                                                         "per_node": d.get("per_node")}
         self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
-                      d.get("timeout"), d.get("pipeline", True), _lazy=True, **d["options"])
+                      d.get("timeout"), d.get("pipeline", True), _lazy=True, **layout,
+                      **d["options"])
         self.load_state_dict(dict(d["sd"], world_size=None))
 
 
@@ -369,7 +390,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
             state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
             fam = COMPRESSORS["allreduce"]
             view, permuted = bucket, False
-            plan = fam.make({}, bucket, state.world, idx, state.process_group)
+            plan = fam.make({}, bucket, state.world, idx, state.process_group, state.per_node)
         else:
             fam = COMPRESSORS[state.compressor]
             view, b, permuted = state._resolve(bucket)
@@ -402,6 +423,40 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     worker = state._worker or state._make_worker()
     # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
     return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed)
+
+
+def _layout(hierarchy, per_node, group) -> int:
+    """Ranks per node for hierarchy="node" (0: flat). per_node: given, or torchrun's
+    LOCAL_WORLD_SIZE. `group`: the live process group (False before init_process_group: the
+    checks against the world size wait for the first use)."""
+    if hierarchy in (None, "flat"):
+        if per_node is not None:
+            raise ValueError("per_node is the node size of hierarchy='node'; pass both (or "
+                             "neither, for a flat plan)")
+        return 0
+    if hierarchy != "node":
+        raise ValueError(f"hierarchy must be 'node' (full precision inside a node, compressed "
+                         f"across nodes) or None, got {hierarchy!r}")
+    if per_node is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise ValueError("hierarchy='node' needs per_node= (ranks per node), or torchrun's "
+                             "LOCAL_WORLD_SIZE in the environment")
+        if not env.strip().isdigit():
+            raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not a number of ranks")
+        per_node = int(env)
+    per_node = _as_int(per_node, "per_node", 1)
+    if group is False:
+        return per_node
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world % per_node:
+        raise ValueError(f"per_node={per_node} does not divide the world size {world}")
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and group is None and int(local) != rank % per_node:
+        raise ValueError(f"rank {rank} has LOCAL_RANK={local}, but a hierarchical plan numbers "
+                         f"ranks node-major (local rank = rank % per_node = {rank % per_node}); "
+                         f"launch with torchrun, or pass per_node matching the launcher's layout")
+    return per_node
 
 
 def _as_timeout(t) -> Optional[datetime.timedelta]:

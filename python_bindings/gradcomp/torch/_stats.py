@@ -11,7 +11,8 @@ log = logging.getLogger("gradcomp")
 TIMELINE_RUNS = 512  # plan runs (bucket-steps) a state keeps for timeline()
 
 
-_FIELDS = ("dense_bytes", "bytes_sent", "wire_bytes", "local_seconds", "comm_seconds",
+_FIELDS = ("dense_bytes", "bytes_sent", "wire_bytes", "cross_wire_bytes", "local_seconds",
+           "comm_seconds",
            "collectives", "buckets", "skipped_buckets")
 
 
@@ -68,13 +69,14 @@ class HookStats:
                               "submitted": stats.submitted, "started": stats.started,
                               "events": list(stats.events)})
             s = {"iter": it, "dense_bytes": dense, "bytes_sent": stats.bytes_sent,
-                 "wire_bytes": stats.wire_bytes,
+                 "wire_bytes": stats.wire_bytes, "cross_wire_bytes": stats.cross_wire_bytes,
                  "local_seconds": stats.local_seconds, "comm_seconds": stats.comm_seconds,
                  "collectives": stats.collectives, "tags": list(stats.tags), "skipped": skipped}
             self.last[bucket_index] = s
             acc = self._iteration(it)
             add = {"dense_bytes": dense, "bytes_sent": stats.bytes_sent,
-                   "wire_bytes": stats.wire_bytes, "local_seconds": stats.local_seconds,
+                   "wire_bytes": stats.wire_bytes, "cross_wire_bytes": stats.cross_wire_bytes,
+                   "local_seconds": stats.local_seconds,
                    "comm_seconds": stats.comm_seconds, "collectives": stats.collectives,
                    "buckets": 1, "skipped_buckets": int(skipped)}
             if skipped and acc["skipped_buckets"] == 0:
