@@ -89,6 +89,16 @@ CONFIGS = [
     # the same with top-k (0.1%) allowed (its accuracy needs DGC momentum correction)
     ("ours-auto-topk", "auto", {"trial_steps": 2, "max_density": 0.001,
                                 "candidates": ["allreduce", "fp16", "powersgd", "topk"]}),
+    ("ours-quant-4", "quant", {"bits": 4}),
+    # two-level plans (with --per-node): full precision inside a node, the family across nodes
+    ("ours-allreduce-hier", "allreduce", {"hierarchy": "node"}),
+    ("ours-fp16-hier", "fp16", {"hierarchy": "node"}),
+    ("ours-topk-0.001-hier", "topk", {"ratio": 0.001, "hierarchy": "node"}),
+    ("ours-topk-0.01-hier", "topk", {"ratio": 0.01, "hierarchy": "node"}),
+    ("ours-randomk-0.01-hier", "randomk", {"ratio": 0.01, "hierarchy": "node"}),
+    ("ours-onebit-hier", "onebit", {"hierarchy": "node"}),
+    ("ours-quant-4-hier", "quant", {"bits": 4, "hierarchy": "node"}),
+    ("ours-powersgd-r4-hier", "powersgd", {"rank": 4, "hierarchy": "node"}),
 ]
 PSGD = baselines.PSGD
 
@@ -110,7 +120,7 @@ class Net(torch.nn.Module):
         return x
 
 
-def _setup(kind, opts, model):
+def _setup(kind, opts, model, per_node=1):
     """Registers the hook of one configuration; returns the gradcomp state or None."""
     if kind == "ddp":
         return None
@@ -121,6 +131,8 @@ def _setup(kind, opts, model):
     o = dict(opts)
     if kind == "powersgd":
         o.update(PSGD)
+    if o.get("hierarchy"):
+        o.setdefault("per_node", per_node)
     state, hook = gt.hook(kind, model=model, **o)
     model.register_comm_hook(state, hook)
     return state
@@ -147,7 +159,7 @@ def _worker(rank, world, init, args, out):
     for rnd, (name, kind, opts) in order:
         torch.manual_seed(0)
         model = DDP(Net(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb)
-        state = _setup(kind, opts, model)
+        state = _setup(kind, opts, model, args.per_node)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         n_params = sum(p.numel() for p in model.parameters())
         times = []
@@ -188,6 +200,7 @@ def _worker(rank, world, init, args, out):
             hist = {
                 "bytes": statistics.mean(h["bytes_sent"] for h in hs),
                 "wire": statistics.mean(h["wire_bytes"] for h in hs),
+                "cross": statistics.mean(h.get("cross_wire_bytes", h["wire_bytes"]) for h in hs),
                 "dense": statistics.mean(h["dense_bytes"] for h in hs),
                 "local_s": statistics.mean(h["local_seconds"] for h in hs),
             }
@@ -200,12 +213,16 @@ def _worker(rank, world, init, args, out):
             source = "measured"
         # bytes on one rank's link: the analytic configurations are ring allreduces
         wire = hist["wire"] if source == "measured" else 2 * (world - 1) * nbytes / world
+        # bytes this rank sends over the network between nodes: a hierarchical plan's
+        # cross-node collectives (its inside-node ones stay on the node)
+        cross = hist["cross"] if source == "measured" else wire
         med = statistics.median(step_times)
         mean = statistics.mean(step_times)
         prev = results.get(name)
         if prev is None or med < prev["median_s"]:
             results[name] = {"name": name, "median_s": med, "mean_s": mean, "min_s": min(step_times),
-                             "bytes": nbytes, "wire": wire, "bytes_source": source,
+                             "bytes": nbytes, "wire": wire, "cross": cross,
+                             "bytes_source": source,
                              "params": n_params,
                              "local_s": hist["local_s"] if hist else None, "round": rnd,
                              "choices": choices, "timeline": tl,
@@ -270,8 +287,8 @@ def _table(rows):
     hdr = ("config", "steps/s", "ms/step (median)", "ms/step (mean)",
            "ms/step (median of rounds)", "vs plain DDP",
            "over compute floor", "over sync floor",
-           "bytes/step", "wire bytes/step", "bytes source", "vs PyTorch counterpart",
-           "hook local ms/step")
+           "bytes/step", "wire bytes/step", "between nodes", "bytes source",
+           "vs PyTorch counterpart", "hierarchical vs flat", "hook local ms/step")
     out.append(hdr)
     counterpart = {"ours-allreduce": "ddp", "ours-fp16": "torch-fp16",
                    "ours-powersgd-r1": "torch-powersgd-r1",
@@ -284,9 +301,13 @@ def _table(rows):
         loc = f"{1e3 * r['local_s']:.1f}" if r["local_s"] is not None else "-"
         over = f"{100 * (r['median_s'] / floor['median_s'] - 1):+.0f}%" if floor else "-"
         over_sync = f"{100 * (r['median_s'] / sync['median_s'] - 1):+.0f}%" if sync else "-"
+        flat = by.get(r["name"][:-len("-hier")]) if r["name"].endswith("-hier") else None
+        vf = f"{flat['median_s'] / r['median_s']:.2f}x vs {flat['name']}" if flat else "-"
+        cross = _fmt_bytes(r["cross"]) if r["name"].endswith("-hier") else "-"
         out.append((r["name"], f"{sps:.2f}", f"{1e3 * r['median_s']:.1f}",
-                    f"{1e3 * r['mean_s']:.1f}", f"{1e3 * statistics.median(r['all_rounds']):.1f}", vs, over, over_sync, _fmt_bytes(r["bytes"]), _fmt_bytes(r["wire"]),
-                    r["bytes_source"], vc, loc))
+                    f"{1e3 * r['mean_s']:.1f}", f"{1e3 * statistics.median(r['all_rounds']):.1f}",
+                    vs, over, over_sync, _fmt_bytes(r["bytes"]), _fmt_bytes(r["wire"]), cross,
+                    r["bytes_source"], vc, vf, loc))
     return out
 
 
@@ -309,7 +330,7 @@ def _run_in_namespaces(args):
         args.world, args.netns,
         lambda r: [sys.executable, os.path.abspath(__file__), *passthrough, "--_rank", str(r),
                    "--_init", f"tcp://{netem.RANK0_ADDR}:29517", "--_result", result],
-        timeout=args.timeout, delay=args.delay)
+        timeout=args.timeout, delay=args.delay, per_node=args.per_node)
     with open(result) as f:
         return json.load(f)
 
@@ -337,6 +358,10 @@ def main():
                          "(tc syntax, e.g. 1gbit, 10gbit) both ways (gradcomp.experiments.netem); "
                          "default: all ranks on loopback")
     ap.add_argument("--delay", default="", help="with --netns: added one-way delay, e.g. 100us")
+    ap.add_argument("--per-node", type=int, default=1,
+                    help="ranks per node: with --netns, a two-level cluster (a namespace per node, "
+                         "its ranks unshaped among themselves, nodes joined by RATE links); the "
+                         "*-hier configurations use it as their node size")
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds: process-group timeout, and the bound on a --netns run")
     ap.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -382,15 +407,18 @@ def main():
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
     where = f"netns_{args.netns}" if args.netns else "cpu"
+    if args.per_node > 1:
+        where += f"_{args.world // args.per_node}x{args.per_node}"
     stem = os.path.join(args.out, f"ddp_hooks_{where}_{date}")
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["config", "steps_per_s", "median_ms", "mean_ms", "min_ms", "bytes_per_step",
-                    "wire_bytes_per_step", "bytes_source", "hook_local_ms", "rounds_median_ms"])
+                    "wire_bytes_per_step", "cross_node_wire_bytes_per_step", "bytes_source",
+                    "hook_local_ms", "rounds_median_ms"])
         for r in rows:
             w.writerow([r["name"], f"{1 / r['median_s']:.4f}", f"{1e3 * r['median_s']:.2f}",
                         f"{1e3 * r['mean_s']:.2f}", f"{1e3 * r['min_s']:.2f}", f"{r['bytes']:.0f}",
-                        f"{r['wire']:.0f}", r["bytes_source"],
+                        f"{r['wire']:.0f}", f"{r['cross']:.0f}", r["bytes_source"],
                         "" if r["local_s"] is None else f"{1e3 * r['local_s']:.2f}",
                         " ".join(f"{1e3 * m:.1f}" for m in r["all_rounds"])])
     commit = _git("rev-parse", "--short", "HEAD")
@@ -399,6 +427,11 @@ def main():
     with open(stem + ".md", "w") as f:
         link = (f"each rank in its own network namespace, links {args.netns} each way"
                 + (f", delay {args.delay}" if args.delay else "") if args.netns else "loopback")
+        if args.netns and args.per_node > 1:
+            link = (f"{args.world // args.per_node} nodes x {args.per_node} ranks: a network "
+                    f"namespace per node, its ranks unshaped among themselves (loopback), one "
+                    f"link of {args.netns} each way per node"
+                    + (f", delay {args.delay}" if args.delay else ""))
         f.write(f"# DDP communication hooks, {args.world} CPU ranks (gloo, {link})\n\n")
         f.write(f"- Date: {date}. Code: commit {commit}{dirty} (branch {_git('rev-parse', '--abbrev-ref', 'HEAD')}). "
                 f"torch {torch.__version__}, Python {platform.python_version()}.\n")
@@ -426,7 +459,10 @@ def main():
                 "bytes/step: bytes it puts on its link (ring allreduce 2(P-1)/P of its buffer, "
                 "all-to-all (P-1)/P, ring allgather P-1 parts); "
                 "ours measured from `state.history`, plain DDP and PyTorch's hooks computed "
-                "(\"analytic\": n*4, n*2, sum (rows+cols)*r*4 + 4 * uncompressed elements).\n")
+                "(\"analytic\": n*4, n*2, sum (rows+cols)*r*4 + 4 * uncompressed elements). "
+                "Between nodes: the wire bytes of a hierarchical plan's (-hier) cross-node "
+                "collectives, measured; its inside-node reduce-scatter and allgather stay on the "
+                "node.\n")
         f.write(f"- Command: `python experiments/ddp_hooks_bench.py {' '.join(sys.argv[1:])}`\n\n")
         f.write("| " + " | ".join(table[0]) + " |\n")
         f.write("|" + "---|" * len(table[0]) + "\n")

@@ -25,20 +25,33 @@ def require_root() -> None:
 
 
 def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], List[str]],
-                      timeout: float, delay: str = "", env: Optional[dict] = None) -> None:
+                      timeout: float, delay: str = "", env: Optional[dict] = None,
+                      per_node: int = 1) -> None:
     """Starts ``command_for_rank(r)`` for r < world, each inside its own namespace with links of
     ``rate`` (tc syntax: 1gbit, 10gbit) and optional one-way ``delay``; waits for all of them,
     at most ``timeout`` seconds in all. Raises RuntimeError when a rank fails or the time runs
-    out (the remaining ranks are killed). The namespaces are removed in every case."""
+    out (the remaining ranks are killed). The namespaces are removed in every case.
+
+    ``per_node`` > 1 emulates a two-level cluster: world / per_node namespaces (nodes), ranks
+    r // per_node = node (node-major, as torchrun numbers them) sharing their node's namespace
+    and its one shaped link (one network card per node); ranks of a node reach each other at the
+    node's own address, which the kernel routes over loopback: unshaped. The ranks get
+    torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE."""
     require_root()
+    if per_node < 1 or world % per_node:
+        raise ValueError(f"per_node={per_node} does not divide the world size {world}")
+    nodes = world // per_node
     pfx = f"gcx{os.getpid() % 100000}"
-    subprocess.run(["bash", SCRIPT, "up", pfx, str(world), rate] + ([delay] if delay else []), check=True)
+    subprocess.run(["bash", SCRIPT, "up", pfx, str(nodes), rate] + ([delay] if delay else []), check=True)
     procs: List[subprocess.Popen] = []
     try:
         for r in range(world):
-            e = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=f"gce{r}",
+            node = r // per_node
+            e = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=f"gce{node}",
                      OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(["ip", "netns", "exec", f"{pfx}{r}",
+            if per_node > 1:
+                e.update(LOCAL_RANK=str(r % per_node), LOCAL_WORLD_SIZE=str(per_node))
+            procs.append(subprocess.Popen(["ip", "netns", "exec", f"{pfx}{node}",
                                            *command_for_rank(r)], env=e))
         deadline = time.time() + timeout
         for r, p in enumerate(procs):
@@ -53,7 +66,7 @@ def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], L
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        subprocess.run(["bash", SCRIPT, "down", pfx, str(world)], check=False)
+        subprocess.run(["bash", SCRIPT, "down", pfx, str(nodes)], check=False)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
