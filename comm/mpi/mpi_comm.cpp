@@ -144,6 +144,20 @@ MpiCommunicator::MpiCommunicator(const void* mpi_comm, const MpiOptions& opt)
   s.rdispls.resize(P);
 }
 
+std::unique_ptr<MpiCommunicator> MpiCommunicator::split(int color, int key) {
+  check_usable("split");
+  GC_CHECK_ARG(color >= 0, "MpiCommunicator::split: color must be >= 0, got ", color);
+  MPI_Comm sub = MPI_COMM_NULL;
+  if (MPI_Comm_split(impl_->comm, color, key, &sub) != MPI_SUCCESS)
+    throw BackendError("MPI_Comm_split failed");
+  // the new communicator duplicates `sub`; ours is freed whatever happens
+  struct Free {
+    MPI_Comm* c;
+    ~Free() { MPI_Comm_free(c); }
+  } free_sub{&sub};
+  return std::make_unique<MpiCommunicator>(&sub, MpiOptions{.timeout_s = impl_->timeout_s});
+}
+
 MpiCommunicator::~MpiCommunicator() {
   if (!impl_ || impl_->comm == MPI_COMM_NULL) return;
   int fin = 0;

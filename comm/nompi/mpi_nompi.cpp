@@ -18,6 +18,7 @@ void mpi_finalize() {}
 MpiCommunicator::MpiCommunicator(const MpiOptions&) { no_mpi(); }
 MpiCommunicator::MpiCommunicator(const void*, const MpiOptions&) { no_mpi(); }
 MpiCommunicator::~MpiCommunicator() = default;
+std::unique_ptr<MpiCommunicator> MpiCommunicator::split(int, int) { no_mpi(); }
 int MpiCommunicator::rank() const { no_mpi(); }
 int MpiCommunicator::size() const { no_mpi(); }
 double MpiCommunicator::timeout_seconds() const { no_mpi(); }

@@ -14,6 +14,7 @@
 
 #include "comm_reference.hpp"
 #include "gradcomp/comm.hpp"
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "mpi_main.hpp"
 
@@ -278,6 +279,53 @@ TEST(MpiPlans, RandomKEqualsReference) {
     check_against_reference(
         [&](int) { return std::make_unique<gc::RandomKAllreducePlan>(cfg, n, P); }, n, 3,
         [&](const auto& in) { return ref.step(in); });
+  }
+}
+
+TEST(MpiPlans, HierarchicalEqualsSimulationOnEveryLayout) {
+  // every node size that divides the world: node and cross communicators from MPI_Comm_split,
+  // each rank's plan driven by run_plan(plan, node, cross), against all ranks simulated here
+  gc::MpiCommunicator& comm = world();
+  const int P = comm.size(), me = comm.rank();
+  for (int L = 1; L <= P; ++L) {
+    if (P % L) continue;
+    auto node = comm.split(me / L, me);
+    auto cross = comm.split(me % L, me);
+    ASSERT_EQ(node->size(), L);
+    ASSERT_EQ(cross->size(), P / L);
+    for (const char* name : {"allreduce", "topk", "onebit", "quant"}) {
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1001}}) {
+        SCOPED_TRACE(std::string(name) + " L=" + std::to_string(L) + " n=" + std::to_string(n));
+        const gc::PlanOptions o =
+            std::string(name) == "topk" ? gc::PlanOptions{{"ratio", 0.05}} : gc::PlanOptions{};
+        auto spec = [&](int r) {
+          gc::BucketSpec b;
+          b.numel = n;
+          b.world = P;
+          b.rank = r;
+          return b;
+        };
+        std::vector<std::unique_ptr<gc::BucketPlan>> sim;
+        for (int r = 0; r < P; ++r) sim.push_back(gc::make_hierarchical_plan(name, spec(r), L, o));
+        auto mine = gc::make_hierarchical_plan(name, spec(me), L, o);
+        for (int64_t step = 0; step < 3; ++step) {
+          std::vector<std::vector<float>> in;
+          std::vector<gc::Plan*> ps;
+          for (int r = 0; r < P; ++r) in.push_back(rank_input(n, r, step));
+          for (int r = 0; r < P; ++r) {
+            sim[r]->begin(gc::TensorView::cpu(in[r].data(), n));
+            ps.push_back(sim[r].get());
+          }
+          gc::run_plans_in_process(ps, L);
+          std::vector<float> g = rank_input(n, me, step);
+          mine->begin(gc::TensorView::cpu(g.data(), n));
+          gc::run_plan(*mine, *node, *cross);
+          ASSERT_TRUE(g.empty() || std::memcmp(g.data(), in[me].data(), g.size() * 4) == 0)
+              << "step " << step;
+          ASSERT_TRUE(consensus(comm, g.data(), g.size() * 4));
+        }
+      }
+    }
   }
 }
 

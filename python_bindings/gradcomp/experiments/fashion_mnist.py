@@ -37,6 +37,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "optionally with +slow or +slow+dropcompute")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--per-node", type=int, default=2,
+                    help="ranks per node of the configurations with +hier (two-level plans)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
@@ -113,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         log_every=a.log_every, eval_every=a.eval_every,
                         micro_batches=a.micro_batches, slow_base_ms=a.slow_base_ms,
                         slow_log_mu=a.slow_log_mu, slow_log_sigma=a.slow_log_sigma,
-                        slow_cap_ms=a.slow_cap_ms, timeout=a.timeout)
+                        slow_cap_ms=a.slow_cap_ms, timeout=a.timeout, per_node=a.per_node)
             try:
                 r = run_config(args, a.world, netns=a.netns, delay=a.delay)
             except Exception as e:  # a diverged run (non-finite check) or a failed rank

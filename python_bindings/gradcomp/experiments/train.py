@@ -68,8 +68,9 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "fsdp-quant4-int8": ("fsdp", dict(grads="quant", bits=4, params="int8"), False),
 }
 #: suffixes a configuration may carry: "+slow" injects log-normal delays on the last rank and
-#: trains with micro-batches; "+dropcompute" adds DropCompute (automatic tau) to that loop
-FLAGS = ("slow", "dropcompute")
+#: trains with micro-batches; "+dropcompute" adds DropCompute (automatic tau) to that loop;
+#: "+hier" runs the hook's two-level plan (hierarchy="node", nodes of --per-node ranks)
+FLAGS = ("slow", "dropcompute", "hier")
 
 
 def parse_config(spec: str) -> Tuple[str, Optional[str], Dict[str, Any], bool]:
@@ -98,6 +99,9 @@ def config_flags(spec: str) -> Tuple[str, ...]:
     bad = [f for f in flags if f not in FLAGS]
     if bad:
         raise ValueError(f"{spec!r}: unknown suffix {bad}; known: {', '.join(FLAGS)}")
+    if "hier" in flags and spec.split("+", 1)[0] in ("plain", "torch-fp16", "torch-powersgd"):
+        raise ValueError(f"{spec!r}: +hier is a gradcomp hook's option (plain DDP and PyTorch's "
+                         "hooks have no two-level form)")
     if "dropcompute" in flags and "slow" not in flags:
         raise ValueError(f"{spec!r}: +dropcompute is measured against the same run with +slow; "
                          "write '+slow+dropcompute'")
@@ -197,6 +201,8 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     elif hook_name is not None:
         import gradcomp.torch as gt
 
+        if "hier" in flags:
+            opts.update(hierarchy="node", per_node=int(args.get("per_node", 2)))
         state, hook = gt.hook(hook_name, model=model, **opts)
         model.register_comm_hook(state, hook)
     lr = float(args["lr"])

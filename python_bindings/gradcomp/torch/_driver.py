@@ -167,12 +167,18 @@ class Topology:
 def _group_for(c, group):
     """The process group that runs collective c: a Topology's node or cross group for a
     hierarchical plan's collectives, else the group itself."""
+    scope = _scope(c)
     if isinstance(group, Topology):
-        return group.group(c.scope)
-    if c.scope != "world":
-        raise RuntimeError(f"gradcomp: a hierarchical plan's {c.scope} collective was given a "
+        return group.group(scope)
+    if scope != "world":
+        raise RuntimeError(f"gradcomp: a hierarchical plan's {scope} collective was given a "
                            f"flat process group (build the hook with hierarchy='node')")
     return group
+
+
+def _scope(c) -> str:
+    """A collective's scope ("world" for collectives made in Python, which have none)."""
+    return getattr(c, "scope", "world")
 
 
 def launch(c, group) -> torch.futures.Future:
@@ -233,7 +239,7 @@ def _step(plan, stats: PlanStats):
         stats.collectives += 1
         stats.bytes_sent += c.send_bytes
         stats.wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
-        if c.scope != "node":  # what crosses the network between nodes (all of it when flat)
+        if _scope(c) != "node":  # what crosses the network between nodes (all of it when flat)
             stats.cross_wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
         stats.tags.append(c.tag)
     return c
