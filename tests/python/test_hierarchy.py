@@ -24,18 +24,20 @@ FAMILIES = {
 }
 
 
-def _model(hook_state=None, hook=None):
+def _model(hook_state=None, hook=None, buckets=True):
+    """The test MLP under DDP: several buckets (DDP regroups them at its rebuild after the first
+    iteration on torch 2.x, so stateful hooks start at their default start_iter there) or one."""
     torch.manual_seed(0)
-    m = DDP(Net(), bucket_cap_mb=0.004)  # several buckets
+    m = DDP(Net(), bucket_cap_mb=0.004) if buckets else DDP(Net())
     if hook_state is not None:
         m.register_comm_hook(hook_state, hook)
     return m
 
 
 def _families_train_and_agree(rank, world):
-    data = make_data(rank, 4)
+    data = make_data(rank, 6)
     for name, opts in FAMILIES.items():
-        state, h = gt.hook(name, hierarchy="node", per_node=2, start_iter=0, **opts)
+        state, h = gt.hook(name, hierarchy="node", per_node=2, **opts)
         model = _model(state, h)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         train(model, opt, data)
@@ -63,7 +65,7 @@ def test_every_family_trains_and_ranks_agree_on_two_nodes_of_two():
 def _checkpoint_and_errors(rank, world):
     data = make_data(rank, 6)
     opts = {"ratio": 0.05}
-    state, h = gt.hook("topk", hierarchy="node", per_node=2, start_iter=0, **opts)
+    state, h = gt.hook("topk", hierarchy="node", per_node=2, **opts)
     model = _model(state, h)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train(model, opt, data[:3])
@@ -73,7 +75,7 @@ def _checkpoint_and_errors(rank, world):
     torch.save(saved, buf)
     train(model, opt, data[3:])
     # a second job from the checkpoint goes on bitwise
-    state2, h2 = gt.hook("topk", hierarchy="node", per_node=2, start_iter=0, **opts)
+    state2, h2 = gt.hook("topk", hierarchy="node", per_node=2, **opts)
     buf.seek(0)
     state2.load_state_dict(torch.load(buf))
     m2 = _model(state2, h2)
@@ -85,10 +87,10 @@ def _checkpoint_and_errors(rank, world):
     for a, b in zip(model.parameters(), m2.parameters()):
         assert torch.equal(a, b)
     # a flat hook refuses the hierarchical checkpoint, and the other way round, whole
-    flat, _ = gt.hook("topk", start_iter=0, **opts)
+    flat, _ = gt.hook("topk", **opts)
     with pytest.raises(ValueError, match="hierarch"):
         flat.load_state_dict(saved)
-    other, _ = gt.hook("topk", hierarchy="node", per_node=4, start_iter=0, **opts)
+    other, _ = gt.hook("topk", hierarchy="node", per_node=4, **opts)
     with pytest.raises(ValueError, match="nodes of 2 ranks"):
         other.load_state_dict(saved)
     # bad layouts
@@ -110,7 +112,7 @@ def test_checkpoint_resumes_bitwise_and_layouts_are_checked():
 
 def _nonfinite(rank, world):
     state, h = gt.hook("onebit", hierarchy="node", per_node=2, start_iter=0)
-    model = _model(state, h)
+    model = _model(state, h, buckets=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = make_data(rank, 1)[0]
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -140,3 +142,26 @@ def test_plan_collectives_carry_their_scope():
         _C.make_plan("topk", 1000, "float32", 4, per_node=-1)
     with pytest.raises(ValueError, match="do not split"):
         _C.make_plan("topk", 1000, "float32", 4, per_node=3)
+
+
+def _auto(rank, world):
+    state, h = gt.hook("auto", hierarchy="node", per_node=2, candidates=("allreduce", "powersgd"),
+                       trial_steps=2, start_iter=1)
+    assert state.candidates == ["allreduce", "allreduce@node", "powersgd", "powersgd@node"]
+    model = _model(state, h, buckets=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train(model, opt, make_data(rank, 12))
+    assert params_equal_across_ranks(model)
+    trial = state.trials[-1]
+    for idx, costs in trial["costs"].items():
+        assert set(costs) == set(state.candidates) and all(v > 0 for v in costs.values())
+    assert set(state.choices.values()) <= set(state.candidates)
+    # the layout travels with the state: a hook of another layout refuses it whole
+    sd = state.state_dict()
+    flat, _ = gt.hook("auto", candidates=("allreduce", "powersgd"), trial_steps=2)
+    with pytest.raises(ValueError, match="candidates"):
+        flat.load_state_dict(sd)
+
+
+def test_auto_measures_each_candidate_flat_and_hierarchical():
+    run(_auto, 4)

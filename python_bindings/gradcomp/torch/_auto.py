@@ -15,6 +15,10 @@ before ``start_iter``) is DDP's own average: torch.distributed's allreduce on th
 group, issued by the hook at once, so that on a fast link auto costs what plain DDP costs; its
 cost is measured from launch to completion.
 
+With ``hierarchy="node"`` (and ``per_node``, or torchrun's ``LOCAL_WORLD_SIZE``) every candidate
+is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
+``"<name>@node"``; the flat form comes first, so it is kept when the two cost the same.
+
 The accuracy budget is the candidate list and three bounds: ``min_rank`` (PowerSGD's rank),
 ``min_bits`` (the multi-bit candidate's bits per value, 2, 4 or 8) and ``max_density`` (top-k's
 fraction of elements sent). Top-k is not a default candidate: it needs
@@ -37,7 +41,7 @@ from gradcomp import _C
 
 from ._buckets import _as_int
 from ._driver import PlanStats, wire_bytes
-from ._hook import GradcompState, _hook, _Steps
+from ._hook import GradcompState, _hook, _layout, _Steps
 from ._reshard import local_state_dict
 
 log = logging.getLogger("gradcomp")
@@ -45,6 +49,9 @@ log = logging.getLogger("gradcomp")
 #: Candidates from the most to the least faithful to the plain average.
 FIDELITY = ("allreduce", "bf16", "fp16", "quant", "powersgd", "topk")
 DEFAULT_CANDIDATES = ("allreduce", "fp16", "powersgd")
+#: With hierarchy="node", each candidate also runs as a two-level plan under this suffix
+#: ("powersgd@node": PowerSGD across nodes, full precision inside them).
+HIER = "@node"
 
 
 def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
@@ -89,6 +96,7 @@ class AutoState:
                  min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
                  min_bits: int = 4,
                  recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
+                 hierarchy: Optional[str] = None, per_node: Optional[int] = None,
                  _lazy: bool = False):
 
         if isinstance(candidates, str):
@@ -99,6 +107,10 @@ class AutoState:
             raise ValueError(f"candidates must be distinct names among {list(FIDELITY)}, got "
                              f"{cands!r}")
         self.candidates = [c for c in FIDELITY if c in cands]
+        live = dist.is_available() and dist.is_initialized()
+        self.per_node = _layout(hierarchy, per_node, process_group if live else False)
+        if self.per_node:  # each candidate also as a two-level plan (flat first: kept on a tie)
+            self.candidates = [n for c in self.candidates for n in (c, c + HIER)]
         _check_int("min_rank", min_rank, 1)
         if _check_int("min_bits", min_bits, 2) not in (2, 4, 8):
             raise ValueError(f"min_bits must be 2, 4 or 8, got {min_bits!r}")
@@ -114,9 +126,11 @@ class AutoState:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
                 or not (margin >= 0 and math.isfinite(margin)):
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
-        self.options = dict(candidates=list(self.candidates), min_rank=min_rank,
-                            max_density=max_density, min_bits=min_bits, trial_steps=trial_steps,
-                            recheck_every=recheck_every, margin=margin)
+        self.options = dict(candidates=[c for c in self.candidates if not c.endswith(HIER)],
+                            min_rank=min_rank, max_density=max_density, min_bits=min_bits,
+                            trial_steps=trial_steps, recheck_every=recheck_every, margin=margin)
+        if self.per_node:
+            self.options.update(hierarchy=hierarchy, per_node=per_node)
         self.start_iter = 2 if start_iter is None else _check_int("start_iter", start_iter, 0)
         self.margin = float(margin)
         self.pipeline = pipeline
@@ -128,8 +142,11 @@ class AutoState:
         names = self.candidates if "allreduce" in self.candidates else \
             ["allreduce"] + self.candidates  # plain steps before start_iter
         self.subs: Dict[str, Any] = {
-            n: GradcompState(n, process_group, 0, 0, model, timeout, pipeline, _lazy=True,
-                             **per[n])
+            n: (GradcompState(n[:-len(HIER)], process_group, 0, 0, model, timeout, pipeline,
+                              _lazy=True, hierarchy="node", per_node=self.per_node,
+                              **per[n[:-len(HIER)]]) if n.endswith(HIER) else
+                GradcompState(n, process_group, 0, 0, model, timeout, pipeline, _lazy=True,
+                              **per[n]))
             for n in names}
         self.process_group = process_group
         self.iter = 0  # steps applied (a skipped or failed step does not count)
@@ -151,7 +168,7 @@ class AutoState:
     # -- the worker: one thread and process group for every candidate ------------------------------
     def _make_worker(self):
         if self._worker is None:
-            self._worker = self.subs["allreduce"]._make_worker()
+            self._worker = self.subs["allreduce"]._make_worker(per_node=self.per_node)
             for s in self.subs.values():
                 s._worker = self._worker
         return self._worker

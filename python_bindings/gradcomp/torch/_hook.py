@@ -70,10 +70,13 @@ class GradcompState:
         if live and not lazy:
             self._make_worker()
 
-    def _make_worker(self) -> Worker:
+    def _make_worker(self, per_node: Optional[int] = None) -> Worker:
         """A process group of our own (same ranks and backend as the user's) and the thread
         that issues all of this hook's collectives in bucket order. Creating a group is itself
-        collective, so it happens here, when every rank builds its hook, not inside backward."""
+        collective, so it happens here, when every rank builds its hook, not inside backward.
+        per_node: the node size of the groups for hierarchical plans (default: this hook's;
+        hook("auto") shares one worker between flat and hierarchical candidates)."""
+        per_node = self.per_node if per_node is None else per_node
         if self._worker is None:
             pg = self.process_group
             # the user's timeout: torch's default (30 minutes) would let a hung peer hang us
@@ -84,8 +87,8 @@ class GradcompState:
                             "gradcomp.torch.hook)")
             kw = {} if timeout is None else {"timeout": timeout}
             own = dist.new_group(ranks=group_ranks(pg), backend=dist.get_backend(pg), **kw)
-            if self.per_node:  # a hierarchical plan's node and cross groups beside it
-                own = Topology(own, self.per_node, timeout)
+            if per_node:  # a hierarchical plan's node and cross groups beside it
+                own = Topology(own, per_node, timeout)
             self._worker = Worker(own, pipeline=self.pipeline)
         return self._worker
 
