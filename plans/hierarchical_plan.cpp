@@ -146,7 +146,6 @@ std::optional<Collective> HierarchicalPlan::next() {
   require_begun();
   const size_t es = static_cast<size_t>(dtype_size(dtype_));
   const size_t L = static_cast<size_t>(per_node_), c = static_cast<size_t>(shard_);
-  const size_t n = static_cast<size_t>(numel_);
   const size_t H = kHeaderBytes / es, B = H + c;  // block: header, shard
   switch (phase_) {
     case 0: {
@@ -168,16 +167,13 @@ std::optional<Collective> HierarchicalPlan::next() {
       for (size_t i = 0; i < L; ++i) {
         uint8_t* blk = send + i * B * es;
         device_copy(blk, device_, header.data(), Device::kCPU, kHeaderBytes, stream_);
-        const size_t len = std::min(c, n - std::min(n, i * c));
+        const size_t len = shard_len(i);
         device_copy(blk + H * es, device_, g + i * c * es, device_, len * es, stream_);
         device_zero(device_, blk + (H + len) * es, (c - len) * es, stream_);
       }
       phase_ = kShardsSent;
-      Collective col = make(CollectiveKind::kAllToAll, elem_type(dtype_), send,
-                            impl_->recv.get<uint8_t>(L * B * es), B, "hierarchical shards");
-      col.scope = Scope::kNode;
-      col.world = per_node_;
-      return col;
+      return on_node(CollectiveKind::kAllToAll, send, impl_->recv.get<uint8_t>(L * B * es), B,
+                     "hierarchical shards");
     }
     case kShardsSent: {
       const auto* recv = static_cast<const uint8_t*>(impl_->recv.data());
@@ -278,17 +274,27 @@ std::optional<Collective> HierarchicalPlan::gather_shards() {
   const uint64_t outcome = impl_->outcome;
   device_copy(shard + c * es, device_, &outcome, Device::kCPU, kStatusBytes, stream_);
   phase_ = kGathered;
-  Collective col = make(CollectiveKind::kAllgather, elem_type(dtype_), shard,
-                        impl_->gathered.get<uint8_t>(L * G * es), G, "hierarchical gather");
-  col.scope = Scope::kNode;
-  col.world = per_node_;
-  return col;
+  return on_node(CollectiveKind::kAllgather, shard, impl_->gathered.get<uint8_t>(L * G * es), G,
+                 "hierarchical gather");
+}
+
+Collective HierarchicalPlan::on_node(CollectiveKind kind, const void* send, void* recv,
+                                     size_t count, const char* tag) const {
+  Collective c = make(kind, elem_type(dtype_), send, recv, count, tag);
+  c.scope = Scope::kNode;
+  c.world = per_node_;
+  return c;
+}
+
+size_t HierarchicalPlan::shard_len(size_t i) const {
+  const auto n = static_cast<size_t>(numel_), c = static_cast<size_t>(shard_);
+  return std::min(c, n - std::min(n, i * c));
 }
 
 void HierarchicalPlan::finish() {
   const size_t es = static_cast<size_t>(dtype_size(dtype_));
   const size_t L = static_cast<size_t>(per_node_), c = static_cast<size_t>(shard_);
-  const size_t n = static_cast<size_t>(numel_), G = c + kStatusBytes / es;
+  const size_t G = c + kStatusBytes / es;
   const auto* all = static_cast<const uint8_t*>(impl_->gathered.data());
   auto* g = static_cast<uint8_t*>(grad_.data);
   bool failed = false, skipped = false;
@@ -301,7 +307,7 @@ void HierarchicalPlan::finish() {
       failed_shard = i;
     }
     skipped = skipped || o == kSkipped;
-    const size_t len = std::min(c, n - std::min(n, i * c));
+    const size_t len = shard_len(i);
     device_copy(g + i * c * es, device_, all + i * G * es, device_, len * es, stream_);
   }
   if (!failed && !skipped) {
@@ -328,7 +334,7 @@ void HierarchicalPlan::finish() {
   const auto* send = static_cast<const uint8_t*>(impl_->send.data());
   const size_t H = kHeaderBytes / es, B = H + c;
   for (size_t i = 0; i < L && bad < 0; ++i) {
-    const size_t len = std::min(c, n - std::min(n, i * c));
+    const size_t len = shard_len(i);
     const int64_t j = first_nonfinite(send + (i * B + H) * es, dtype_, static_cast<int64_t>(len));
     if (j >= 0) bad = static_cast<int64_t>(i * c) + j;
   }

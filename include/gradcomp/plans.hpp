@@ -718,6 +718,11 @@ class HierarchicalPlan : public GradientPlan {
   std::optional<Collective> forward();
   std::optional<Collective> gather_shards();
   void finish();
+  /// A collective among the ranks of this node.
+  Collective on_node(CollectiveKind kind, const void* send, void* recv, size_t count,
+                     const char* tag) const;
+  /// Elements of the bucket in shard i (the rest of the shard is zero padding).
+  size_t shard_len(size_t i) const;
   struct Impl;
   std::unique_ptr<BucketPlan> inner_;
   int rank_, per_node_;

@@ -17,6 +17,7 @@
 #include "comm_reference.hpp"
 #include "gradcomp/comm.hpp"
 #include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 
@@ -324,4 +325,64 @@ TEST(InProcessComm, CudaBuffersGiveTheCpuBits) {
       }));
       for (int r = 0; r < P; ++r) EXPECT_EQ(host[r], mean) << "rank " << r;
     }
+}
+
+TEST(InProcessComm, HierarchicalPlanOnCudaBuffersGivesTheCpuResult) {
+  // 2 nodes x 2 ranks, a CUDA bucket per rank, node and cross groups of CUDA buffers: the plain
+  // two-level average is bitwise the CPU simulation's (fp32 sums in rank order on both); top-k's
+  // equals it to rounding (its CUDA selection and coding differ from the CPU's)
+  if (gc::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const char* name : {"allreduce", "topk"}) {
+    SCOPED_TRACE(name);
+    const int64_t n = 40003;
+    const size_t bytes = static_cast<size_t>(n) * 4;
+    // (exact selection: the sampled threshold's estimate may differ between the devices)
+    const gc::PlanOptions o =
+        std::string(name) == "topk"
+            ? gc::PlanOptions{{"ratio", 0.05}, {"method", std::string("exact")}}
+            : gc::PlanOptions{};
+    std::vector<std::vector<float>> in(4), want(4), got(4, std::vector<float>(n));
+    std::vector<std::unique_ptr<gc::BucketPlan>> cpu, gpu;
+    std::vector<gc::Plan*> ps;
+    for (int r = 0; r < 4; ++r) {
+      in[r] = gc::test::rank_input(n, r, 1);
+      want[r] = in[r];
+      gc::BucketSpec b;
+      b.numel = n;
+      b.world = 4;
+      b.rank = r;
+      cpu.push_back(gc::make_hierarchical_plan(name, b, 2, o));
+      b.device = gc::Device::kCUDA;
+      gpu.push_back(gc::make_hierarchical_plan(name, b, 2, o));
+      cpu[r]->begin(gc::TensorView::cpu(want[r].data(), n));
+      ps.push_back(cpu[r].get());
+    }
+    gc::run_plans_in_process(ps, 2);
+    gc::InProcessGroup node0(2, gc::Device::kCUDA), node1(2, gc::Device::kCUDA),
+        cross0(2, gc::Device::kCUDA), cross1(2, gc::Device::kCUDA);
+    gc::InProcessGroup* nodes[2] = {&node0, &node1};
+    gc::InProcessGroup* cross[2] = {&cross0, &cross1};
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 4; ++r)
+      ts.emplace_back([&, r] {
+        gc::Buffer d(gc::Device::kCUDA);
+        float* p = d.get<float>(static_cast<size_t>(n));
+        gc::device_copy(p, gc::Device::kCUDA, in[r].data(), gc::Device::kCPU, bytes, nullptr);
+        const int64_t dims[1] = {n};
+        gpu[r]->begin(gc::TensorView(p, dims, 1, gc::DType::kFloat32, gc::Device::kCUDA));
+        gc::run_plan(*gpu[r], nodes[r / 2]->comm(r % 2), cross[r % 2]->comm(r / 2));
+        gc::device_copy(got[r].data(), gc::Device::kCPU, p, gc::Device::kCUDA, bytes, nullptr);
+      });
+    for (auto& t : ts) t.join();
+    for (int r = 0; r < 4; ++r) {
+      if (std::string(name) == "allreduce") {
+        ASSERT_EQ(std::memcmp(got[r].data(), want[r].data(), bytes), 0) << "rank " << r;
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_NEAR(got[r][i], want[r][i], 1e-5f * (1.0f + std::abs(want[r][i])))
+              << "rank " << r << " element " << i;
+      }
+      ASSERT_EQ(std::memcmp(got[r].data(), got[0].data(), bytes), 0) << "rank " << r;
+    }
+  }
 }
