@@ -160,7 +160,8 @@ std::vector<Collective> run_plans_in_process(const std::vector<Plan*>& ranks, in
       const std::vector<size_t> m = group(r, cs[r]->scope);
       if (m[0] != r) continue;  // each group once, from its lowest rank
       bool ready = true;
-      for (size_t q : m) ready = ready && waiting[q];
+      // (a member waiting in another scope, e.g. still in its cross group, is not ready)
+      for (size_t q : m) ready = ready && waiting[q] && cs[q]->scope == cs[r]->scope;
       if (!ready) continue;
       execute_among(ranks, cs, m);
       log.push_back(*cs[r]);

@@ -177,11 +177,10 @@ std::optional<Collective> HierarchicalPlan::next() {
     }
     case kShardsSent: {
       const auto* recv = static_cast<const uint8_t*>(impl_->recv.data());
-      const auto* own = static_cast<const uint8_t*>(impl_->send.data());
-      std::array<uint64_t, 2> mine{}, theirs{};
-      std::memcpy(mine.data(), own, kHeaderBytes);  // send is host memory only on the CPU
-      if (device_ != Device::kCPU)
-        device_copy(mine.data(), Device::kCPU, own, device_, kHeaderBytes, stream_);
+      // this rank's header, as phase 0 wrote it (the send buffer may be device memory)
+      const std::array<uint64_t, 2> mine{stateful() ? static_cast<uint64_t>(step_) : 0,
+                                         options_hash_};
+      std::array<uint64_t, 2> theirs{};
       const int local = rank_ % per_node_;
       for (size_t i = 0; i < L && impl_->error.empty(); ++i) {
         device_copy(theirs.data(), Device::kCPU, recv + i * B * es, device_, kHeaderBytes, stream_);
@@ -237,8 +236,9 @@ std::optional<Collective> HierarchicalPlan::forward() {
   } catch (const std::exception& e) {
     // the cross-node plan raises on every rank of its group at the same point (ranks at
     // different steps, other options); with one rank per node that is every rank
-    if (per_node_ == 1) {
-      phase_ = kDone;
+    if (per_node_ == 1) {  // the inner plan ended the step on every rank (raise policy, or a
+      phase_ = kDone;      // check that failed): nothing was kept
+      set_skipped(true);
       throw;
     }
     impl_->error = e.what();

@@ -294,8 +294,10 @@ std::unique_ptr<BucketPlan> make_hierarchical_plan(const std::string& name, cons
   // fail the same way on every layout)
   std::unique_ptr<BucketPlan> plan = make_plan(name, inner, options);
   if (nodes == 1) plan.reset();
-  detail::OptionsHash h;
+  detail::OptionsHash h;  // what the ranks of a node must agree on to sum their shards
   h.add(hash_of(name, options)).add(b.numel).add(b.world).add(per_node).add(b.dtype);
+  h.add(b.bucket_id).add(b.shapes.size());
+  for (const auto& shape : b.shapes) h.add(shape.size()).add_all(shape);
   return std::make_unique<HierarchicalPlan>(std::move(plan), b.numel, b.dtype, b.world, b.rank,
                                             per_node, h.value(), b.device, b.device_index,
                                             b.stream);
@@ -550,12 +552,35 @@ std::vector<uint8_t> reshard_state(const std::vector<std::vector<uint8_t>>& stat
                  "to its world size (", states.size(), " ranks) and cannot be resharded to ", world,
                  "; resume on as many ranks, or start the error feedback afresh");
   } else if (kind == "hierarchical") {
-    // each rank holds the cross-node state of its own shard, whose bounds move with the layout
+    // each rank holds the cross-node state of its own shard, whose bounds move with the layout:
+    // the states must be one job's (same bucket, layout, options, step; rank r at local rank
+    // r % per_node), and only go on unchanged on as many ranks
+    int64_t numel0 = 0, step0 = 0;
+    int32_t world0 = 0, per_node0 = 0;
+    uint64_t hash0 = 0;
     for (size_t r = 0; r < states.size(); ++r) {
       try {
-        detail::StateReader(states[r].data(), states[r].size(), "hierarchical");
+        detail::StateReader rd(states[r].data(), states[r].size(), "hierarchical");
+        const auto numel = rd.get<int64_t>("numel");
+        const auto w = rd.get<int32_t>("world");
+        const auto per_node = rd.get<int32_t>("per_node");
+        const auto local = rd.get<int32_t>("local_rank");
+        const auto hash = rd.get<uint64_t>("options_hash");
+        const int64_t step = rd.get_step();
+        (void)rd.blob("inner state");
+        rd.finish();
+        if (r == 0) {
+          numel0 = numel, world0 = w, per_node0 = per_node, hash0 = hash, step0 = step;
+        }
+        GC_CHECK_ARG(numel == numel0 && w == world0 && per_node == per_node0 && hash == hash0,
+                     "state of another bucket, layout or options than rank 0's");
+        GC_CHECK_ARG(step == step0, "state at step ", step, ", rank 0's at ", step0);
+        GC_CHECK_ARG(w == static_cast<int32_t>(states.size()) && per_node > 0 &&
+                         local == static_cast<int32_t>(r) % per_node,
+                     "state of local rank ", local, " of a job of ", w, " ranks in nodes of ",
+                     per_node, " (expected rank ", r, " of ", states.size(), ")");
       } catch (const InvalidArgument& e) {
-        GC_CHECK_ARG(false, "rank ", r, "'s ", e.what());
+        GC_CHECK_ARG(false, "reshard_state: rank ", r, "'s ", e.what());
       }
     }
     GC_CHECK_ARG(static_cast<size_t>(world) == states.size(),

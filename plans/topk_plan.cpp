@@ -142,8 +142,9 @@ std::optional<Collective> TopKAllreducePlan::send(uint64_t longest) {
 std::optional<Collective> TopKAllreducePlan::next() {
   try {
     return advance();
-  } catch (...) {
-    if (phase_ >= 0) phase_ = kDone;  // the checks run before anything is committed
+  } catch (const Error&) {
+    // the agreement and payload checks throw before anything is committed: the step is over
+    if (phase_ >= 0) phase_ = kDone;
     throw;
   }
 }

@@ -146,7 +146,6 @@ MpiCommunicator::MpiCommunicator(const void* mpi_comm, const MpiOptions& opt)
 
 std::unique_ptr<MpiCommunicator> MpiCommunicator::split(int color, int key) {
   check_usable("split");
-  GC_CHECK_ARG(color >= 0, "MpiCommunicator::split: color must be >= 0, got ", color);
   MPI_Comm sub = MPI_COMM_NULL;
   if (MPI_Comm_split(impl_->comm, color, key, &sub) != MPI_SUCCESS)
     throw BackendError("MPI_Comm_split failed");

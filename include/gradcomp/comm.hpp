@@ -270,8 +270,9 @@ class MpiCommunicator : public Communicator {
   /// Over an existing communicator: `mpi_comm` points at an MPI_Comm (it is duplicated).
   MpiCommunicator(const void* mpi_comm, const MpiOptions& opt);
   ~MpiCommunicator() override;
-  /// A communicator of the ranks that pass the same `color`, ordered by `key` (MPI_Comm_split;
-  /// collective over this communicator), with this one's timeout. For a hierarchical plan
+  /// A communicator of the ranks that pass the same `color` (>= 0), ordered by `key`
+  /// (MPI_Comm_split; collective over this communicator, and, like the constructor's
+  /// MPI_Comm_dup, not bounded by the timeout), with this one's timeout. For a hierarchical plan
   /// (nodes of L ranks, node-major): node = split(rank / L, rank), cross = split(rank % L, rank).
   std::unique_ptr<MpiCommunicator> split(int color, int key);
 

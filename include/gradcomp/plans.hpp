@@ -664,8 +664,10 @@ class PowerSGDPlan : public BucketPlan {
 /// node (L = 1) steps 1 and 3 are skipped.
 ///
 /// Agreement. Every shard sent in step 1 carries a 16-byte header (this plan's step and a hash of
-/// the family, options and layout); a rank that receives a header other than its own poisons its
-/// shard (NaN) so that its cross group skips the step, and raises once the step is over. The
+/// the family, options, bucket (id, size, shapes) and layout); a rank that receives a header
+/// other than its own poisons its shard (NaN) so that its cross group skips the step, and raises
+/// once the step is over (the other nodes see a skipped step: with check_finite off, or a
+/// stateless family, only the NaN average; nothing more crosses the nodes for it). The
 /// allgather of step 3 carries each shard's outcome (kept, skipped, failed), so every rank sees
 /// every shard's: when one was skipped (a NaN/Inf in some rank's gradient, found by the inner
 /// plan's check_finite) every rank's bucket comes out NaN, the shards that were kept are taken

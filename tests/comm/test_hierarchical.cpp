@@ -235,6 +235,13 @@ TEST(Hierarchical, CheckpointResumesBitwise) {
     auto flipped = saved[0];
     flipped[flipped.size() / 2] ^= 1;
     EXPECT_THROW(b[0]->load_state_dict(flipped.data(), flipped.size()), InvalidArgument);
+    // a gathered checkpoint: each rank's own state on as many ranks; another world size, states
+    // out of rank order or of another step are refused
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(reshard_state(saved, 4, r), saved[r]);
+    EXPECT_THROW(reshard_state(saved, 2, 0), InvalidArgument);
+    EXPECT_THROW(reshard_state({saved[1], saved[0], saved[2], saved[3]}, 4, 0), InvalidArgument);
+    const auto later = states(a);
+    EXPECT_THROW(reshard_state({saved[0], saved[1], saved[2], later[3]}, 4, 0), InvalidArgument);
   }
 }
 
@@ -327,6 +334,57 @@ TEST(Hierarchical, OptionsThatDifferAcrossNodesFailOnEveryRank) {
   EXPECT_THROW(run_plans_in_process(ps, 2), InvalidArgument);
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(plans[r]->skipped()) << r;
   EXPECT_EQ(states(plans), before);
+}
+
+TEST(Hierarchical, ShardsWhosePlansAskForDifferentCollectivesProceedApart) {
+  // PowerSGD on a bucket of a vector of 1000 and a 10 x 10 matrix in nodes of 2: shard 0 holds
+  // only vector elements (one allreduce across nodes), shard 1 the matrix too (P and Q): the two
+  // cross groups ask for different collectives while the node groups wait for both
+  const int64_t n = 1100;
+  const std::vector<std::vector<int64_t>> shapes{{1000}, {10, 10}};
+  const PlanOptions o = options_of("powersgd");
+  auto sim = hierarchical("powersgd", n, Layout{2, 2}, o, shapes);
+  auto thr = hierarchical("powersgd", n, Layout{2, 2}, o, shapes);
+  Reference ref("powersgd", n, Layout{2, 2}, o, shapes);
+  InProcessGroup node0(2), node1(2), cross0(2), cross1(2);
+  InProcessGroup* nodes[2] = {&node0, &node1};
+  InProcessGroup* cross[2] = {&cross0, &cross1};
+  for (int s = 0; s < 3; ++s) {
+    const auto g = gradients(4, n, s);
+    const auto want = ref.step(g);
+    const auto out = step_all(sim, g, 2);
+    auto t = g;
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 4; ++r)
+      ts.emplace_back([&, r] {
+        thr[r]->begin(TensorView::cpu(t[r].data(), n));
+        run_plan(*thr[r], nodes[r / 2]->comm(r % 2), cross[r % 2]->comm(r / 2));
+      });
+    for (auto& th : ts) th.join();
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_TRUE(test::same_bytes(out[r].data(), want.data(), n * 4)) << r;
+      ASSERT_TRUE(test::same_bytes(t[r].data(), want.data(), n * 4)) << r;
+    }
+  }
+}
+
+TEST(Hierarchical, OneRankPerNodeRaisesAsItsFamilyAndRecordsTheSkip) {
+  // nodes of one rank: the family's plan runs on the bucket and applies the policy itself
+  const int64_t n = 500;
+  auto plans = hierarchical("topk", n, Layout{3, 1}, options_of("topk"));
+  for (auto& p : plans) p->set_on_nonfinite(OnNonFinite::kRaise);
+  auto g = gradients(3, n, 0);
+  g[1][7] = NAN;
+  std::vector<Plan*> ps;
+  for (int r = 0; r < 3; ++r) {
+    plans[r]->begin(TensorView::cpu(g[r].data(), n));
+    ps.push_back(plans[r].get());
+  }
+  EXPECT_THROW(run_plans_in_process(ps, 1), InvalidArgument);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(plans[r]->skipped()) << r;
+    EXPECT_EQ(plans[r]->skipped_steps(), 1) << r;
+  }
 }
 
 TEST(Hierarchical, BadLayoutsAreRefused) {

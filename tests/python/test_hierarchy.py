@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The hooks' two-level plans (hierarchy="node"): 4 gloo ranks as 2 nodes x 2 ranks."""
 import io
+import os
 
 import pytest
 import torch
@@ -104,6 +105,19 @@ def _checkpoint_and_errors(rank, world):
         gt.hook("topk", hierarchy="node", per_node=0, **opts)
     with pytest.raises(ValueError, match="ratio"):
         gt.hook("topk", hierarchy="node", per_node=2, ratio=2.0)
+    # ranks that disagree raise on every rank, before any group is made (no rank left waiting)
+    with pytest.raises(ValueError, match="disagree on per_node"):
+        gt.hook("topk", hierarchy="node", per_node=2 if rank < 2 else 4, **opts)
+    os.environ["LOCAL_RANK"] = str((rank + 1) % 2)  # a launcher that numbers ranks otherwise
+    try:
+        with pytest.raises(ValueError, match="node-major"):
+            gt.hook("topk", hierarchy="node", per_node=2, **opts)
+    finally:
+        del os.environ["LOCAL_RANK"]
+    # the hooks still work after those errors
+    state3, h3 = gt.hook("allreduce", hierarchy="node", per_node=2)
+    m3 = _model(state3, h3)
+    train(m3, torch.optim.SGD(m3.parameters(), lr=0.05), data[:1])
 
 
 def test_checkpoint_resumes_bitwise_and_layouts_are_checked():

@@ -228,7 +228,8 @@ class GradcompState:
         return {"compressor": self.compressor, "options": self.options,
                 "log_every": self.log_every, "timeout": self.timeout,
                 "pipeline": self.pipeline, "sd": self.state_dict(),
-                "hierarchy": self.hierarchy, "per_node": self._per_node_given}
+                "hierarchy": self.hierarchy,
+                "per_node": self.per_node or self._per_node_given}
     # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
@@ -431,7 +432,11 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
 def _layout(hierarchy, per_node, group) -> int:
     """Ranks per node for hierarchy="node" (0: flat). per_node: given, or torchrun's
     LOCAL_WORLD_SIZE. `group`: the live process group (False before init_process_group: the
-    checks against the world size wait for the first use)."""
+    checks against the world size wait for the first use). With a live group the ranks agree
+    first, in one all_gather_object over it: a bad or differing layout on any rank (another
+    LOCAL_WORLD_SIZE on one node, a LOCAL_RANK that is not rank % per_node) raises the same
+    ValueError on every rank, before any process group of the layout is made (a rank that raised
+    alone would leave the others waiting in new_group)."""
     if hierarchy in (None, "flat"):
         if per_node is not None:
             raise ValueError("per_node is the node size of hierarchy='node'; pass both (or "
@@ -440,6 +445,40 @@ def _layout(hierarchy, per_node, group) -> int:
     if hierarchy != "node":
         raise ValueError(f"hierarchy must be 'node' (full precision inside a node, compressed "
                          f"across nodes) or None, got {hierarchy!r}")
+    value, err = None, None
+    try:
+        value = _local_per_node(per_node)
+    except ValueError as e:
+        err = str(e)
+    if group is False:
+        if err is not None:
+            raise ValueError(err)
+        return value
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = os.environ.get("LOCAL_RANK")
+    if err is None and local is not None and group is None and \
+            (not local.strip().isdigit() or int(local) != rank % value):
+        err = (f"LOCAL_RANK={local}, but a hierarchical plan numbers ranks node-major (local rank "
+               f"= rank % per_node = {rank % value}); launch with torchrun, or pass per_node "
+               f"matching the launcher's layout")
+    every = [None] * world
+    dist.all_gather_object(every, (value, err), group=group)
+    bad = [(r, e) for r, (_, e) in enumerate(every) if e is not None]
+    if bad:
+        raise ValueError(f"hierarchy='node' on rank {bad[0][0]}: {bad[0][1]}"
+                         + (f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""))
+    values = [v for v, _ in every]
+    if len(set(values)) != 1:
+        raise ValueError(f"the ranks disagree on per_node (by rank: {values}); every rank must "
+                         f"pass the same node size")
+    if world % value:
+        raise ValueError(f"per_node={value} does not divide the world size {world}")
+    return value
+
+
+def _local_per_node(per_node) -> int:
+    """per_node as given, or torchrun's LOCAL_WORLD_SIZE (this rank's view; _layout makes the
+    ranks agree)."""
     if per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
@@ -448,18 +487,7 @@ def _layout(hierarchy, per_node, group) -> int:
         if not env.strip().isdigit():
             raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not a number of ranks")
         per_node = int(env)
-    per_node = _as_int(per_node, "per_node", 1)
-    if group is False:
-        return per_node
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world % per_node:
-        raise ValueError(f"per_node={per_node} does not divide the world size {world}")
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and group is None and int(local) != rank % per_node:
-        raise ValueError(f"rank {rank} has LOCAL_RANK={local}, but a hierarchical plan numbers "
-                         f"ranks node-major (local rank = rank % per_node = {rank % per_node}); "
-                         f"launch with torchrun, or pass per_node matching the launcher's layout")
-    return per_node
+    return _as_int(per_node, "per_node", 1)
 
 
 def _as_timeout(t) -> Optional[datetime.timedelta]:
