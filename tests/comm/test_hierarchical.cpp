@@ -387,6 +387,33 @@ TEST(Hierarchical, OneRankPerNodeRaisesAsItsFamilyAndRecordsTheSkip) {
   }
 }
 
+TEST(Hierarchical, RanksOfANodeWithOtherTensorShapesFail) {
+  // the same bucket size cut into other tensors on one rank (another model, or buckets in
+  // another order): the node's header hash differs, so the node's ranks raise instead of summing
+  // unrelated shards (top-k: a family whose collectives do not depend on the shapes, so only the
+  // header can tell)
+  const int64_t n = 2000;
+  std::vector<std::unique_ptr<BucketPlan>> plans;
+  for (int r = 0; r < 4; ++r) {
+    BucketSpec b = spec(n, 4, r);
+    b.shapes = r == 1 ? std::vector<std::vector<int64_t>>{{40, 50}}
+                      : std::vector<std::vector<int64_t>>{{50, 40}};
+    plans.push_back(make_hierarchical_plan("topk", b, 2, options_of("topk")));
+  }
+  auto g = gradients(4, n, 0);
+  std::vector<Plan*> ps;
+  for (int r = 0; r < 4; ++r) {
+    plans[r]->begin(TensorView::cpu(g[r].data(), n));
+    ps.push_back(plans[r].get());
+  }
+  try {
+    run_plans_in_process(ps, 2);
+    FAIL() << "no exception";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("options differ"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Hierarchical, BadLayoutsAreRefused) {
   EXPECT_THROW(make_hierarchical_plan("topk", spec(10, 4, 0), 3), InvalidArgument);
   EXPECT_THROW(make_hierarchical_plan("topk", spec(10, 4, 0), 0), InvalidArgument);
