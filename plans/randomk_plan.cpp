@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Random-k allreduce plan: shared indices, so the values alone are summed.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -23,8 +24,10 @@ namespace {
 // error. Each rank appends kSlots elements to its values: slot b holds bit b of (the step's low
 // 32 bits, the options' hash) as 0 or 1. After the sum, slot b is 0 or P on every rank exactly
 // when every rank's bit b is the same. Sums of 0/1 are exact while P is an integer of the value
-// dtype (fp32: 2^24, fp16: 2048, bf16: 256); beyond that every rank writes 0 (no check).
-constexpr int kSlots = 64;
+// dtype (fp32: 2^24, fp16: 2048, bf16: 256); beyond that every rank writes 0 (no check). Slot
+// 64 is 1 on a rank whose values did not fit the agreed count: a sum of ones is never 0, at any
+// P, so it is read as "some rank was cut short".
+constexpr int kSlots = 65;
 
 bool exact_for(DType t, int world) {
   const int limit = t == DType::kFloat32 ? (1 << 24) : t == DType::kFloat16 ? 2048 : 256;
@@ -66,19 +69,41 @@ RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t num
   h.add(cfg.check_finite).add(cfg.seed).add(cfg.tensor_id).add_all(cfg.segments);
   h.add(cfg.dense_below);
   options_hash_ = static_cast<uint32_t>(h.value());
+  max_count_ = comp_.count_at(0);  // every stage of the warm-up, and the ratio after it
+  const auto stages = static_cast<int64_t>(cfg.warmup_ratios.size());
+  for (int64_t i = 1; cfg.warmup_steps > 0 && i <= stages; ++i)
+    max_count_ = std::max(max_count_, comp_.count_at(i * cfg.warmup_steps));
+  if (cfg.warmup_steps <= 0) max_count_ = std::max(max_count_, comp_.count_at(1));
 }
 
-size_t RandomKAllreducePlan::put_consensus(const PayloadHeader& h) {
+size_t RandomKAllreducePlan::agreed_count() const {
+  return static_cast<size_t>(agreed_step_ >= 0 ? comp_.count_at(agreed_step_) : max_count_);
+}
+
+size_t RandomKAllreducePlan::put_consensus(const PayloadHeader& h, size_t m) {
   const auto t = DType(h.value_dtype);
   const size_t es = dtype_size(t);
-  const size_t at = h.section_offset(1) + static_cast<size_t>(h.count) * es;
-  if (world_ == 1) return static_cast<size_t>(h.count);
+  const auto own = static_cast<size_t>(h.count);
+  if (world_ == 1) return own;  // (one rank: its own count is the agreed one)
+  const size_t values = h.section_offset(1), at = values + m * es;
   payload_.bytes.resize(std::max(payload_.bytes.size(), at + kSlots * es), true);
+  if (own < m)  // fewer values than agreed (this rank's step is not the agreed one): zeros
+    device_zero(device_, static_cast<uint8_t*>(payload_.bytes.data()) + values + own * es,
+                (m - own) * es, stream_);
   std::vector<uint8_t> slots(kSlots * es, 0);
+  if (own > m) {  // more: cut short, which slot 64 says (the slots overwrite the values past m)
+    if (t == DType::kFloat32) {
+      const float one = 1.0f;
+      std::memcpy(slots.data() + 4 * 64, &one, 4);
+    } else {
+      const uint16_t one = one_bits(t);
+      std::memcpy(slots.data() + 2 * 64, &one, 2);
+    }
+  }
   if (exact_for(t, world_)) {
     const uint64_t bits =
         (static_cast<uint64_t>(options_hash_) << 32) | (static_cast<uint64_t>(h.aux) & 0xffffffffu);
-    for (int b = 0; b < kSlots; ++b) {
+    for (int b = 0; b < 64; ++b) {
       if (!((bits >> b) & 1)) continue;
       if (t == DType::kFloat32) {
         const float one = 1.0f;
@@ -91,26 +116,27 @@ size_t RandomKAllreducePlan::put_consensus(const PayloadHeader& h) {
   }
   device_copy(static_cast<uint8_t*>(payload_.bytes.data()) + at, device_, slots.data(),
               Device::kCPU, slots.size(), stream_);
-  return static_cast<size_t>(h.count) + kSlots;
+  return m + kSlots;
 }
 
-void RandomKAllreducePlan::check_consensus(const PayloadHeader& h) {
-  if (world_ == 1) return;
+bool RandomKAllreducePlan::check_consensus(const PayloadHeader& h) {
+  if (world_ == 1) return false;
   const auto t = DType(h.value_dtype);
   const size_t es = dtype_size(t);
   std::vector<uint8_t> slots(kSlots * es);
   device_copy(slots.data(), Device::kCPU,
               static_cast<const uint8_t*>(payload_.bytes.data()) + h.section_offset(1) +
-                  static_cast<size_t>(h.count) * es,
+                  (sent_ - kSlots) * es,
               device_, slots.size(), stream_);
+  if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
   const auto P = static_cast<float>(world_);
   bool step_differs = false, options_differ = false;
-  for (int b = 0; b < kSlots; ++b) {
+  for (int b = 0; b < 64; ++b) {
     const float v = slot_value(slots.data(), b, t);
     if (v == 0.0f || v == P) continue;
     (b < 32 ? step_differs : options_differ) = true;
   }
-  if (!step_differs && !options_differ) return;
+  if (!step_differs && !options_differ) return slot_value(slots.data(), 64, t) != 0.0f;
   phase_ = kDone;  // the step is over on every rank (each sees the same sums); nothing committed
   GC_CHECK_ARG(!options_differ, "plan 'randomk': the options differ across ranks (ratio, warm-up, ",
                "seed, momentum, clipping, value_dtype, dense_below or the bucket's layout must be ",
@@ -125,25 +151,46 @@ size_t RandomKAllreducePlan::workspace_bytes() const {
 }
 
 std::optional<Collective> RandomKAllreducePlan::next() {
+  try {
+    return advance();
+  } catch (const Error&) {
+    // the consensus check throws before anything is committed, on every rank: the step is over,
+    // and the ranks' steps are not known to agree (the next step sends the largest count)
+    if (phase_ >= 0) phase_ = kDone;
+    agreed_step_ = -1;
+    throw;
+  }
+}
+
+Collective RandomKAllreducePlan::encode_and_send() {
+  if (bad_ >= 0)
+    comp_.encode_skipped(payload_);  // NaN values, state untouched
+  else
+    comp_.encode(grad_, payload_);  // (staged: an encode not committed is dropped by the next)
+  const PayloadHeader& h = payload_.header;
+  sent_ = put_consensus(h, agreed_count());  // (may move the payload's bytes)
+  auto* values = static_cast<uint8_t*>(payload_.bytes.data()) + h.section_offset(1);
+  return make(CollectiveKind::kAllreduceSum, elem_type(DType(h.value_dtype)), values, values, sent_,
+              "randomk values");
+}
+
+std::optional<Collective> RandomKAllreducePlan::advance() {
   require_begun();
   switch (phase_) {
     case 0: {  // encode; sum the values section of every rank in place
       bad_ = check_finite_ ? first_nonfinite() : -1;
-      if (bad_ >= 0)
-        comp_.encode_skipped(payload_);  // NaN values, state untouched
-      else
-        comp_.encode(grad_, payload_);
-      const PayloadHeader& h = payload_.header;
-      const size_t count = put_consensus(h);  // (may move the payload's bytes)
-      auto* values = static_cast<uint8_t*>(payload_.bytes.data()) + h.section_offset(1);
       phase_ = 1;
-      return make(CollectiveKind::kAllreduceSum, elem_type(DType(h.value_dtype)), values, values,
-                  count, "randomk values");
+      return encode_and_send();
     }
     case 1: {  // one decode of the summed values, scaled by 1/P (into the gradient when fp32)
       const auto n = static_cast<size_t>(numel_);
       const PayloadHeader& h = payload_.header;
-      check_consensus(h);
+      if (check_consensus(h)) {
+        // every rank is at the same step, but its count exceeds the agreed one (every rank's
+        // state was replaced alike): the step's values again, all of them
+        agreed_step_ = comp_.step();
+        return encode_and_send();
+      }
       // a bad rank sent NaN values; a sum of finite values can also overflow the value dtype
       // (fp16 sums past 65504): either way every rank holds the same non-finite sum and skips.
       // The k summed values are scanned (small next to the bucket).
@@ -151,6 +198,7 @@ std::optional<Collective> RandomKAllreducePlan::next() {
           first_nonfinite(static_cast<const uint8_t*>(payload_.bytes.data()) + h.section_offset(1),
                           DType(h.value_dtype), static_cast<int64_t>(h.count)) >= 0) {
         phase_ = 2;
+        agreed_step_ = comp_.step();
         end_step(true, bad_);
         return std::nullopt;
       }
@@ -163,6 +211,7 @@ std::optional<Collective> RandomKAllreducePlan::next() {
       if (!direct)  // saturating, as the top-k plan
         k::convert_saturating(device_, acc, grad_.data, dtype_, numel_, stream_);
       phase_ = 2;
+      agreed_step_ = comp_.step() + 1;  // (the consensus held: every rank was at this step)
       comp_.commit();
       end_step(false, bad_, check_finite_);
       return std::nullopt;

@@ -25,7 +25,8 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
       sizes_(device, stream),
       gathered_(device, stream),
       acc_(device, stream),
-      host_sizes_(kSizeFields * (static_cast<size_t>(world) + 1)) {
+      host_sizes_(kSizeFields * (static_cast<size_t>(world) + 1)),
+      dense_(device, stream) {
   GC_CHECK_ARG(opt.cost.bandwidth_Bps > 0 && opt.cost.latency_s >= 0,
                "TopKAllreducePlan: cost model needs bandwidth > 0 and latency >= 0, got ",
                opt.cost.bandwidth_Bps, " B/s and ", opt.cost.latency_s, " s");
@@ -35,6 +36,7 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   double ratio = cfg.ratio;
   for (double r : cfg.warmup_ratios) ratio = std::max(ratio, r);
   const uint64_t most = sparse_payload_bound(topk_count(ratio, numel), numel, cfg.value_dtype);
+  max_payload_ = most;
   payload_.bytes.reserve(most);
   gathered_.reserve(most * static_cast<uint64_t>(world));
   if (grad_dtype != DType::kFloat32) acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
@@ -64,7 +66,8 @@ void TopKAllreducePlan::finish() {
 }
 
 size_t TopKAllreducePlan::workspace_bytes() const {
-  return payload_.bytes.capacity() + sizes_.capacity() + gathered_.capacity() + acc_.capacity();
+  return payload_.bytes.capacity() + sizes_.capacity() + gathered_.capacity() + acc_.capacity() +
+         dense_.capacity();
 }
 
 TopKRoute TopKAllreducePlan::choose(uint64_t max_payload_bytes) const {
@@ -78,15 +81,16 @@ TopKRoute TopKAllreducePlan::choose(uint64_t max_payload_bytes) const {
 }
 
 TopKExchange TopKAllreducePlan::next_exchange() const {
-  // the first step checks the bucket sizes across ranks; every input below is the same on every
-  // rank (the configuration, the step, and what the last step gathered)
-  if (stats_.steps == 0) return TopKExchange::kSizes;
+  // the first step checks the bucket sizes across ranks, and so does the step after a failed one
+  // (the ranks' steps are not known to agree); every input below is the same on every rank (the
+  // configuration, the agreed step, and what the last step gathered)
+  if (stats_.steps == 0 || agreed_step_ < 0) return TopKExchange::kSizes;
   if (opt_.exchange != TopKExchange::kAuto) return opt_.exchange;
   if (opt_.route == TopKRoute::kDense) return TopKExchange::kBound;  // the sizes go unused
   const uint64_t estimate = stats_.last_max_payload;
   if (estimate == 0) return TopKExchange::kBound;  // unknown (a dense step without sizes)
   const double P = world_;
-  const auto bound = static_cast<double>(comp_.payload_bound(comp_.step()));
+  const auto bound = static_cast<double>(comp_.payload_bound(agreed_step_));
   const double by_bound = opt_.cost.seconds(bound * (P - 1), P - 1);
   const double by_sizes = opt_.cost.seconds(2.0 * sizeof(int64_t) * (P - 1), P - 1) +
                           opt_.cost.seconds(double(estimate) * (P - 1), P - 1);
@@ -94,7 +98,6 @@ TopKExchange TopKAllreducePlan::next_exchange() const {
 }
 
 std::optional<Collective> TopKAllreducePlan::send(uint64_t longest) {
-  const auto P = static_cast<size_t>(world_);
   const auto n = static_cast<size_t>(numel_);
   {  // the model's estimates, for the statistics
     const double Pd = world_;
@@ -107,44 +110,99 @@ std::optional<Collective> TopKAllreducePlan::send(uint64_t longest) {
   stats_.last_exchange = exchange_;
   stats_.steps += 1;
   if (exchange_ == TopKExchange::kBound) stats_.bound_steps += 1;
-  // fp32 gradients are decoded straight into the gradient (its values were consumed by encode);
-  // fp16/bf16 ones through an fp32 accumulator
-  float* acc = target();
   if (route_ == TopKRoute::kDense) {
+    // own payload decoded (scaled by 1/P) into fp32 values, the consensus slots after them; a
+    // rank whose gradient was not finite sends zeros and counts itself in the last slot
     stats_.dense_steps += 1;
     stats_.last_stride = 0;
-    const TensorView dense(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_);
-    if (bad_ >= 0) {  // NaN everywhere: the sum is NaN on every rank, which is the signal
-      device_fill_nan(device_, acc, n * sizeof(float), stream_);
-    } else {
-      device_zero(device_, acc, n * sizeof(float), stream_);
-      comp_.decode_add(payload_.data(), payload_.size(), dense, 1.0f / float(world_));
-    }
+    float* d = dense_.get<float>(n + kDenseSlots);
+    device_zero(device_, d, n * sizeof(float), stream_);
+    if (bad_ < 0)
+      comp_.decode_add(payload_.data(), payload_.size(),
+                       TensorView(d, {numel_}, DType::kFloat32, device_, device_index_, stream_),
+                       1.0f / float(world_));
+    put_dense_slots(d + n);
     phase_ = 2;
-    return make(CollectiveKind::kAllreduceSum, ElemType::kF32, acc, acc, n, "topk dense sum");
+    return make(CollectiveKind::kAllreduceSum, ElemType::kF32, d, d, n + kDenseSlots,
+                "topk dense sum");
   }
   stats_.sparse_steps += 1;
   stride_ = static_cast<size_t>((longest + 7) / 8 * 8);
-  stats_.last_stride = stride_;
-  const size_t mine = payload_.size();
-  GC_CHECK(mine <= stride_, "topk plan: a payload of ", mine, " bytes exceeds the stride ",
-           stride_);
-  payload_.bytes.resize(stride_, true);
-  if (stride_ > mine)
-    device_zero(device_, static_cast<uint8_t*>(payload_.bytes.data()) + mine, stride_ - mine,
-                stream_);
-  auto* all = gathered_.get<uint8_t>(stride_ * P);
   phase_ = 3;
-  return make(CollectiveKind::kAllgather, ElemType::kU8, payload_.bytes.data(), all, stride_,
-              exchange_ == TopKExchange::kBound ? "topk payloads (bound)" : "topk payloads");
+  return gather_payloads(exchange_ == TopKExchange::kBound ? "topk payloads (bound)"
+                                                           : "topk payloads");
+}
+
+Collective TopKAllreducePlan::gather_payloads(const char* tag) {
+  const auto P = static_cast<size_t>(world_);
+  const size_t mine = payload_.size();
+  stats_.last_stride = stride_;
+  if (mine > stride_) {
+    // Only the bound exchange pads to a bound it did not measure: this rank's own step is not
+    // the agreed one (its state was replaced). Its header alone, flagged, keeps the allgather's
+    // size; the others learn the step from it, or gather again at the real sizes.
+    GC_CHECK(exchange_ == TopKExchange::kBound, "topk plan: a payload of ", mine,
+             " bytes exceeds the stride ", stride_);
+    PayloadHeader h = payload_.header;
+    h.flags |= kPayloadOverflow;
+    device_copy(payload_.bytes.data(), device_, &h, Device::kCPU, sizeof(h), stream_);
+    overflowed_ = true;
+  } else {
+    if (overflowed_) {  // the gathering again: the real header back in place
+      device_copy(payload_.bytes.data(), device_, &payload_.header, Device::kCPU,
+                  sizeof(PayloadHeader), stream_);
+      overflowed_ = false;
+    }
+    payload_.bytes.resize(stride_, true);
+    if (stride_ > mine)
+      device_zero(device_, static_cast<uint8_t*>(payload_.bytes.data()) + mine, stride_ - mine,
+                  stream_);
+  }
+  auto* all = gathered_.get<uint8_t>(stride_ * P);
+  return make(CollectiveKind::kAllgather, ElemType::kU8, payload_.bytes.data(), all, stride_, tag);
+}
+
+void TopKAllreducePlan::put_dense_slots(float* slots) {
+  // slot b < 64: bit b of (the options' hash's low 32 bits, this rank's step's low 32 bits) as
+  // 0 or 1; summed over P ranks each is 0 or P exactly when every rank's bit is the same (sums
+  // of 0/1 are exact in fp32 up to 2^24 ranks). Slot 64: 1 when this rank's gradient was bad.
+  std::vector<float> h(kDenseSlots, 0.0f);
+  const uint64_t bits = (static_cast<uint64_t>(config_fingerprint_) << 32) |
+                        (static_cast<uint64_t>(own_step_) & 0xffffffffu);
+  for (int b = 0; b < 64; ++b) h[b] = static_cast<float>((bits >> b) & 1);
+  h[64] = bad_ >= 0 ? 1.0f : 0.0f;
+  device_copy(slots, device_, h.data(), Device::kCPU, kDenseSlots * sizeof(float), stream_);
+}
+
+bool TopKAllreducePlan::check_dense_slots() {
+  std::vector<float> h(kDenseSlots);
+  device_copy(h.data(), Device::kCPU, dense_.get<float>(0) + numel_, device_,
+              kDenseSlots * sizeof(float), stream_);
+  if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
+  const auto P = static_cast<float>(world_);
+  bool step_differs = false, options_differ = false;
+  for (int b = 0; b < 64 && world_ <= (1 << 24); ++b) {
+    if (h[b] == 0.0f || h[b] == P) continue;
+    (b < 32 ? step_differs : options_differ) = true;
+  }
+  GC_CHECK_ARG(!options_differ, "plan 'topk': the options differ across ranks: ratio, warm-up, ",
+               "value_dtype, route, exchange and the cost model must be the same on every rank; ",
+               "the step failed on every rank and no state changed");
+  GC_CHECK_ARG(!step_differs, "plan 'topk': ranks are at different steps (this rank at ", own_step_,
+               "): restore every rank's state, or none; the step failed on every ",
+               "rank and no state changed");
+  return check_finite_ && h[64] != 0.0f;
 }
 
 std::optional<Collective> TopKAllreducePlan::next() {
   try {
     return advance();
   } catch (const Error&) {
-    // the agreement and payload checks throw before anything is committed: the step is over
+    // the agreement and payload checks throw before anything is committed: the step is over,
+    // and the ranks' steps are not known to agree (the next step exchanges sizes)
     if (phase_ >= 0) phase_ = kDone;
+    agreed_step_ = -1;
+    overflowed_ = false;
     throw;
   }
 }
@@ -156,7 +214,8 @@ std::optional<Collective> TopKAllreducePlan::advance() {
   switch (phase_) {
     case 0: {  // encode; then exchange (numel, payload bytes), or pad to the bound and send
       exchange_ = next_exchange();
-      const int64_t step = comp_.step();  // the step encoded now
+      overflowed_ = false;
+      const int64_t step = own_step_ = comp_.step();  // the step encoded now
       const uint64_t bound = comp_.payload_bound(step);
       bad_ = check_finite_ ? first_nonfinite() : -1;
       if (bad_ >= 0)
@@ -166,7 +225,8 @@ std::optional<Collective> TopKAllreducePlan::advance() {
       if (exchange_ == TopKExchange::kBound) {
         stats_.last_max_payload = 0;  // known once the headers are gathered (sparse route)
         stats_.last_total_payload = 0;
-        return send(bound);
+        // the bound of the agreed step, not of this rank's own (the same as long as they agree)
+        return send(comp_.payload_bound(agreed_step_));
       }
       // (numel, payload bytes, step, bound): what every later bound step relies on being equal
       int64_t* mine = &host_sizes_[kSizeFields * P];
@@ -214,16 +274,27 @@ std::optional<Collective> TopKAllreducePlan::advance() {
       return send(longest);
     }
     case 2: {  // dense route: the sum of the scaled decodes is the average
-      const bool skip = check_finite_ && n > 0 &&
-                        device_first_is_nan(device_, target(), DType::kFloat32, stream_);
-      if (!skip) finish();
+      const bool skip = check_dense_slots();  // (throws on every rank when the ranks disagree)
+      if (!skip) {
+        const float* d = dense_.get<float>(0);
+        if (dtype_ == DType::kFloat32)
+          device_copy(grad_.data, device_, d, device_, n * sizeof(float), stream_);
+        else  // saturating, as finish()
+          k::convert_saturating(device_, d, grad_.data, dtype_, numel_, stream_);
+      }
       phase_ = 4;
       settle(skip);
       return std::nullopt;
     }
     case 3: {  // sparse route: decode all (scaled by 1/P) in rank order
       const auto* all = static_cast<const uint8_t*>(gathered_.data());
-      if (exchange_ == TopKExchange::kBound) read_gathered_sizes(all);
+      if (exchange_ == TopKExchange::kBound && read_gathered_sizes(all)) {
+        // a payload did not fit the agreed bound (every rank's state was replaced alike): the
+        // headers gave every size, so gather again at the longest, as the size exchange would
+        exchange_ = TopKExchange::kSizes;
+        stride_ = static_cast<size_t>((stats_.last_max_payload + 7) / 8 * 8);
+        return gather_payloads("topk payloads (past the bound)");
+      }
       if (check_finite_ && any_skipped(all)) {
         phase_ = 4;
         settle(true);
@@ -247,6 +318,8 @@ std::optional<Collective> TopKAllreducePlan::advance() {
 
 void TopKAllreducePlan::settle(bool skip) {
   if (!skip) comp_.commit();  // (a skipped step's staged state is simply not taken)
+  // every check passed: every rank was at this rank's step
+  agreed_step_ = own_step_ + (skip ? 0 : 1);
   end_step(skip, bad_, check_finite_);
 }
 
@@ -267,22 +340,16 @@ bool TopKAllreducePlan::any_skipped(const uint8_t* all) {
   return false;
 }
 
-void TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {
+bool TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {
   // Each rank's header says how long its payload is; decode_add validates the rest. Checked here:
-  // that the sections fit the stride (so that nothing is read beyond it, and the sum cannot wrap)
-  // and that the rank's bucket has this plan's size.
+  // that the rank's bucket has this plan's size and that every rank is at the same step (first,
+  // so that a rank restored alone is named as such, whatever it sent), then that the sections
+  // fit the stride (so that nothing is read beyond it, and the sum cannot wrap) or, for a header
+  // flagged kPayloadOverflow, the largest payload the schedule allows.
   const auto P = static_cast<size_t>(world_);
   copy_headers(all);
-  payload_bytes_.resize(P);
-  uint64_t longest = 0, total = 0;
   for (size_t r = 0; r < P; ++r) {
     const PayloadHeader& h = headers_[r];
-    for (const uint64_t b : h.section_bytes)
-      GC_CHECK_PAYLOAD(b <= stride_, "plan 'topk': rank ", r, "'s payload declares a section of ",
-                       b, " bytes in a stride of ", stride_);
-    const uint64_t b = h.total_bytes();
-    GC_CHECK_PAYLOAD(b <= stride_, "plan 'topk': rank ", r, "'s payload declares ", b,
-                     " bytes in a stride of ", stride_);
     GC_CHECK_ARG(h.numel == static_cast<uint64_t>(numel_),
                  "plan 'topk': bucket sizes differ across ranks: this rank has ", numel_,
                  " elements, rank ", r, " has ", h.numel);
@@ -291,12 +358,28 @@ void TopKAllreducePlan::read_gathered_sizes(const uint8_t* all) {
     GC_CHECK_ARG(h.aux == headers_[0].aux, "plan 'topk': ranks are at different steps: rank 0 at ",
                  headers_[0].aux, ", rank ", r, " at ", h.aux,
                  " (restore every rank's state, or none)");
+  }
+  payload_bytes_.resize(P);
+  uint64_t longest = 0, total = 0;
+  bool again = false;
+  for (size_t r = 0; r < P; ++r) {
+    const PayloadHeader& h = headers_[r];
+    const bool over = (h.flags & kPayloadOverflow) != 0;
+    const uint64_t limit = over ? max_payload_ : stride_;
+    for (const uint64_t b : h.section_bytes)
+      GC_CHECK_PAYLOAD(b <= limit, "plan 'topk': rank ", r, "'s payload declares a section of ", b,
+                       " bytes in a stride of ", limit);
+    const uint64_t b = h.total_bytes();
+    GC_CHECK_PAYLOAD(b <= limit, "plan 'topk': rank ", r, "'s payload declares ", b,
+                     " bytes in a stride of ", limit);
+    again = again || over;
     payload_bytes_[r] = b;
     longest = std::max(longest, b);
     total += b;
   }
   stats_.last_max_payload = longest;
   stats_.last_total_payload = total;
+  return again;
 }
 
 }  // namespace gradcomp

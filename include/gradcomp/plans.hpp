@@ -273,6 +273,15 @@ struct TopKPlanStats {
 /// `exchange` (auto: the cheaper by the cost model, with the last step's longest payload, known
 /// to every rank, as the estimate; the bound when the route is forced dense). All ranks must
 /// build, restore and step their plans alike (as a DDP job does).
+/// Every choice that shapes a later step's collectives (exchange, route, bound) is made from the
+/// step the ranks last agreed on, not from this rank's own counter: a rank whose state was
+/// replaced in a live plan (load_state_dict of another step, within a warm-up whose k changes
+/// from step to step too) still issues the collectives of the same sizes as the others, and
+/// its payload's header (sparse route) or the consensus slots after the dense values (dense
+/// route: one 0/1 slot per bit of the step and of the options' hash, summed exactly) tell every
+/// rank, which throws. A payload longer than the agreed bound (every rank loaded the same older
+/// state) is flagged in its header, and the step gathers the payloads again at their real sizes.
+/// After a failed step the next one exchanges sizes again.
 /// The cost model picks the route from the longest payload (the bound when no sizes were
 /// exchanged; the same decision on every rank):
 ///   sparse: allgather of the padded payloads (~ k (P-1) index/value pairs per rank), then
@@ -321,8 +330,18 @@ class TopKAllreducePlan : public GradientPlan {
   void finish();    ///< casts the accumulator into an fp16/bf16 gradient
   /// Records the route for the longest payload and starts it (dense allreduce or payloads).
   std::optional<Collective> send(uint64_t longest);
-  /// Bound exchange: each rank's payload size from the gathered headers (checked).
-  void read_gathered_sizes(const uint8_t* gathered);
+  /// Bound exchange: each rank's payload size from the gathered headers (checked); true when a
+  /// payload did not fit the bound and the payloads must be gathered again at their sizes.
+  bool read_gathered_sizes(const uint8_t* gathered);
+  /// Pads this rank's payload to stride_ (the longest payload, rounded) and gathers them all.
+  Collective gather_payloads(const char* tag);
+  /// Dense route: the consensus slots after the n dense values (step bits, options-hash bits,
+  /// and a count of ranks whose gradient was not finite).
+  static constexpr size_t kDenseSlots = 65;
+  void put_dense_slots(float* slots);
+  /// Checks the summed slots: true when a rank's gradient was not finite (the step is skipped);
+  /// throws on every rank when the ranks' steps or options differ.
+  bool check_dense_slots();
   TopKCompressor comp_;
   TopKPlanOptions opt_;
   TopKPlanStats stats_;
@@ -340,17 +359,34 @@ class TopKAllreducePlan : public GradientPlan {
   TopKExchange exchange_ = TopKExchange::kSizes;
   bool check_finite_ = true;
   int64_t bad_ = -1;  ///< this step: this rank's first non-finite index, or -1
+  /// The step every rank was at when the last step ended (+1 when it was kept), which sizes the
+  /// next step's collectives; -1 when unknown (a new plan, or the last step failed): the next
+  /// step then exchanges sizes.
+  int64_t agreed_step_ = -1;
+  int64_t own_step_ = 0;      ///< this step: this rank's own step (the compressor's counter)
+  uint64_t max_payload_ = 0;  ///< the largest payload any step of the schedule can send
+  bool overflowed_ = false;   ///< this step: the payload did not fit the agreed bound
+  Buffer dense_;              ///< dense route: the n fp32 values and the consensus slots
   /// Sparse route: whether a gathered payload is flagged kPayloadSkipped.
   bool any_skipped(const uint8_t* gathered);
   /// The gathered payloads' headers into headers_ (host).
   void copy_headers(const uint8_t* gathered);
   /// Keeps (commit) or drops the step's state change and ends the step (GradientPlan::end_step).
   void settle(bool skip);
-  void undo_state() override { comp_.uncommit(); }
+  void undo_state() override {
+    comp_.uncommit();
+    if (agreed_step_ > 0) agreed_step_ -= 1;  // every rank takes the same kept step back
+  }
 };
 
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
 /// are summed (rank-ordered allreduce in the value dtype) and decoded once with scale 1/P.
+/// The allreduce's length is decided from the step the ranks last agreed on (the schedule's
+/// largest count for a new plan or after a failed step), not from this rank's own counter, so
+/// that a rank whose state was replaced in a live plan (within a warm-up whose count changes
+/// from step to step too) sums as many values as the others; the consensus slots after them
+/// then tell every rank. When every rank's count exceeds the agreed one (every rank loaded the
+/// same older state) the step encodes and sums again at that count.
 ///
 /// Example:  gradcomp::RandomKAllreducePlan plan(gradcomp::RandomKConfig{}, n, comm.size());
 class RandomKAllreducePlan : public GradientPlan {
@@ -373,18 +409,33 @@ class RandomKAllreducePlan : public GradientPlan {
   }
 
  private:
-  void undo_state() override { comp_.uncommit(); }
-  /// Writes this step's consensus slots right after the values (see next()); returns how many
-  /// elements the allreduce then sums (values and slots).
-  size_t put_consensus(const PayloadHeader& h);
-  /// After the sum: InvalidArgument on every rank when some rank's step or options differ.
-  void check_consensus(const PayloadHeader& h);
+  void undo_state() override {
+    comp_.uncommit();
+    if (agreed_step_ > 0) agreed_step_ -= 1;  // every rank takes the same kept step back
+  }
+  std::optional<Collective> advance();  ///< next() without the failure handling
+  /// Encodes this step and writes the consensus slots after the values the ranks agree to sum
+  /// (see next()); returns the allreduce's collective.
+  Collective encode_and_send();
+  /// Writes the consensus slots after the first `m` values; returns how many elements the
+  /// allreduce then sums (values and slots).
+  size_t put_consensus(const PayloadHeader& h, size_t m);
+  /// After the sum: InvalidArgument on every rank when some rank's step or options differ;
+  /// returns whether some rank's values did not fit the agreed count.
+  bool check_consensus(const PayloadHeader& h);
+  /// Values the allreduce carries: the count at the agreed step, or the schedule's largest.
+  size_t agreed_count() const;
   RandomKCompressor comp_;
   Payload payload_;
   Buffer acc_;
   bool check_finite_ = true;
   int64_t bad_ = -1;
   uint32_t options_hash_ = 0;  ///< low bits of detail::OptionsHash (plans/options_hash.hpp)
+  /// The step every rank was at when the last step ended (+1 when kept); -1 when unknown (a new
+  /// plan, or the last step failed): the next step then sends the schedule's largest count.
+  int64_t agreed_step_ = -1;
+  int64_t max_count_ = 0;  ///< the largest count of any step of the warm-up schedule
+  size_t sent_ = 0;        ///< this step: the values (and slots) the allreduce sums
 };
 
 /// 1-bit Adam's compressed allreduce (Tang et al. 2021) as a plan, for one rank of `world`:

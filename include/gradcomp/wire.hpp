@@ -39,6 +39,9 @@ const char* payload_kind_name(PayloadKind k);
 /// PayloadHeader::flags: the sender's gradient held NaN or Inf, so the payload carries no data of
 /// it and the step is skipped on every rank (OnNonFinite, gradcomp/plan.hpp).
 inline constexpr uint8_t kPayloadSkipped = 1;
+/// PayloadHeader::flags, top-k's one-collective exchange only: the payload is longer than the
+/// bound it was padded to, so only its header was sent (the plan gathers the payloads again).
+inline constexpr uint8_t kPayloadOverflow = 2;
 
 struct PayloadHeader {
   uint32_t magic = kPayloadMagic;
@@ -47,7 +50,7 @@ struct PayloadHeader {
   uint8_t kind = 0;          ///< PayloadKind
   uint8_t value_dtype = 0;   ///< DType of the values section
   uint8_t index_coding = 0;  ///< IndexCoding
-  uint8_t flags = 0;         ///< kPayloadSkipped or 0
+  uint8_t flags = 0;         ///< kPayloadSkipped, kPayloadOverflow or 0
   uint32_t tensor_id = 0;
   uint64_t numel = 0;  ///< dense element count of the tensor
   uint64_t count = 0;  ///< number of encoded elements (k for sparse)

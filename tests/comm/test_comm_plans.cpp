@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <memory>
 
 #include "comm_reference.hpp"
 #include "gradcomp/detail/numeric.hpp"
@@ -808,4 +810,168 @@ TEST(CommPlans, SparsifyPlansClipEachRankAtNormOverSqrtWorld) {
   EXPECT_EQ(gc::parse_enum<gc::SparsifyConfig::ClipScaling>("none"),
             gc::SparsifyConfig::ClipScaling::kNone);
   EXPECT_THROW(gc::parse_enum<gc::SparsifyConfig::ClipScaling>("sqrt"), gc::InvalidArgument);
+}
+
+// A rank whose state is replaced in a live plan (an older checkpoint loaded on one rank) within a
+// warm-up, where k and with it every step's collective sizes change from step to step: every
+// rank must be told by a clear error, on every exchange and route, and never by collectives of
+// different sizes (gloo aborts the process on those). Afterwards the job goes on: the rank loads
+// the right state and the next steps are bitwise those of an uninterrupted pair. When every rank
+// loads the same older state, the step runs (top-k gathers again at the real sizes, random-k
+// sums again at the real count) and equals new plans given that state.
+namespace {
+
+struct Pair {
+  std::vector<std::unique_ptr<gc::BucketPlan>> plans;
+  std::vector<gc::Collective> log;  // of the last step
+  // one step on rank_input(n, r, s); returns every rank's output
+  std::vector<std::vector<float>> step(int64_t n, int s) {
+    std::vector<std::vector<float>> g;
+    std::vector<gc::Plan*> raw;
+    for (size_t r = 0; r < plans.size(); ++r) g.push_back(rank_input(n, static_cast<int>(r), s));
+    for (size_t r = 0; r < plans.size(); ++r) {
+      plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+      raw.push_back(plans[r].get());
+    }
+    log = gc::run_plans_in_process(raw);
+    return g;
+  }
+  std::vector<std::vector<uint8_t>> states() const {
+    std::vector<std::vector<uint8_t>> s;
+    for (const auto& p : plans) s.push_back(p->state_dict());
+    return s;
+  }
+};
+
+template <class Make>
+Pair make_pair_of(int P, Make make) {
+  Pair p;
+  for (int r = 0; r < P; ++r) p.plans.push_back(make());
+  return p;
+}
+
+void expect_steps_differ(Pair& p, int64_t n, int s) {
+  const auto before = p.states();
+  try {
+    p.step(n, s);
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const gc::InvalidArgument& e) {
+    // the plans' own check, not the engine's refusal of collectives of different sizes
+    EXPECT_NE(std::string(e.what()).find("ranks are at different steps"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(p.states(), before) << "a failed step changed a state";
+}
+
+}  // namespace
+
+TEST(CommPlans, ALiveRankLoadingAnotherStepInTheWarmUpFailsCleanlyAndTheJobGoesOn) {
+  const int64_t n = 1000;
+  gc::TopKConfig tk;
+  tk.ratio = 0.01;
+  tk.warmup_ratios = {0.3, 0.2, 0.1, 0.05};
+  tk.warmup_steps = 1;  // k changes at every step of the warm-up
+  gc::RandomKConfig rk;
+  rk.ratio = 0.01;
+  rk.warmup_ratios = tk.warmup_ratios;
+  rk.warmup_steps = 1;
+  rk.dense_below = 0;
+  struct Case {
+    const char* what;
+    std::function<std::unique_ptr<gc::BucketPlan>()> make;
+  };
+  gc::TopKPlanOptions bound, sizes, dense;
+  bound.exchange = gc::TopKExchange::kBound;
+  sizes.exchange = gc::TopKExchange::kSizes;
+  dense.route = gc::TopKRoute::kDense;
+  const std::vector<Case> cases = {
+      {"topk bound", [&] { return std::make_unique<gc::TopKAllreducePlan>(tk, n, 2, bound); }},
+      {"topk sizes", [&] { return std::make_unique<gc::TopKAllreducePlan>(tk, n, 2, sizes); }},
+      {"topk dense", [&] { return std::make_unique<gc::TopKAllreducePlan>(tk, n, 2, dense); }},
+      {"randomk", [&] { return std::make_unique<gc::RandomKAllreducePlan>(rk, n, 2); }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Pair ref = make_pair_of(2, c.make), run = make_pair_of(2, c.make);
+    std::vector<std::vector<std::vector<float>>> want;
+    for (int s = 0; s < 6; ++s) want.push_back(ref.step(n, s));
+    std::vector<uint8_t> older;
+    for (int s = 0; s < 3; ++s) {
+      if (s == 1) older = run.plans[0]->state_dict();
+      run.step(n, s);
+    }
+    // rank 0 goes back to step 1, twice in a row (the step after a failed one is checked too)
+    const auto mine = run.plans[0]->state_dict();
+    run.plans[0]->load_state_dict(older.data(), older.size());
+    expect_steps_differ(run, n, 3);
+    expect_steps_differ(run, n, 3);
+    run.plans[0]->load_state_dict(mine.data(), mine.size());
+    for (int s = 3; s < 6; ++s) EXPECT_EQ(run.step(n, s), want[s]) << "step " << s;
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.what) + ": every rank loads the same older state");
+    Pair run = make_pair_of(2, c.make);
+    std::vector<std::vector<uint8_t>> older;
+    for (int s = 0; s < 4; ++s) {
+      if (s == 1) older = run.states();
+      run.step(n, s);
+    }
+    Pair fresh = make_pair_of(2, c.make);
+    for (int r = 0; r < 2; ++r) {
+      run.plans[r]->load_state_dict(older[r].data(), older[r].size());
+      fresh.plans[r]->load_state_dict(older[r].data(), older[r].size());
+    }
+    for (int s = 4; s < 7; ++s) {
+      EXPECT_EQ(run.step(n, s), fresh.step(n, s)) << "step " << s;
+      EXPECT_EQ(run.states(), fresh.states()) << "step " << s;
+    }
+  }
+}
+
+TEST(CommPlans, TheAgreedStepSizesTheCollectives) {
+  const int64_t n = 1000;
+  {  // top-k bound: every rank loaded step 1 (k = 20% of n) where the agreed step is 4 (5%):
+     // the headers fit the bound and are flagged; the payloads are gathered again
+    gc::TopKConfig tk;
+    tk.ratio = 0.01;
+    tk.warmup_ratios = {0.3, 0.2, 0.1, 0.05};
+    tk.warmup_steps = 1;
+    gc::TopKPlanOptions bound;
+    bound.exchange = gc::TopKExchange::kBound;
+    Pair run =
+        make_pair_of(2, [&] { return std::make_unique<gc::TopKAllreducePlan>(tk, n, 2, bound); });
+    std::vector<std::vector<uint8_t>> older;
+    for (int s = 0; s < 4; ++s) {
+      if (s == 1) older = run.states();
+      run.step(n, s);
+    }
+    EXPECT_EQ(run.log.size(), 1u);
+    for (int r = 0; r < 2; ++r) run.plans[r]->load_state_dict(older[r].data(), older[r].size());
+    run.step(n, 4);
+    ASSERT_EQ(run.log.size(), 2u);
+    EXPECT_EQ(std::string(run.log[1].tag), "topk payloads (past the bound)");
+    EXPECT_GT(run.log[1].count, run.log[0].count);
+    run.step(n, 5);  // agreed again: one collective
+    EXPECT_EQ(run.log.size(), 1u);
+  }
+  {  // random-k: a new plan sums the schedule's largest count once (its step is not known to
+     // agree with the others'), then the count of each step
+    gc::RandomKConfig rk;
+    rk.ratio = 0.01;
+    rk.warmup_ratios = {0.05, 0.3};  // the largest is not the first
+    rk.warmup_steps = 2;
+    rk.dense_below = 0;
+    Pair run =
+        make_pair_of(3, [&] { return std::make_unique<gc::RandomKAllreducePlan>(rk, n, 3); });
+    const size_t slots = 65;
+    run.step(n, 0);
+    ASSERT_EQ(run.log.size(), 1u);
+    EXPECT_EQ(run.log[0].count, gc::topk_count(0.3, n) + slots);
+    run.step(n, 1);
+    EXPECT_EQ(run.log[0].count, gc::topk_count(0.05, n) + slots);
+    run.step(n, 2);
+    EXPECT_EQ(run.log[0].count, gc::topk_count(0.3, n) + slots);
+    for (int s = 3; s < 6; ++s) run.step(n, s);
+    EXPECT_EQ(run.log[0].count, gc::topk_count(0.01, n) + slots);
+  }
 }
