@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      mark_ok, run, run_ok, save_checkpoint, tmpdir, train)
+                      mark_ok, params_equal_across_ranks, run, run_ok, save_checkpoint, tmpdir,
+                      train)
 
 # Linear(64, 700) -> Linear(700, 700) -> Linear(700, 8): DDP's initial single bucket is regrouped
 # into two after the first iteration (the probe that found restores failing)
@@ -240,3 +241,48 @@ def test_auto_load_state_dict_checks_every_candidate_before_applying():
         with pytest.raises(ValueError):
             state.load_state_dict(bad)
         assert pickle.dumps(state.state_dict()) == before
+
+
+# ---- one rank loads another step's state into a live job -------------------------------------
+# Inside a warm-up, k (so every collective's size) changes at each step: a rank that loads an
+# older state alone must get, with its peers, a ValueError at the next backward, never gloo's
+# abort on collectives of different sizes; the step after is checked again, and once the rank has
+# its own state back the job trains on with the ranks in step.
+WARMUP = dict(warmup_ratios=[0.3, 0.2, 0.1, 0.05], warmup_steps=1)
+ALONE = [
+    ("topk", dict(ratio=0.01, exchange="bound", **WARMUP)),
+    ("topk", dict(ratio=0.01, exchange="auto", **WARMUP)),
+    ("topk", dict(ratio=0.01, route="dense", **WARMUP)),
+    ("randomk", dict(ratio=0.01, dense_below=0, **WARMUP)),
+]
+
+
+def _one_rank_loads_alone(rank, world, out_dir):
+    data = make_data(rank, 8)
+    for name, opts in ALONE:
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state, hook = gt.hook(name, model=model, start_iter=0, **opts)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        train(model, opt, data[0:2])
+        older = copy.deepcopy(state.state_dict())
+        train(model, opt, data[2:4])
+        mine = copy.deepcopy(state.state_dict())
+        if rank == 0:
+            state.load_state_dict(older)
+        x, y = data[4]
+        for _ in range(2):
+            opt.zero_grad()
+            with pytest.raises(ValueError, match="ranks are at different steps"):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        if rank == 0:
+            state.load_state_dict(mine)
+        train(model, opt, data[4:8])
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert params_equal_across_ranks(model), (name, opts)
+    mark_ok(out_dir, rank)
+
+
+def test_a_rank_loading_another_step_alone_is_told_on_every_rank_inside_a_warm_up():
+    run_ok(_one_rank_loads_alone, 2)

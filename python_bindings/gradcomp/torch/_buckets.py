@@ -10,11 +10,11 @@ from ._families import _dtype_name
 
 
 class _Bucket:
-    __slots__ = ("plan", "numel", "dtype", "layout", "shapes", "steps")
+    __slots__ = ("plan", "numel", "dtype", "layout", "shapes", "steps", "device")
 
-    def __init__(self, plan, numel, dtype, layout, shapes):
+    def __init__(self, plan, numel, dtype, layout, shapes, device=None):
         self.plan, self.numel, self.dtype, self.layout = plan, numel, dtype, layout
-        self.shapes, self.steps = shapes, 0
+        self.shapes, self.steps, self.device = shapes, 0, device
 
 
 class _PermutedBucket:
@@ -110,6 +110,9 @@ class BucketTable:
         self.stateful = stateful
         self.buckets: Dict[int, _Bucket] = {}
         self.pending: Dict[int, Dict[str, Any]] = {}
+        # the plans live when load_state_dict() was called, by key: a state loaded into a live
+        # job goes into its bucket's live plan (see _apply)
+        self._live: Dict[int, _Bucket] = {}
         self._param_index: Optional[Dict[int, int]] = (
             None if model is None else {id(p): i for i, p in enumerate(model.parameters())})
         self._param_shapes = (None if model is None
@@ -169,7 +172,7 @@ class BucketTable:
                                                                  list(self.buckets))
                 plan = make(bucket, k)
                 b = self.buckets[k] = _Bucket(plan, buf.numel(), dt, layout,
-                                              self.shapes(bucket))
+                                              self.shapes(bucket), buf.device)
             elif cover is None:
                 return self._regrouped(bucket, idx, layout)
             else:
@@ -242,10 +245,23 @@ class BucketTable:
                              f"elements in tensors of shapes {p['shapes']}, but {whose} {n} {dt} "
                              f"in {self.shapes(view)}; pass model=... to gradcomp.torch.hook "
                              f"alike when saving and restoring")
-        plan = make(view, k)
+        # A live plan of the same bucket takes the state itself: it keeps what the ranks last
+        # agreed on, which sizes its next step's collectives (top-k's bound, random-k's count),
+        # so that a rank that loads a state alone sends what its peers expect and is told, with
+        # them, that its step differs, where a new plan would exchange sizes while its peers
+        # send payloads (collectives of different sizes: gloo aborts).
+        old = self._live.pop(k, None)
+        device = view.buffer().device
+        if (old is not None and old.numel == n and old.dtype == dt and old.device == device
+                and tuple(old.layout) == tuple(layout) and old.shapes == p["shapes"]):
+            plan = old.plan
+        else:
+            plan = make(view, k)
         plan.load_state_dict(p["state"])
         del self.pending[k]
-        b = self.buckets[k] = _Bucket(plan, p["numel"], dt, layout, p["shapes"])
+        if not self.pending:
+            self._live = {}  # (plans no state went into are dropped)
+        b = self.buckets[k] = _Bucket(plan, p["numel"], dt, layout, p["shapes"], device)
         return b
 
     def _regrouped(self, bucket, idx, layout):
@@ -346,6 +362,8 @@ class BucketTable:
     def load_state_dict(self, buckets: Dict[int, Dict[str, Any]]) -> None:
         """Applies what check_state_dict() returned: every bucket's state is applied when its
         parameters first reach the hook."""
+        self._live = {k: b for k, b in self.buckets.items()
+                      if b.plan.stateful and not isinstance(b.plan, _CompositePlan)}
         self.buckets = {}
         self.pending = dict(buckets)
 
