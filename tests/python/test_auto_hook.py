@@ -87,10 +87,13 @@ def test_bad_options_raise_value_error(bad):
 
 
 # ---- 2-rank DDP ---------------------------------------------------------------------------------
-def _auto_run(rank, world, out_dir, phase, cands):
-    data = make_data(rank, 30)
+def _auto_run(rank, world, out_dir, phase, cands, big=False):
+    # big: Linear(64, 700) -> Linear(700, 700) -> Linear(700, 8), whose single initial DDP bucket
+    # is regrouped into two after the first iteration
+    dims = dict(d_in=64, d_hidden=700, d_out=8) if big else {}
+    data = make_data(rank, 30, **{k: v for k, v in dims.items() if k != "d_hidden"})
     torch.manual_seed(0)
-    model = DDP(Net())
+    model = DDP(Net(**dims))
     state, hook = gt.hook("auto", model=model, candidates=cands, trial_steps=2, recheck_every=12)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
@@ -147,6 +150,17 @@ def test_auto_checkpoint_resumes_bitwise():
     run(_auto_run, 2, d, "resume", ["powersgd"])
     r = json.load(open(os.path.join(d, "resume_0.json")))
     assert r["choices"] and set(r["choices"].values()) == {"powersgd"}
+    assert_resumed_equals_straight(d, 2, "auto")
+
+
+def test_auto_checkpoint_resumes_bitwise_on_a_model_whose_buckets_ddp_regroups():
+    # the restored job's first iteration runs DDP's initial bucket, which holds the parameters
+    # of both saved ones
+    d = tmpdir()
+    for phase in ("straight", "first", "resume"):
+        run(_auto_run, 2, d, phase, ["topk"], True)
+    r = json.load(open(os.path.join(d, "resume_0.json")))
+    assert len(r["choices"]) >= 2 and set(r["choices"].values()) == {"topk"}, r["choices"]
     assert_resumed_equals_straight(d, 2, "auto")
 
 
