@@ -286,3 +286,49 @@ def _one_rank_loads_alone(rank, world, out_dir):
 
 def test_a_rank_loading_another_step_alone_is_told_on_every_rank_inside_a_warm_up():
     run_ok(_one_rank_loads_alone, 2)
+
+
+# ---- a fresh job where one rank restores its checkpoint and the other does not -----------------
+# The restored rank compresses from its first step while its peer runs the plain allreduce of
+# start_iter: without a check the two issue different collectives (gloo: abort or hang). The
+# first step of a hook state compares (iteration, start_iter, options) across ranks.
+def _restored_alone(rank, world, out_dir):
+    data = make_data(rank, 12)
+    cases = [(n, o) for n, o in FAMILIES.items()] + [("auto", dict(trial_steps=2))]
+    for name, opts in cases:
+        def build(**more):
+            torch.manual_seed(0)
+            model = DDP(Net())
+            state, hook = gt.hook(name, model=model, **dict(opts, **more))
+            model.register_comm_hook(state, hook)
+            return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
+
+        model, state, opt = build()
+        train(model, opt, data[0:5])
+        sd = copy.deepcopy(state.state_dict())
+        model, state, opt = build()  # the restarted job: only rank 0 restores
+        if rank == 0:
+            state.load_state_dict(sd)
+        x, y = data[5]
+        for _ in range(2):  # the step after a failed check checks again
+            opt.zero_grad()
+            with pytest.raises(ValueError, match="different iterations"):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        if rank == 1:
+            state.load_state_dict(sd)
+        train(model, opt, data[5:9])
+        assert state.iter == 9, (name, state.iter)
+        assert params_equal_across_ranks(model), name
+    # options that differ across ranks are told at the first step as well
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook("topk", ratio=0.01 if rank == 0 else 0.02, start_iter=0)
+    model.register_comm_hook(state, hook)
+    x, y = data[0]
+    with pytest.raises(ValueError, match="options or start_iter"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    mark_ok(out_dir, rank)
+
+
+def test_a_fresh_job_where_one_rank_restores_alone_fails_on_every_rank_then_trains():
+    run_ok(_restored_alone, 2)

@@ -41,7 +41,8 @@ from gradcomp import _C
 
 from ._buckets import _as_int
 from ._driver import PlanStats, wire_bytes
-from ._hook import GradcompState, _hook, _layout, _Steps
+from ._hook import GradcompState, _agree_first_step, _hook, _layout, _Steps
+from ._worker import AfterBackward
 from ._reshard import local_state_dict
 
 log = logging.getLogger("gradcomp")
@@ -149,6 +150,8 @@ class AutoState:
                               **per[n]))
             for n in names}
         self.process_group = process_group
+        self.compressor = "auto"
+        self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
         self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw: the index of every candidate's history
         self._steps = _Steps(self)  # steps settle across candidates (see _Steps)
@@ -353,6 +356,18 @@ class AutoState:
 def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook of ``hook("auto")``: runs each bucket with the candidate of this iteration
     (see the module docstring) through the per-compressor hook."""
+    if not state._agreed:
+        try:
+            _agree_first_step(state, bucket.buffer())
+        except Exception as e:  # raised once DDP has finished the step (see "Errors" in _driver)
+            buf = bucket.buffer()
+            after = AfterBackward.arm(buf)
+            if after is None:
+                raise
+            after.error = e
+            fut = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
     it = state.iter
     if state._seen != it:
         state._seen = it

@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+import zlib
 from typing import Any, Dict, Optional
 
 import torch
@@ -62,6 +63,7 @@ class GradcompState:
         self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw, skipped ones included: the index of history
         self._owner = None  # the state that settles steps (hook("auto") for its candidates)
+        self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
         self._steps = _Steps(self)
         self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
         # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
@@ -389,6 +391,8 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         err = _sparse_error(bucket)
         if err is not None:
             raise err
+        if state._owner is None:  # (hook("auto") checks for its candidates)
+            _agree_first_step(state, buf)
         warmup = it < state.start_iter
         if warmup:
             state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
@@ -427,6 +431,39 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     worker = state._worker or state._make_worker()
     # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
     return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed)
+
+
+def _agree_first_step(state, buf) -> None:
+    """The first step a hook state runs (in this process) starts with one small allgather of
+    (iteration, start_iter, a digest of the compressor and its options) on the hook's own group;
+    a ValueError on every rank when they differ. A rank restored alone (iteration 5 where its
+    peers start at 0), or built with other options, would otherwise issue other collectives
+    than its peers from the first bucket on (a plain allreduce against a compressed exchange),
+    which gloo answers with an abort or a hang. Later steps carry their own checks (the plans'
+    headers and consensus slots), so this costs one collective per job start; after a failed
+    check the next step checks again."""
+    if state._agreed or not (dist.is_available() and dist.is_initialized()):
+        return
+    worker = state._worker or state._make_worker()
+    group = worker.group.world if isinstance(worker.group, Topology) else worker.group
+    digest = zlib.crc32(repr((state.compressor, sorted(state.options.items(), key=str),
+                              getattr(state, "per_node", 0))).encode())
+    mine = torch.tensor([state.iter, state.start_iter, digest], dtype=torch.int64,
+                        device=buf.device)
+    world = dist.get_world_size(group)
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine, group=group)
+    rows = [g.tolist() for g in got]
+    for r, row in enumerate(rows):
+        if row[0] != rows[0][0]:
+            raise ValueError(f"gradcomp hook: the ranks start at different iterations (rank 0 at "
+                             f"{rows[0][0]}, rank {r} at {row[0]}): restore every rank's state, "
+                             f"or none; no rank ran the step")
+        if row[1:] != rows[0][1:]:
+            raise ValueError(f"gradcomp hook: rank {r}'s compressor, options or start_iter "
+                             f"differ from rank 0's: build the hook alike on every rank; no rank "
+                             f"ran the step")
+    state._agreed = True
 
 
 def _layout(hierarchy, per_node, group) -> int:
