@@ -5,6 +5,7 @@
 // threads over real communicators.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -206,6 +207,33 @@ std::vector<std::vector<uint8_t>> states(const std::vector<std::unique_ptr<Bucke
   std::vector<std::vector<uint8_t>> s;
   for (const auto& p : plans) s.push_back(p->state_dict());
   return s;
+}
+
+// An independent check of the definition on the one family where the two levels must agree with
+// the flat plan: random-k draws the same indices on every rank and sums the values alone, so it
+// is linear in the gradients (residual, momentum correction and masking included), and the
+// average of the node means is the average. At full density every element is sent, so the
+// two-level and the flat plan give the same average, step after step with momentum, to fp32
+// rounding (the node mean adds one rounding).
+TEST(Hierarchical, RandomKAtFullDensityEqualsTheFlatPlanStepAfterStep) {
+  const Layout l{2, 2};
+  const int P = l.nodes * l.per_node;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1001}, int64_t{40003}}) {
+    SCOPED_TRACE(n);
+    const PlanOptions o{{"ratio", 1.0}, {"momentum", 0.9}, {"dense_below", int64_t{0}}};
+    auto two = hierarchical("randomk", n, l, o);
+    std::vector<std::unique_ptr<BucketPlan>> flat;
+    for (int r = 0; r < P; ++r) flat.push_back(make_plan("randomk", spec(n, P, r), o));
+    for (int s = 0; s < 5; ++s) {
+      const auto g = gradients(P, n, s);
+      const auto a = step_all(two, g, l.per_node);
+      const auto b = step_all(flat, g, 1);
+      for (int r = 0; r < P; ++r)
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_NEAR(a[r][i], b[r][i], 1e-5f * (1.0f + std::abs(b[r][i])))
+              << "step " << s << " rank " << r << " element " << i;
+    }
+  }
 }
 
 TEST(Hierarchical, CheckpointResumesBitwise) {
