@@ -257,6 +257,16 @@ ALONE = [
 ]
 
 
+def _fails_twice(model, opt, batch, match: str) -> None:
+    """backward() raises a ValueError on this rank twice in a row (the step after a failed check
+    checks again)."""
+    x, y = batch
+    for _ in range(2):
+        opt.zero_grad()
+        with pytest.raises(ValueError, match=match):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+
+
 def _one_rank_loads_alone(rank, world, out_dir):
     data = make_data(rank, 8)
     for name, opts in ALONE:
@@ -271,11 +281,7 @@ def _one_rank_loads_alone(rank, world, out_dir):
         mine = copy.deepcopy(state.state_dict())
         if rank == 0:
             state.load_state_dict(older)
-        x, y = data[4]
-        for _ in range(2):
-            opt.zero_grad()
-            with pytest.raises(ValueError, match="ranks are at different steps"):
-                torch.nn.functional.mse_loss(model(x), y).backward()
+        _fails_twice(model, opt, data[4], "ranks are at different steps")
         if rank == 0:
             state.load_state_dict(mine)
         train(model, opt, data[4:8])
@@ -309,11 +315,7 @@ def _restored_alone(rank, world, out_dir):
         model, state, opt = build()  # the restarted job: only rank 0 restores
         if rank == 0:
             state.load_state_dict(sd)
-        x, y = data[5]
-        for _ in range(2):  # the step after a failed check checks again
-            opt.zero_grad()
-            with pytest.raises(ValueError, match="different iterations"):
-                torch.nn.functional.mse_loss(model(x), y).backward()
+        _fails_twice(model, opt, data[5], "different iterations")
         if rank == 1:
             state.load_state_dict(sd)
         train(model, opt, data[5:9])

@@ -41,8 +41,7 @@ from gradcomp import _C
 
 from ._buckets import _as_int
 from ._driver import PlanStats, wire_bytes
-from ._hook import GradcompState, _agree_first_step, _hook, _layout, _Steps
-from ._worker import AfterBackward
+from ._hook import GradcompState, _agree_first_step, _fail_after_backward, _hook, _layout, _Steps
 from ._reshard import local_state_dict
 
 log = logging.getLogger("gradcomp")
@@ -360,14 +359,7 @@ def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
         try:
             _agree_first_step(state, bucket.buffer())
         except Exception as e:  # raised once DDP has finished the step (see "Errors" in _driver)
-            buf = bucket.buffer()
-            after = AfterBackward.arm(buf)
-            if after is None:
-                raise
-            after.error = e
-            fut = torch.futures.Future()
-            fut.set_result(buf)
-            return fut
+            return _fail_after_backward(e, bucket.buffer())
     it = state.iter
     if state._seen != it:
         state._seen = it

@@ -415,13 +415,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         # _driver). Outside a backward pass it is raised at once.
         settled[0] = True
         steps.settle(rec, True)
-        after = AfterBackward.arm(buf)
-        if after is None:
-            raise
-        after.error = e
-        fut = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+        return _fail_after_backward(e, buf)
 
     def result():  # the plan averaged view in place
         if permuted:
@@ -431,6 +425,19 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     worker = state._worker or state._make_worker()
     # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
     return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed)
+
+
+def _fail_after_backward(error: Exception, buf) -> torch.futures.Future:
+    """A hook's error inside DDP's backward: the bucket keeps its own gradient (a completed
+    future) and loss.backward() raises `error` once DDP has finished the step, so that the model
+    stays usable; outside a backward pass it is raised at once."""
+    after = AfterBackward.arm(buf)
+    if after is None:
+        raise error
+    after.error = error
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 def _agree_first_step(state, buf) -> None:
