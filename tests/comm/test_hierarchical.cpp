@@ -64,15 +64,21 @@ std::vector<std::unique_ptr<BucketPlan>> hierarchical(
   return plans;
 }
 
-/// One step of P ranks' plans over the lockstep simulator; returns every rank's output.
-std::vector<std::vector<float>> step_all(std::vector<std::unique_ptr<BucketPlan>>& plans,
-                                         std::vector<std::vector<float>> g, int per_node) {
+/// Begins every rank's plan on its gradient (in place); returns the ranks for the simulator.
+std::vector<Plan*> begin_all(std::vector<std::unique_ptr<BucketPlan>>& plans,
+                             std::vector<std::vector<float>>& g) {
   std::vector<Plan*> ps;
   for (size_t r = 0; r < plans.size(); ++r) {
     plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
     ps.push_back(plans[r].get());
   }
-  run_plans_in_process(ps, per_node);
+  return ps;
+}
+
+/// One step of P ranks' plans over the lockstep simulator; returns every rank's output.
+std::vector<std::vector<float>> step_all(std::vector<std::unique_ptr<BucketPlan>>& plans,
+                                         std::vector<std::vector<float>> g, int per_node) {
+  run_plans_in_process(begin_all(plans, g), per_node);
   return g;
 }
 
@@ -284,11 +290,7 @@ TEST(Hierarchical, ANonFiniteGradientSkipsTheStepOnEveryRankAndChangesNoState) {
       const auto before = states(plans);
       auto g = gradients(4, n, 1);
       g[2][1500] = INFINITY;  // node 1, in local rank 1's shard
-      std::vector<Plan*> ps;
-      for (int r = 0; r < 4; ++r) {
-        plans[r]->begin(TensorView::cpu(g[r].data(), n));
-        ps.push_back(plans[r].get());
-      }
+      const std::vector<Plan*> ps = begin_all(plans, g);
       if (policy == OnNonFinite::kRaise) {
         // every rank raises at the end of its step (the simulator rethrows the first)
         try {
@@ -324,11 +326,7 @@ TEST(Hierarchical, RanksOfANodeAtDifferentStepsFailAndChangeNothing) {
   plans[1]->load_state_dict(at1[1].data(), at1[1].size());
   const auto before = states(plans);
   auto g = gradients(4, n, 2);
-  std::vector<Plan*> ps;
-  for (int r = 0; r < 4; ++r) {
-    plans[r]->begin(TensorView::cpu(g[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
+  const std::vector<Plan*> ps = begin_all(plans, g);
   try {
     run_plans_in_process(ps, 2);
     FAIL() << "no exception";
@@ -354,11 +352,7 @@ TEST(Hierarchical, OptionsThatDifferAcrossNodesFailOnEveryRank) {
         make_hierarchical_plan("topk", spec(n, 4, r), 2, {{"ratio", r < 2 ? 0.05 : 0.1}}));
   const auto before = states(plans);
   auto g = gradients(4, n, 0);
-  std::vector<Plan*> ps;
-  for (int r = 0; r < 4; ++r) {
-    plans[r]->begin(TensorView::cpu(g[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
+  const std::vector<Plan*> ps = begin_all(plans, g);
   EXPECT_THROW(run_plans_in_process(ps, 2), InvalidArgument);
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(plans[r]->skipped()) << r;
   EXPECT_EQ(states(plans), before);
@@ -403,11 +397,7 @@ TEST(Hierarchical, OneRankPerNodeRaisesAsItsFamilyAndRecordsTheSkip) {
   for (auto& p : plans) p->set_on_nonfinite(OnNonFinite::kRaise);
   auto g = gradients(3, n, 0);
   g[1][7] = NAN;
-  std::vector<Plan*> ps;
-  for (int r = 0; r < 3; ++r) {
-    plans[r]->begin(TensorView::cpu(g[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
+  const std::vector<Plan*> ps = begin_all(plans, g);
   EXPECT_THROW(run_plans_in_process(ps, 1), InvalidArgument);
   for (int r = 0; r < 3; ++r) {
     EXPECT_TRUE(plans[r]->skipped()) << r;
@@ -429,11 +419,7 @@ TEST(Hierarchical, RanksOfANodeWithOtherTensorShapesFail) {
     plans.push_back(make_hierarchical_plan("topk", b, 2, options_of("topk")));
   }
   auto g = gradients(4, n, 0);
-  std::vector<Plan*> ps;
-  for (int r = 0; r < 4; ++r) {
-    plans[r]->begin(TensorView::cpu(g[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
+  const std::vector<Plan*> ps = begin_all(plans, g);
   try {
     run_plans_in_process(ps, 2);
     FAIL() << "no exception";
