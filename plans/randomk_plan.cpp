@@ -73,7 +73,6 @@ RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t num
   const auto stages = static_cast<int64_t>(cfg.warmup_ratios.size());
   for (int64_t i = 1; cfg.warmup_steps > 0 && i <= stages; ++i)
     max_count_ = std::max(max_count_, comp_.count_at(i * cfg.warmup_steps));
-  if (cfg.warmup_steps <= 0) max_count_ = std::max(max_count_, comp_.count_at(1));
 }
 
 size_t RandomKAllreducePlan::agreed_count() const {
