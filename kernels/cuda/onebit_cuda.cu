@@ -124,6 +124,149 @@ __global__ void sign_finalize_kernel(const double* part, int64_t K, int64_t spc,
   }
 }
 
+/// Spreads the 8 low bits of b to bits 0, 4, 8, ..., 28.
+__device__ __forceinline__ uint32_t spread4(uint32_t b) {
+  b &= 0xffu;
+  b = (b | (b << 12)) & 0x000f000fu;
+  b = (b | (b << 6)) & 0x03030303u;
+  b = (b | (b << 3)) & 0x11111111u;
+  return b;
+}
+
+// ---- small chunks: one warp per chunk
+// ------------------------------------------------------------ A block-wide reduction per chunk
+// (sign_partial_kernel) leaves most of a 256-thread block idle on the hook's 128-element chunks and
+// pays a block reduction and a finalize launch for 128 elements; up to kWarpChunkMax elements, one
+// warp per chunk with a shuffle reduction instead.
+
+constexpr int64_t kWarpChunkMax = 1024;
+
+/// Sum over the warp in double by an xor butterfly: at every stage each lane adds the same two
+/// operands as its partner (in the other order; addition commutes), so every lane ends with the
+/// same total, and the total does not depend on the launch.
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int m = 16; m > 0; m >>= 1) v = add_rn_d(v, __shfl_xor_sync(kFull, v, m));
+  return v;
+}
+
+/// Sign-mode scales of chunks of at most kWarpChunkMax elements (any dtype and alignment): warp
+/// per chunk, lanes stride through it, fp32 terms per lane folded into double, the chunk redone
+/// in double when needs_wide_sum says so (as sign_partial_kernel does per group).
+template <class Load, int N, bool HasE>
+__global__ void sign_warp_kernel(const void* g, const float* e, const float* prev, int64_t n,
+                                 int64_t chunk, int64_t K, bool check, unsigned long long* bad,
+                                 float* scales) {
+  const Geo geo{n, 1, chunk, false};
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t k = warp; k < K; k += nwarps) {
+    const int64_t b = k * chunk, end = min(n, b + chunk);
+    float acc = 0.0f;
+    for (int64_t i = b + lane; i < end; i += 32)
+      acc = add_rn(acc, norm_term<N>(load_x<Load, HasE>(g, e, prev, geo, i, check, bad)));
+    double total = warp_sum(static_cast<double>(acc));
+    if (needs_wide_sum<N>(total)) {  // warp-uniform: every lane holds the same total
+      double d = 0.0;
+      for (int64_t i = b + lane; i < end; i += 32)
+        d = add_rn_d(d, norm_term_wide<N>(load_x<Load, HasE>(g, e, prev, geo, i, false, bad)));
+      total = warp_sum(d);
+    }
+    if (lane == 0) scales[k] = N == kL1 ? l1_scale(total, end - b) : l2_scale(total, end - b);
+  }
+}
+
+/// The one-pass compress of fp32, 16-byte aligned data in full chunks of S = 128 G elements
+/// (G <= 8): one warp per chunk holds the chunk's x = g + e in registers (G float4 per lane),
+/// reduces its scale, packs its bits (the word layout of quantize_vec4_kernel) and stores x as the
+/// lazy state, so a step reads g and the state once and writes the state and the payload once.
+/// No finiteness check here: the caller checks g first (see onebit_compress).
+template <int N, bool HasE, int G>
+__global__ void compress_warp_kernel(const float* g, const float* e, const float* prev,
+                                     float* st_out, int64_t K, float* scales, uint32_t* bits) {
+  constexpr int64_t S = 128 * G;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const auto* g4 = reinterpret_cast<const float4*>(g);
+  const auto* e4 = reinterpret_cast<const float4*>(e);
+  for (int64_t k = warp; k < K; k += nwarps) {
+    float4 x[G];
+    float acc = 0.0f;
+    const float ps = HasE && prev ? prev[k] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t q = (k * S + j * 128) / 4 + lane;
+      float4 v = g4[q];
+      if (HasE) {
+        float4 ev = e4[q];
+        if (prev) {
+          ev.x = lazy_error(ev.x, ps, -ps);
+          ev.y = lazy_error(ev.y, ps, -ps);
+          ev.z = lazy_error(ev.z, ps, -ps);
+          ev.w = lazy_error(ev.w, ps, -ps);
+        }
+        v.x = compensate(v.x, ev.x);
+        v.y = compensate(v.y, ev.y);
+        v.z = compensate(v.z, ev.z);
+        v.w = compensate(v.w, ev.w);
+      }
+      x[j] = v;
+      acc = add_rn(acc, norm_term<N>(v.x));
+      acc = add_rn(acc, norm_term<N>(v.y));
+      acc = add_rn(acc, norm_term<N>(v.z));
+      acc = add_rn(acc, norm_term<N>(v.w));
+    }
+    double total = warp_sum(static_cast<double>(acc));
+    if (needs_wide_sum<N>(total)) {  // warp-uniform
+      double d = 0.0;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        d = add_rn_d(d, norm_term_wide<N>(x[j].x));
+        d = add_rn_d(d, norm_term_wide<N>(x[j].y));
+        d = add_rn_d(d, norm_term_wide<N>(x[j].z));
+        d = add_rn_d(d, norm_term_wide<N>(x[j].w));
+      }
+      total = warp_sum(d);
+    }
+    if (lane == 0) scales[k] = N == kL1 ? l1_scale(total, S) : l2_scale(total, S);
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const uint32_t v0 = __ballot_sync(kFull, sign_bit(x[j].x));
+      const uint32_t v1 = __ballot_sync(kFull, sign_bit(x[j].y));
+      const uint32_t v2 = __ballot_sync(kFull, sign_bit(x[j].z));
+      const uint32_t v3 = __ballot_sync(kFull, sign_bit(x[j].w));
+      if (lane < 4) {
+        const int sh = 8 * lane;
+        bits[(k * G + j) * 4 + lane] = spread4(v0 >> sh) | (spread4(v1 >> sh) << 1) |
+                                       (spread4(v2 >> sh) << 2) | (spread4(v3 >> sh) << 3);
+      }
+      if (st_out) reinterpret_cast<float4*>(st_out)[(k * S + j * 128) / 4 + lane] = x[j];
+    }
+  }
+}
+
+/// The first non-finite index of fp32 g (16-byte aligned) into *bad (atomicMin).
+__global__ void first_nonfinite_kernel(const float* g, int64_t n, unsigned long long* bad) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n4 = n / 4;
+  for (int64_t q = t; q < n4; q += stride) {
+    const float4 v = reinterpret_cast<const float4*>(g)[q];
+    const int64_t i = 4 * q;
+    if (!is_finite_bits(v.x))
+      atomicMin(bad, static_cast<unsigned long long>(i));
+    else if (!is_finite_bits(v.y))
+      atomicMin(bad, static_cast<unsigned long long>(i + 1));
+    else if (!is_finite_bits(v.z))
+      atomicMin(bad, static_cast<unsigned long long>(i + 2));
+    else if (!is_finite_bits(v.w))
+      atomicMin(bad, static_cast<unsigned long long>(i + 3));
+  }
+  for (int64_t i = 4 * n4 + t; i < n; i += stride)
+    if (!is_finite_bits(g[i])) atomicMin(bad, static_cast<unsigned long long>(i));
+}
+
 // ---- scales: column means ---------------------------------------------------------------------
 
 /// Few columns (C < 32): block (slab, column) walks its rows; three block reductions.
@@ -215,15 +358,6 @@ __global__ void column_finalize_kernel(const double* part, int64_t R, int64_t C,
 }
 
 // ---- quantize ---------------------------------------------------------------------------------
-
-/// Spreads the 8 low bits of b to bits 0, 4, 8, ..., 28.
-__device__ __forceinline__ uint32_t spread4(uint32_t b) {
-  b &= 0xffu;
-  b = (b | (b << 12)) & 0x000f000fu;
-  b = (b | (b << 6)) & 0x03030303u;
-  b = (b | (b << 3)) & 0x11111111u;
-  return b;
-}
 
 /// fp32, 16-byte aligned: one warp per group of 128 elements (4 words), float4 per lane.
 /// Lane l holds elements 4l..4l+3; ballot j has bit l = sign of element 4l + j, so word k
@@ -427,6 +561,21 @@ static int64_t scales_impl(const void* g, DType t, const float* e, const float* 
       return;
     }
     const int64_t S = geo.chunk, K = geo.num_scales();
+    if (S <= kWarpChunkMax) {
+      const unsigned wgrid = grid_for(K, kThreads / 32, kGridCap);
+      auto launch = [&](auto Nc, auto HasEc) {
+        sign_warp_kernel<Load, decltype(Nc)::value, decltype(HasEc)::value>
+            <<<wgrid, kThreads, 0, s>>>(g, e, prev, n, S, K, check_finite, bad, scales);
+      };
+      using L1 = std::integral_constant<int, kL1>;
+      using L2 = std::integral_constant<int, kL2>;
+      if (norm == kL1)
+        e ? launch(L1{}, std::true_type{}) : launch(L1{}, std::false_type{});
+      else
+        e ? launch(L2{}, std::true_type{}) : launch(L2{}, std::false_type{});
+      GC_CUDA_CHECK_LAUNCH();
+      return;
+    }
     const int64_t spc = (std::min(S, n) + kGroupCuda - 1) / kGroupCuda;
     const int64_t items = K * spc;
     GC_CHECK(items < (int64_t{1} << 31), "too many scale blocks: ", items);
@@ -497,11 +646,94 @@ void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, co
   quantize_impl(g, t, e_in, nullptr, e_out, false, geo, scales, bits, stream);
 }
 
+namespace {
+/// Reads back the index in `bad` (one synchronisation); -1 when none.
+int64_t read_bad(const unsigned long long* bad, OneBitWorkspace& ws, cudaStream_t s) {
+  if (!ws.pinned) ws.pinned = gradcomp::cuda::malloc_host(sizeof(unsigned long long));
+  GC_CUDA_CHECK(
+      cudaMemcpyAsync(ws.pinned, bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+  GC_CUDA_CHECK(cudaStreamSynchronize(s));
+  const unsigned long long v = *static_cast<unsigned long long*>(ws.pinned);
+  return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
+}
+
+template <int N, bool HasE>
+void launch_compress_warp(int G, unsigned grid, cudaStream_t s, const float* g, const float* e,
+                          const float* prev, float* st_out, int64_t K, float* scales,
+                          uint32_t* bits) {
+  switch (G) {
+#define GC_ONEBIT_G(GG)                                                  \
+  case GG:                                                               \
+    compress_warp_kernel<N, HasE, GG>                                    \
+        <<<grid, kThreads, 0, s>>>(g, e, prev, st_out, K, scales, bits); \
+    break;
+    GC_ONEBIT_G(1)
+    GC_ONEBIT_G(2)
+    GC_ONEBIT_G(3)
+    GC_ONEBIT_G(4)
+    GC_ONEBIT_G(5)
+    GC_ONEBIT_G(6)
+    GC_ONEBIT_G(7)
+    GC_ONEBIT_G(8)
+#undef GC_ONEBIT_G
+    default:
+      GC_CHECK(false, "onebit: no fused kernel for ", G, " groups of 128");
+  }
+  GC_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
 int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
                         float* state_out, const OneBitGeom& geo, int norm, bool check_finite,
                         float* scales, uint32_t* bits, OneBitWorkspace& ws, void* stream) {
   if (geo.n == 0) return -1;
   const float* prev = state_in ? prev_scales : nullptr;
+  const int64_t S = geo.chunk;
+  if (!geo.columns && t == DType::kFloat32 && S % 128 == 0 && S <= kWarpChunkMax && aligned16(g) &&
+      aligned16(state_in) && aligned16(state_out)) {
+    // Small chunks, fp32, aligned: full chunks in one fused pass (compress_warp_kernel), the
+    // partial last chunk through the two kernels. The fused pass writes the state as it goes, so
+    // a finiteness check runs first, over g alone (4n bytes read), and a rejected call writes
+    // nothing, also in place.
+    cudaStream_t s = as_stream(stream);
+    const auto* gf = static_cast<const float*>(g);
+    if (check_finite) {
+      ws.aux.set_stream(stream);
+      auto* bad = ws.aux.get<unsigned long long>(1);
+      GC_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof(unsigned long long), s));
+      first_nonfinite_kernel<<<grid_for(geo.n, int64_t{kThreads} * 4), kThreads, 0, s>>>(gf, geo.n,
+                                                                                         bad);
+      GC_CUDA_CHECK_LAUNCH();
+      const int64_t b = read_bad(bad, ws, s);
+      if (b >= 0) return b;
+    }
+    const int64_t K = geo.n / S, tail = geo.n - K * S;
+    if (K > 0) {
+      const int G = static_cast<int>(S / 128);
+      const unsigned grid = grid_for(K, kThreads / 32, kGridCap);
+      if (norm == kL1)
+        state_in ? launch_compress_warp<kL1, true>(G, grid, s, gf, state_in, prev, state_out, K,
+                                                   scales, bits)
+                 : launch_compress_warp<kL1, false>(G, grid, s, gf, nullptr, nullptr, nullptr, K,
+                                                    scales, bits);
+      else
+        state_in ? launch_compress_warp<kL2, true>(G, grid, s, gf, state_in, prev, state_out, K,
+                                                   scales, bits)
+                 : launch_compress_warp<kL2, false>(G, grid, s, gf, nullptr, nullptr, nullptr, K,
+                                                    scales, bits);
+    }
+    if (tail > 0) {  // the last chunk: a geometry of its own, offset by whole chunks and words
+      const int64_t off = K * S;
+      OneBitGeom tg = geo;
+      tg.n = tail;
+      scales_impl(gf + off, t, state_in ? state_in + off : nullptr, prev ? prev + K : nullptr, tg,
+                  norm, false, scales + K, ws, stream);
+      quantize_impl(gf + off, t, state_in ? state_in + off : nullptr, prev ? prev + K : nullptr,
+                    state_out ? state_out + off : nullptr, true, tg, scales + K, bits + off / 32,
+                    stream);
+    }
+    return -1;
+  }
   // The scale pass reads the bad index back (when checking) before anything is written.
   const int64_t bad =
       scales_impl(g, t, state_in, prev, geo, norm, check_finite, scales, ws, stream);

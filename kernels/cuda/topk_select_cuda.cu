@@ -294,6 +294,54 @@ __global__ void __launch_bounds__(kThreads)
     out[j] = abs_bits(x[offset + (j / kSampleBlock) * stride + (j % kSampleBlock)]);
 }
 
+/// Appends the positions i with |x[i]| >= *thr (magnitude bits) to out, in no particular order,
+/// the first `cap` of them, and counts them all in *count: one read of x (float4 when x is 16-byte
+/// aligned), one atomic per warp that finds any. The sampled select sorts the (few) positions
+/// afterwards, which costs less than the ordered compaction's count pass and second read.
+__global__ void __launch_bounds__(kThreads)
+    append_above_kernel(const float* x, int64_t n, const uint32_t* thr, uint64_t cap, uint32_t* out,
+                        unsigned long long* count) {
+  const uint32_t t = *thr;
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t n4 = reinterpret_cast<uintptr_t>(x) % 16 == 0 ? n / 4 : 0;
+  // block-uniform loop so that whole warps take part in the votes and shuffles
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < n4; base += stride) {
+    const int64_t q = base + threadIdx.x;
+    unsigned hits = 0;  // bit c: element 4 q + c
+    if (q < n4) {
+      const float4 v = reinterpret_cast<const float4*>(x)[q];
+      hits = static_cast<unsigned>(abs_bits(v.x) >= t) |
+             (static_cast<unsigned>(abs_bits(v.y) >= t) << 1) |
+             (static_cast<unsigned>(abs_bits(v.z) >= t) << 2) |
+             (static_cast<unsigned>(abs_bits(v.w) >= t) << 3);
+    }
+    const int c = __popc(hits);
+    if (__any_sync(0xffffffffu, c != 0)) {
+      int incl = c;  // inclusive scan of the lanes' counts
+      for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += y;
+      }
+      unsigned long long slot = 0;
+      if (lane == 31) slot = atomicAdd(count, static_cast<unsigned long long>(incl));
+      slot = __shfl_sync(0xffffffffu, slot, 31);
+      uint64_t p = slot + static_cast<uint64_t>(incl - c);
+      for (int e = 0; e < 4; ++e)
+        if ((hits >> e) & 1u) {
+          if (p < cap) out[p] = static_cast<uint32_t>(4 * q + e);
+          ++p;
+        }
+    }
+  }
+  for (int64_t i = 4 * n4 + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += stride)
+    if (abs_bits(x[i]) >= t) {
+      const unsigned long long p = atomicAdd(count, 1ull);
+      if (p < cap) out[p] = static_cast<uint32_t>(i);
+    }
+}
+
 __global__ void __launch_bounds__(kThreads) iota_kernel(uint32_t* out, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
@@ -319,22 +367,29 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
   const int64_t min_ok = static_cast<int64_t>(std::ceil(opt.min_fraction * static_cast<double>(k)));
   const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(opt.oversample * 2 * k)) + 64;
 
-  size_t sort_bytes = 0;
+  // candidate positions are sorted on their significant bits only
+  int pos_bits = 1;
+  while (pos_bits < 32 && (int64_t{1} << pos_bits) < n) ++pos_bits;
+  size_t sort_bytes = 0, cand_sort_bytes = 0;
   GC_CUDA_CHECK(cub::DeviceRadixSort::SortKeysDescending(
       nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
       s_used, 0, 31));
+  GC_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(nullptr, cand_sort_bytes,
+                                               static_cast<const uint32_t*>(nullptr),
+                                               static_cast<uint32_t*>(nullptr), cap, 0, pos_bits));
   Carve cv;
+  const size_t o_count = cv.take<unsigned long long>(1);
   const size_t o_in = cv.take<uint32_t>(s_used);
   const size_t o_sorted = cv.take<uint32_t>(s_used);
-  const size_t o_sort_tmp = cv.take<char>(sort_bytes);
-  CompactLayout cl;
-  cl.plan(cv, n);
-  const size_t o_cand = cv.take<uint32_t>(static_cast<size_t>(cap) + 1);
+  const size_t o_sort_tmp = cv.take<char>(std::max(sort_bytes, cand_sort_bytes));
+  const size_t o_raw = cv.take<uint32_t>(static_cast<size_t>(cap));
+  const size_t o_cand = cv.take<uint32_t>(static_cast<size_t>(cap));
   void* base = ws.b.get<char>(cv.bytes());
+  auto* total = at<unsigned long long>(base, o_count);
   uint32_t* sample = at<uint32_t>(base, o_in);
   uint32_t* sorted = at<uint32_t>(base, o_sorted);
+  uint32_t* raw = at<uint32_t>(base, o_raw);
   uint32_t* cand = at<uint32_t>(base, o_cand);
-  const uint64_t* total = at<uint64_t>(base, cl.incl) + (cl.blocks - 1);
 
   sample_kernel<<<grid_for(s_used, kThreads, kMaxGrid), kThreads, 0, s>>>(x, s_used, offset, stride,
                                                                           sample);
@@ -348,12 +403,19 @@ int64_t sampled_select(const float* x, int64_t n, int64_t k, const SelectOptions
     if (r > s_used) break;  // the sample cannot place a threshold that low: be exact
     r = std::max<int64_t>(r, 1);
     // threshold = the r-th largest sampled magnitude, read on the device
-    ordered_compact<false>(full, sorted + (r - 1), nullptr, static_cast<uint64_t>(cap), cand, cl,
-                           base, s);
+    GC_CUDA_CHECK(cudaMemsetAsync(total, 0, sizeof(unsigned long long), s));
+    append_above_kernel<<<grid_for(n, int64_t{kThreads} * 16, int64_t{sm_count()} * 16), kThreads,
+                          0, s>>>(x, n, sorted + (r - 1), static_cast<uint64_t>(cap), raw, total);
+    GC_CUDA_CHECK_LAUNCH();
     GC_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
     GC_CUDA_CHECK(cudaStreamSynchronize(s));
-    const int64_t count = static_cast<int64_t>(host[0] >> 32);
+    const int64_t count = static_cast<int64_t>(host[0]);
     if (count > cap) break;  // heavy ties (e.g. constant input): exact selection handles them
+    if (count >= min_ok && count > 0) {  // ascending positions, as the ordered compaction gave
+      size_t tb = std::max(sort_bytes, cand_sort_bytes);
+      GC_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(at<char>(base, o_sort_tmp), tb, raw, cand, count,
+                                                   0, pos_bits, s));
+    }
     if (count >= k) {
       if (count == k) {
         GC_CUDA_CHECK(

@@ -129,7 +129,9 @@ TEST(OneBitCuda, SignModesMatchCpu) {
   GC_REQUIRE_GPU();
   for (auto sc : {OneBitScaling::kSignL1, OneBitScaling::kSignL2}) {
     for (Shape s : kShapes) compare_twins(make_cfg(sc), s, DType::kFloat32, 3);
-    for (int64_t chunk : {32, 96, 8192, 1 << 16})
+    // 128 .. 1024 in steps of 128: the fused one-warp-per-chunk pass (and the partial last chunk
+    // through the two kernels); 32 and 96: the warp scale kernel with the separate quantize
+    for (int64_t chunk : {32, 96, 128, 384, 1024, 8192, 1 << 16})
       for (Shape s : {Shape{7, 13}, Shape{100003, 1}, Shape{1024, 1000}})
         compare_twins(make_cfg(sc, chunk), s, DType::kFloat32, 2);
   }
@@ -187,45 +189,50 @@ TEST(OneBitCuda, DecodeAverageMatchesCpu) {
 TEST(OneBitCuda, BadInputRejectedAndStateUnchanged) {
   GC_REQUIRE_GPU();
   const int64_t n = 100000;
-  OneBitCompressor gpu(make_cfg(OneBitScaling::kSignL2), n, 1, DType::kFloat32, Device::kCUDA,
-                       gradcomp::cuda::current_device());
-  std::vector<float> g = normal(n, 2);
-  DevBuf dg(4 * n);
-  dg.upload(g.data(), 4 * n);
-  const TensorView gv(dg.p, {n}, DType::kFloat32, Device::kCUDA, gradcomp::cuda::current_device());
-  Payload p(Device::kCUDA);
-  gpu.encode(gv, p);
-  const auto before = gpu.state_dict();
-  g[54321] = std::numeric_limits<float>::quiet_NaN();
-  g[60000] = std::numeric_limits<float>::infinity();
-  dg.upload(g.data(), 4 * n);
-  try {
+  for (int64_t chunk : {0, 128}) {  // the two-kernel compress and the fused one
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    OneBitCompressor gpu(make_cfg(OneBitScaling::kSignL2, chunk), n, 1, DType::kFloat32,
+                         Device::kCUDA, gradcomp::cuda::current_device());
+    std::vector<float> g = normal(n, 2);
+    DevBuf dg(4 * n);
+    dg.upload(g.data(), 4 * n);
+    const TensorView gv(dg.p, {n}, DType::kFloat32, Device::kCUDA,
+                        gradcomp::cuda::current_device());
+    Payload p(Device::kCUDA);
     gpu.encode(gv, p);
-    ADD_FAILURE() << "NaN accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("index 54321"), std::string::npos) << e.what();
+    const auto before = gpu.state_dict();
+    g[54321] = std::numeric_limits<float>::quiet_NaN();
+    g[60000] = std::numeric_limits<float>::infinity();
+    dg.upload(g.data(), 4 * n);
+    try {
+      gpu.encode(gv, p);
+      ADD_FAILURE() << "NaN accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("index 54321"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(gpu.state_dict(), before);
+    EXPECT_EQ(gpu.step(), 1);
+    // a CPU gradient is refused by a CUDA compressor
+    EXPECT_THROW(gpu.encode(TensorView::cpu(g.data(), n), p), InvalidArgument);
+    // corrupt payload on the device: rejected, output unchanged
+    OneBitCompressor ok(make_cfg(OneBitScaling::kSignL2), n, 1);
+    g[54321] = g[60000] = 0.0f;
+    Payload pc;
+    ok.encode(TensorView::cpu(g.data(), n), pc);
+    std::vector<uint8_t> bytes(pc.data(), pc.data() + pc.size());
+    bytes[0] ^= 0xff;  // magic
+    DevBuf dp(bytes.size());
+    dp.upload(bytes.data(), bytes.size());
+    std::vector<float> out = normal(n, 3), back(n);
+    DevBuf dd(4 * n);
+    dd.upload(out.data(), 4 * n);
+    const TensorView dv(dd.p, {n}, DType::kFloat32, Device::kCUDA,
+                        gradcomp::cuda::current_device());
+    EXPECT_THROW(gpu.decode_add(dp.p, bytes.size(), dv), CorruptPayload);
+    EXPECT_THROW(gpu.decode_add(dp.p, bytes.size() - 8, dv), CorruptPayload);
+    dd.download(back.data(), 4 * n);
+    EXPECT_EQ(0, std::memcmp(out.data(), back.data(), 4 * n));
   }
-  EXPECT_EQ(gpu.state_dict(), before);
-  EXPECT_EQ(gpu.step(), 1);
-  // a CPU gradient is refused by a CUDA compressor
-  EXPECT_THROW(gpu.encode(TensorView::cpu(g.data(), n), p), InvalidArgument);
-  // corrupt payload on the device: rejected, output unchanged
-  OneBitCompressor ok(make_cfg(OneBitScaling::kSignL2), n, 1);
-  g[54321] = g[60000] = 0.0f;
-  Payload pc;
-  ok.encode(TensorView::cpu(g.data(), n), pc);
-  std::vector<uint8_t> bytes(pc.data(), pc.data() + pc.size());
-  bytes[0] ^= 0xff;  // magic
-  DevBuf dp(bytes.size());
-  dp.upload(bytes.data(), bytes.size());
-  std::vector<float> out = normal(n, 3), back(n);
-  DevBuf dd(4 * n);
-  dd.upload(out.data(), 4 * n);
-  const TensorView dv(dd.p, {n}, DType::kFloat32, Device::kCUDA, gradcomp::cuda::current_device());
-  EXPECT_THROW(gpu.decode_add(dp.p, bytes.size(), dv), CorruptPayload);
-  EXPECT_THROW(gpu.decode_add(dp.p, bytes.size() - 8, dv), CorruptPayload);
-  dd.download(back.data(), 4 * n);
-  EXPECT_EQ(0, std::memcmp(out.data(), back.data(), 4 * n));
 }
 
 TEST(OneBitCuda, LazyStateMatchesMaterializedStateAndRejectsInPlace) {
@@ -235,32 +242,34 @@ TEST(OneBitCuda, LazyStateMatchesMaterializedStateAndRejectsInPlace) {
   // continue identically.
   const int dev = gradcomp::cuda::current_device();
   for (auto sc : {OneBitScaling::kColumnMeans, OneBitScaling::kSignL1, OneBitScaling::kSignL2})
-    for (Shape s : {Shape{300, 37}, Shape{64, 2048}, Shape{100003, 1}}) {
-      const int64_t n = s.R * s.C;
-      SCOPED_TRACE(std::string(enum_name(sc)) + " " + std::to_string(s.R) + "x" +
-                   std::to_string(s.C));
-      OneBitCompressor a(make_cfg(sc), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
-      OneBitCompressor b(make_cfg(sc), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
-      DevBuf dg(4 * n);
-      const TensorView gv(dg.p, {s.R, s.C}, DType::kFloat32, Device::kCUDA, dev);
-      Payload pa(Device::kCUDA), pb(Device::kCUDA);
-      for (int t = 0; t < 5; ++t) {
-        std::vector<float> g = heavy_tailed(n, 20 + t);
-        if (t == 3) {
-          g[n - 2] = std::numeric_limits<float>::infinity();
+    for (int64_t chunk : {0, 128, 512})
+      for (Shape s : {Shape{300, 37}, Shape{64, 2048}, Shape{100003, 1}}) {
+        if (chunk && sc == OneBitScaling::kColumnMeans) continue;  // chunks are the sign modes'
+        const int64_t n = s.R * s.C;
+        SCOPED_TRACE(std::string(enum_name(sc)) + " " + std::to_string(s.R) + "x" +
+                     std::to_string(s.C) + " chunk " + std::to_string(chunk));
+        OneBitCompressor a(make_cfg(sc, chunk), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
+        OneBitCompressor b(make_cfg(sc, chunk), s.R, s.C, DType::kFloat32, Device::kCUDA, dev);
+        DevBuf dg(4 * n);
+        const TensorView gv(dg.p, {s.R, s.C}, DType::kFloat32, Device::kCUDA, dev);
+        Payload pa(Device::kCUDA), pb(Device::kCUDA);
+        for (int t = 0; t < 5; ++t) {
+          std::vector<float> g = heavy_tailed(n, 20 + t);
+          if (t == 3) {
+            g[n - 2] = std::numeric_limits<float>::infinity();
+            dg.upload(g.data(), 4 * n);
+            EXPECT_THROW(a.encode(gv, pa), InvalidArgument);
+            EXPECT_EQ(a.step(), 3);
+            g[n - 2] = 0.5f;
+          }
           dg.upload(g.data(), 4 * n);
-          EXPECT_THROW(a.encode(gv, pa), InvalidArgument);
-          EXPECT_EQ(a.step(), 3);
-          g[n - 2] = 0.5f;
+          a.encode(gv, pa);
+          b.encode(gv, pb);
+          ASSERT_EQ(download_payload(pa), download_payload(pb)) << "step " << t;
+          (void)b.error();
         }
-        dg.upload(g.data(), 4 * n);
-        a.encode(gv, pa);
-        b.encode(gv, pb);
-        ASSERT_EQ(download_payload(pa), download_payload(pb)) << "step " << t;
-        (void)b.error();
+        EXPECT_EQ(a.state_dict(), b.state_dict());
       }
-      EXPECT_EQ(a.state_dict(), b.state_dict());
-    }
 }
 
 TEST(OneBitCuda, HadamardRotationMatchesCpuBitwise) {
