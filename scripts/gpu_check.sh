@@ -42,10 +42,13 @@ if [ "${1:-}" = "--prepare" ]; then
   mkdir -p "$p/include/openblas" "$p/lib"
   cp /usr/include/x86_64-linux-gnu/openblas-pthread/*.h "$p/include/openblas/"
   cp /usr/include/lapack*.h "$p/include/"
-  for l in libopenblas.so.0 liblapacke.so.3 liblapack.so.3 libblas.so.3 libtmglib.so.3 \
-           libgfortran.so.5 libquadmath.so.0; do
+  for l in libopenblas.so.0 liblapacke.so.3 libtmglib.so.3 libgfortran.so.5 libquadmath.so.0; do
     cp -L "/usr/lib/x86_64-linux-gnu/$l" "$p/lib/"
   done
+  # LAPACKE's BLAS and LAPACK are OpenBLAS's own (it exports both): links instead of 7.7 MB of
+  # copies keep the carry (the tree and .gpu-deps together) under the device tool's 64 MiB
+  ln -sf libopenblas.so.0 "$p/lib/liblapack.so.3"
+  ln -sf libopenblas.so.0 "$p/lib/libblas.so.3"
   ln -sf libopenblas.so.0 "$p/lib/libopenblas.so"
   ln -sf liblapacke.so.3 "$p/lib/liblapacke.so"
   du -sh .gpu-deps
