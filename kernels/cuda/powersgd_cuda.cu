@@ -142,8 +142,15 @@ __global__ void __launch_bounds__(kThreads) prescale_kernel(float* X, int64_t le
 template <int R>
 __global__ void __launch_bounds__(kThreads) mgs_kernel(float* P, int64_t n, int r, float eps) {
   float* A = P + blockIdx.x * n * r;
-  __shared__ float red[kThreads / 32][2 * R];
-  __shared__ float scale[R], coef[R], orig[R];
+  // Every array 16-byte aligned and a multiple of 16 bytes long: the compiler reads scale and coef
+  // with 16-byte loads at their absolute offsets, and such a load must not cover a neighbour
+  // (unaligned, a load fetched red's last element beside scale[0..2], unused, which racecheck
+  // reported as a write-after-read hazard against the warp that writes that element).
+  constexpr int RP = R < 4 ? 4 : R;
+  __shared__ __align__(16) float red[kThreads / 32][2 * RP];
+  __shared__ __align__(16) float scale[RP];
+  __shared__ __align__(16) float coef[RP];
+  __shared__ __align__(16) float orig[RP];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   block_prescale(A, n * r, eps);
   if (tid < R) {
