@@ -289,26 +289,28 @@ TEST(TopKCudaSelect, SampledWithinBoundsAndEqualsCpu) {
   }
 }
 
-TEST(TopKCudaSelect, SampledOnAMisalignedViewEqualsCpu) {
+TEST(TopKCudaSelect, SelectOnAMisalignedViewEqualsCpu) {
   GC_REQUIRE_GPU();
-  // the candidate pass reads float4 only from a 16-byte aligned x; one element in, it reads
-  // element by element and must pick the same set
+  // the candidate pass and the ordered compaction read float4 only from a 16-byte aligned x; one
+  // element in, they read element by element and must pick the same set
   const int64_t n = 100003;
   for (int d = 0; d < 4; ++d) {
     const std::vector<float> x = make_data(d, n + 1, 40 + d);
     const Dev dx = upload(x);
     const std::vector<float> tail(x.begin() + 1, x.end());
-    for (int64_t k : {int64_t{101}, int64_t{1001}}) {
-      const RngKey key{3, 1, 2};
-      const SelectOptions opt = method(SelectMethod::kSampled);
-      kernels::SelectWorkspace ws(Device::kCUDA);
-      Dev out(4 * k);
-      const int64_t c = kernels::cuda::select(dx.as<float>() + 1, n, k, opt, key,
-                                              out.as<uint32_t>(), ws, nullptr);
-      ASSERT_GE(c, 0);
-      EXPECT_EQ(download<uint32_t>(out.as(), static_cast<size_t>(c)), select_cpu(tail, k, opt, key))
-          << "k=" << k << " data=" << d;
-    }
+    for (int64_t k : {int64_t{101}, int64_t{1001}})
+      for (SelectMethod sm : {SelectMethod::kSampled, SelectMethod::kExact}) {
+        const RngKey key{3, 1, 2};
+        const SelectOptions opt = method(sm);
+        kernels::SelectWorkspace ws(Device::kCUDA);
+        Dev out(4 * k);
+        const int64_t c = kernels::cuda::select(dx.as<float>() + 1, n, k, opt, key,
+                                                out.as<uint32_t>(), ws, nullptr);
+        ASSERT_GE(c, 0);
+        EXPECT_EQ(download<uint32_t>(out.as(), static_cast<size_t>(c)),
+                  select_cpu(tail, k, opt, key))
+            << "k=" << k << " data=" << d;
+      }
   }
 }
 
