@@ -97,9 +97,11 @@ bool hadamard_rotate_uses_avx2();
 }  // namespace cpu
 
 namespace cuda {
-/// Same contract as cpu::onebit_compress. Two kernels (scale pass, then bits + state pass); with
-/// check_finite the bad index is read back between them, so a rejected call writes nothing, also
-/// in place.
+/// Same contract as cpu::onebit_compress. Flat chunks of 128 .. 1024 elements (multiples of 128)
+/// of aligned fp32 data: one fused pass, a warp per chunk (scale, bits and state from registers),
+/// preceded, with check_finite, by a scan of g alone whose result is read back first. Otherwise
+/// two kernels (scale pass, then bits + state pass) with the bad index read back between them.
+/// Either way a rejected call writes nothing, also in place.
 int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
                         float* state_out, const OneBitGeom& geo, int norm, bool check_finite,
                         float* scales, uint32_t* bits, OneBitWorkspace& ws, void* stream);

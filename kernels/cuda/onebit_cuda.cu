@@ -2,7 +2,11 @@
 // CUDA backend of the 1-bit family; the CPU twins are kernels/cpu/onebit_cpu.cpp (scales, quantize,
 // decode) and hadamard_cpu.cpp (the rotation), and both call the
 // math of kernels/onebit_math.h.
-//  - scales: per-block partial sums (sign modes: fp32 per thread, a group whose total
+//  - small flat chunks (up to 1024 elements, the hook's 128 among them): one warp per chunk,
+//    fp32 terms per lane folded into double and summed by an xor butterfly; aligned fp32 chunks
+//    that are multiples of 128 are compressed in one fused pass (compress_warp_kernel).
+//  - scales of larger chunks: per-block partial sums (sign modes: fp32 per thread, a group whose
+//  total
 //    needs_wide_sum summed again in double from norm_term_wide, as the CPU's slices;
 //    cub::BlockReduce / cub::WarpReduce, in double), combined in
 //    a fixed order by a finalize kernel, so results are deterministic run to run. The first
@@ -25,6 +29,7 @@
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/nonfinite.cuh"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
@@ -244,27 +249,6 @@ __global__ void compress_warp_kernel(const float* g, const float* e, const float
       if (st_out) reinterpret_cast<float4*>(st_out)[(k * S + j * 128) / 4 + lane] = x[j];
     }
   }
-}
-
-/// The first non-finite index of fp32 g (16-byte aligned) into *bad (atomicMin).
-__global__ void first_nonfinite_kernel(const float* g, int64_t n, unsigned long long* bad) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n4 = n / 4;
-  for (int64_t q = t; q < n4; q += stride) {
-    const float4 v = reinterpret_cast<const float4*>(g)[q];
-    const int64_t i = 4 * q;
-    if (!is_finite_bits(v.x))
-      atomicMin(bad, static_cast<unsigned long long>(i));
-    else if (!is_finite_bits(v.y))
-      atomicMin(bad, static_cast<unsigned long long>(i + 1));
-    else if (!is_finite_bits(v.z))
-      atomicMin(bad, static_cast<unsigned long long>(i + 2));
-    else if (!is_finite_bits(v.w))
-      atomicMin(bad, static_cast<unsigned long long>(i + 3));
-  }
-  for (int64_t i = 4 * n4 + t; i < n; i += stride)
-    if (!is_finite_bits(g[i])) atomicMin(bad, static_cast<unsigned long long>(i));
 }
 
 // ---- scales: column means ---------------------------------------------------------------------
@@ -701,8 +685,8 @@ int64_t onebit_compress(const void* g, DType t, const float* state_in, const flo
       ws.aux.set_stream(stream);
       auto* bad = ws.aux.get<unsigned long long>(1);
       GC_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof(unsigned long long), s));
-      first_nonfinite_kernel<<<grid_for(geo.n, int64_t{kThreads} * 4), kThreads, 0, s>>>(gf, geo.n,
-                                                                                         bad);
+      first_nonfinite_f32x4_kernel<<<grid_for(geo.n, int64_t{kThreads} * 4), kThreads, 0, s>>>(
+          gf, geo.n, bad);
       GC_CUDA_CHECK_LAUNCH();
       const int64_t b = read_bad(bad, ws, s);
       if (b >= 0) return b;

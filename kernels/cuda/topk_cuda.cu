@@ -5,6 +5,7 @@
 //
 // This file is compiled with --fmad=false (cmake/topk.cmake) so that a * b + c rounds twice as
 // on the CPU: the DGC update, clipping and decode give bitwise the CPU's values.
+#include "kernels/cuda/nonfinite.cuh"
 #include "kernels/cuda/topk_common.cuh"
 
 namespace gradcomp::kernels::cuda {
@@ -26,32 +27,6 @@ __global__ void __launch_bounds__(kThreads)
       break;
     }
   }
-}
-
-/// The same for fp32 data aligned to 16 bytes: float4 loads (a scalar 4-byte load per thread
-/// and iteration measured about half the copy bandwidth on an H200).
-__global__ void __launch_bounds__(kThreads)
-    nonfinite_f32x4_kernel(const float* g, int64_t n, unsigned long long* best) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t n4 = n / 4;
-  for (int64_t q = t; q < n4; q += stride) {
-    const float4 v = reinterpret_cast<const float4*>(g)[q];
-    const int c = !is_finite_bits(v.x)   ? 0
-                  : !is_finite_bits(v.y) ? 1
-                  : !is_finite_bits(v.z) ? 2
-                  : !is_finite_bits(v.w) ? 3
-                                         : 4;
-    if (c < 4) {
-      atomicMin(best, static_cast<unsigned long long>(4 * q + c));  // later q are larger
-      break;
-    }
-  }
-  for (int64_t i = 4 * n4 + t; i < n; i += stride)
-    if (!is_finite_bits(g[i])) {
-      atomicMin(best, static_cast<unsigned long long>(i));
-      break;
-    }
 }
 
 template <class Load>
@@ -300,7 +275,7 @@ int64_t first_nonfinite(const void* g, DType t, int64_t n, SelectWorkspace& ws, 
   auto* best = ws.c.get<unsigned long long>(1);
   GC_CUDA_CHECK(cudaMemsetAsync(best, 0xff, sizeof(unsigned long long), s));
   if (t == DType::kFloat32 && aligned(g, 16)) {
-    nonfinite_f32x4_kernel<<<grid_for(n, int64_t{kThreads} * 16, kMaxGrid), kThreads, 0, s>>>(
+    first_nonfinite_f32x4_kernel<<<grid_for(n, int64_t{kThreads} * 16, kMaxGrid), kThreads, 0, s>>>(
         static_cast<const float*>(g), n, best);
   } else {
     const int grid = grid_for(n, int64_t{kThreads} * 4, kMaxGrid);

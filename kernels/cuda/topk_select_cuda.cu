@@ -13,7 +13,9 @@
 //
 // Sampled selection follows the CPU step by step (same strided sample and RNG offset, same
 // threshold rank, same retry rule), so its result equals the CPU's too; each attempt reads its
-// candidate count back once (pinned memory, one synchronisation per attempt).
+// candidate count back once (pinned memory, one synchronisation per attempt). Few candidates are
+// appended unordered in one read and their positions sorted; more go through the ordered
+// compaction. Over x itself (no candidate list, 16-byte aligned) the compaction reads float4.
 //
 // Compiled with --fmad=false like the rest of the family (cmake/topk.cmake).
 #include "kernels/cuda/topk_common.cuh"
