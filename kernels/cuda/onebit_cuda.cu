@@ -494,6 +494,28 @@ __global__ void decode_kernel(const uint32_t* const* bits_arr, const float* cons
 
 constexpr int64_t kGridCap = int64_t{1} << 20;  // the 1-bit kernels' grid-stride cap
 
+/// Calls f(integral_constant<int, norm>, bool_constant<has_e>) for the sign modes' runtime norm
+/// (kL1 or kL2) and whether an error state is read: the kernels take both as template arguments.
+template <class F>
+void with_norm_e(int norm, bool has_e, F&& f) {
+  using L1 = std::integral_constant<int, kL1>;
+  using L2 = std::integral_constant<int, kL2>;
+  if (norm == kL1)
+    has_e ? f(L1{}, std::true_type{}) : f(L1{}, std::false_type{});
+  else
+    has_e ? f(L2{}, std::true_type{}) : f(L2{}, std::false_type{});
+}
+
+/// Reads back the index in `bad` (one synchronisation); -1 when none.
+int64_t read_bad(const unsigned long long* bad, OneBitWorkspace& ws, cudaStream_t s) {
+  if (!ws.pinned) ws.pinned = gradcomp::cuda::malloc_host(sizeof(unsigned long long));
+  GC_CUDA_CHECK(
+      cudaMemcpyAsync(ws.pinned, bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+  GC_CUDA_CHECK(cudaStreamSynchronize(s));
+  const unsigned long long v = *static_cast<unsigned long long*>(ws.pinned);
+  return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
+}
+
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -547,16 +569,10 @@ static int64_t scales_impl(const void* g, DType t, const float* e, const float* 
     const int64_t S = geo.chunk, K = geo.num_scales();
     if (S <= kWarpChunkMax) {
       const unsigned wgrid = grid_for(K, kThreads / 32, kGridCap);
-      auto launch = [&](auto Nc, auto HasEc) {
+      with_norm_e(norm, e != nullptr, [&](auto Nc, auto HasEc) {
         sign_warp_kernel<Load, decltype(Nc)::value, decltype(HasEc)::value>
             <<<wgrid, kThreads, 0, s>>>(g, e, prev, n, S, K, check_finite, bad, scales);
-      };
-      using L1 = std::integral_constant<int, kL1>;
-      using L2 = std::integral_constant<int, kL2>;
-      if (norm == kL1)
-        e ? launch(L1{}, std::true_type{}) : launch(L1{}, std::false_type{});
-      else
-        e ? launch(L2{}, std::true_type{}) : launch(L2{}, std::false_type{});
+      });
       GC_CUDA_CHECK_LAUNCH();
       return;
     }
@@ -565,16 +581,10 @@ static int64_t scales_impl(const void* g, DType t, const float* e, const float* 
     GC_CHECK(items < (int64_t{1} << 31), "too many scale blocks: ", items);
     double* part = ws.partials.get<double>(static_cast<size_t>(items));
     const unsigned grid = static_cast<unsigned>(items);
-    auto launch = [&](auto Nc, auto HasEc) {
+    with_norm_e(norm, e != nullptr, [&](auto Nc, auto HasEc) {
       sign_partial_kernel<Load, decltype(Nc)::value, decltype(HasEc)::value>
           <<<grid, kThreads, 0, s>>>(g, e, prev, n, S, spc, check_finite, bad, part);
-    };
-    using L1 = std::integral_constant<int, kL1>;
-    using L2 = std::integral_constant<int, kL2>;
-    if (norm == kL1)
-      e ? launch(L1{}, std::true_type{}) : launch(L1{}, std::false_type{});
-    else
-      e ? launch(L2{}, std::true_type{}) : launch(L2{}, std::false_type{});
+    });
     GC_CUDA_CHECK_LAUNCH();
     const unsigned fgrid = static_cast<unsigned>((K + kThreads / 32 - 1) / (kThreads / 32));
     if (norm == kL1)
@@ -583,13 +593,7 @@ static int64_t scales_impl(const void* g, DType t, const float* e, const float* 
       sign_finalize_kernel<kL2><<<fgrid, kThreads, 0, s>>>(part, K, spc, n, S, scales);
     GC_CUDA_CHECK_LAUNCH();
   });
-  if (!check_finite) return -1;
-  if (!ws.pinned) ws.pinned = gradcomp::cuda::malloc_host(sizeof(unsigned long long));
-  GC_CUDA_CHECK(
-      cudaMemcpyAsync(ws.pinned, bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
-  GC_CUDA_CHECK(cudaStreamSynchronize(s));
-  const unsigned long long v = *static_cast<unsigned long long*>(ws.pinned);
-  return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
+  return check_finite ? read_bad(bad, ws, s) : -1;
 }
 
 /// The bits pass: x = g + state_error(e_in, prev); bits; e_out = x (store_x) or x - decode.
@@ -631,16 +635,6 @@ void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, co
 }
 
 namespace {
-/// Reads back the index in `bad` (one synchronisation); -1 when none.
-int64_t read_bad(const unsigned long long* bad, OneBitWorkspace& ws, cudaStream_t s) {
-  if (!ws.pinned) ws.pinned = gradcomp::cuda::malloc_host(sizeof(unsigned long long));
-  GC_CUDA_CHECK(
-      cudaMemcpyAsync(ws.pinned, bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
-  GC_CUDA_CHECK(cudaStreamSynchronize(s));
-  const unsigned long long v = *static_cast<unsigned long long*>(ws.pinned);
-  return v == ULLONG_MAX ? -1 : static_cast<int64_t>(v);
-}
-
 template <int N, bool HasE>
 void launch_compress_warp(int G, unsigned grid, cudaStream_t s, const float* g, const float* e,
                           const float* prev, float* st_out, int64_t K, float* scales,

@@ -160,6 +160,26 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) blk[blockIdx.x] = total;
 }
 
+/// Where chunk blockIdx.x of an ordered write starts: the elements above T and the ties before it
+/// (from the inclusive scan of the packed block counts), the ties wanted, and whether the chunk
+/// has nothing to write (no element above T, and no tie that is still wanted).
+struct ChunkStart {
+  uint64_t above, ties, need;
+  bool skip;
+};
+template <bool kTies>
+__device__ __forceinline__ ChunkStart chunk_start(const uint32_t* need_ptr, const uint64_t* incl) {
+  constexpr uint64_t kLow = 0xffffffffull;
+  ChunkStart c{};
+  if constexpr (kTies) c.need = *need_ptr;
+  const uint64_t before = blockIdx.x > 0 ? incl[blockIdx.x - 1] : 0;
+  const uint64_t mine = incl[blockIdx.x] - before;
+  c.above = before >> 32;
+  c.ties = before & kLow;
+  c.skip = (mine >> 32) == 0 && (!kTies || (mine & kLow) == 0 || c.ties >= c.need);
+  return c;
+}
+
 /// Ordered write over the chunks: element i is kept when it is above, or a tie among the first
 /// `need` ties in index order; it goes to position (above before i) + min(ties before i, need),
 /// when that is below `cap`. `incl` is the inclusive scan of the block counts.
@@ -171,18 +191,10 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ typename Scan::TempStorage tmp;
   constexpr uint64_t kLow = 0xffffffffull;
   const uint32_t t = *thr;
-  uint64_t need = 0;
-  if constexpr (kTies) need = *need_ptr;
-  const uint64_t before = blockIdx.x > 0 ? incl[blockIdx.x - 1] : 0;
-  const uint64_t mine = incl[blockIdx.x] - before;
-  uint64_t above = before >> 32, ties = before & kLow;
-  if ((mine >> 32) == 0) {  // no element above T here: write only if a wanted tie is here
-    if constexpr (kTies) {
-      if ((mine & kLow) == 0 || ties >= need) return;
-    } else {
-      return;
-    }
-  }
+  const ChunkStart cs = chunk_start<kTies>(need_ptr, incl);
+  if (cs.skip) return;
+  const uint64_t need = cs.need;
+  uint64_t above = cs.above, ties = cs.ties;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
   const int64_t end = imin(begin + kChunk, static_cast<int64_t>(src.m));
   for (int64_t base = begin; base < end; base += kThreads) {  // block-uniform loop
@@ -251,20 +263,11 @@ __global__ void __launch_bounds__(kThreads)
                              const uint32_t* need_ptr, const uint64_t* incl, uint64_t cap,
                              uint32_t* out) {
   __shared__ uint32_t wt[kThreads / 32];
-  constexpr uint64_t kLow = 0xffffffffull;
   const uint32_t t = *thr;
-  uint64_t need = 0;
-  if constexpr (kTies) need = *need_ptr;
-  const uint64_t before = blockIdx.x > 0 ? incl[blockIdx.x - 1] : 0;
-  const uint64_t mine = incl[blockIdx.x] - before;
-  uint64_t above = before >> 32, ties = before & kLow;
-  if ((mine >> 32) == 0) {  // as ordered_write_kernel: nothing to write in this chunk
-    if constexpr (kTies) {
-      if ((mine & kLow) == 0 || ties >= need) return;
-    } else {
-      return;
-    }
-  }
+  const ChunkStart cs = chunk_start<kTies>(need_ptr, incl);
+  if (cs.skip) return;
+  const uint64_t need = cs.need;
+  uint64_t above = cs.above, ties = cs.ties;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
   const int64_t end = imin(begin + kChunk, m);
