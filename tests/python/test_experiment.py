@@ -43,6 +43,68 @@ def test_models_and_their_classifier_sizes():
         fm.make_model("huge")
 
 
+def test_vit_shapes_and_parameters():
+    """The transformer workload: 1.2M parameters (1,199,882 counted by hand: per block 4 w^2 + 4 w
+    attention, 8 w^2 + 5 w MLP, 4 w LayerNorms; w = 128, 6 blocks, plus the patch embedding,
+    class token, 17 positions, final LayerNorm and head), logits for a batch, gradients
+    everywhere."""
+    w, d = 128, 6
+    by_hand = d * (12 * w * w + 13 * w) + (49 * w + w) + w + 17 * w + 2 * w + (10 * w + 10)
+    m = fm.make_model("vit")
+    assert sum(p.numel() for p in m.parameters()) == by_hand == 1_199_882
+    x = torch.randn(3, 1, 28, 28)
+    out = m(x)
+    assert out.shape == (3, 10)
+    out.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    # one image's logits do not depend on the others in the batch (no mixing across samples)
+    assert torch.allclose(m(x[:1]), out[:1], atol=1e-5)
+
+
+def test_adamw_schedule_and_the_hooks_momentum():
+    """AdamW: linear warm-up to the full rate, cosine decay to 0 at the last step, decoupled
+    weight decay; SGD keeps its constant rate; a hook's momentum (an SGD scheme) is refused with
+    AdamW, naming what to use instead."""
+    from gradcomp.experiments.train import make_optimizer
+
+    p = [torch.nn.Parameter(torch.ones(3))]
+    args = dict(config="plain", lr=1e-3, optimizer="adamw", weight_decay=0.05, warmup_steps=10)
+    opt, f = make_optimizer(p, args, False, total_steps=110)
+    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["weight_decay"] == 0.05
+    assert [f(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.5)
+    assert f(109) == pytest.approx(0.5 * (1 + math.cos(math.pi * 99 / 100)))
+    assert f(110) == pytest.approx(0.0, abs=1e-12) and f(500) == pytest.approx(0.0, abs=1e-12)
+    opt, f = make_optimizer(p, dict(config="plain", lr=0.05, momentum=0.9), False, 100)
+    assert isinstance(opt, torch.optim.SGD) and f(0) == f(99) == 1.0
+    assert opt.param_groups[0]["momentum"] == 0.9
+    with pytest.raises(ValueError, match="topk-ef"):
+        make_optimizer(p, dict(args, config="topk"), True, 100)
+    assert fm.parse_config("topk-ef")[1:] == ("topk", {"ratio": 0.001}, False)
+
+
+def test_local_adamw_with_qsr_and_a_constant_period():
+    """Local AdamW in the experiment: no DDP, the replicas averaged by QSRAverager. The constant
+    period (alpha = 0) averages every h_base steps; QSR's period grows as the cosine schedule
+    decays (never below h_base, h_base during the warm-up) and ends with an averaging at the last
+    step; the wire bytes are one ring allreduce of the parameters per averaging."""
+    base = dict(seed=0, lr=1e-3, momentum=0.0, batch=32, epochs=1, steps=40, model="cnn",
+                train_subset=2560, test_subset=500, log_every=8, eval_every=0,
+                optimizer="adamw", weight_decay=0.05, warmup_steps=4)
+    const = fm.run_config(dict(base, config="local-h4"), world=2)
+    assert const["sync_steps"] == list(range(4, 41, 4))
+    dense_wire = const["plain_wire_bytes_per_step"]
+    assert const["wire_bytes_per_step"] == pytest.approx(dense_wire * 10 / 40)
+    assert const["accuracy"] > 0.5
+    qsr = fm.run_config(dict(base, config="qsr:alpha=0.004;h_base=2"), world=2)
+    s = qsr["sync_steps"]
+    gaps = [b - a for a, b in zip([0] + s, s)]
+    assert s[-1] == 40 and all(g >= 2 for g in gaps)
+    assert gaps[:2] == [2, 2]  # the warm-up
+    assert max(gaps[:-1]) > 2  # the period grew as the rate decayed
+    assert qsr["wire_bytes_per_step"] == pytest.approx(dense_wire * len(s) / 40)
+
+
 def test_baseline_bytes():
     m = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
     n = sum(p.numel() for p in m.parameters())

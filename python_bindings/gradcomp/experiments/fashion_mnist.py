@@ -39,12 +39,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--per-node", type=int, default=2,
                     help="ranks per node of the configurations with +hier (two-level plans)")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
+                    help="adamw: linear warm-up over --warmup-steps, then cosine decay to 0")
+    ap.add_argument("--lr", type=float, default=None, help="default 0.05 (sgd), 1e-3 (adamw)")
+    ap.add_argument("--weight-decay", type=float, default=None,
+                    help="default 0 (sgd), 0.05 (adamw, decoupled)")
+    ap.add_argument("--warmup-steps", type=int, default=None,
+                    help="adamw's linear warm-up; default 5%% of the run's steps")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: epochs)")
-    ap.add_argument("--model", default="cnn", choices=["cnn", "wide", "wide4096"])
+    ap.add_argument("--model", default="cnn", choices=["cnn", "wide", "wide4096", "vit"])
     ap.add_argument("--train-subset", type=int, default=0)
     ap.add_argument("--test-subset", type=int, default=0)
     ap.add_argument("--diag", action="store_true", help="log per-layer gradient and error norms")
@@ -85,8 +91,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a.eval_every = a.eval_every or 25
         a.target = a.target or 0.75
         if a.configs == ap.get_default("configs"):
-            a.configs = "plain,torch-fp16,fp16,topk-dgc,onebit-mc,powersgd,torch-powersgd"
+            a.configs = ("plain,fp16,topk-ef,onebit,powersgd" if a.optimizer == "adamw" else
+                         "plain,torch-fp16,fp16,topk-dgc,onebit-mc,powersgd,torch-powersgd")
         a.report = a.report or os.path.join("build", "experiments", "quick")
+    adamw = a.optimizer == "adamw"
+    a.lr = a.lr if a.lr is not None else (1e-3 if adamw else 0.05)
+    a.weight_decay = a.weight_decay if a.weight_decay is not None else (0.05 if adamw else 0.0)
+    if a.warmup_steps is None:  # 5% of the steps of one run (a.steps, or its epochs)
+        per_epoch = (a.train_subset or 60000) // (a.batch * a.world)
+        a.warmup_steps = int(0.05 * (a.steps or per_epoch * a.epochs)) if adamw else 0
     for cfg in [c for c in a.configs.split(",") if c and not a.from_results]:
         parse_config(cfg)
         config_flags(cfg)
@@ -115,7 +128,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         log_every=a.log_every, eval_every=a.eval_every,
                         micro_batches=a.micro_batches, slow_base_ms=a.slow_base_ms,
                         slow_log_mu=a.slow_log_mu, slow_log_sigma=a.slow_log_sigma,
-                        slow_cap_ms=a.slow_cap_ms, timeout=a.timeout, per_node=a.per_node)
+                        slow_cap_ms=a.slow_cap_ms, timeout=a.timeout, per_node=a.per_node,
+                        optimizer=a.optimizer, weight_decay=a.weight_decay,
+                        warmup_steps=a.warmup_steps)
             try:
                 r = run_config(args, a.world, netns=a.netns, delay=a.delay)
             except Exception as e:  # a diverged run (non-finite check) or a failed rank
@@ -153,6 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     load_before=load_before, load_after=os.getloadavg()[0],
                     wall_s=time.time() - t_start, model=a.model, world=a.world,
                     link=link, lr=a.lr, momentum=a.momentum, batch=a.batch,
+                    optimizer=a.optimizer, weight_decay=a.weight_decay,
+                    warmup_steps=a.warmup_steps,
                     eval_every=a.eval_every)
         if a.from_results:  # the setting as the runs recorded it, not this command's defaults
             meta.update(setting_of(results, dict(meta, link=link if a.netns else (

@@ -22,14 +22,95 @@ def make_model(kind: str = "cnn"):
     3136 -> 256 -> 10 (824k parameters). 'wide': the same with a 3136 -> 2048 -> 10 head (6.5M),
     a communication-bound variant. 'wide4096': a 3136 -> 4096 -> 10 head (12.9M), whose
     classifier (40,960 weights) is above random-k's default dense_below (32768), as an ImageNet
-    classifier is."""
+    classifier is. 'vit': a small vision transformer (vit(); 1.2M parameters), the workload of
+    the AdamW runs."""
     import torch.nn as nn
+
+    if kind == "vit":
+        return vit()
 
     hidden = {"cnn": 256, "wide": 2048, "wide4096": 4096}[kind]
     return nn.Sequential(
         nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(64 * 7 * 7, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def vit(width: int = 128, depth: int = 6, heads: int = 4, patch: int = 7):
+    """A small vision transformer for 28 x 28 images: 7 x 7 patches (16 tokens of 49 pixels)
+    embedded to `width`, a class token and learned positions, `depth` pre-norm blocks (LayerNorm,
+    multi-head self-attention, residual; LayerNorm, a 4x MLP with GELU, residual), a final
+    LayerNorm and a linear head on the class token. The defaults give 1.2M parameters, most of
+    them in the attention and MLP matrices, as in a ViT-B, at 1/70 of its width."""
+    import torch
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(width)
+            self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+            self.ln2 = nn.LayerNorm(width)
+            self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                     nn.Linear(4 * width, width))
+
+        def forward(self, t):
+            h = self.ln1(t)
+            t = t + self.attn(h, h, h, need_weights=False)[0]
+            return t + self.mlp(self.ln2(t))
+
+    tokens = (28 // patch) ** 2
+
+    class ViT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(patch * patch, width)
+            self.cls = nn.Parameter(torch.zeros(1, 1, width))
+            self.pos = nn.Parameter(0.02 * torch.randn(1, 1 + tokens, width))
+            self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x):
+            b = x.shape[0]
+            p = x.unfold(2, patch, patch).unfold(3, patch, patch).reshape(b, tokens, -1)
+            t = torch.cat([self.cls.expand(b, -1, -1), self.embed(p)], 1) + self.pos
+            for blk in self.blocks:
+                t = blk(t)
+            return self.head(self.norm(t[:, 0]))
+
+    return ViT()
+
+
+def make_optimizer(params, args: Dict[str, Any], hook_momentum: bool, total_steps: int):
+    """The optimizer and its per-step learning-rate factor. 'sgd' (the default): SGD with
+    args['momentum'] (none when the hook applies it), constant rate. 'adamw': AdamW (betas 0.9,
+    0.999; decoupled weight decay args['weight_decay']) with a linear warm-up over
+    args['warmup_steps'] steps and a cosine decay to 0 at total_steps, as transformers are
+    trained; a hook's momentum (DGC's momentum correction, an SGD scheme) is refused with it."""
+    import math
+
+    import torch
+
+    lr = float(args["lr"])
+    wd = float(args.get("weight_decay", 0.0))
+    if args.get("optimizer", "sgd") == "adamw":
+        if hook_momentum:
+            raise ValueError(f"{args['config']!r}: the hook's momentum is SGD's momentum "
+                             "correction; with AdamW (its own moments) use a configuration "
+                             "without it (e.g. topk-ef, onebit, randomk)")
+        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=wd)
+        warm = max(0, int(args.get("warmup_steps", 0)))
+
+        def factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            span = max(1, total_steps - warm)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warm) / span)))
+        return opt, factor
+    mom = float(args["momentum"])
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.0 if hook_momentum else mom, weight_decay=wd)
+    return opt, (lambda step: 1.0)
 
 
 # ---- configurations --------------------------------------------------------------------------
@@ -48,6 +129,7 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "fp16": ("fp16", {}, False),
     "bf16": ("bf16", {}, False),
     "topk": ("topk", dict(ratio=0.001, momentum=0.9), True),
+    "topk-ef": ("topk", dict(ratio=0.001), False),  # error feedback only (for AdamW)
     "topk-dgc": ("topk", dict(ratio=0.001, momentum=0.9, warmup_ratios=DGC_WARMUP,
                               warmup_steps=DGC_WARMUP_STEPS), True),
     "randomk": ("randomk", dict(ratio=0.01), False),
@@ -62,6 +144,11 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "powersgd": ("powersgd", dict(rank=4), False),
     # sharded (FSDP2: fully_shard on every conv / linear layer and the root; torch 2.x) with
     # FSDP's own collectives, or gradcomp.torch.compress_fsdp(model, **options)
+    # Local AdamW / Local SGD (no DDP: each rank steps its own replica), parameters averaged by
+    # gradcomp.torch.QSRAverager: the Quadratic Synchronization Rule (period
+    # max(h_base, (alpha / lr)^2), h_base during the warm-up), or alpha = 0 for a constant period
+    "local-qsr": ("qsr", dict(alpha=0.002, h_base=4), False),
+    "local-h4": ("qsr", dict(alpha=0.0, h_base=4), False),
     "fsdp": ("fsdp", {}, False),
     "fsdp-bf16": ("fsdp", dict(grads="bf16", params="bf16"), False),
     "fsdp-quant4": ("fsdp", dict(grads="quant", bits=4), False),
@@ -180,6 +267,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     net = make_model(args.get("model", "cnn"))
     names = [n for n, _ in net.named_parameters()]
     fsdp = hook_name == "fsdp"
+    local = hook_name == "qsr"
     comp = None
     _fsdp_wire.steps = 0  # the steps counted so far (this process may train more than once)
     if fsdp:
@@ -188,13 +276,15 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
             import gradcomp.torch as gt
 
             comp = gt.compress_fsdp(model, **opts)
+    elif local:
+        model = net  # each rank steps its own replica; the averager syncs them
     else:
         model = DDP(net)
     diag = _Diag(net, names) if args.get("diag") else None
     state = None
     from gradcomp.experiments import baselines
 
-    if fsdp:
+    if fsdp or local:
         pass
     elif hook_name in baselines.KINDS:
         baselines.register(hook_name, model, opts)
@@ -206,13 +296,20 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
         state, hook = gt.hook(hook_name, model=model, **opts)
         model.register_comm_hook(state, hook)
     lr = float(args["lr"])
-    mom = float(args["momentum"])
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if hook_momentum else mom,
-                          weight_decay=float(args.get("weight_decay", 0.0)))
     batch = int(args["batch"])
     per_step = batch * world
     steps_per_epoch = len(xtr) // per_step
     max_steps = int(args.get("steps") or 0)
+    total_steps = max_steps or steps_per_epoch * int(args.get("epochs", 1))
+    opt, lr_factor = make_optimizer(model.parameters(), args, hook_momentum, total_steps)
+    avg = None
+    qsr_next = [0]  # the step whose learning rate the averager reads
+    if local:
+        from gradcomp.torch import QSRAverager
+
+        avg = QSRAverager(net, lambda: lr * lr_factor(qsr_next[0]), alpha=float(opts["alpha"]),
+                          h_base=int(opts["h_base"]), total_steps=total_steps,
+                          warmup_steps=int(args.get("warmup_steps", 0)))
     log_every = int(args.get("log_every", 25))
     eval_every = int(args.get("eval_every") or 0)
 
@@ -227,8 +324,10 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
 
         dc = DropCompute(model, M, tau=None, warmup_steps=int(args.get("dc_warmup", 5)))
     # bytes a ring allreduce moves per step without a gradcomp hook (analytic)
-    plain_bytes = (0 if fsdp else baselines.bytes_per_step(hook_name or "ddp", net, opts)
+    plain_bytes = (0 if fsdp else
+                   baselines.bytes_per_step("ddp" if local else hook_name or "ddp", net, opts)
                    if state is None else 0)
+    local_wire = 0.0  # Local SGD / AdamW: the averagings' wire bytes so far
     fsdp_seen = [0, 0]  # compress_fsdp's total wire bytes, dense wire bytes at the last step
     # bytes on one rank's link per step when a ring allreduce moves `b` bytes
     ring_wire = lambda b: 2 * (world - 1) * b / world  # noqa: E731
@@ -252,6 +351,8 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                 break
             idx = perm[s * per_step + rank * batch: s * per_step + (rank + 1) * batch]
             t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(step)
             opt.zero_grad()
             if M == 1:
                 loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
@@ -284,6 +385,10 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
             if diag is not None and step % log_every == 0:
                 rec = {"step": step, "layers": diag.record()}
             opt.step()
+            synced = False
+            if avg is not None:
+                qsr_next[0] = step + 1
+                synced = avg.step()
             train_s += time.perf_counter() - t0
             losses.append(step_loss)
             if fsdp:
@@ -293,6 +398,9 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
             elif state is not None:
                 total = state.totals["wire_bytes"]
                 wire, wire_seen = total - wire_seen, total
+            elif local:  # an averaging is one ring allreduce of the parameters
+                wire = ring_wire(plain_bytes) if synced else 0.0
+                local_wire += wire
             else:
                 wire = ring_wire(plain_bytes)
             steps_log.append((step, train_s, step_loss, wire))
@@ -335,6 +443,9 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     if rank == 0:
         res = {"config": args["config"], "seed": seed, "world": world, "lr": lr, "steps": step,
                "model": args.get("model", "cnn"), "params": dense // 4,
+               "optimizer": args.get("optimizer", "sgd"),
+               "weight_decay": float(args.get("weight_decay", 0.0)),
+               "warmup_steps": int(args.get("warmup_steps", 0)),
                "steps_per_epoch": steps_per_epoch,
                "accuracy": accs[-1], "accuracy_per_epoch": accs,
                # (step, seconds of training so far, test accuracy)
@@ -343,11 +454,14 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "final_loss": sum(losses[-25:]) / max(1, len(losses[-25:])),
                "dense_bytes": dense,
                "bytes_sent_per_step": (fsdp_wire if fsdp else
+                                       plain_bytes * len(avg.sync_steps) / max(1, step)
+                                       if local else
                                        (sum(sent) / len(sent)) if state is not None and sent
                                        else None if state is not None else plain_bytes),
                # on this rank's link (ring allreduce / direct all-to-all / ring allgather):
                # plain DDP's allreduce moves 2 (P-1)/P of the dense bytes
-               "wire_bytes_per_step": (fsdp_wire if fsdp else
+               "wire_bytes_per_step": (fsdp_wire if fsdp else local_wire / max(1, step)
+                                       if local else
                                        (sum(wire) / len(wire)) if state is not None and wire
                                        else None if state is not None else ring_wire(plain_bytes)),
                "plain_wire_bytes_per_step": plain_bytes if fsdp else ring_wire(dense),
@@ -355,6 +469,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "micro_batches": M,
                "samples_fraction": float(fr.mean()), "samples_fraction_per_rank": fr.tolist(),
                "dropcompute_tau": (dc.tau if dc is not None else None),
+               "sync_steps": avg.sync_steps if avg is not None else None,
                "steps_log": steps_log,
                "log": log}
         with open(out_path, "w") as f:
