@@ -82,12 +82,14 @@ def vit(width: int = 128, depth: int = 6, heads: int = 4, patch: int = 7):
     return ViT()
 
 
-def make_optimizer(params, args: Dict[str, Any], hook_momentum: bool, total_steps: int):
+def make_optimizer(params, args: Dict[str, Any], hook_momentum: bool, total_steps: int,
+                   freeze_step: Optional[int] = None):
     """The optimizer and its per-step learning-rate factor. 'sgd' (the default): SGD with
     args['momentum'] (none when the hook applies it), constant rate. 'adamw': AdamW (betas 0.9,
     0.999; decoupled weight decay args['weight_decay']) with a linear warm-up over
     args['warmup_steps'] steps and a cosine decay to 0 at total_steps, as transformers are
-    trained; a hook's momentum (DGC's momentum correction, an SGD scheme) is refused with it."""
+    trained; a hook's momentum (DGC's momentum correction, an SGD scheme) is refused with it.
+    freeze_step (with 'adamw'): gradcomp.torch.OneBitAdam instead of AdamW, same schedule."""
     import math
 
     import torch
@@ -99,7 +101,13 @@ def make_optimizer(params, args: Dict[str, Any], hook_momentum: bool, total_step
             raise ValueError(f"{args['config']!r}: the hook's momentum is SGD's momentum "
                              "correction; with AdamW (its own moments) use a configuration "
                              "without it (e.g. topk-ef, onebit, randomk)")
-        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=wd)
+        if freeze_step is not None:
+            from gradcomp.torch import OneBitAdam
+
+            opt = OneBitAdam(params, lr=lr, betas=(0.9, 0.999), weight_decay=wd,
+                             freeze_step=freeze_step)
+        else:
+            opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=wd)
         warm = max(0, int(args.get("warmup_steps", 0)))
 
         def factor(step: int) -> float:
@@ -108,6 +116,8 @@ def make_optimizer(params, args: Dict[str, Any], hook_momentum: bool, total_step
             span = max(1, total_steps - warm)
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warm) / span)))
         return opt, factor
+    if freeze_step is not None:
+        raise ValueError(f"{args['config']!r}: 1-bit Adam needs --optimizer adamw")
     mom = float(args["momentum"])
     opt = torch.optim.SGD(params, lr=lr, momentum=0.0 if hook_momentum else mom, weight_decay=wd)
     return opt, (lambda step: 1.0)
@@ -147,6 +157,9 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     # Local AdamW / Local SGD (no DDP: each rank steps its own replica), parameters averaged by
     # gradcomp.torch.QSRAverager: the Quadratic Synchronization Rule (period
     # max(h_base, (alpha / lr)^2), h_base during the warm-up), or alpha = 0 for a constant period
+    # 1-bit Adam: gradcomp.torch.OneBitAdam (AdamW, then the variance frozen) with
+    # hook("onebit", adam=opt); the freeze after this fraction of the steps (--optimizer adamw)
+    "onebit-adam": ("onebit", dict(adam=0.15), False),
     "local-qsr": ("qsr", dict(alpha=0.002, h_base=4), False),
     "local-h4": ("qsr", dict(alpha=0.0, h_base=4), False),
     "fsdp": ("fsdp", {}, False),
@@ -281,6 +294,12 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     else:
         model = DDP(net)
     diag = _Diag(net, names) if args.get("diag") else None
+    batch = int(args["batch"])
+    per_step = batch * world
+    steps_per_epoch = len(xtr) // per_step
+    max_steps = int(args.get("steps") or 0)
+    total_steps = max_steps or steps_per_epoch * int(args.get("epochs", 1))
+    freeze = None  # 1-bit Adam's freeze step
     state = None
     from gradcomp.experiments import baselines
 
@@ -293,15 +312,15 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
 
         if "hier" in flags:
             opts.update(hierarchy="node", per_node=int(args.get("per_node", 2)))
+        if "adam" in opts:
+            freeze = max(1, int(float(opts.pop("adam")) * total_steps))
+            opt, lr_factor = make_optimizer(model.parameters(), args, False, total_steps, freeze)
+            opts["adam"] = opt
         state, hook = gt.hook(hook_name, model=model, **opts)
         model.register_comm_hook(state, hook)
     lr = float(args["lr"])
-    batch = int(args["batch"])
-    per_step = batch * world
-    steps_per_epoch = len(xtr) // per_step
-    max_steps = int(args.get("steps") or 0)
-    total_steps = max_steps or steps_per_epoch * int(args.get("epochs", 1))
-    opt, lr_factor = make_optimizer(model.parameters(), args, hook_momentum, total_steps)
+    if freeze is None:
+        opt, lr_factor = make_optimizer(model.parameters(), args, hook_momentum, total_steps)
     avg = None
     qsr_next = [0]  # the step whose learning rate the averager reads
     if local:
@@ -470,6 +489,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "samples_fraction": float(fr.mean()), "samples_fraction_per_rank": fr.tolist(),
                "dropcompute_tau": (dc.tau if dc is not None else None),
                "sync_steps": avg.sync_steps if avg is not None else None,
+               "freeze_step": freeze,
                "steps_log": steps_log,
                "log": log}
         with open(out_path, "w") as f:

@@ -33,9 +33,23 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
     unknown compressor, option or value (ratio outside (0, 1], rank < 1, an unknown scaling, ...).
     An error in a step is raised by ``loss.backward()`` with its own type and message, after DDP
     finished the step (so the next one can run).
+
+    ``adam`` (with ``"onebit"`` only): a :class:`gradcomp.torch.OneBitAdam`; the hook then
+    averages the gradients in full precision for its ``freeze_step`` steps and the momentum
+    (beta1) compressed after them (:mod:`gradcomp.torch.onebit_adam`).
     """
+    adam = options.pop("adam", None)
+    if adam is not None:
+        if compressor != "onebit":
+            raise ValueError(f"hook(adam=...) is 1-bit Adam: it needs the 'onebit' compressor, "
+                             f"got {compressor!r}")
+        from .onebit_adam import hook_options
+
+        start_iter = hook_options(adam, start_iter, options)
     if compressor == "auto":
         return AutoState(process_group, start_iter, log_every, model, timeout, pipeline=pipeline,
                          **options), auto_hook
-    return GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
-                         pipeline, **options), _hook
+    state = GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
+                          pipeline, **options)
+    state._adam = adam  # compressed steps divide the gradients by its frozen denominators
+    return state, _hook

@@ -21,6 +21,7 @@ from ._driver import PlanStats, Topology
 from ._worker import AfterBackward, Worker
 from ._families import COMPRESSORS
 from ._reshard import local_state_dict
+from .onebit_adam import precondition
 from ._stats import TIMELINE_RUNS, HookStats
 
 log = logging.getLogger("gradcomp")
@@ -63,6 +64,7 @@ class GradcompState:
         self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw, skipped ones included: the index of history
         self._owner = None  # the state that settles steps (hook("auto") for its candidates)
+        self._adam = None  # 1-bit Adam's optimizer (hook("onebit", adam=...))
         self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
         self._steps = _Steps(self)
         self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
@@ -401,6 +403,8 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
             plan = fam.make({}, bucket, state.world, idx, state.process_group, state.per_node)
         else:
             fam = COMPRESSORS[state.compressor]
+            if state._adam is not None:  # 1-bit Adam: the plan averages m / d
+                precondition(state._adam, bucket)
             view, b, permuted = state._resolve(bucket)
             plan = b.plan
             b.steps += 1
