@@ -119,6 +119,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     (failed if "error" in r else results).append(r)
         a.configs, a.seeds = "", ""
     t_start = time.time()
+    # the code the runs use: read now, the tree may move while they train
+    commit = ((git_output("rev-parse", "--short", "HEAD") or "unknown")
+              + (" (with uncommitted changes)" if git_output("status", "--porcelain",
+                                                       "--untracked-files=no") else ""))
     load_before = os.getloadavg()[0]
     for seed in [int(s) for s in a.seeds.split(",") if s]:
         for cfg in [c for c in a.configs.split(",") if c]:
@@ -138,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 failed.append({"config": cfg, "seed": seed, "error": _last_line(e)})
                 print(f"{cfg:24s} seed {seed}: FAILED: {failed[-1]['error']}", flush=True)
                 continue
-            r.update(link=link, momentum=a.momentum, batch=a.batch, eval_every=a.eval_every)
+            r.update(link=link, momentum=a.momentum, batch=a.batch, eval_every=a.eval_every,
+                     commit=commit)
             results.append(r)
             bps = r["bytes_sent_per_step"]
             ratio = f"{r['dense_bytes'] / bps:7.1f}x" if bps else "    n/a"
@@ -160,9 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import torch
 
         meta = dict(date=datetime.date.today().isoformat(),
-                    commit=(git_output("rev-parse", "--short", "HEAD") or "unknown")
-                    + (" (with uncommitted changes)" if git_output("status", "--porcelain",
-                                                             "--untracked-files=no") else ""),
+                    commit=commit,
                     torch=torch.__version__, command="python -m gradcomp.experiments.fashion_mnist "
                     + " ".join(sys.argv[1:] if argv is None else argv),
                     load_before=load_before, load_after=os.getloadavg()[0],

@@ -186,8 +186,16 @@ def write_report(results: Sequence[Dict[str, Any]], out_dir: str, target: float,
                    else "") + "\n")
         f.write(f"- Machine: {os.cpu_count()}-core VM, shared; 1-minute load average before "
                 f"{meta['load_before']:.2f}, after {meta['load_after']:.2f}; wall {meta['wall_s']:.0f} s.\n")
-        f.write(f"- Setting: SGD lr {meta['lr']}, momentum {meta['momentum']} (in the hook with "
-                f"`dgc_optimizer` for top-k, random-k with correction and 1-bit momentum), batch "
+        if meta.get("optimizer") == "adamw":
+            opt = (f"AdamW lr {meta['lr']} (betas 0.9, 0.999; decoupled weight decay "
+                   f"{meta.get('weight_decay')}), linear warm-up over {meta.get('warmup_steps')} "
+                   "steps, cosine decay to 0 (`onebit-adam`: gradcomp's OneBitAdam, the same "
+                   "schedule; `local-*` and `qsr:*`: Local AdamW, no DDP, replicas averaged by "
+                   "QSRAverager)")
+        else:
+            opt = (f"SGD lr {meta['lr']}, momentum {meta['momentum']} (in the hook with "
+                   "`dgc_optimizer` for top-k, random-k with correction and 1-bit momentum)")
+        f.write(f"- Setting: {opt}, batch "
                 f"{meta['batch']} per rank; training time excludes evaluation (rank 0, every "
                 f"{meta['eval_every']} steps: time to target has that granularity). Wire bytes: "
                 "on one rank's link per step (plain DDP: a ring allreduce, 2 (P-1)/P of the "
@@ -201,11 +209,13 @@ def write_report(results: Sequence[Dict[str, Any]], out_dir: str, target: float,
 
 
 def setting_of(results: Sequence[Dict[str, Any]], fallback: Dict[str, Any]) -> Dict[str, Any]:
-    """The setting (model, world, link, lr, momentum, batch, eval_every) the runs recorded: a value
+    """The setting (model, world, link, lr, momentum, batch, eval_every, optimizer, weight decay,
+    warm-up, commit) the runs recorded: a value
     shared by every run; "mixed: a / b" where they differ. A key no run recorded (runs from before
     it was recorded) takes ``fallback``'s value (the command's own options), if any."""
     out: Dict[str, Any] = {}
-    for k in ("model", "world", "link", "lr", "momentum", "batch", "eval_every"):
+    for k in ("model", "world", "link", "lr", "momentum", "batch", "eval_every", "optimizer",
+              "weight_decay", "warmup_steps", "commit"):
         vals = sorted({json.dumps(r[k]) for r in results if k in r})
         if len(vals) == 1:
             out[k] = json.loads(vals[0])
