@@ -19,6 +19,7 @@ from gradcomp import _C
 PY_MODULES = ["gradcomp", "gradcomp.dropcompute", "gradcomp.bench", "gradcomp.experiments.netem",
               "gradcomp.experiments.fashion_mnist"]
 TORCH_MODULES = ["gradcomp.torch", "gradcomp.torch._families", "gradcomp.torch.qsr",
+                 "gradcomp.torch.onebit_adam",
                  "gradcomp.torch.dropcompute",
                  "gradcomp.experiments.baselines"]
 
