@@ -195,3 +195,37 @@ def test_checkpoint_round_trip_in_the_compressed_phase():
     out = tmpdir()
     run(_resume, 2, out)
     assert_resumed_equals_straight(out, 2, "1-bit Adam")
+
+
+def _overflow(rank, world, out):
+    """After the freeze, rank 1's loss is Inf for one step (an fp16 overflow): every rank's
+    backward returns, the step is skipped on every rank (as GradScaler would: the optimizer does
+    not run when a gradient is not finite), the variance, momentum and errors stay, and the ranks
+    go on training in agreement."""
+    model, opt, state = _pair(world)
+    data = make_data(rank, 14, seed=7)
+    for t, (x, y) in enumerate(data, start=1):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if t == 9 and rank == 1:
+            loss = loss * float("inf")
+        before = state.state_dict() if t == 9 else None
+        loss.backward()
+        finite = torch.tensor([float(all(torch.isfinite(p.grad).all() for p in model.parameters()))])
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if t == 9:
+            assert finite.item() == 0.0, "the overflow step was not marked on every rank"
+            assert state.skipped_steps == 1 and state.iter == 8
+            after = state.state_dict()
+            assert after["iter"] == before["iter"]
+            assert after["buckets"] == before["buckets"]  # momentum and errors unchanged
+            continue  # GradScaler skips optimizer.step()
+        assert finite.item() == 1.0
+        opt.step()
+    assert state.iter == 13 and params_equal_across_ranks(model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    mark_ok(out, rank)
+
+
+def test_an_overflow_on_one_rank_after_the_freeze_is_skipped_on_every_rank():
+    run_ok(_overflow, 2)
