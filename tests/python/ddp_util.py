@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers for multi-process DDP tests: spawn N gloo ranks on loopback, deterministic models."""
+import atexit
 import os
+import shutil
 import tempfile
 
 import torch
@@ -76,8 +78,20 @@ def params_equal_across_ranks(model) -> bool:
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
+_BASE = None
+
+
 def tmpdir():
-    return tempfile.mkdtemp(prefix="gradcomp-test-")
+    """A fresh directory for one test's ranks to write into. All of them live under one base
+    directory per test process, removed when that process exits, so that a test session leaves
+    nothing behind in /tmp (a full run makes over a thousand)."""
+    global _BASE
+    if _BASE is None:
+        _BASE = tempfile.mkdtemp(prefix="gradcomp-tests-")
+        owner = os.getpid()
+        # only the process that made it removes it: spawned ranks import this module too
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(_BASE, ignore_errors=True))
+    return tempfile.mkdtemp(prefix="t-", dir=_BASE)
 
 
 def mark_ok(out_dir, rank):

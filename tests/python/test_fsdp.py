@@ -71,10 +71,14 @@ def _lossless(rank, world):
     assert t["reduce_scatter"]["wire_bytes"] == t["reduce_scatter"]["dense_wire_bytes"] > 0
 
 
-    # the README's FSDP2 example (its second python block) runs as written on a model with layers
+    # the README's FSDP2 example (the python block that calls compress_fsdp; found by what it
+    # says, not by its place, so that other examples can be added before it) runs as written
     readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
     with open(readme) as f:
-        code = re.findall(r"```python\n(.*?)```", f.read(), re.S)[1]
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    found = [b for b in blocks if "gt.compress_fsdp(" in b]
+    assert len(found) == 1, f"expected one README example with compress_fsdp, found {len(found)}"
+    code = found[0]
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Linear(32, 40), torch.nn.Linear(40, 8)])
