@@ -24,6 +24,12 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
     one's collective is on the wire (the order of collectives is unchanged); False runs each
     bucket's phases strictly one after the other.
 
+    ``overlap`` (default True): a bucket's exchange starts as soon as DDP hands it over, while
+    backward still computes the earlier layers' gradients. False holds every bucket until the
+    step's last one (the exchange then runs after backward, as an optimizer-side compressed
+    allreduce such as DeepSpeed's 1-bit Adam does): the same result, bitwise; for measuring
+    what the overlap is worth. Not with ``"auto"``.
+
     ``"auto"`` measures the candidates on the real model and link and picks per bucket (see
     :mod:`gradcomp.torch._auto`): ``hook("auto", candidates=("allreduce", "fp16", "powersgd"),
     min_rank=4, max_density=0.01, min_bits=4, trial_steps=3, recheck_every=1000,
@@ -47,6 +53,9 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
 
         start_iter = hook_options(adam, start_iter, options)
     if compressor == "auto":
+        if "overlap" in options:
+            raise ValueError("hook('auto') always overlaps its exchange with backward; overlap= "
+                             "is an option of the other compressors")
         return AutoState(process_group, start_iter, log_every, model, timeout, pipeline=pipeline,
                          **options), auto_hook
     state = GradcompState(compressor, process_group, start_iter, log_every, model, timeout,

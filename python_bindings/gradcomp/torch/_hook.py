@@ -41,6 +41,9 @@ class GradcompState:
                  **options):
         lazy = options.pop("_lazy", False)  # unpickling: the worker is made at first use
         hierarchy, per_node = options.pop("hierarchy", None), options.pop("per_node", None)
+        overlap = options.pop("overlap", True)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of {sorted(COMPRESSORS)}")
         fam = COMPRESSORS[compressor]
@@ -55,6 +58,9 @@ class GradcompState:
         if not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
         self.pipeline = pipeline
+        # False: no bucket is sent before the step's last one was handed over (the exchange runs
+        # after backward, as an optimizer-side compressed allreduce would); for measurements
+        self.overlap = overlap
         self.compressor = compressor
         self.options = dict(options)
         self.process_group = process_group
@@ -232,13 +238,14 @@ class GradcompState:
         return {"compressor": self.compressor, "options": self.options,
                 "log_every": self.log_every, "timeout": self.timeout,
                 "pipeline": self.pipeline, "sd": self.state_dict(),
-                "hierarchy": self.hierarchy,
+                "hierarchy": self.hierarchy, "overlap": self.overlap,
                 "per_node": self.per_node or self._per_node_given}
     # (the process group and the worker thread are not pickled; a restored state makes its own)
 
     def __setstate__(self, d):
         layout = {} if d.get("hierarchy") is None else {"hierarchy": d["hierarchy"],
                                                          "per_node": d.get("per_node")}
+        layout["overlap"] = d.get("overlap", True)
         self.__init__(d["compressor"], None, d["sd"]["start_iter"], d["log_every"], None,
                       d.get("timeout"), d.get("pipeline", True), _lazy=True, **layout,
                       **d["options"])
@@ -419,6 +426,8 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
         # _driver). Outside a backward pass it is raised at once.
         settled[0] = True
         steps.settle(rec, True)
+        if last and state._worker is not None:  # buckets held for the end of backward go now
+            state._worker.release()
         return _fail_after_backward(e, buf)
 
     def result():  # the plan averaged view in place
@@ -428,7 +437,8 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
 
     worker = state._worker or state._make_worker()
     # inside DDP's backward an error must not fail the future (see "Errors" in _driver)
-    return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed)
+    return worker.submit(plan, result, done, buf.device, AfterBackward.arm(buf), failed,
+                         hold=not (state.overlap or last))
 
 
 def _fail_after_backward(error: Exception, buf) -> torch.futures.Future:

@@ -95,6 +95,8 @@ class Worker:
         self.pipeline = bool(pipeline)
         self.num_threads = torch.get_num_threads()  # see "Threads" in the module docstring
         self._q: "queue.Queue" = queue.Queue()
+        self._held: list = []  # jobs submitted with hold=True, queued by the next unheld one
+        self._held_lock = threading.Lock()
         self._pending = None  # a job taken early by _prefetch (with its first step), or _CLOSE
         self.prefetched = 0  # buckets whose first local phase overlapped a previous transfer
         self._failed: Optional[BaseException] = None  # a collective failed: the group is unusable
@@ -106,11 +108,15 @@ class Worker:
                done: Optional[Callable[[PlanStats], None]] = None,
                device: Optional[torch.device] = None,
                after_backward: Optional[AfterBackward] = None,
-               failed: Optional[Callable[[BaseException], None]] = None) -> torch.futures.Future:
+               failed: Optional[Callable[[BaseException], None]] = None,
+               hold: bool = False) -> torch.futures.Future:
         """Queues a begun plan; the future's value is ``result()`` once the plan finished (after
         ``done(stats)``). An error calls ``failed(error)`` and completes the future with the
         exception, or, with `after_backward`, with ``after_backward.value`` and the error stored
-        there."""
+        there. ``hold=True`` keeps the plan back until the next plan submitted without it (or
+        :meth:`release`), which queues the held ones first, in their order: a hook built with
+        ``overlap=False`` holds every bucket but the step's last, so that nothing is sent before
+        backward has finished (the structure of an exchange run after backward)."""
         stream = None
         if threading.current_thread() is threading.main_thread():
             self.num_threads = torch.get_num_threads()  # the user may have changed it
@@ -119,8 +125,25 @@ class Worker:
             stream = torch.cuda.current_stream(device)
         else:
             fut = torch.futures.Future()
-        self._q.put((plan, result, done, fut, stream, after_backward, time.perf_counter(), failed))
+        job = (plan, result, done, fut, stream, after_backward, time.perf_counter(), failed)
+        with self._held_lock:
+            if hold:
+                self._held.append(job)
+            else:
+                self._release_locked()
+                self._q.put(job)
         return fut
+
+    def release(self) -> None:
+        """Queues the held plans (e.g. when the step's last bucket failed before it was
+        submitted: a held plan's future must still complete, DDP waits for it)."""
+        with self._held_lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        for job in self._held:
+            self._q.put(job)
+        self._held.clear()
 
     def _loop(self):
         threads = None

@@ -26,7 +26,8 @@ the second moment v and exchanges only the first moment, compressed::
   own, which diverged in the tests here within two steps of the freeze.
 
 The exchange runs inside DDP's hook, bucket by bucket while backward continues; DeepSpeed's
-1-bit Adam runs it in ``optimizer.step()``, after backward. The paper's payload (one sign per
+1-bit Adam runs it in ``optimizer.step()``, after backward (``hook("onebit", adam=opt,
+overlap=False)`` reproduces that structure, same result, to measure the difference). The paper's payload (one sign per
 element, one scale per server chunk) is the hook's ``block_size=0``; the default 128-element
 blocks add 0.25 bit per element and trained better here.
 
