@@ -17,11 +17,12 @@ from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make
 from gradcomp.torch.onebit_adam import OneBitAdam  # noqa: E402
 
 
-def reference(x0, grads, lr, b1, b2, eps, wd, t0):
+def reference(x0, grads, lr, b1, b2, eps, wd, t0, var_floor=0.01):
     """1-bit Adam's parameter trajectory in float64 from the gradients each step hands the
     optimizer (steps 1..t0: the averaged gradient; later: the hook's averaged momentum u of the
     gradients divided by the frozen denominator d), written from the algorithm, not from the
-    optimizer's code."""
+    optimizer's code: after the freeze the step is Adam's m_t / d with m_t = b1^k m_T0 plus the
+    momentum of the gradients since the freeze, bias-corrected by the global step t."""
     x = np.asarray(x0, np.float64).copy()
     m = np.zeros_like(x)
     v = np.zeros_like(x)
@@ -34,8 +35,15 @@ def reference(x0, grads, lr, b1, b2, eps, wd, t0):
             v = b2 * v + (1 - b2) * g * g
             mh, vh = m / (1 - b1 ** t), v / (1 - b2 ** t)
             x = x - lr * mh / (np.sqrt(vh) + eps)
-        else:  # g = u, the momentum of gradient / d: the step is m / d, bias-corrected
-            x = x - lr * (1 - b1) * g / (1 - b1 ** (t - t0))
+        else:  # g = u, the momentum of gradient / d since the freeze; Adam's m carried on
+            if t == t0 + 1:
+                m0 = m.copy()
+                vh0 = v / (1 - b2 ** t0)
+                mean = vh0.mean() if vh0.size else 0.0
+                d = np.sqrt(np.maximum(vh0, var_floor * mean)) + eps
+            k = t - t0
+            m_over_d = b1 ** k * m0 / d + (1 - b1) * g  # = m_t / d, m_t = b1^k m0 + (1-b1) sum
+            x = x - lr * m_over_d / (1 - b1 ** t)
         out.append(x.copy())
     return out, v
 

@@ -17,9 +17,13 @@ the second moment v and exchanges only the first moment, compressed::
   + eps (T0 = freeze_step), and its 1-bit plan keeps each rank's momentum u = beta1 u + g / d
   (from 0 at the freeze), compresses u plus its worker error, averages with the server error
   (the two-phase 1-bit allreduce) and hands the average of u to the optimizer as the gradient.
-  ``step()`` moves by lr (1 - beta1) u / (1 - beta1^k), k the steps since the freeze: Adam's
-  m / d with m bias-corrected. Averaging u is averaging m / d: with d fixed both are the same
-  linear recursion of the gradients. Compressing m / d rather than m keeps the compression error
+  ``step()`` moves by lr (beta1^k m_T0 / d + (1 - beta1) u) / (1 - beta1^t), k = t - T0 the
+  steps since the freeze: Adam's bias-corrected m_t / d, its momentum carried on from the
+  warm-up as in the paper. The carried part needs no exchange: m_T0 is the same on every rank
+  (the warm-up averaged in full precision). Averaging u is averaging the new part of m / d:
+  with d fixed both are the same linear recursion of the gradients. (Restarting the momentum at
+  the freeze instead, lr (1 - beta1) u / (1 - beta1^k), cost accuracy right after the freeze:
+  experiments/results/2026-11-27-fashion-mnist-vit-adamw/NOTES.md.) Compressing m / d rather than m keeps the compression error
   of a coordinate in proportion to its own step: the error of a block's sign-and-scale is of the
   size of the block's typical entry, and divided by a small sqrt(v) afterwards (as in the
   paper's form) it moved coordinates with small gradients by up to the block's scale over their
@@ -118,11 +122,18 @@ class OneBitAdam(torch.optim.Optimizer):
                         p.mul_(1.0 - lr * wd)
                     denom = (v / (1.0 - b2 ** t)).sqrt_().add_(eps)
                     p.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** t))
-                else:  # g: the hook's averaged momentum of g / d (module docstring); v frozen
-                    m.copy_(g).mul_(1.0 - b1)  # m / d, kept for inspection
+                else:  # g: the hook's averaged momentum u of g / d (module docstring)
+                    # m_t / d = beta1^k m_T0 / d + (1 - beta1) u_k: Adam's momentum carried on
+                    # from the warm-up (m_T0 stays in exp_avg; it is the same on every rank, the
+                    # warm-up averaged in full precision), v frozen
+                    k = t - t0
                     if wd:
                         p.mul_(1.0 - lr * wd)
-                    p.add_(m, alpha=-lr / (1.0 - b1 ** (t - t0)))
+                    corr = -lr / (1.0 - b1 ** t)
+                    carried = b1 ** k
+                    if carried > 1e-30:  # (0.9^k: below it after 650 steps)
+                        p.addcmul_(m, self.inverse_denominator(p), value=corr * carried)
+                    p.add_(g, alpha=corr * (1.0 - b1))
         return loss
 
     def inverse_denominator(self, p: torch.Tensor) -> torch.Tensor:
