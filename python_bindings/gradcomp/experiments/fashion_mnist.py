@@ -48,6 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="adamw's linear warm-up; default 5%% of the run's steps")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="DDP's bucket size (default: DDP's own, 25 MB)")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: epochs)")
     ap.add_argument("--model", default="cnn", choices=["cnn", "wide", "wide4096", "vit"])
@@ -133,6 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         micro_batches=a.micro_batches, slow_base_ms=a.slow_base_ms,
                         slow_log_mu=a.slow_log_mu, slow_log_sigma=a.slow_log_sigma,
                         slow_cap_ms=a.slow_cap_ms, timeout=a.timeout, per_node=a.per_node,
+                        bucket_cap_mb=a.bucket_cap_mb,
                         optimizer=a.optimizer, weight_decay=a.weight_decay,
                         warmup_steps=a.warmup_steps)
             try:
