@@ -237,3 +237,49 @@ def _overflow(rank, world, out):
 
 def test_an_overflow_on_one_rank_after_the_freeze_is_skipped_on_every_rank():
     run_ok(_overflow, 2)
+
+
+def _grad_scaler(rank, world, out):
+    """1-bit Adam under fp16 autocast with torch.amp.GradScaler: after the freeze the scale is
+    set so high that the gradients overflow. The hook skips the step on every rank (it does not
+    count it), GradScaler skips optimizer.step(): the frozen variance, Adam's step count and
+    moments, the hook's momentum and errors and the parameters are bitwise as before; with the
+    scale lowered again the ranks train on in agreement."""
+    model, opt, state = _pair(world, lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    data = make_data(rank, 14, seed=9)
+    for t, (x, y) in enumerate(data, start=1):
+        if t == 9:
+            scaler.update(2.0 ** 100)  # the fp16 activation gradients overflow at this scale
+            before = {"hook": state.state_dict(), "skipped": state.skipped_steps,
+                      "opt": {i: {k: (v.clone() if torch.is_tensor(v) else v)
+                                  for k, v in opt.state[p].items()}
+                              for i, p in enumerate(model.parameters())},
+                      "params": [p.detach().clone() for p in model.parameters()]}
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if t == 9:
+            assert state.skipped_steps == before["skipped"] + 1
+            after = state.state_dict()
+            assert after["iter"] == before["hook"]["iter"]
+            assert after["buckets"] == before["hook"]["buckets"]  # momentum and errors
+            for i, p in enumerate(model.parameters()):
+                assert torch.equal(p, before["params"][i])
+                for k, v in opt.state[p].items():
+                    w = before["opt"][i][k]
+                    assert (torch.equal(v, w) if torch.is_tensor(v) else v == w), k
+            scaler.update(2.0 ** 8)
+    assert state.skipped_steps == 1 and state.iter == 13
+    assert params_equal_across_ranks(model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    mark_ok(out, rank)
+
+
+@pytest.mark.skipif(not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"),
+                    reason="torch.amp.GradScaler on the CPU needs torch 2.x")
+def test_grad_scaler_overflow_after_the_freeze_leaves_every_state_as_it_was():
+    run_ok(_grad_scaler, 2)

@@ -37,7 +37,8 @@ blocks add 0.25 bit per element and trained better here.
 
 A step the hook skips (a non-finite gradient: a loss scaler's overflow step) is not counted by
 the hook, and ``GradScaler`` then skips ``step()``: v, the momentum and the errors stay as they
-were. The optimizer's state (moments, step) is in ``opt.state_dict()``, the hook's (momentum,
+were (tested with torch.amp.GradScaler and fp16 autocast, and with one rank's Inf loss). The
+optimizer's state (moments, step) is in ``opt.state_dict()``, the hook's (momentum,
 errors, iteration) in ``state.state_dict()``; save and restore both.
 """
 from __future__ import annotations
