@@ -54,6 +54,19 @@ class Net(torch.nn.Module):
         return self.fc3(h)
 
 
+class EmbedNet(torch.nn.Module):
+    """An embedding (sparse=True: a sparse gradient, in a DDP bucket of its own) and a linear
+    layer; its input is a tensor of indices below 50."""
+
+    def __init__(self, sparse=True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8, sparse=sparse)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, i):
+        return self.fc(self.emb(i))
+
+
 def make_data(rank, steps, batch=16, d_in=32, d_out=8, seed=0):
     """Per-rank regression data from a fixed teacher (same teacher on every rank)."""
     g = torch.Generator().manual_seed(1000 + seed)

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import (Net, make_data, mark_ok, params_equal_across_ranks, run,  # noqa: E402
-                      run_ok, tmpdir)
+from ddp_util import (EmbedNet, Net, make_data, mark_ok, params_equal_across_ranks,  # noqa: E402
+                      run, run_ok, tmpdir)
 
 FAMILIES = [
     ("topk", dict(ratio=0.05)),
@@ -33,6 +33,10 @@ FAMILIES = [
     ("onebit", dict(momentum=0.9)),
     ("quant", dict(bits=4)),
     ("powersgd", dict(rank=2)),
+    # every bucket held until the step's last one (the after-backward structure): the skip and
+    # the taking back of kept buckets must not depend on when the buckets run
+    ("onebit", dict(overlap=False)),
+    ("topk", dict(ratio=0.05, momentum=0.9, overlap=False)),
 ]
 STEPS, BAD = 8, 4  # BAD > start_iter (2): the step is a compressed one
 
@@ -144,19 +148,9 @@ def test_raise_policy_raises_on_every_rank_and_ddp_trains_on():
     run_ok(_raise_policy, 2)
 
 
-class _EmbedNet(torch.nn.Module):
-    def __init__(self, sparse):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 8, sparse=sparse)
-        self.fc = torch.nn.Linear(8, 4)
-
-    def forward(self, i):
-        return self.fc(self.emb(i))
-
-
 def _sparse_gradient(rank, world, out_dir):
     torch.manual_seed(0)
-    model = DDP(_EmbedNet(sparse=True))
+    model = DDP(EmbedNet(sparse=True))
     state, hook = gt.hook("topk", ratio=0.1, start_iter=0)
     model.register_comm_hook(state, hook)
     idx = torch.randint(0, 50, (16,))

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, make_data, mark_ok, params_equal_across_ranks, run_ok  # noqa: E402
+from ddp_util import (EmbedNet, Net, make_data, mark_ok, params_equal_across_ranks,  # noqa: E402
+                      run_ok)
 
 STEPS = 6
 
@@ -61,20 +62,10 @@ def test_held_buckets_give_the_overlapped_result_after_the_last_bucket():
     run_ok(_same_result_and_order, 2)
 
 
-class _EmbedNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 8, sparse=True)  # its bucket is the step's last
-        self.fc = torch.nn.Linear(8, 4)
-
-    def forward(self, i):
-        return self.fc(self.emb(i))
-
-
 def _last_bucket_fails(rank, world, out_dir):
     faulthandler.dump_traceback_later(120, exit=True)
     torch.manual_seed(0)
-    model = DDP(_EmbedNet())
+    model = DDP(EmbedNet(sparse=True))  # the embedding's bucket is the step's last
     state, hook = gt.hook("topk", ratio=0.1, start_iter=0, overlap=False)
     model.register_comm_hook(state, hook)
     idx = torch.randint(0, 50, (16,))
