@@ -25,10 +25,15 @@
 #                                     copy there may have no .git).
 #
 # STEPS (default all): a comma list of the steps to run after the build, for a short second call:
-# ctest, pytest, bench (bench/gpu_bench.py; BENCH_SECTIONS picks its sections), profile
+# ctest, multirank (tests/python/test_gpu_multirank.py: 2 and 4 ranks on the one GPU over gloo,
+# every family, fp32 and bf16, overlap on and off, FSDP2; multirank.json has every case),
+# overlap (bench/gpu_overlap.py: the hook's side stream against the submitting stream and
+# PyTorch's fp16 hook, a profiler trace, CUDA graph capture), pytest (test_gpu.py), bench
+# (bench/gpu_bench.py; BENCH_SECTIONS picks its sections), csan (the multi-rank hook test at 2
+# ranks for CSAN_FAMILIES, default topk,quant, under TORCH_CUDA_SANITIZER=1), profile
 # (bench/gpu_profile.py: device time per kernel of one encode), sanitizers, cpp (the C++ CUDA
 # benchmarks, also added by BENCH_CPP=1; CPP_FILTER is their --benchmark_filter); "all" is
-# ctest, pytest, bench and sanitizers.
+# ctest, multirank, overlap, pytest, bench, csan and sanitizers.
 #
 # Exit status: 0 when the build, ctest, the Python GPU tests, bench/gpu_bench.py and every
 # sanitizer run passed; the logs say what failed.
@@ -122,6 +127,19 @@ if [ -n "$so" ]; then
   export PYTHONPATH="$PWD/$build/pyroot"
   opts=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")
   opts="$opts $(python3 -c 'import pytest_timeout' 2>/dev/null && echo "--timeout 150")"
+  if want multirank; then
+    rc=0
+    (cd tests/python && GRADCOMP_TEST_REPORT="$out/multirank.json" timeout 240 python3 -m pytest \
+       -q -rs -p no:cacheprovider test_gpu_multirank.py) > "$out/multirank.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || status=1
+    stamp "multirank: $(tail -1 "$out/multirank.log")"
+  fi
+  if want overlap; then
+    rc=0
+    timeout 150 python3 bench/gpu_overlap.py --out "$out" > "$out/gpu_overlap.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || status=1
+    stamp "gpu_overlap: exit $rc"; grep -E '^(ok|FAIL)|step ' "$out/gpu_overlap.log"
+  fi
   if want pytest; then
     (cd tests/python && timeout 200 python3 -m pytest -q -rs -p no:cacheprovider $opts \
        test_gpu.py) > "$out/pytest.log" 2>&1 || status=1
@@ -134,6 +152,14 @@ if [ -n "$so" ]; then
       > "$out/gpu_bench.log" 2>&1 || rc=$?
     [ $rc -eq 0 ] || status=1
     stamp "gpu_bench: exit $rc"
+  fi
+  if want csan; then
+    rc=0
+    (cd tests/python && TORCH_CUDA_SANITIZER=1 GRADCOMP_TEST_FAMILIES="${CSAN_FAMILIES:-topk,quant}" \
+       timeout 150 python3 -m pytest -q -rs -p no:cacheprovider test_gpu_multirank.py \
+       -k "family and 2") > "$out/csan.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || status=1
+    stamp "csan (TORCH_CUDA_SANITIZER=1, multi-rank hooks): $(tail -1 "$out/csan.log")"
   fi
   if want profile; then
     rc=0

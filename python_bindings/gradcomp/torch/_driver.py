@@ -215,7 +215,10 @@ def launch(c, group) -> torch.futures.Future:
         outs = list(recv.chunk(c.world))
         work = dist.all_gather(outs, send, group=group, async_op=True)
     elif kind == "all-to-all":
-        if c.send_bytes >= P2P_ALL_TO_ALL_BYTES * c.world and dist.get_backend(group) == "gloo":
+        # (CPU only: gloo's send/recv hand the tensor's pointer to its TCP transport as host
+        # memory, while its all_to_all_single stages CUDA tensors through pinned host memory)
+        if (c.send_bytes >= P2P_ALL_TO_ALL_BYTES * c.world and not send.is_cuda
+                and dist.get_backend(group) == "gloo"):
             return _all_to_all_p2p(_as_bits(recv), _as_bits(send), c.world, group)
         work = dist.all_to_all_single(_as_bits(recv), _as_bits(send), group=group,
                                       async_op=True)

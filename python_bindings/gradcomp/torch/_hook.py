@@ -352,8 +352,48 @@ def _finite(b) -> bool:
     return bool(torch.isfinite(b).all())
 
 
+# Whether CUDA plans run on the worker's side stream (see _hook); False runs them on the
+# submitting stream, as before the side stream existed, for measuring what it is worth
+# (bench/gpu_overlap.py).
+SIDE_STREAM = True
+
+
 def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
+    if not buf.is_cuda:
+        return _hook_on(state, bucket, buf, on_done)
+    if torch.cuda.is_current_stream_capturing():
+        # Refused before anything changes (no step joined, no counter moved): the error reaches
+        # the user from loss.backward() once DDP has finished its part (see _fail_after_backward)
+        return _fail_after_backward(GraphCaptureError(), buf)
+    if not SIDE_STREAM:
+        return _hook_on(state, bucket, buf, on_done)
+    # Compression off the critical path: the bucket's plan (built, begun and run) goes on the
+    # worker's own stream, which first waits for what the current stream (backward's) has queued
+    # so far, i.e. this bucket's gradients; backward's later kernels do not wait for it. The
+    # future records the side stream's completion, and DDP's wait on the future orders its
+    # stream after it, as NCCL's work stream is ordered.
+    side = (state._worker or state._make_worker()).side_stream(buf.device)
+    side.wait_stream(torch.cuda.current_stream(buf.device))
+    with torch.cuda.stream(side):
+        return _hook_on(state, bucket, buf, on_done)
+
+
+class GraphCaptureError(RuntimeError):
+    """A gradcomp hook was called while its CUDA stream was being captured into a CUDA graph."""
+
+    def __init__(self):
+        super().__init__(
+            "gradcomp hooks cannot be captured in a CUDA graph: each step's plan decides on the "
+            "host (payload sizes and counts, the finiteness of every rank's gradient, retries of "
+            "the sampled threshold, skipped steps) and runs its collectives from a worker thread, "
+            "which a graph cannot replay. Capture the forward pass (or the model without DDP) "
+            "and run backward with the hook outside the graph, or use DDP without a gradcomp "
+            "hook inside the graph. Nothing of the hook's state changed.")
+
+
+def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Future[torch.Tensor]:
+    """The hook for one bucket, on the stream its plan runs on (see _hook)."""
     idx = bucket.index()
     last = bucket.is_last()
     steps = (state._owner or state)._steps

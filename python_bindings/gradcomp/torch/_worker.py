@@ -100,9 +100,19 @@ class Worker:
         self._pending = None  # a job taken early by _prefetch (with its first step), or _CLOSE
         self.prefetched = 0  # buckets whose first local phase overlapped a previous transfer
         self._failed: Optional[BaseException] = None  # a collective failed: the group is unusable
+        self._streams: dict = {}  # device index -> the side stream of this worker's CUDA plans
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _workers.add(self)
+
+    def side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The stream this worker's CUDA plans run on, one per device, made on first use (the
+        hook orders it after the submitting stream for each bucket)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._streams.get(index)
+        if s is None:
+            s = self._streams[index] = torch.cuda.Stream(device=torch.device("cuda", index))
+        return s
 
     def submit(self, plan, result: Callable[[], torch.Tensor],
                done: Optional[Callable[[PlanStats], None]] = None,
@@ -161,11 +171,14 @@ class Worker:
                     threads = self.num_threads
                     torch.set_num_threads(threads)
                 if stream is not None:
+                    # set inside the stream's context: the future records its completion on
+                    # that stream, and a consumer's wait orders the consumer's stream after it
                     with torch.cuda.stream(stream):
                         value = self._run(plan, result, done, submitted)
+                        fut.set_result(value)
                 else:
                     value = self._run(plan, result, done, submitted, pre)
-                fut.set_result(value)
+                    fut.set_result(value)
             except BaseException as e:  # handed to whoever waits on the future, type intact
                 if not isinstance(e, Exception):  # a Future carries Exceptions only
                     e = RuntimeError(f"gradcomp worker interrupted: {e!r}")
