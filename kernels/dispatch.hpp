@@ -69,6 +69,7 @@ void dgc_accumulate(const Exec& e, const void* g, DType t, int64_t n, float coef
                     const float* v_src = nullptr);
 void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, int64_t k,
                       void* values, DType vt);
+void gather(const Exec& e, const float* v, const uint32_t* idx, int64_t k, void* values, DType vt);
 void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out,
                      const uint32_t* ranges = nullptr, int64_t nr = 0);
 void scatter_add(const Exec& e, const uint32_t* idx, const void* values, DType vt, int64_t k,

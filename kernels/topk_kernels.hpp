@@ -40,6 +40,9 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
                     float* u, float* v, const float* u_src = nullptr, const float* v_src = nullptr);
 /// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0.
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt);
+/// values[j] = v[idx[j]] (converted to vt; -0 sent as +0, as 0 + v would be), v unchanged: the
+/// gather of a selection made on the gradient itself (no error feedback, no momentum, no clip).
+void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt);
 /// Stratified random-k indices over n elements (ascending), mapped through the nr ranges of
 /// `ranges` when nr > 0 (randomk_position in topk_math.h; host memory here).
 void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out,
@@ -59,6 +62,7 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
                     const float* v_src = nullptr);
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
                       void* stream);
+void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt, void* stream);
 /// As the CPU twin; `ranges` in device memory.
 void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream,
                      const uint32_t* ranges = nullptr, int64_t nr = 0);

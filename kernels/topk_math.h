@@ -43,6 +43,10 @@ GC_HD float dgc_residual(float v, float g) {
 /// a finite residual; what does not fit stays in the residual (residual_after_send).
 GC_HD float value_to_send(float v, DType vt) { return saturate_for(v, vt); }
 
+/// x with -0 made +0: the value 0 + x that the residual accumulation forms from a zero residual,
+/// for the gather that reads the gradient itself (the same bits as that path sends).
+GC_HD float plus_zero(float x) { return (float_bits(x) & 0x7fffffffu) == 0u ? 0.0f : x; }
+
 /// Local gradient clipping coefficient: min(1, max_norm / ||g||); 1 when clipping is off (<= 0).
 /// What stays in the residual of an element whose accumulated value v was sent as `sent` (v
 /// rounded to the value dtype, as the receiver decodes it): the rounding error v - sent, so

@@ -434,6 +434,10 @@ void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* 
   }
 }
 
+void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt) {
+  for (int64_t j = 0; j < k; ++j) store_value(values, vt, j, plus_zero(v[idx[j]]));
+}
+
 void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, const uint32_t* ranges,
                      int64_t nr) {
   const int T = threads_for(k * 16);

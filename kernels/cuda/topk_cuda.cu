@@ -150,6 +150,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <DType VT>
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(const float* v, const uint32_t* idx, int64_t k, void* values) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
+       j += static_cast<int64_t>(gridDim.x) * kThreads)
+    store_value<VT>(values, j, plus_zero(v[idx[j]]));
+}
+
 __global__ void __launch_bounds__(kThreads)
     randomk_kernel(int64_t n, int64_t k, RngKey key, uint32_t* out, const uint32_t* ranges,
                    int64_t nr) {
@@ -344,6 +352,16 @@ void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* 
   const int grid = grid_for(k, kThreads, kMaxGrid);
   by_value_dtype(vt, [&](auto VT) {
     gather_clear_kernel<decltype(VT)::value><<<grid, kThreads, 0, s>>>(v, u, idx, k, values);
+  });
+  GC_CUDA_CHECK_LAUNCH();
+}
+
+void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt, void* stream) {
+  if (k <= 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const int grid = grid_for(k, kThreads, kMaxGrid);
+  by_value_dtype(vt, [&](auto VT) {
+    gather_kernel<decltype(VT)::value><<<grid, kThreads, 0, s>>>(v, idx, k, values);
   });
   GC_CUDA_CHECK_LAUNCH();
 }

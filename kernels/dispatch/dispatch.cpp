@@ -100,6 +100,13 @@ void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, in
     cpu::gather_and_clear(v, u, idx, k, values, vt);
 }
 
+void gather(const Exec& e, const float* v, const uint32_t* idx, int64_t k, void* values, DType vt) {
+  if (e.cuda())
+    cuda::gather(v, idx, k, values, vt, e.stream);
+  else
+    cpu::gather(v, idx, k, values, vt);
+}
+
 void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out,
                      const uint32_t* ranges, int64_t nr) {
   if (e.cuda())

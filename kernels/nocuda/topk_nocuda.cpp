@@ -21,6 +21,9 @@ void dgc_accumulate(const void*, DType, int64_t, float, float, bool, float*, flo
 void gather_and_clear(float*, float*, const uint32_t*, int64_t, void*, DType, void*) {
   throw_not_built_with_cuda("top-k gather on a CUDA tensor");
 }
+void gather(const float*, const uint32_t*, int64_t, void*, DType, void*) {
+  throw_not_built_with_cuda("top-k gather on a CUDA tensor");
+}
 void randomk_indices(int64_t, int64_t, const RngKey&, uint32_t*, void*, const uint32_t*, int64_t) {
   throw_not_built_with_cuda("random-k indices on CUDA");
 }

@@ -11,6 +11,8 @@ twins by the C++ CUDA suites):
 - torch's own fp16 GradScaler with autocast: the scaler's overflow steps are the hook's skipped
   steps, and the model trains;
 - the hooks under a side stream (torch.cuda.stream) give the default stream's result;
+- a DDP step with a hook under CUDA graph capture fails with GraphCaptureError (never a hang or
+  a capture invalidated without a word), the hook's state unchanged, and training goes on;
 - two ranks on the one GPU (NCCL refuses that on most versions: then skipped with NCCL's reason);
 - compress_fsdp (quant gradients, int8 parameters) on CUDA with NCCL (torch 2.x).
 
@@ -225,6 +227,43 @@ def _side_stream(rank, world):
 @pytest.mark.skipif(DEV != "cuda", reason="streams are CUDA's")
 def test_side_stream_gives_the_default_streams_result():
     _spawn(_side_stream, 1)
+
+
+def _graph_capture(rank, world):
+    """A DDP step with a gradcomp hook under CUDA graph capture: the hook refuses it with
+    GraphCaptureError (raised by loss.backward()), nothing of its state changes, and the next
+    ordinary step runs and trains on."""
+    from gradcomp.torch._hook import GraphCaptureError
+    dev = torch.device(DEV)
+    data = make_data(rank, 6)
+    for name, opts in (("quant", dict(bits=4)), ("topk", dict(ratio=0.05))):
+        model = _model(dev)
+        state, hook = gt.hook(name, model=model, **opts)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _train(model, opt, data[:4], dev)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        it, sd = state.iter, pickle.dumps(state.state_dict())
+        x, y = data[4][0].to(dev), data[4][1].to(dev)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(GraphCaptureError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.cuda.synchronize()
+        assert state.iter == it and pickle.dumps(state.state_dict()) == sd, name
+        losses = _train(model, opt, data[4:], dev)
+        assert state.iter == it + 2, (name, state.iter, it)
+        assert all(torch.isfinite(p).all() for p in model.parameters()), name
+        assert all(l == l for l in losses), name
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs are CUDA's")
+def test_graph_capture_is_refused_clearly():
+    _spawn(_graph_capture, 1)
 
 
 def _two_ranks(rank, world):

@@ -82,6 +82,70 @@ TEST(QuantCuda, CompressAndDecodeMatchTheCpuBitwise) {
           }
 }
 
+// The compress has two forms on the device (a warp per block of 32 to 1024 elements, holding the
+// block in registers, with float4 loads where fp32 and 16-byte aligned; a thread block per larger
+// block) and the decode one thread per code word: every block size from 32 to 2048, fp32 / fp16 /
+// bf16 gradients, aligned and misaligned (one element off: the scalar loads), with and without
+// error feedback, nearest and stochastic, a partial last block and a partial last word, against
+// the CPU twin bitwise.
+TEST(QuantCuda, CompressFormsMatchTheCpuForEveryBlockSizeDtypeAndAlignment) {
+  GC_REQUIRE_GPU();
+  for (int64_t block : {32, 64, 128, 256, 512, 1024, 2048})
+    for (int bits : {2, 4, 8})
+      for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+        for (int off : {0, 1})
+          for (bool ef : {true, false}) {
+            const bool stochastic = (block + bits + off) % 2 == 0;  // half the cases each
+            const bool asym = bits == 4 && ef;
+            const int64_t n = 3 * block + 37;  // a partial block, and a partial word at 2 bits
+            SCOPED_TRACE("block " + std::to_string(block) + " bits " + std::to_string(bits) + " " +
+                         dtype_name(dt) + " offset " + std::to_string(off) + " ef " +
+                         std::to_string(ef));
+            kernels::QuantGeom geo;
+            geo.n = n;
+            geo.bits = bits;
+            geo.block = block;
+            geo.asym = asym;
+            kernels::QuantRng rng;
+            rng.stochastic = stochastic;
+            rng.key = RngKey{9, 1, 4};
+            rng.role = 1;
+            rng.first = 4 * static_cast<uint64_t>(block);
+            const size_t es = dtype_size(dt);
+            const std::vector<uint8_t> g = gradient_bytes(n, dt, 7 + block);
+            const std::vector<float> e = normal(n, 3, 0.1f);
+            std::vector<float> e_cpu(n, -1.0f), e_gpu(n);
+            std::vector<uint8_t> b_cpu(geo.body_bytes(), 0), b_gpu(geo.body_bytes());
+            kernels::cpu::quant_compress(g.data(), dt, ef ? e.data() : nullptr,
+                                         ef ? e_cpu.data() : nullptr, geo, rng, false,
+                                         b_cpu.data());
+            DevBuf dg((n + 1) * es), de(4 * (n + 1)), deo(4 * (n + 1)), db(b_gpu.size());
+            dg.upload(g.data(), n * es, off * es);
+            de.upload(e.data(), 4 * n, 4 * off);
+            deo.upload(e_cpu.data(), 4 * n, 4 * off);  // (overwritten where it is written)
+            db.upload(std::vector<uint8_t>(b_gpu.size(), 0).data(), b_gpu.size());
+            kernels::cuda::quant_compress(
+                dg.as<uint8_t>(off * es), dt, ef ? de.as<float>(4 * off) : nullptr,
+                ef ? deo.as<float>(4 * off) : nullptr, geo, rng, false, db.as<uint8_t>(), nullptr);
+            db.download(b_gpu.data(), b_gpu.size());
+            ASSERT_EQ(b_cpu, b_gpu);
+            if (ef) {
+              std::vector<float> all(n + 1);
+              deo.download(all.data(), 4 * (n + 1));
+              ASSERT_EQ(0, std::memcmp(e_cpu.data(), all.data() + off, 4 * n));
+            }
+            std::vector<float> d_cpu(n), d_gpu(n);
+            const uint8_t* hp[2] = {b_cpu.data(), b_cpu.data()};
+            kernels::cpu::quant_decode_average(hp, 2, geo, 0.5f, d_cpu.data());
+            const uint8_t* dp[2] = {db.as<uint8_t>(), db.as<uint8_t>()};
+            DevBuf dd(4 * n);
+            kernels::QuantWorkspace ws(Device::kCUDA);
+            kernels::cuda::quant_decode_average(dp, 2, geo, 0.5f, dd.as<float>(), ws, nullptr);
+            dd.download(d_gpu.data(), 4 * n);
+            ASSERT_EQ(0, std::memcmp(d_cpu.data(), d_gpu.data(), 4 * n));
+          }
+}
+
 TEST(QuantCuda, PlanMatchesTheCpuPlanBitwise) {
   GC_REQUIRE_GPU();
   for (DType dt : {DType::kFloat32, DType::kFloat16})

@@ -302,6 +302,36 @@ TEST(Dgc, ErrorFeedbackOffDropsResidual) {
   for (uint32_t i : ref) EXPECT_EQ(d[i], g[i]);
 }
 
+// Without error feedback (and momentum and clipping) the codec selects on the fp32 gradient
+// itself and skips the residual pass; the payload must be the bytes the residual path sends, i.e.
+// those of a codec with error feedback on its first step (residual zero: v = 0 + g), for exact
+// and sampled selection, fp32 and fp16 values, sizes 0, 1, odd and large, with zeros of both
+// signs selected (k above the number of non-zeros).
+TEST(Dgc, ErrorFeedbackOffSendsTheBytesOfAZeroResidual) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1001}, int64_t{300007}})
+    for (SelectMethod m : {SelectMethod::kExact, SelectMethod::kSampled})
+      for (DType vt : {DType::kFloat32, DType::kFloat16}) {
+        SCOPED_TRACE("n " + std::to_string(n) + " method " + std::to_string(int(m)) + " " +
+                     dtype_name(vt));
+        TopKConfig cfg = exact_cfg(n > 100000 ? 0.01 : 0.9);
+        cfg.select.method = m;
+        cfg.value_dtype = vt;
+        auto g = normal(n, 11);
+        for (int64_t i = 0; i < n; i += 3) g[i] = (i % 2) ? -0.0f : 0.0f;  // a third are zeros
+        TopKConfig off = cfg;
+        off.error_feedback = false;
+        TopKCompressor direct(off, n), first(cfg, n);
+        Payload pa, pb;
+        direct.encode(TensorView::cpu(g.data(), n), pa);
+        first.encode(TensorView::cpu(g.data(), n), pb);
+        ASSERT_EQ(pa.header.count, pb.header.count);
+        ASSERT_EQ(pa.size(), pb.size());
+        ASSERT_EQ(0, std::memcmp(pa.data(), pb.data(), pa.size()));
+        // the gradient itself is untouched and nothing is kept as a residual
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(direct.residual()[i], 0.0f);
+      }
+}
+
 TEST(Dgc, WarmupScheduleIsExponentialAndThenFinal) {
   TopKConfig cfg;
   cfg.ratio = 0.001;

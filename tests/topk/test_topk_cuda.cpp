@@ -314,6 +314,42 @@ TEST(TopKCudaSelect, SelectOnAMisalignedViewEqualsCpu) {
   }
 }
 
+// The encode without error feedback reads the gradient itself (no residual pass): its payload
+// on the device equals the CPU twin's, bitwise, for exact and sampled selection, fp32 and fp16
+// values, an aligned and a misaligned (one element off) gradient, sizes 1 to 2^20 + 3.
+TEST(TopKCudaDirect, ErrorFeedbackOffPayloadEqualsCpu) {
+  GC_REQUIRE_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}, int64_t{(1 << 20) + 3}})
+    for (SelectMethod m : {SelectMethod::kExact, SelectMethod::kSampled})
+      for (DType vt : {DType::kFloat32, DType::kFloat16})
+        for (int off : {0, 1}) {
+          SCOPED_TRACE("n " + std::to_string(n) + " method " + std::to_string(int(m)) + " " +
+                       dtype_name(vt) + " offset " + std::to_string(off));
+          TopKConfig cfg;
+          cfg.ratio = 0.01;
+          cfg.select.method = m;
+          cfg.value_dtype = vt;
+          cfg.error_feedback = false;
+          cfg.seed = 7;
+          std::vector<float> g = normal(n + 1, 77);
+          TopKCompressor cpu(cfg, n);
+          TopKCompressor gpu(cfg, n, DType::kFloat32, Device::kCUDA, 0, nullptr);
+          Payload pc(Device::kCPU), pg(Device::kCUDA);
+          const Dev dg = upload(g);
+          cpu.encode(TensorView::cpu(g.data() + off, n), pc);
+          gpu.encode(cuda_view(dg.as<float>() + off, n, DType::kFloat32), pg);
+          ASSERT_EQ(pg.header.count, pc.header.count);
+          const auto bc = host_bytes(pc), bg = host_bytes(pg);
+          ASSERT_EQ(payload_indices(bg), payload_indices(bc));
+          std::vector<float> dense_c(static_cast<size_t>(n), 0.0f);
+          cpu.decode_add(pc.data(), pc.size(), cpu_view(dense_c.data(), n), 1.0f);
+          const Dev dd = upload(std::vector<float>(static_cast<size_t>(n), 0.0f));
+          gpu.decode_add(pg.data(), pg.size(), cuda_view(dd.as(), n), 1.0f);
+          const auto dense_g = download<float>(dd.as(), n);
+          ASSERT_EQ(0, std::memcmp(dense_g.data(), dense_c.data(), 4 * static_cast<size_t>(n)));
+        }
+}
+
 // ------------------------------------------------------------------------------------------------
 struct DgcCase {
   SelectMethod method;

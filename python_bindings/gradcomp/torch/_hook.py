@@ -76,6 +76,7 @@ class GradcompState:
         self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
         # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
         self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
+        watch_capture(model)
         self._worker: Optional[Worker] = None
         if live and not lazy:
             self._make_worker()
@@ -362,7 +363,7 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     buf = bucket.buffer()
     if not buf.is_cuda:
         return _hook_on(state, bucket, buf, on_done)
-    if torch.cuda.is_current_stream_capturing():
+    if _CAPTURING_FORWARD or torch.cuda.is_current_stream_capturing():
         # Refused before anything changes (no step joined, no counter moved): the error reaches
         # the user from loss.backward() once DDP has finished its part (see _fail_after_backward)
         return _fail_after_backward(GraphCaptureError(), buf)
@@ -377,6 +378,30 @@ def _hook(state: "GradcompState", bucket, on_done=None) -> torch.futures.Future[
     side.wait_stream(torch.cuda.current_stream(buf.device))
     with torch.cuda.stream(side):
         return _hook_on(state, bucket, buf, on_done)
+
+
+# Whether the model's last forward ran under CUDA graph capture. The hook itself cannot tell: DDP
+# calls it from autograd's thread on the stream of the parameters' gradient accumulators, which
+# autograd made in the first (uncaptured) steps, so that stream is not the capturing one, while
+# the plan's host synchronisations would still invalidate the capture in progress (seen on an
+# H200: cudaErrorStreamCaptureInvalidated instead of a message). A forward pre-hook on the model
+# (gradcomp.torch.hook(..., model=...)) records it on the thread and stream that capture.
+_CAPTURING_FORWARD = False
+
+
+def _note_capture(_module, _inputs) -> None:
+    global _CAPTURING_FORWARD
+    _CAPTURING_FORWARD = torch.cuda.is_current_stream_capturing()
+
+
+def watch_capture(model) -> None:
+    """Registers _note_capture on the model once (any number of hook states may share it)."""
+    if model is None or not torch.cuda.is_available():
+        return
+    if getattr(model, "_gradcomp_watches_capture", False):
+        return
+    model.register_forward_pre_hook(_note_capture)
+    model._gradcomp_watches_capture = True
 
 
 class GraphCaptureError(RuntimeError):
