@@ -149,9 +149,13 @@ def profiled(r, steps, trace_path=None):
 
 
 def graph_capture(a, dev, family):
-    r = Runner(family, a, dev)
+    # DDP made on the warm-up side stream: its gradient accumulators keep the stream they were
+    # made on, and accumulation on the default stream invalidates the capture before any hook
+    # runs (the first run of this script built DDP on the default stream and saw exactly that)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        r = Runner(family, a, dev)
     with torch.cuda.stream(s):
         for _ in range(4):
             r.step()

@@ -237,13 +237,17 @@ def _graph_capture(rank, world):
     dev = torch.device(DEV)
     data = make_data(rank, 6)
     for name, opts in (("quant", dict(bits=4)), ("topk", dict(ratio=0.05))):
-        model = _model(dev)
-        state, hook = gt.hook(name, model=model, **opts)
-        model.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
+        # DDP made and warmed up on a side stream, as torch.cuda.graph asks: DDP keeps its
+        # gradient accumulators, whose stream is the one DDP was made on, and accumulation on
+        # the default stream invalidates a capture before any hook runs (seen on an H200, with
+        # torch's warning "The AccumulateGrad node's stream does not match")
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            model = _model(dev)
+            state, hook = gt.hook(name, model=model, **opts)
+            model.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
             _train(model, opt, data[:4], dev)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
