@@ -68,10 +68,28 @@ GC_HD float inverse_of(float step) {
   return is_finite_bits(r) ? r : onebit::kMaxFinite;
 }
 
-/// The symmetric grid from the block's max |x| (finite): s = amax / L, rounded up to fp16 when
-/// half (stored: `stored`, fp32 or fp16 bits).
-GC_HD Grid sym_grid(float amax, int bits, bool half, uint32_t* stored) {
+/// What the symmetric grid's step divides the block's max |x| by: L = 2^(bits-1) - 1, except for
+/// stochastic rounding with error feedback at 2 bits (L = 1), where it is 2.
+/// Why: error feedback only converges when each step's error is smaller than what it compresses.
+/// Stochastic rounding's error reaches a whole step, and at L = 1 a whole step is the block's max
+/// itself: an element of size a, rounded to 0 or to the max, errs by a (max - a) on average, more
+/// than a^2 for all but the largest elements, so the carried error held more than the gradient,
+/// raised the next block's max, and grew with it (2 ranks, 400 steps: the sum of the averages off
+/// by 14-18x the largest gradient, single averages 22-45x). With the step at half the max the
+/// elements above it are clipped to it (the clipped part is carried as any error) and the error
+/// is a fraction of the signal (bounded over 400 steps: QuantPlan.ErrorFeedbackStaysBounded...).
+/// Nearest rounding errs by at most half a step, and 4 and 8 bits have 7 and 127 levels: their
+/// steps stay at max / L. Without error feedback nothing is carried and stochastic rounding stays
+/// unbiased (max / 1).
+GC_HD int sym_divisor(int bits, bool stochastic, bool error_feedback) {
   const int L = sym_levels(bits);
+  return (L == 1 && stochastic && error_feedback) ? 2 : L;
+}
+
+/// The symmetric grid from the block's max |x| (finite): s = amax / divisor (sym_divisor; codes
+/// stay within +-L), rounded up to fp16 when half (stored: `stored`, fp32 or fp16 bits).
+GC_HD Grid sym_grid(float amax, int bits, bool half, uint32_t* stored, int divisor = 0) {
+  const int L = divisor > 0 ? divisor : sym_levels(bits);
   float s = static_cast<float>(static_cast<double>(amax) / L);
   if (half) {
     const uint16_t h = half_up(s);

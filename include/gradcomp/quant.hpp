@@ -16,7 +16,12 @@
 // error feedback (worker and server error, as the 1-bit plan). kStochastic rounds up with
 // probability equal to the fractional position (Philox keyed by seed, step, bucket and rank, so
 // every rank draws its own independent numbers reproducibly): unbiased (QSGD), so it needs no
-// error feedback (error_feedback may still be set).
+// error feedback (error_feedback may still be set). Stochastic rounding errs by up to a whole
+// step, which at 2 bits symmetric (levels -1, 0, 1) is the block's max itself: with error
+// feedback that error did not shrink from step to step and grew without bound, so there the
+// step is half the block's max and the values above it are clipped, the clipped part carried as
+// error (kernels/quant_math.h, sym_divisor; without error feedback the step stays the max, and
+// the rounding unbiased).
 //
 // Scales. fp32, or fp16 (2 bytes instead of 4 per scale: at block 128 and 4 bits, 4.125 instead
 // of 4.25 bits per value). An fp16 symmetric scale is rounded up, so the grid still covers the
@@ -37,7 +42,7 @@ namespace gradcomp {
 
 enum class QuantRounding : uint8_t {
   kNearest = 0,     ///< deterministic, with error feedback
-  kStochastic = 1,  ///< unbiased random rounding (no error feedback needed)
+  kStochastic = 1,  ///< random rounding, unbiased without error feedback (see Rounding)
 };
 
 enum class QuantScale : uint8_t {

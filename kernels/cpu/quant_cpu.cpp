@@ -178,8 +178,9 @@ int64_t compress_block(const void* g, const float* e_in, float* e_out, const Qua
       if (!is_finite_bits(x[j])) return i0 + j;
   }
   uint32_t stored[2] = {0, 0};
-  const Grid grid =
-      Asym ? asym_grid(mn, mx, B, geo.half, stored) : sym_grid(amax, B, geo.half, stored);
+  const Grid grid = Asym
+                        ? asym_grid(mn, mx, B, geo.half, stored)
+                        : sym_grid(amax, B, geo.half, stored, sym_divisor(B, rng.stochastic, HasE));
   for (int k = 0; k < geo.scales_per_block(); ++k)
     store_scale(body, b * geo.scales_per_block() + k, stored[k], geo.half);
   float* err = e_out ? e_out + i0 : nullptr;

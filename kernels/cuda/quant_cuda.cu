@@ -84,7 +84,8 @@ __global__ void compress_kernel(const void* g, const float* e_in, float* e_out, 
     if (threadIdx.x == 0) {
       uint32_t stored[2] = {0, 0};
       grid = geo.asym ? asym_grid(bmn, bmx, geo.bits, geo.half, stored)
-                      : sym_grid(bam, geo.bits, geo.half, stored);
+                      : sym_grid(bam, geo.bits, geo.half, stored,
+                                 sym_divisor(geo.bits, rng.stochastic, HasE));
       for (int k = 0; k < geo.spb; ++k) {
         const int64_t slot = b * geo.spb + k;
         if (geo.half)
@@ -190,7 +191,8 @@ __global__ void compress_warp_kernel(const void* g, const float* e_in, float* e_
     }
     uint32_t stored[2] = {0, 0};
     const Grid gr = geo.asym ? asym_grid(mn, mx, geo.bits, geo.half, stored)
-                             : sym_grid(amax, geo.bits, geo.half, stored);
+                             : sym_grid(amax, geo.bits, geo.half, stored,
+                                        sym_divisor(geo.bits, rng.stochastic, HasE));
     if (lane == 0) {
       for (int k = 0; k < geo.spb; ++k) {
         const int64_t slot = b * geo.spb + k;
