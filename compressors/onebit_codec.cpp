@@ -28,8 +28,8 @@ void OneBitConfig::validate() const {
                "of 32 up to 2^24, got ",
                chunk_size);
   GC_CHECK_ARG(scaling != OneBitScaling::kColumnMeans || chunk_size == 0,
-               "block_size (chunk_size) applies to the sign modes only; kColumnMeans groups by "
-               "column (got ",
+               "scaling 'column_means' groups by column, so block_size (chunk_size) must be 0 "
+               "with it: blocks apply to the sign modes only (got block_size ",
                chunk_size, ")");
   GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
                "momentum must be in [0, 1), got ", momentum);

@@ -39,8 +39,14 @@ void SelectOptions::validate() const {
                max_retries);
 }
 
+/// The smallest ratio taken: below it k = ceil(ratio n) is 1 for every bucket of up to a million
+/// elements, so the ratio would not say what is sent (a slip of the exponent, 1e-12 for 1e-2,
+/// would silently send one element a bucket).
+constexpr double kMinRatio = 1e-6;
+
 static void check_ratio(double r, const char* what) {
-  GC_CHECK_ARG(std::isfinite(r) && r > 0.0 && r <= 1.0, what, " must be in (0, 1], got ", r);
+  GC_CHECK_ARG(std::isfinite(r) && r >= kMinRatio && r <= 1.0, what, " must be in [", kMinRatio,
+               ", 1], got ", r);
 }
 
 void SparsifyConfig::validate() const {
@@ -52,7 +58,7 @@ void SparsifyConfig::validate() const {
   GC_CHECK_ARG(warmup_ratios.empty() || warmup_steps > 0,
                "warmup_steps must be > 0 when warmup_ratios are given, got ", warmup_steps);
   GC_CHECK_ARG(warmup_steps >= 0, "warmup_steps must be >= 0, got ", warmup_steps);
-  for (double r : warmup_ratios) check_ratio(r, "each warm-up ratio");
+  for (double r : warmup_ratios) check_ratio(r, "each of warmup_ratios");
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(value_dtype)), "unsupported value dtype");
   GC_CHECK_ARG(clip_scaling == ClipScaling::kSqrtWorld || clip_scaling == ClipScaling::kNone,
                "unknown clip_scaling code ", static_cast<int>(clip_scaling));

@@ -146,6 +146,17 @@ class Options {
   int64_t integer(const char* k) const { return std::get<int64_t>(values_.at(k)); }
   double real(const char* k) const { return std::get<double>(values_.at(k)); }
   const std::string& name(const char* k) const { return std::get<std::string>(values_.at(k)); }
+  /// A named option parsed as enum E; an unknown name is refused naming the option and the
+  /// compressor (parse_enum's own message names only the kind: "unknown dtype 'int8'").
+  template <class E>
+  E pick(const char* k) const {
+    try {
+      return parse_enum<E>(name(k));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(
+          detail::cat("invalid option for compressor '", family_, "': ", k, ": ", e.what()));
+    }
+  }
   const std::vector<double>& list(const char* k) const {
     return std::get<std::vector<double>>(values_.at(k));
   }
@@ -170,10 +181,10 @@ C sparsify_config(const Options& o, uint32_t tensor_id) {
   c.nesterov = o.flag("nesterov");
   c.momentum_masking = o.flag("momentum_masking");
   c.clip_norm = o.real("clip_norm");
-  c.clip_scaling = parse_enum<SparsifyConfig::ClipScaling>(o.name("clip_scaling"));
+  c.clip_scaling = o.pick<SparsifyConfig::ClipScaling>("clip_scaling");
   c.warmup_ratios = o.list("warmup_ratios");
   c.warmup_steps = o.integer("warmup_steps");
-  c.value_dtype = parse_enum<DType>(o.name("value_dtype"));
+  c.value_dtype = o.pick<DType>("value_dtype");
   c.error_feedback = o.flag("error_feedback");
   c.check_finite = o.flag("check_finite");
   c.seed = o.seed("seed");
@@ -183,7 +194,7 @@ C sparsify_config(const Options& o, uint32_t tensor_id) {
 
 TopKConfig topk_config_of(const Options& o, uint32_t tensor_id) {
   auto c = sparsify_config<TopKConfig>(o, tensor_id);
-  c.select.method = parse_enum<SelectMethod>(o.name("method"));
+  c.select.method = o.pick<SelectMethod>("method");
   c.select.sample_rate = o.real("sample_rate");
   c.validate();
   return c;
@@ -197,9 +208,9 @@ QuantConfig quant_config_of(const Options& o, uint32_t tensor_id) {
                "invalid option for compressor 'quant': ", "bits must be 2, 4 or 8, got ", bits);
   c.bits = static_cast<int>(bits);
   c.block_size = o.integer("block_size");
-  c.rounding = parse_enum<QuantRounding>(o.name("rounding"));
-  c.scale = parse_enum<QuantScale>(o.name("scale"));
-  c.scale_dtype = parse_enum<DType>(o.name("scale_dtype"));
+  c.rounding = o.pick<QuantRounding>("rounding");
+  c.scale = o.pick<QuantScale>("scale");
+  c.scale_dtype = o.pick<DType>("scale_dtype");
   c.rotate = o.has("rotate") && o.flag("rotate");
   c.error_feedback = o.has("error_feedback") && o.flag("error_feedback");
   c.check_finite = o.has("check_finite") && o.flag("check_finite");
@@ -307,7 +318,7 @@ std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec&
                                       const PlanOptions& options) {
   const Options o(name, options);
   const OnNonFinite policy =
-      o.has("on_nonfinite") ? parse_enum<OnNonFinite>(o.name("on_nonfinite")) : OnNonFinite::kSkip;
+      o.has("on_nonfinite") ? o.pick<OnNonFinite>("on_nonfinite") : OnNonFinite::kSkip;
   auto plan = build_plan(name, b, o);
   plan->set_on_nonfinite(policy);
   return plan;
@@ -327,7 +338,7 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
                   ? CastRoute::kReduceScatter
                   : CastRoute::kAllreduce;
     else
-      route = parse_enum<CastRoute>(r);
+      route = o.pick<CastRoute>("route");
     return std::make_unique<CastAllreducePlan>(b.numel, b.dtype,
                                                name == "fp16" ? DType::kFloat16 : DType::kBFloat16,
                                                b.world, b.device, b.device_index, b.stream, route);
@@ -335,8 +346,8 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
   if (name == "topk") {
     const TopKConfig c = topk_config_of(o, b.bucket_id);
     TopKPlanOptions p;
-    p.route = parse_enum<TopKRoute>(o.name("route"));
-    p.exchange = parse_enum<TopKExchange>(o.name("exchange"));
+    p.route = o.pick<TopKRoute>("route");
+    p.exchange = o.pick<TopKExchange>("exchange");
     p.cost.latency_s = o.real("latency_s");
     p.cost.bandwidth_Bps = o.real("bandwidth_Bps");
     GC_CHECK_ARG(p.cost.latency_s >= 0 && p.cost.bandwidth_Bps > 0,
@@ -363,7 +374,7 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
   }
   if (name == "onebit") {
     OneBitConfig c;
-    c.scaling = parse_enum<OneBitScaling>(o.name("scaling"));
+    c.scaling = o.pick<OneBitScaling>("scaling");
     c.chunk_size = o.integer("block_size");
     c.rotate = o.flag("rotate");
     c.error_feedback = o.flag("error_feedback");
@@ -385,7 +396,7 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
   c.warm_start = o.flag("warm_start");
   c.orthogonalization_epsilon = static_cast<float>(o.real("orthogonalization_epsilon"));
   c.seed = o.seed("seed");
-  c.orthogonalization = parse_enum<Orthogonalization>(o.name("orthogonalization"));
+  c.orthogonalization = o.pick<Orthogonalization>("orthogonalization");
   c.check_finite = o.flag("check_finite");
   GC_CHECK_ARG(b.bucket_id < 65536, "powersgd: bucket_id must be < 65536 (tensor ids ",
                "bucket_id * 65536 + i), got ", b.bucket_id);
@@ -452,7 +463,7 @@ std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const Bucke
   if (name == "topk") {
     TopKReduceScatterPlan::Options t;
     t.ratio = o.real("ratio");
-    t.select.method = parse_enum<SelectMethod>(o.name("method"));
+    t.select.method = o.pick<SelectMethod>("method");
     t.select.sample_rate = o.real("sample_rate");
     t.error_feedback = o.flag("error_feedback");
     t.check_finite = o.flag("check_finite");
@@ -461,7 +472,7 @@ std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const Bucke
     t.tensor_id = b.bucket_id;
     auto plan = std::make_unique<TopKReduceScatterPlan>(t, b.numel, b.dtype, b.world, b.rank,
                                                         b.device, b.device_index, b.stream);
-    plan->set_on_nonfinite(parse_enum<OnNonFinite>(o.name("on_nonfinite")));
+    plan->set_on_nonfinite(o.pick<OnNonFinite>("on_nonfinite"));
     return plan;
   }
   if (name != "quant") {
@@ -474,8 +485,7 @@ std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const Bucke
   auto plan = std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel,
                                                    b.world, b.rank, b.dtype, b.device,
                                                    b.device_index, b.stream, form, average);
-  if (o.has("on_nonfinite"))
-    plan->set_on_nonfinite(parse_enum<OnNonFinite>(o.name("on_nonfinite")));
+  if (o.has("on_nonfinite")) plan->set_on_nonfinite(o.pick<OnNonFinite>("on_nonfinite"));
   return plan;
 }
 

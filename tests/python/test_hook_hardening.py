@@ -35,7 +35,7 @@ BAD_OPTIONS = [
     ("topk", dict(clip_norm=-1)),
     ("topk", dict(warmup_steps=-1)),
     ("topk", dict(warmup_ratios=[0.5], warmup_steps=0)),
-    ("topk", dict(warmup_ratios=[2.0], warmup_steps=10)),
+    ("topk", dict(warmup_steps=10, warmup_ratios=[2.0])),
     ("topk", dict(value_dtype="int8")),
     ("topk", dict(method="bogus")),
     ("topk", dict(sample_rate=0)),
@@ -77,6 +77,11 @@ BAD_OPTIONS = [
     ("powersgd", dict(min_compression_rate=-1)),
     ("powersgd", dict(min_compression_rate=math.inf)),
     ("powersgd", dict(orthogonalization_epsilon=-1)),
+    ("topk", dict(ratio=1e-12)),  # k would be 1 for every bucket: not what the ratio says
+    ("randomk", dict(ratio=1e-9)),
+    ("quant", dict(scale_dtype="int8")),
+    ("quant", dict(rounding="stochastic", scale="bogus")),
+    ("fp16", dict(route="bogus")),
     ("topk", dict(rato=0.1)),  # unknown option
     ("allreduce", dict(ratio=0.1)),  # no options at all
 ]
@@ -84,8 +89,10 @@ BAD_OPTIONS = [
 
 @pytest.mark.parametrize("name,opts", BAD_OPTIONS, ids=lambda v: str(v))
 def test_bad_option_raises_value_error_when_the_hook_is_made(name, opts):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as e:
         gt.hook(name, **opts)
+    # the message names the option at fault (the last one given: the others are good ones)
+    assert list(opts)[-1] in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("kw", [dict(start_iter=-1), dict(timeout=-1.0), dict(timeout="soon"),

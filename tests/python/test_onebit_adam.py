@@ -93,9 +93,12 @@ def test_arguments_are_checked():
     p = [torch.nn.Parameter(torch.zeros(3))]
     for kw in (dict(lr=0.0), dict(betas=(1.0, 0.9)), dict(eps=0.0), dict(weight_decay=-1.0),
                dict(freeze_step=0), dict(freeze_step=2.5), dict(freeze_step=True),
-               dict(var_floor=-0.1), dict(var_floor=2.0)):
-        with pytest.raises(ValueError):
-            OneBitAdam(p, **kw)
+               dict(var_floor=-0.1), dict(var_floor=2.0), dict(lr="1e-3"), dict(lr=True),
+               dict(betas=(0.9,)), dict(betas=0.9), dict(betas=("a", "b")), dict(eps="x"),
+               dict(weight_decay=None), dict(var_floor="0.1")):
+        with pytest.raises(ValueError) as e:  # a ValueError naming the argument, never a raw
+            OneBitAdam(p, **kw)               # unpacking or comparison error
+        assert list(kw)[0] in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="share betas"):
         OneBitAdam([{"params": p}, {"params": [torch.nn.Parameter(torch.zeros(1))],
                                     "betas": (0.8, 0.99)}])

@@ -64,10 +64,20 @@ class OneBitAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, freeze_step: int = 100,
                  var_floor: float = 0.01):
-        if not (lr > 0.0 and math.isfinite(lr)):
-            raise ValueError(f"OneBitAdam: lr must be a positive number, got {lr}")
-        b1, b2 = (float(b) for b in betas)
-        if not (0.0 < b1 < 1.0 and 0.0 < b2 < 1.0):
+        def real(x):  # a real number (not a bool, a string or a tensor), else None
+            return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+        if real(lr) is None or not (lr > 0.0 and math.isfinite(lr)):
+            raise ValueError(f"OneBitAdam: lr must be a positive number, got {lr!r}")
+        for name, x in (("eps", eps), ("weight_decay", weight_decay), ("var_floor", var_floor)):
+            if real(x) is None:
+                raise ValueError(f"OneBitAdam: {name} must be a number, got {x!r}")
+        try:
+            b1, b2 = (real(b) for b in betas)
+        except (TypeError, ValueError):
+            raise ValueError(f"OneBitAdam: betas must be a pair (beta1, beta2), got {betas!r}") \
+                from None
+        if b1 is None or b2 is None or not (0.0 < b1 < 1.0 and 0.0 < b2 < 1.0):
             raise ValueError(f"OneBitAdam: betas must lie in (0, 1), got {betas}")
         if not (eps > 0.0):
             raise ValueError(f"OneBitAdam: eps must be positive, got {eps}")
