@@ -77,7 +77,8 @@ GC_HD float inverse_of(float step) {
 /// raised the next block's max, and grew with it (2 ranks, 400 steps: the sum of the averages off
 /// by 14-18x the largest gradient, single averages 22-45x). With the step at half the max the
 /// elements above it are clipped to it (the clipped part is carried as any error) and the error
-/// is a fraction of the signal (bounded over 400 steps: QuantPlan.ErrorFeedbackStaysBounded...).
+/// is a fraction of the signal (bounded over 400 steps: tests/comm/test_make_plan.cpp,
+/// ErrorFeedbackStaysBoundedForEveryFamily).
 /// Nearest rounding errs by at most half a step, and 4 and 8 bits have 7 and 127 levels: their
 /// steps stay at max / L. Without error feedback nothing is carried and stochastic rounding stays
 /// unbiased (max / 1).

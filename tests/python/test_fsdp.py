@@ -194,6 +194,11 @@ def _compressed(rank, world):
     assert set(part.reduce_scatters) == {"fc1", "fc3"}
     with pytest.raises(ValueError, match="nope"):
         gt.compress_fsdp(_sharded(), grads="quant", modules=["fc1", "nope"])
+    # nothing to compress is an error, not a silent no-op
+    with pytest.raises(ValueError, match="modules=\\[\\] names none"):
+        gt.compress_fsdp(_sharded(), grads="quant", modules=[])
+    with pytest.raises(ValueError, match="no FSDP module"):
+        gt.compress_fsdp(torch.nn.Linear(4, 4), grads="quant")
 
     # options are checked at once
     with pytest.raises(ValueError, match="rotate"):

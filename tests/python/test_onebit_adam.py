@@ -3,6 +3,7 @@
 scalar reference in both phases, AdamW during the warm-up, the pair on 1-4 gloo ranks (ranks
 agree bitwise, the variance stays frozen, the wire bytes drop after the freeze), a checkpoint
 round trip, and the argument checks."""
+import copy
 import math
 import os
 
@@ -195,6 +196,43 @@ def _resume(rank, world, out):
         opt.step()
     torch.save(model.module.state_dict(), os.path.join(out, f"final_resume_{rank}.pt"))
     mark_ok(out, rank)
+
+
+def _mismatched(rank, world, out):
+    data = make_data(rank, 9, seed=5)
+    model, opt, state = _pair(world)
+    for t, (x, y) in enumerate(data, start=1):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if t == FREEZE - 2:
+            opt_before = copy.deepcopy(opt.state_dict())  # the optimizer in its warm-up
+    after = (copy.deepcopy(model.module.state_dict()), copy.deepcopy(opt.state_dict()),
+             state.state_dict())
+    # the model and the hook from after the freeze, the optimizer from before it: refused at the
+    # next backward on every rank, nothing moves; the matching pair then trains on
+    model, opt, state = _pair(world)
+    model.module.load_state_dict(after[0])
+    opt.load_state_dict(opt_before)
+    state.load_state_dict(after[2])
+    x, y = data[-1]
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="different points of training"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert state.iter == 9
+    opt.load_state_dict(after[1])
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    assert state.iter == 12 and math.isfinite(float(loss))
+    assert params_equal_across_ranks(model)
+    mark_ok(out, rank)
+
+
+def test_optimizer_and_hook_from_different_checkpoints_are_refused():
+    run_ok(_mismatched, 2)
 
 
 def test_checkpoint_round_trip_in_the_compressed_phase():

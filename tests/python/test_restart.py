@@ -110,6 +110,8 @@ def _bad_loads(rank, world, out_dir):
         "reversed layout": bucket_with(layout=list(reversed(good["buckets"][k0]["layout"]))),
         "unknown parameter": bucket_with(layout=[99] * len(good["buckets"][k0]["layout"])),
         "bucket index not an int": {**good, "buckets": {"x": good["buckets"][k0]}},
+        "other options": dict(good, options={**good["options"], "ratio": 0.5}),
+        "options not a dict": dict(good, options=[("ratio", 0.5)]),
     }
     before = pickle.dumps(state.state_dict())
     for what, sd in bad.items():
@@ -125,6 +127,56 @@ def _bad_loads(rank, world, out_dir):
 
 def test_load_state_dict_refuses_a_bad_checkpoint_whole():
     run_ok(_bad_loads, 2)
+
+
+def _gathered_all_or_none(rank, world, out_dir):
+    import torch.distributed as dist
+    model, state, opt = _topk_ddp()
+    train(model, opt, make_data(rank, 3))
+    box = [gt.gather_state_dict(state)]  # (on rank 0; every rank loads the same file)
+    dist.broadcast_object_list(box, src=0)
+    good = box[0]
+    bad = copy.deepcopy(good)  # rank 1's own state damaged: only rank 1 can see it
+    k0 = sorted(bad["ranks"][1]["buckets"])[0]
+    st = bytearray(bad["ranks"][1]["buckets"][k0]["state"])
+    st[40] ^= 1
+    bad["ranks"][1]["buckets"][k0]["state"] = bytes(st)
+    before = pickle.dumps(state.state_dict())
+    with pytest.raises(ValueError) as e:
+        state.load_state_dict(bad)
+    if rank != 1:  # the ranks whose own part was fine refuse too, naming the rank that refused
+        assert "refused by rank(s) [1]" in str(e.value), str(e.value)
+    assert pickle.dumps(state.state_dict()) == before
+    state.load_state_dict(good)  # the good checkpoint loads on every rank, training goes on
+    train(model, opt, make_data(rank, 2))
+    assert params_equal_across_ranks(model)
+    mark_ok(out_dir, rank)
+
+
+def test_a_gathered_checkpoint_is_refused_by_every_rank_or_by_none():
+    run_ok(_gathered_all_or_none, 3)
+
+
+def test_a_checkpoint_loads_only_with_the_options_it_was_made_with():
+    """A state belongs to its options (a top-k residual of ratio 0.05 is not one of 0.1): other
+    options are refused naming each one, defaults count as given; options that change neither
+    the state nor the math (how a step checks its input, the exchange) may differ."""
+    sd = gt.hook("topk", ratio=0.05, momentum=0.9)[0].state_dict()
+    for kw, named in ((dict(ratio=0.1, momentum=0.9), "ratio=0.05"),
+                      (dict(ratio=0.05), "momentum=0.9"),
+                      (dict(ratio=0.05, momentum=0.9, method="exact"), "method=")):
+        state = gt.hook("topk", **kw)[0]
+        before = pickle.dumps(state.state_dict())
+        with pytest.raises(ValueError, match=named):
+            state.load_state_dict(sd)
+        assert pickle.dumps(state.state_dict()) == before
+    defaults = gt.COMPRESSORS["topk"].defaults
+    explicit = gt.hook("topk", ratio=0.05, momentum=0.9, seed=defaults["seed"],
+                       check_finite=False, on_nonfinite="raise")[0]
+    explicit.load_state_dict(sd)  # a default given by name, and operational options: loads
+    q = gt.hook("quant", bits=2)[0].state_dict()
+    with pytest.raises(ValueError, match="bits=2"):
+        gt.hook("quant")[0].load_state_dict(q)
 
 
 # ---- bounded statistics -------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from gradcomp import _C
 from ._buckets import _as_int
 from ._driver import PlanStats, wire_bytes
 from ._hook import GradcompState, _agree_first_step, _fail_after_backward, _hook, _layout, _Steps
-from ._reshard import local_state_dict
+from ._reshard import is_gathered, local_state_dict, whole_or_none
 
 log = logging.getLogger("gradcomp")
 
@@ -303,6 +303,12 @@ class AutoState:
         A gathered checkpoint (gather_state_dict) loads on any world size; on another one than
         it was saved on, the candidates' states are resharded and the choices measured again
         from the resumed iteration (costs on one world size do not predict another's)."""
+        gathered = is_gathered(sd)
+        checked = whole_or_none(gathered, self.process_group, lambda: self._check_auto(sd))
+        self._apply_auto(*checked)
+
+    def _check_auto(self, sd):
+        """Everything load_state_dict() checks, nothing applied."""
         sd, resized = local_state_dict(sd, self.process_group)
         if not isinstance(sd, dict):
             raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
@@ -327,6 +333,11 @@ class AutoState:
             decided_trial, decided_at = sd["decided_trial"], sd["decided_at"]
         except (KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"state_dict of hook('auto') is incomplete or malformed: {e!r}") from None
+        return (checked, resized, start, it, choices, trials, trial_start, decided_trial,
+                decided_at)
+
+    def _apply_auto(self, checked, resized, start, it, choices, trials, trial_start,
+                    decided_trial, decided_at) -> None:
         for n, s in self.subs.items():
             s._apply_state_dict(checked[n])
         self._steps.reset()

@@ -20,8 +20,8 @@ from ._compat import group_ranks, group_timeout
 from ._driver import PlanStats, Topology
 from ._worker import AfterBackward, Worker
 from ._families import COMPRESSORS
-from ._reshard import local_state_dict
-from .onebit_adam import precondition
+from ._reshard import is_gathered, local_state_dict, whole_or_none
+from .onebit_adam import check_steps, precondition
 from ._stats import TIMELINE_RUNS, HookStats
 
 log = logging.getLogger("gradcomp")
@@ -180,6 +180,7 @@ class GradcompState:
         if sd["compressor"] != self.compressor:
             raise ValueError(f"state is for compressor {sd['compressor']!r}, this hook is "
                              f"{self.compressor!r}")
+        self._check_options(sd.get("options"))
         it = _as_int(sd["iter"], "state_dict['iter']", 0)
         start = _as_int(sd["start_iter"], "state_dict['start_iter']", 0)
         ws = sd.get("world_size")
@@ -217,16 +218,41 @@ class GradcompState:
 
         return self.table.check_state_dict(sd["buckets"], check_state), it, start
 
+    #: options that change neither the state nor what a step computes (how a step checks its
+    #: input and which exchange it picks for the link): a checkpoint loads across them
+    _OPERATIONAL = frozenset(("check_finite", "on_nonfinite", "exchange", "latency_s",
+                              "bandwidth_Bps"))
+
+    def _check_options(self, saved) -> None:
+        """A state belongs to the options it was made with (a residual of top-k at ratio 0.05
+        is not one of ratio 0.1, a 2-bit error not a 4-bit one): a checkpoint whose options
+        differ, defaults filled in on both sides, is refused naming each difference. (A state
+        without options, from before they were saved, is not checked.)"""
+        if saved is None:
+            return
+        if not isinstance(saved, dict):
+            raise ValueError(f"state_dict['options'] must be a dict, got {type(saved).__name__}")
+        defaults = COMPRESSORS[self.compressor].defaults
+        mine, theirs = {**defaults, **self.options}, {**defaults, **saved}
+        diff = [k for k in sorted(set(mine) | set(theirs), key=str)
+                if k not in self._OPERATIONAL and mine.get(k) != theirs.get(k)]
+        if diff:
+            said = ", ".join(f"{k}={theirs.get(k)!r} (this hook: {mine.get(k)!r})" for k in diff)
+            raise ValueError(f"state was saved by a {self.compressor!r} hook with {said}: a "
+                             f"checkpoint loads into a hook with the same options")
+
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`. Everything is checked first (types, the compressor,
-        the world size, every bucket's state bytes with their checksum, sizes and finite values,
+        """Restores :meth:`state_dict`. Everything is checked first (types, the compressor and
+        its options, the world size, every bucket's state bytes with their checksum, sizes and
+        finite values,
         the parameter layout against the model when one was given) and then either all of it is
         applied or, with a ValueError naming what is wrong, nothing. Bucket states are applied
         when DDP first hands their parameters to the hook (before or after its bucket rebuild).
         A gathered checkpoint (:func:`gather_state_dict`, every rank's state) loads on any world
         size: this rank's own state on as many ranks, a resharded one otherwise."""
-        sd, _ = local_state_dict(sd, self.process_group)
-        self._apply_state_dict(self._check_state_dict(sd))
+        self._apply_state_dict(whole_or_none(
+            is_gathered(sd), self.process_group,
+            lambda: self._check_state_dict(local_state_dict(sd, self.process_group)[0])))
 
     def _apply_state_dict(self, checked) -> None:
         buckets, it, start = checked
@@ -468,6 +494,11 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
         if state._owner is None:  # (hook("auto") checks for its candidates)
             _agree_first_step(state, buf)
         warmup = it < state.start_iter
+        if state._adam is not None:
+            # (keys the bucket's parameters first: they are keyed at first sight, which a
+            # refused first step must not skip, or a later restore would find other keys)
+            state.table.layout(bucket)
+            check_steps(state._adam, it)
         if warmup:
             state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
             fam = COMPRESSORS["allreduce"]

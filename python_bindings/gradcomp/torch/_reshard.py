@@ -14,8 +14,9 @@ into one checkpoint; a hook's ``load_state_dict()`` takes that on any number of 
   states and measures its choices again from the resumed iteration (costs on P ranks do not
   predict P').
 """
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from gradcomp import _C
@@ -78,6 +79,34 @@ def local_state_dict(sd, group) -> Tuple[Any, bool]:
                          f"{_FORMAT}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     return for_rank(sd, world, rank), world != sd["world_size"]
+
+
+def whole_or_none(gathered: bool, group, check: Callable[[], Any]) -> Any:
+    """check()'s result, or its ValueError; for a gathered checkpoint (one file that every rank
+    loads) on every rank alike: the ranks tell each other whether their check passed (one
+    allgather on `group`) and, if any refused, every rank raises, naming the ranks that refused.
+    Checked rank by rank, a checkpoint whose ranks' states were swapped was refused by some ranks
+    and taken by the others, which then trained on alone into a collective timeout. (One rank's
+    own state_dict() is loaded by that rank alone: no collective.)"""
+    err, out = None, None
+    try:
+        out = check()
+    except ValueError as e:
+        err = e
+    if gathered and dist.is_available() and dist.is_initialized():
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+        flag = torch.tensor([int(err is not None)], dtype=torch.int64, device=dev)
+        got = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(got, flag, group=group)
+        refused = [r for r, f in enumerate(got) if int(f.item())]
+        if refused and err is None:
+            err = ValueError(f"gathered checkpoint: refused by rank(s) {refused} (their error says "
+                             f"why), so by every rank: a gathered checkpoint loads on every rank "
+                             f"or on none")
+    if err is not None:
+        raise err
+    return out
 
 
 def for_rank(sd: Dict[str, Any], world: int, rank: int) -> Dict[str, Any]:

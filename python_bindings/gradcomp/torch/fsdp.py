@@ -503,6 +503,10 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
             raise ValueError(f"gradcomp FSDP: modules {unknown} are not FSDP modules of the "
                              f"model; its FSDP modules: {known}")
         found = [f for f in found if f[1] in set(modules)]
+    if not found:  # (modules=[], or a model that was never sharded): nothing would be compressed
+        raise ValueError("gradcomp FSDP: no FSDP module to compress: "
+                         + ("modules=[] names none" if modules is not None else
+                            "the model has no FSDP module (call fully_shard on it first)"))
     for i, label, mod in found:
         try:
             if grads is not None:
