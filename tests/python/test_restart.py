@@ -58,6 +58,47 @@ def _ckpt(rank, world, out_dir, name, phase, keyed):
                    os.path.join(out_dir, f"hook_{phase}_{rank}.pt"))
 
 
+def _pickled(rank, world, out_dir, phase):
+    """_ckpt's job for top-k keyed by the model, the hook state checkpointed by pickle (which
+    keeps no model) and given the new model by set_model() before its first step."""
+    from gradcomp.torch._hook import _hook as hook_fn
+    data = make_data(rank, 10, d_in=64, d_out=8)
+    torch.manual_seed(0)
+    model = DDP(Net(**BIG))
+    path = os.path.join(out_dir, f"pickled_{rank}")
+    if phase == "resume":
+        with open(path + ".hook", "rb") as f:
+            state = pickle.load(f)
+        state.set_model(model)
+        ck = torch.load(path + ".pt")
+        model.module.load_state_dict(ck["model"])
+    else:
+        state, _ = gt.hook("topk", model=model, **FAMILIES["topk"])
+    model.register_comm_hook(state, hook_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if phase == "resume":
+        opt.load_state_dict(ck["opt"])
+    steps = {"first": range(0, 5), "resume": range(5, 10), "straight": range(0, 10)}[phase]
+    train(model, opt, [data[i] for i in steps])
+    if phase == "first":
+        assert len(state.buckets) >= 2, "DDP did not regroup: the test does not test"
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, path + ".pt")
+        with open(path + ".hook", "wb") as f:
+            pickle.dump(state, f)
+    else:
+        torch.save(model.module.state_dict(), os.path.join(out_dir, f"final_{phase}_{rank}.pt"))
+    if phase == "resume":  # too late now: the buckets are keyed
+        with pytest.raises(ValueError, match="before the hook's first step"):
+            state.set_model(model)
+
+
+def test_a_pickled_state_made_with_model_resumes_bitwise_after_set_model():
+    d = tmpdir()
+    for phase in ("first", "resume", "straight"):
+        run(_pickled, 2, d, phase)
+    assert_resumed_equals_straight(d, 2, "pickled topk")
+
+
 @pytest.mark.parametrize("name,keyed", [("topk", True), ("randomk", True), ("onebit", True),
                                         ("quant", True), ("powersgd", True), ("topk", False)])
 def test_resume_is_bitwise_on_a_model_whose_buckets_ddp_regroups(name, keyed):

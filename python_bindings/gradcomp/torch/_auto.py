@@ -353,6 +353,11 @@ class AutoState:
         if resized and it >= start:  # a trial starts with the resumed iteration
             self._trial_start = it
 
+    def set_model(self, model) -> None:
+        """GradcompState.set_model for every candidate (an unpickled hook('auto') state)."""
+        for s in self.subs.values():
+            s.set_model(model)
+
     def __getstate__(self):
         return {"options": self.options, "log_every": self.log_every, "timeout": self.timeout,
                 "pipeline": self.pipeline, "sd": self.state_dict()}

@@ -119,6 +119,19 @@ class BucketTable:
                               else [tuple(p.shape) for p in model.parameters()])
         self._local_keys: Dict[int, int] = {}
 
+    def set_model(self, model) -> None:
+        """Keys parameters by their index in model.parameters() from now on (a table made
+        without the model: an unpickled hook state). Only before any bucket was seen, when no
+        parameter has a key yet."""
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be the DDP module or the module it wraps, got "
+                             f"{type(model).__name__}")
+        if self.buckets or self._local_keys:
+            raise ValueError("gradcomp: set_model() must come before the hook's first step (its "
+                             "buckets are keyed already)")
+        self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
+        self._param_shapes = [tuple(p.shape) for p in model.parameters()]
+
     def layout(self, bucket) -> Tuple:
         """The bucket's parameters as keys: their index in model.parameters() when the model is
         known; otherwise keys given to the Parameter objects at first sight in this process. The
@@ -244,7 +257,9 @@ class BucketTable:
             raise ValueError(f"gradcomp: checkpoint bucket {k} holds {p['numel']} {p['dtype']} "
                              f"elements in tensors of shapes {p['shapes']}, but {whose} {n} {dt} "
                              f"in {self.shapes(view)}; pass model=... to gradcomp.torch.hook "
-                             f"alike when saving and restoring")
+                             f"alike when saving and restoring (a hook state restored by "
+                             f"pickle, which keeps no model: state.set_model(model) before its "
+                             f"first step)")
         # A live plan of the same bucket takes the state itself: it keeps what the ranks last
         # agreed on, which sizes its next step's collectives (top-k's bound, random-k's count),
         # so that a rank that loads a state alone sends what its peers expect and is told, with

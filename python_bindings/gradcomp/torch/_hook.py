@@ -103,6 +103,22 @@ class GradcompState:
             self._worker = Worker(own, pipeline=self.pipeline)
         return self._worker
 
+    def set_model(self, model) -> None:
+        """Gives a hook state the model its parameters are keyed by, as ``hook(model=...)``
+        does: for a state restored by pickle (which keeps no model: the DDP model is the new
+        process's), so that a checkpoint saved by a hook made with ``model=`` finds its
+        parameters. Before the first step only (ValueError after)."""
+        sd = dict(self.state_dict(), world_size=None)  # the buckets not applied yet: anew
+        before = (self.table._param_index, self.table._param_shapes)
+        self.table.set_model(model)
+        try:
+            checked = self._check_state_dict(sd)
+        except Exception:  # nothing changes
+            self.table._param_index, self.table._param_shapes = before
+            raise
+        self._apply_state_dict(checked)
+        watch_capture(model)
+
     # -- bookkeeping ------------------------------------------------------------------------------
     @property
     def world(self) -> int:
