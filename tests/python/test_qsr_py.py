@@ -213,7 +213,7 @@ def _named_worker(rank, world, port, out):
 
 
 def test_named_compressors_average_over_a_subgroup(tmp_path):
-    """Issue 10: QSRAverager(compressor="onebit") never averaged (the plan's output was never
+    """QSRAverager(compressor="onebit") once never averaged (the plan's output was never
     copied back) and plans took the global rank; with a group of ranks {1, 2} of 3, every named
     compressor leaves both members identical, near the exact mean of their replicas."""
     torch = pytest.importorskip("torch")
