@@ -351,3 +351,8 @@ def test_python_clock_errors_propagate():
 
 def test_top_level_package_exports():
     assert gradcomp.dropcompute.qsr_period is dc.qsr_period
+
+
+def test_monotonic_clock_does_not_go_back():
+    t = [dc.monotonic_seconds() for _ in range(1000)]
+    assert all(b >= a for a, b in zip(t, t[1:])) and t[-1] > 0

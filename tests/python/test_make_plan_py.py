@@ -159,3 +159,70 @@ def test_bound_enums_stand_for_their_option_names():
     assert pickle.loads(pickle.dumps(_C.CastRoute.reduce_scatter)) is _C.CastRoute.reduce_scatter
     with pytest.raises(ValueError, match="ratio must be a number, got a name"):
         _C.make_plan("topk", 10, "float32", 1, options=dict(ratio=_C.TopKRoute.dense))
+
+
+def test_every_shard_plan_from_python_at_world_size_one():
+    """make_shard_plan, shard_plan_names and shard_plan_defaults called directly (FSDP2 builds
+    these plans, and its tests need torch 2.x: on torch 1.13, where the asan stage runs, this is
+    what calls them): every compressor's reduce-scatter and allgather form with its defaults on
+    one rank, where the chunk is the whole bucket and the average is the input within the codec's
+    rounding; the stateful ones give their state back bitwise."""
+    n = 1024
+    tol = {"allreduce": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+    for name in _C.shard_plan_names():
+        for form in ("reduce_scatter", "allgather"):
+            if (name, form) == ("topk", "allgather"):
+                with pytest.raises(ValueError, match="no allgather form"):
+                    _C.shard_plan_defaults(name, form)
+                continue
+            opts = _C.shard_plan_defaults(name, form)
+            p = _C.make_shard_plan(name, n, "float32", 1, form, options=opts)
+            assert isinstance(p, _C.BucketPlan) and p.numel == n, (name, form)
+            g0 = np.linspace(-1, 1, n, dtype=np.float32)
+            g = g0.copy()
+            p.begin(g)
+            run_local(p)
+            err = np.abs(g - g0)
+            if name == "topk":  # about ratio * n values kept, each exactly (one rank's sum)
+                kept = g != 0
+                assert 1 <= kept.sum() <= 4 * opts["ratio"] * n
+                assert np.array_equal(g[kept], g0[kept])
+            elif name == "quant":  # half a quantisation step of the block's largest value
+                step = 1.0 / (2 ** (opts["bits"] - 1) - 1)
+                assert err.max() <= 0.5 * step * 1.0001, (form, err.max())
+            else:
+                assert err.max() <= tol[name], (name, form, err.max())
+            st = p.state_dict()
+            assert (len(st) > 0) == p.stateful
+            if p.stateful:
+                p.load_state_dict(st)
+                assert p.state_dict() == st
+
+
+def test_settle_step_takes_back_the_other_plans_of_a_skipped_step():
+    """settle_step from Python: a bucket whose gradient holds a NaN skips the step
+    (on_nonfinite='skip'), and settle_step undoes the step the other bucket took, so its state is
+    as before the step; a step no plan skipped is left alone."""
+    n = 256
+    a, b = (_C.make_plan("topk", n, "float32", 1, options=dict(ratio=0.1)) for _ in range(2))
+    for p in (a, b):
+        p.begin(np.linspace(-1, 1, n, dtype=np.float32))
+        run_local(p)
+    assert _C.settle_step([a, b]) is False
+    before = b.state_dict()
+    bad = np.linspace(-1, 1, n, dtype=np.float32)
+    bad[3] = np.nan
+    a.begin(bad)
+    run_local(a)
+    b.begin(np.linspace(-1, 1, n, dtype=np.float32))
+    run_local(b)
+    assert a.skipped and not b.skipped and b.state_dict() != before
+    assert _C.settle_step([a, b]) is True
+    assert b.state_dict() == before and a.skipped_steps == 1 and b.skipped_steps == 0
+
+
+def test_quant_bits_per_value_counts_the_scales():
+    assert _C.quant_bits_per_value() == 4 + 32 / 128
+    assert _C.quant_bits_per_value(bits=8, block_size=64, scale_dtype="float16") == 8 + 16 / 64
+    with pytest.raises(ValueError):
+        _C.quant_bits_per_value(bits=3)

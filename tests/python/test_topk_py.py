@@ -9,6 +9,8 @@ import gradcomp
 def test_import_without_torch_names_core_api():
     assert hasattr(gradcomp, "TopKCompressor")
     assert isinstance(gradcomp.built_with_cuda(), bool)
+    n = gradcomp.cuda_device_count()
+    assert n >= 0 and (gradcomp.built_with_cuda() or n == 0)
 
 
 @pytest.mark.parametrize("n", [1, 7, 1023, 100_003])
