@@ -9,12 +9,14 @@
 #     (tests/sanitizers checks that file both ways);
 #  3. every libFuzzer target of tests/fuzz for a bounded time on its committed seed corpus
 #     (tests/fuzz/corpus/<target>; new inputs go to the build directory, never to the corpus);
-#  4. the Python suite against the ASan build of the extension (see below).
+#  4. the Python test files of the stage "asan" (tests/python/ci_stages.py: those that cross the
+#     binding boundary or exercise C++ state) against the ASan build of the extension (see
+#     below).
 #
 # Environment: ASAN_BUILD_DIR (default build-asan), JOBS (default 2: the build, ctest and the
 # fuzzers run this many at a time), GRADCOMP_FUZZ_SECONDS (per target, default 15),
 # GRADCOMP_SANITIZE_PYTHON=0 to leave out step 4 (also left out with GRADCOMP_SKIP_PYTHON=1),
-# GRADCOMP_SANITIZE_PY_FULL=1 to include tests/python/test_training_accuracy.py in step 4,
+# GRADCOMP_CI_FULL=1 (or GRADCOMP_SANITIZE_PY_FULL=1) to run every Python test file in step 4,
 # GRADCOMP_VENV (default .venv).
 #
 # Step 4, the Python suite under ASan: the interpreter is not instrumented, so the ASan runtime is
@@ -28,10 +30,11 @@
 # library name either: every call into our extension has interpreter frames below it, so
 # leak:python3 would hide our leaks as well. Our own code's leaks are
 # covered by step 2 with detection on. Reports go to files (log_path) so that one from a
-# subprocess whose exit status a test ignores is still seen. test_training_accuracy.py is left
-# out by default: its Fashion-MNIST trainings took 5 min 40 s under ASan here (2 shared cores,
-# load ~6), half of the whole suite's 10 min 50 s, and go through the same hooks and extension
-# entry points (top-k, 1-bit, fp16/bf16 under DDP) as test_ddp_hooks.py, which stays in.
+# subprocess whose exit status a test ignores is still seen. The training-accuracy and experiment
+# runs are not in the stage: test_training_accuracy.py's Fashion-MNIST trainings alone took
+# 5 min 40 s under ASan here (2 shared cores, load ~6), half of the whole suite's 10 min 50 s,
+# through the same hooks and extension entry points as test_ddp_hooks.py, which is in it;
+# tests/python/test_ci_stages.py checks that the stage still reaches every entry point.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -123,17 +126,17 @@ if [ "$python_step" = 1 ]; then
   logs=$root/$build/py-sanitizer-logs
   rm -rf "$logs"
   mkdir -p "$logs"
-  ignore=(--ignore=test_training_accuracy.py)
-  [ "${GRADCOMP_SANITIZE_PY_FULL:-0}" = "1" ] && ignore=()
   py_status=0
   (
     cd tests/python
+    [ "${GRADCOMP_SANITIZE_PY_FULL:-0}" = "1" ] && export GRADCOMP_CI_FULL=1
     export LD_PRELOAD=$asan_rt PYTHONPATH=$root/$pkg
     export ASAN_OPTIONS=detect_leaks=0:log_path=$logs/report
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$logs/report
     "$root/$venv/bin/python" -c "import gradcomp, sys; f = gradcomp.__file__; \
 sys.exit(0 if f.startswith('$root/$pkg/') else 'gradcomp imported from ' + f)"
-    "$root/$venv/bin/python" -m pytest -q -p no:cacheprovider -rs "${ignore[@]}" .
+    "$root/$venv/bin/python" -m pytest -q -p no:cacheprovider -rs --durations=10 \
+      --ci-stage=asan .
   ) || py_status=$?
   if compgen -G "$logs/report*" >/dev/null; then
     cat "$logs"/report*

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The Python suite against the newest torch 2.x from PyPI (scripts/test.sh runs it after the
-# suite on Debian's torch 1.13, the oldest supported). gradcomp._C does not link libtorch (it
+# The Python suite against the newest torch 2.x from PyPI: every test file (the stage "newest" of
+# tests/python/ci_stages.py; scripts/test.sh runs it after the torch-version-dependent files on
+# Debian's torch 1.13, the oldest supported). gradcomp._C does not link libtorch (it
 # takes tensors through DLPack / the buffer protocol), so the wheel built from the tree that
 # scripts/test.sh just installed into .venv is installed here unchanged: one extension build for
 # both torch versions.
@@ -54,6 +55,8 @@ if major < 2:
     sys.exit(f"test-torch2: expected torch 2.x, got {torch.__version__}")
 EOF
 
-# 3. the same pytest suite
-(cd tests/python && "../../$venv2/bin/python" -m pytest -q -p no:cacheprovider --durations=15 .)
+# 3. the pytest suite: every file (--ci-stage=newest selects them all; the stage is named so that
+# the run says so and checks that no test file is unassigned)
+(cd tests/python && "../../$venv2/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
+  --ci-stage=newest .)
 echo "test-torch2: done in $((SECONDS - t0)) s"

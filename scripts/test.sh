@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The test command: installs what is missing, configures, builds (CUDA when nvcc is found, for one
-# architecture to keep the build short), and runs every test (ctest; pytest once the Python
-# package exists), the Python suite twice: on Debian's torch 1.13 (.venv, the oldest supported)
-# and on the newest torch 2.x from PyPI (scripts/test-torch2.sh: .venv-torch2, the same wheel),
-# then the sanitizer stage (scripts/sanitize.sh: ASan+UBSan suites, bounded fuzzing, Python suite
-# under ASan). Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF),
-# CUDA_ARCHS (default 90), JOBS (default 2), GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage; it
-# downloads about 3 GB once, cached in GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse),
-# GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage).
+# architecture to keep the build short), and runs every test: ctest, then the Python suite in
+# three stages, each running the test files tests/python/ci_stages.py assigns to it (which and
+# why: docs/DEVELOPMENT.md, "Which stage runs what"): on Debian's torch 1.13 (.venv, the oldest
+# supported) the files whose code path depends on the torch version; on the newest torch 2.x
+# from PyPI (scripts/test-torch2.sh: .venv-torch2, the same wheel) every file; and in the
+# sanitizer stage (scripts/sanitize.sh: ASan+UBSan suites, bounded fuzzing) the files that cross
+# the binding boundary, against the ASan build of the extension.
+# Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF), CUDA_ARCHS (default
+# 90), JOBS (default 2), GRADCOMP_CI_FULL=1 (every Python test file in every stage: for
+# releases), GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage, which downloads about 3 GB once,
+# cached in GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse; torch 1.13 then runs every
+# file), GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,17 +21,22 @@ build=${BUILD_DIR:-build-test}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
 cmake --build "$build" -j "${JOBS:-2}"
-ctest --test-dir "$build" --output-on-failure --timeout 900
+ctest --test-dir "$build" --output-on-failure --timeout 900 -j "${JOBS:-2}"
 
 # Python: pip install . into the venv (CPU-only extension here: the CUDA sources were compiled by
 # the build above already), then pytest.
 venv=${GRADCOMP_VENV:-.venv}
 GRADCOMP_CUDA=OFF "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation .
 echo "test: pytest on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
-# --durations: the slowest tests in the CI log, for keeping CI inside its time budget
-(cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 .)
+# --durations: the slowest tests in the CI log, for keeping CI inside its time budget.
+# --ci-stage=oldest: the torch-version-dependent files (the newest torch runs every file next);
+# without the torch 2.x stage this is the only torch, and every file runs here.
+stage=(--ci-stage=oldest)
+[ "${GRADCOMP_SKIP_TORCH2:-0}" = "1" ] && stage=()
+(cd tests/python && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
+  "${stage[@]}" .)
 
-# The same suite on the newest torch 2.x (the same extension build: gradcomp._C does not link
+# Every test file on the newest torch 2.x (the same extension build: gradcomp._C does not link
 # libtorch).
 bash scripts/test-torch2.sh
 

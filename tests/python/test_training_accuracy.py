@@ -93,14 +93,9 @@ def test_sharded_quantized_training_within_margin_of_fsdp2():
 
 
 # The measurements of past failures of the compression itself (which the torch version does not
-# change) run on the oldest torch only: CI's time goes to the margins above on both versions.
-_OLDEST_TORCH_ONLY = pytest.mark.skipif(
-    int(torch.__version__.split(".")[0]) >= 2,
-    reason="a past failure of the compression math, measured on torch 1.13 only (CI time); "
-           "torch 2.x runs the margin tests of every hook")
+# change) run wherever this file runs: in CI on the newest torch only (tests/python/ci_stages.py).
 
 
-@_OLDEST_TORCH_ONLY
 def test_old_onebit_form_is_what_collapsed():
     """Why the 1-bit plan keeps per-block scales: one scale per server chunk (block_size=0) without
     momentum compression ends near chance in the same setting; the fix is what makes the
@@ -110,7 +105,6 @@ def test_old_onebit_form_is_what_collapsed():
     assert r["accuracy"] < 0.5
 
 
-@_OLDEST_TORCH_ONLY
 def test_rotation_closes_most_of_the_onebit_gap():
     """Issue 16's remaining gap: unrotated blocks (sign + one scale of a heavy-tailed block)
     trailed plain DDP by 3.6 points here; the rotation is what brings the hook within the margin
@@ -123,7 +117,6 @@ def test_rotation_closes_most_of_the_onebit_gap():
     assert 100 * rotated["accuracy"] >= 100 * unrotated["accuracy"] + 1.0
 
 
-@_OLDEST_TORCH_ONLY
 def test_old_randomk_form_is_what_diverged():
     """Why random-k sends small tensors whole: random-k 1% with momentum correction but every tensor
     sampled (dense_below=0, the form before the fix) diverges in the same setting: it ends at
