@@ -83,6 +83,9 @@ STAGES = {
     "test_experiment.py": (_NEWEST_ONLY, "the experiment's machinery, tiny runs; library code "
                                          "paths are the other files'"),
     "test_scale_model.py": (_NEWEST_ONLY, "the scale model: pure Python arithmetic"),
+    "test_options_doc.py": (_NEWEST_ONLY, "docs/OPTIONS.md against its generator: the option "
+                                          "tables and signatures it reads are the same on every "
+                                          "torch; the entry points are test_make_plan_py.py's"),
     "test_training_accuracy.py": (_NEWEST_ONLY, "Fashion-MNIST/ViT accuracy against plain DDP: "
                                                 "minutes of training through entry points the "
                                                 "other files reach"),
