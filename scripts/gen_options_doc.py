@@ -68,7 +68,7 @@ MEANINGS: Dict[Union[str, Tuple[str, str]], str] = {
         "only for ablations."),
     "average": (
         "Reduce-scatter result: True, the chunk's average; False, its sum. `compress_fsdp` sets "
-        "it per call from FSDP's reduce op (AVG or SUM), over any value given."),
+        "it per call from FSDP's reduce op (AVG or SUM) and refuses it as an argument."),
     # -- top-k and random-k (DGC)
     ("topk", "ratio"): (
         "Density after the warm-up: the fraction of the bucket's elements sent per step "

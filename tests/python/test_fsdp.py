@@ -209,6 +209,9 @@ def _compressed(rank, world):
         gt.compress_fsdp(_sharded(), grads=None, params="topk")
     with pytest.raises(ValueError, match="grads"):
         gt.compress_fsdp(_sharded(), grads="powersgd")
+    # average is FSDP's to decide per call (its reduce op): a given one would be overwritten
+    with pytest.raises(ValueError, match="average= is not an option"):
+        gt.compress_fsdp(_sharded(), grads="quant", average=False)
 
 
 @needs_fsdp2

@@ -468,6 +468,9 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
         raise ValueError(f"gradcomp FSDP: grads={grads!r}; choose one of {names} or None")
     if grads is None and grad_options:
         raise ValueError(f"gradcomp FSDP: options {sorted(grad_options)} given with grads=None")
+    if "average" in grad_options:  # FSDP's reduce op decides it per call (AVG or SUM)
+        raise ValueError("gradcomp FSDP: average= is not an option of compress_fsdp: FSDP asks "
+                         "for an average or a sum on each reduce-scatter, and that is what runs")
     param_options = dict(param_options or {})
     pfamily = params
     if params in _PARAM_ALIASES:
