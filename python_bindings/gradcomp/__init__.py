@@ -3,7 +3,8 @@
 
 ``import gradcomp`` needs only NumPy; the PyTorch integration lives in ``gradcomp.torch`` and
 imports torch when it is used. Here, under ``gradcomp.<name>``: the compressors, the allreduce
-plans (built by ``make_plan(name, ...)``), PowerSGD, the checkpoint tools (``reshard_state``,
+plans (built by ``make_plan(name, ...)``), the reduce-scatter and allgather plans of sharded
+training (``make_shard_plan``), PowerSGD, the checkpoint tools (``reshard_state``,
 ``settle_step``) and the option enums. The DropCompute and QSR analytics (latency traces, the
 tau* search, the simulator, the Quadratic Synchronization Rule) are one module,
 ``gradcomp.dropcompute``, which needs no torch either.
@@ -22,11 +23,16 @@ from gradcomp._C import (  # noqa: F401
     Orthogonalization,
     Payload,
     Plan,
+    PlanForm,
     PowerSGDPlan,
     PowerSGDState,
+    QuantAllreducePlan,
+    QuantRounding,
+    QuantScale,
     RandomKAllreducePlan,
     RandomKCompressor,
     SelectMethod,
+    ShardCastPlan,
     TopKAllreducePlan,
     TopKCompressor,
     TopKExchange,
@@ -35,12 +41,16 @@ from gradcomp._C import (  # noqa: F401
     cpu_threads,
     cuda_device_count,
     make_plan,
+    make_shard_plan,
     plan_defaults,
     plan_is_stateful,
     plan_names,
+    quant_bits_per_value,
     reshard_state,
     set_cpu_threads,
     settle_step,
+    shard_plan_defaults,
+    shard_plan_names,
     topk_indices,
 )
 
@@ -55,4 +65,6 @@ __all__ = [
     "RandomKCompressor", "TopKAllreducePlan", "TopKCompressor", "built_with_cuda", "cpu_threads",
     "cuda_device_count", "make_plan", "plan_defaults", "plan_is_stateful", "plan_names",
     "reshard_state", "set_cpu_threads", "settle_step", "topk_indices", "dropcompute",
+    "PlanForm", "QuantAllreducePlan", "QuantRounding", "QuantScale", "ShardCastPlan",
+    "make_shard_plan", "quant_bits_per_value", "shard_plan_defaults", "shard_plan_names",
 ]

@@ -23,6 +23,19 @@ def test_names_and_defaults_are_the_hooks():
         _C.plan_defaults("top-k")
 
 
+def test_every_extension_name_is_exported():
+    """A new binding reaches users under gradcomp.<name> (or gradcomp.dropcompute for the
+    analytics): the package's export list drifted once, missing the quant and shard plans.
+    collective_names / elem_type_names list the C++ enums for test_layering.py, which checks
+    that the torch driver handles every one."""
+    internal = {"collective_names", "elem_type_names"}
+    public = {n for n in dir(_C) if not n.startswith("_")}
+    exported = set(gradcomp.__all__) | set(dir(gradcomp.dropcompute))
+    assert public - exported == internal
+    for n in gradcomp.__all__:
+        assert hasattr(gradcomp, n), n
+
+
 @pytest.mark.parametrize("name", ["allreduce", "fp16", "bf16", "topk", "randomk", "onebit",
                                   "quant", "powersgd"])
 def test_every_family_takes_its_defaults_and_averages_in_place(name):

@@ -11,16 +11,20 @@ Compressors: ``"auto"`` (measures the others on the real model and link, then pi
 ``"topk"`` (Deep Gradient Compression: residual, momentum correction, clipping, warm-up),
 ``"randomk"`` (the same state as top-k, shared random indices; the bucket's tensors of fewer
 than ``dense_below`` elements, default 32768, are sent whole), ``"onebit"`` (two-phase
-compressed allreduce with worker and server error) and
-``"powersgd"``. The hooks run gradcomp plans over any torch.distributed process group (gloo on
-CPU, NCCL on GPU) asynchronously: a hook returns a ``torch.futures.Future`` at once, and a worker
-thread with a process group of its own issues every bucket's collectives in bucket order.
+compressed allreduce with worker and server error), ``"quant"`` (2/4/8-bit blocks, the same two
+phases) and ``"powersgd"``. The hooks run gradcomp plans over any torch.distributed process
+group (gloo on CPU, NCCL on GPU) asynchronously: a hook returns a ``torch.futures.Future`` at
+once, and a worker thread with a process group of its own issues every bucket's collectives in
+bucket order.
 
 Bucket state. DDP rebuilds its buckets once, after the first iteration. Like PyTorch's PowerSGD
 hook, a gradcomp hook runs a plain allreduce for the first ``start_iter`` iterations (default 2 for
 the stateful compressors) and creates per-bucket state (residuals, momenta, Q, errors) at the
-first compressed step, keyed by ``bucket.index()``. A bucket whose size or dtype changes after
-that is an error (a silent re-initialisation would drop error-feedback memory).
+first compressed step. The state follows the parameters, not the bucket index: a job whose
+buckets DDP groups differently (a restart, another ``bucket_cap_mb``) runs each saved bucket's
+plan on its own parameters (``model=`` keys them by their index in the model). A bucket that
+holds part of a saved bucket's parameters is an error (a silent re-initialisation would drop
+error-feedback memory).
 
 Sharded training (FSDP2): :func:`compress_fsdp` (``gradcomp.torch.fsdp``) gives every
 ``fully_shard`` module a compressed reduce-scatter and, optionally, allgather.
