@@ -9,9 +9,11 @@ Builds the model's parameter list (shapes only: the model is made with random in
 nothing is downloaded; a shapes file needs no torch at all), splits it into DDP's buckets (the
 last parameters first, 1 MiB for the first bucket, then --bucket-mb, 25 MiB by default), fills it
 with a normal(0, 1) gradient, and runs every compressor over every bucket as the DDP hooks do:
-top-k at several densities, random-k, 1-bit (the hook's default: scaled sign, one L1 scale per
-256 elements), PowerSGD at ranks 1, 2, 4 and 8 (per-tensor matrices; 1-D tensors and tensors it
-does not shrink go uncompressed) and the fp16 cast. For each it prints the bytes one rank sends
+the fp16 and bf16 casts, top-k at several densities, random-k, 1-bit and quant at 2, 4 and 8 bits
+(the bucket plans the hooks build, with the hooks' defaults: for 1-bit a scaled sign with one L2
+scale per rotated block of 128, worker and server error; their local work timed at world size
+1, their payload the first phase's), PowerSGD at ranks 1, 2, 4 and 8 (per-tensor matrices; 1-D
+tensors and tensors it does not shrink go uncompressed). For each it prints the bytes one rank sends
 per step, the compression ratio (dense bytes / compressed bytes, headers included) and the
 encode + decode time per step on this machine (median of --repeat steps after one warm-up).
 
@@ -22,7 +24,8 @@ bytes each rank moves with bandwidth-optimal collectives:
 - allreduce of B bytes (plain, fp16, random-k values, PowerSGD's P and Q): 2 (P-1)/P x B;
 - allgather of B bytes from every rank (top-k's sparse route): (P-1) x B; top-k's plan switches
   to a dense allreduce when that is cheaper, and so does this estimate;
-- 1-bit's two phases (all-to-all, then allgather of the recompressed chunks): 2 (P-1)/P x B;
+- 1-bit's and quant's two phases (all-to-all, then allgather of the recompressed chunks):
+  2 (P-1)/P x B;
 
 and "vs allreduce" = plain allreduce's communication time / (this compressor's communication
 time + its encode + decode time).
@@ -219,12 +222,12 @@ class _Sparse(Setting):
 
 
 class _Cast(Setting):
-    def __init__(self):
-        super().__init__("fp16", "cast", "allreduce")
+    def __init__(self, dtype: str = "fp16"):
+        super().__init__(dtype, "cast", "allreduce")
 
     def make(self, buckets):
         from gradcomp import _C
-        self.plans = [_C.make_plan("fp16", b.numel, "float32", 1,
+        self.plans = [_C.make_plan(self.compressor, b.numel, "float32", 1,
                                     options=dict(route="allreduce")) for b in buckets]
 
     def step(self, buckets):
@@ -232,6 +235,40 @@ class _Cast(Setting):
             p.begin(b.work)
             run_local(p)
         return sum(2 * b.numel for b in buckets)
+
+
+class _TwoPhase(Setting):
+    """A two-phase family's bucket plan (1-bit, quant) at world size 1 with the hooks' defaults
+    and the given options: the time is its whole local work as a hook runs it (rotation,
+    compression, error feedback, the recompression and decode of the second phase), the payload
+    the bytes of its first phase, the compressed bucket every rank sends (the estimate charges
+    both phases with it)."""
+
+    def __init__(self, compressor: str, label: str, **options):
+        super().__init__(compressor, label, "two-phase")
+        self.options = options
+
+    def make(self, buckets):
+        from gradcomp import _C
+        self.plans = [_C.make_plan(self.compressor, b.numel, "float32", 1, bucket_id=i,
+                                   options=self.options) for i, b in enumerate(buckets)]
+
+    def step(self, buckets):
+        sent = 0
+        for b, p in zip(buckets, self.plans):
+            b.work[:] = b.grad
+            p.begin(b.work)
+            first = True
+            while True:
+                c = p.next()
+                if c is None:
+                    break
+                if first:
+                    sent += c.send().nbytes
+                    first = False
+                if not c.in_place:
+                    c.recv()[:] = c.send()
+        return sent
 
 
 class _PowerSGD(Setting):
@@ -257,16 +294,14 @@ class _PowerSGD(Setting):
 
 def settings(densities: Sequence[float] = TOPK_DENSITIES,
              ranks: Sequence[int] = POWERSGD_RANKS) -> List[Setting]:
-    out: List[Setting] = [_Cast()]
+    out: List[Setting] = [_Cast("fp16"), _Cast("bf16")]
     for d in densities:
         out.append(_Sparse("topk", d, lambda C, n, i, d=d: C.TopKCompressor(
             n, ratio=d, tensor_id=i), "allgather"))
     out.append(_Sparse("randomk", 0.01, lambda C, n, i: C.RandomKCompressor(
         n, ratio=0.01, tensor_id=i), "allreduce"))
-    onebit = _Sparse("onebit", 1.0, lambda C, n, i: C.OneBitCompressor(
-        n, 1, scaling="sign_l1", chunk_size=256, tensor_id=i), "two-phase")
-    onebit.label = "sign, 256/scale"
-    out.append(onebit)
+    out.append(_TwoPhase("onebit", "sign, L2 scale/128, rotated"))
+    out += [_TwoPhase("quant", f"{b} bits", bits=b) for b in (8, 4, 2)]
     out += [_PowerSGD(r) for r in ranks]
     return out
 

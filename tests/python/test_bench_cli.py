@@ -11,8 +11,10 @@ import pytest
 
 from gradcomp import bench
 
-EXPECTED = {("allreduce", "plain fp32"), ("fp16", "cast"), ("topk", "1%"), ("topk", "0.1%"),
-            ("topk", "0.01%"), ("randomk", "1%"), ("onebit", "sign, 256/scale"),
+ONEBIT = ("onebit", "sign, L2 scale/128, rotated")  # the hook's default 1-bit plan
+EXPECTED = {("allreduce", "plain fp32"), ("fp16", "cast"), ("bf16", "cast"), ("topk", "1%"),
+            ("topk", "0.1%"), ("topk", "0.01%"), ("randomk", "1%"), ONEBIT,
+            ("quant", "8 bits"), ("quant", "4 bits"), ("quant", "2 bits"),
             ("powersgd", "r=1"), ("powersgd", "r=2"), ("powersgd", "r=4"), ("powersgd", "r=8")}
 
 
@@ -51,7 +53,14 @@ def test_model_from_user_module(tmp_path):
     assert (rows[("topk", "1%")]["bytes"] > rows[("topk", "0.1%")]["bytes"]
             > rows[("topk", "0.01%")]["bytes"])
     assert rows[("powersgd", "r=1")]["ratio"] > rows[("powersgd", "r=8")]["ratio"] > 1
-    assert 25 < rows[("onebit", "sign, 256/scale")]["ratio"] < 32
+    assert rows[("bf16", "cast")]["ratio"] == pytest.approx(2.0)
+    # 1 bit and one fp32 scale per 128 values: 32 / (1 + 32 / 128) = 25.6x before headers
+    assert 24 < rows[ONEBIT]["ratio"] <= 25.6
+    # b bits per value plus an fp32 scale per 128-value block (the quant defaults), less a
+    # chunk header
+    for bits in (8, 4, 2):
+        assert 0.95 * 32 / (bits + 32 / 128) < rows[("quant", f"{bits} bits")]["ratio"] \
+            <= 32 / (bits + 32 / 128)
     plain = rows[("allreduce", "plain fp32")]
     # ring allreduce: 2 (P-1)/P of the buffer at 10 Gbit/s
     assert plain["comm_ms"] == pytest.approx(1e3 * 2 * 3 / 4 * 4 * n * 8 / 10e9)
