@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// README example: a compressed allreduce of a gradient bucket across ranks with a plan. Four
-// ranks run on threads of this process (InProcessGroup); over MPI the loop body is the same with
-// gradcomp::MpiCommunicator comm; in place of group.comm(r).
+// A compressed allreduce of a gradient bucket across ranks with a plan: README.md's C++ example
+// (readme_example.cpp, over MPI) on four ranks that run on threads of this process
+// (InProcessGroup); the loop body is the same with group.comm(r) in place of the MpiCommunicator.
 #include <gradcomp/gradcomp.hpp>
 
 #include <cmath>
