@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-# cmake -DGRADCOMP_SOURCE_DIR=... -DSRC=... -DWORK=... -DGENERATOR=... -DCXX=... -P run_subdirectory.cmake
+# cmake -DGRADCOMP_SOURCE_DIR=... -DSRC=... -DWORK=... -DGENERATOR=... -DCXX=... [-DBUILD=ON] -P run_subdirectory.cmake
 # Configures the project in SRC, which takes gradcomp in with add_subdirectory(), with GoogleTest
 # and Google Benchmark made unfindable (a find_package(... REQUIRED) of either then fails the
-# configure), checks that gradcomp's tests, benchmarks and examples defaulted to off there, builds
-# the consumer (and with it only the library) and runs it.
+# configure), checks that gradcomp's tests, benchmarks and examples defaulted to off there and,
+# with -DBUILD=ON, builds the consumer (and with it only the library) and runs it.
 # WORK is kept between runs and configured with --fresh: a new cache, so the defaults are checked
 # as a first configure sees them, while a repeated local run recompiles nothing unchanged.
 cmake_minimum_required(VERSION 3.24)  # a script gets no policies otherwise (IN_LIST)
@@ -24,6 +24,10 @@ foreach(option TESTS BENCH EXAMPLES PYTHON)
                         "with add_subdirectory(): ${options}")
   endif()
 endforeach()
+if(NOT BUILD)
+  message(STATUS "configured and generated; the build is left out (BUILD=OFF)")
+  return()
+endif()
 run(${CMAKE_COMMAND} --build ${WORK} --target consumer)
 run(${WORK}/consumer)
 message(STATUS "${last_output}")
