@@ -110,6 +110,14 @@ Shapes powersgd_layout(int64_t n) {
   return out;
 }
 
+/// The multi-bit two-phase plan (in place; a BucketPlan, not a GradientPlan).
+struct QuantBench : BenchPlan {
+  QuantBench(const gc::QuantConfig& cfg, int64_t n, int P, int rank) : p_(cfg, n, P, rank) {}
+  gc::Plan& plan() override { return p_; }
+  void begin(float* g, int64_t n) override { p_.begin(gc::TensorView::cpu(g, n)); }
+  gc::QuantAllreducePlan p_;
+};
+
 /// PowerSGD over the layout above, in place.
 struct PowerSGDBench : BenchPlan {
   PowerSGDBench(const gc::PowerSGDConfig& cfg, const Shapes& shapes, int P)
@@ -172,6 +180,12 @@ std::vector<Case> cases() {
          gc::OneBitConfig cfg;
          cfg.scaling = gc::OneBitScaling::kSignL2;
          return std::make_unique<OneBitBench>(cfg, n, P, rank);
+       }},
+      {"quant_4bit",
+       [](int64_t n, int P, int rank, const gc::CostModel&) -> std::unique_ptr<BenchPlan> {
+         gc::QuantConfig cfg;  // the hook's defaults: blocks of 128, rotated, error feedback
+         cfg.bits = 4;
+         return std::make_unique<QuantBench>(cfg, n, P, rank);
        }},
       {"powersgd_r4",
        [](int64_t n, int P, int, const gc::CostModel&) -> std::unique_ptr<BenchPlan> {

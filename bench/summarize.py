@@ -3,7 +3,7 @@
 
     python bench/summarize.py RESULTS_DIR [--no-plot]
 
-Reads RESULTS_DIR/bench_{topk,onebit,powersgd,comm}.json (those present; scripts/bench.sh writes
+Reads RESULTS_DIR/bench_{topk,onebit,quant,powersgd,comm}.json (those present; scripts/bench.sh writes
 them with --benchmark_out) and writes RESULTS_DIR/summary.md, summary.csv and summary.png, then
 prints the Markdown table. Per compressor setting and gradient size:
 
@@ -40,6 +40,7 @@ COMM_CASES = {  # bench_comm case -> (compressor, setting) of the table
     "topk_0.1pct": ("topk", "0.1%"),
     "randomk_1pct": ("randomk", "1%"),
     "onebit": ("onebit", "sign L2"),
+    "quant_4bit": ("quant", "4 bits"),
     "powersgd_r4": ("powersgd", "r=4"),
 }
 COLUMNS = ["compressor", "setting", "elements", "ratio", "encode_ms", "encode_GBps", "decode_ms",
@@ -152,6 +153,24 @@ def onebit_rows(runs: dict) -> List[dict]:
     return rows
 
 
+def quant_rows(runs: dict) -> List[dict]:
+    """The multi-bit codec: compress with error feedback (fused, the plan's kernel) against the
+    bandwidth of a copy; the averaging decode of one payload where the run has it (4 bits)."""
+    rows = []
+    for name, enc in runs.items():
+        if not name.startswith("BM_quant_compress/"):
+            continue
+        a = _args(name)
+        n, bits = a["0"], a["1"]
+        dec = _find(runs, "BM_quant_decode_average", **{"0": n, "1": bits, "2": 1})
+        e_ms, d_ms = _ms(enc), (_ms(dec) if dec else None)
+        rows.append(_row(
+            compressor="quant", setting=f"{bits} bits", elements=n,
+            ratio=enc.get("compression_ratio"), encode_ms=e_ms, encode_GBps=_gbps(n, e_ms),
+            decode_ms=d_ms, decode_GBps=_gbps(n, d_ms), frac_of_memcpy=enc.get("frac_of_copy")))
+    return rows
+
+
 def powersgd_rows(runs: dict) -> List[dict]:
     rows = []
     for name, st in runs.items():
@@ -245,7 +264,8 @@ def plot(rows: List[dict], path: str, numel: int, title: str) -> bool:
     if not pts:
         print("summarize: no row has both a ratio and an encode time, no plot", file=sys.stderr)
         return False
-    colors = {"topk": "tab:blue", "onebit": "tab:orange", "powersgd": "tab:green"}
+    colors = {"topk": "tab:blue", "onebit": "tab:orange", "quant": "tab:purple",
+              "powersgd": "tab:green"}
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for comp in colors:
         sel = [r for r in pts if r["compressor"] == comp]
@@ -296,7 +316,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(d):
         ap.error(f"{d} is not a directory")
     parts = {k: load(os.path.join(d, f"bench_{k}.json"))
-             for k in ("topk", "onebit", "powersgd", "comm")}
+             for k in ("topk", "onebit", "quant", "powersgd", "comm")}
     if not any(parts.values()):
         ap.error(f"no bench_*.json in {d}: nothing to summarise")
     meta = {}
@@ -315,11 +335,15 @@ def main(argv=None) -> int:
     if parts["onebit"]:
         rows += sorted(onebit_rows(parts["onebit"]["runs"]),
                        key=lambda r: (r["elements"], r["setting"]))
+    if parts["quant"]:
+        rows += sorted(quant_rows(parts["quant"]["runs"]),
+                       key=lambda r: (r["elements"], -int(r["setting"].split()[0])))
     if parts["powersgd"]:
         rows += sorted(powersgd_rows(parts["powersgd"]["runs"]),
                        key=lambda r: (r["elements"] or 0, int(r["setting"][2:].split(",")[0])))
     rows = attach_comm(rows, parts["comm"], ranks, numel)
-    order = {"allreduce": 0, "fp16": 1, "topk": 2, "randomk": 3, "onebit": 4, "powersgd": 5}
+    order = {"allreduce": 0, "fp16": 1, "topk": 2, "randomk": 3, "onebit": 4, "quant": 5,
+             "powersgd": 6}
     rows.sort(key=lambda r: order.get(r["compressor"], 9))  # stable: keeps the orders above
 
     table = markdown(rows, ranks)
