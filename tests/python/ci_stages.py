@@ -71,6 +71,9 @@ STAGES = {
     "test_powersgd_vs_torch.py": (_ALL, "our PowerSGD hook against torch's, which changes with "
                                         "torch; a training comparison"),
     "test_readme_example.py": (_ALL, "the README's DDP example as a user of either torch runs it"),
+    "test_torchrun_recipe.py": (_ALL, "docs/MULTI_GPU.md's torchrun lines as a user of either "
+                                      "torch runs them: torchrun and DDP differ by version "
+                                      "(1.13 on Python 3.11 needs --redirects/--tee)"),
     # ---- newest and asan: version-independent, crossing the binding
     "test_ci_stages.py": (_NEWEST_ASAN, "this assignment; it reads the extension's entry points"),
     "test_bench_cli.py": (_NEWEST_ASAN, "python -m gradcomp.bench, bad input at the command line"),
