@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-RUN = os.path.join(ROOT, "bench", "results", "2026-11-24-7f3b988")
+RUN = os.path.join(ROOT, "bench", "results", "2026-11-27-b37bad8")
 SUMMARIZE = os.path.join(ROOT, "bench", "summarize.py")
 
 
@@ -41,6 +41,13 @@ def test_summary_of_a_four_rank_run(run_dir):
     assert ("onebit", "sign L2", "25000000") in keys
     assert ("powersgd", "r=4, ResNet-50", "25557032") in keys
     assert ("randomk", "1%", "25000000") in keys  # comm-only row
+    for bits in (8, 4, 2):  # the multi-bit codec, its ratio from the encoder's statistics
+        q = next(x for x in rows if x["compressor"] == "quant" and x["setting"] == f"{bits} bits"
+                 and x["elements"] == "25000000")
+        assert 0.95 * 32 / (bits + 32 / 128) < float(q["ratio"]) <= 32 / (bits + 32 / 128)
+    q4 = next(x for x in rows if x["compressor"] == "quant" and x["setting"] == "4 bits"
+              and x["elements"] == "25000000")
+    assert float(q4["step_ms"]) > 0 and float(q4["decode_ms"]) > 0  # bench_comm's case, decode
     for x in rows:  # every ratio and speedup is a plain positive number
         for c in ("ratio", "speedup", "frac_of_memcpy", "vs_plain"):
             if x[c]:
