@@ -35,7 +35,13 @@ trace in any error.
 Checkpoints: ``comp.state_dict()`` (error feedback per module, plain Python data with bytes) and
 ``comp.load_state_dict(sd)``, validated whole before anything changes. A sharded error belongs
 to its world size (FSDP pads every parameter to the number of ranks): a checkpoint from another
-world size is refused with a ValueError.
+world size is refused with a ValueError. Frozen parameters (``requires_grad=False``) take no part
+in a reduce-scatter, so the model must be frozen alike when the checkpoint is saved and loaded.
+
+One compression per model: ``compress_fsdp`` on a model (or a part of one) whose FSDP modules
+already run an earlier call's collectives raises a ValueError and changes nothing (the two
+would not settle each other's skipped steps). Keep the first call's object, or shard a fresh
+model for other settings.
 
 The calls are synchronous (the collectives finish before they return), on FSDP's
 reduce-scatter / all-gather stream. Needs torch with ``FSDPModule.set_custom_reduce_scatter``
@@ -44,6 +50,7 @@ reduce-scatter / all-gather stream. Needs torch with ``FSDPModule.set_custom_red
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -115,6 +122,9 @@ class _ShardComm:
         self.plans: Dict[tuple, Any] = {}
         self.unused_loaded: set = set()  # keys of plans a checkpoint made that no call used yet
         self.module = None  # the FSDP module (set by compress_fsdp)
+        # set when compress_fsdp failed after installing this one: FSDP offers no way to put its
+        # own collective back, so this one runs it (torch.distributed's), as if never installed
+        self.passthrough = False
 
     fsdp_module_class = None  # FSDPModule (set by compress_fsdp)
 
@@ -123,20 +133,22 @@ class _ShardComm:
 
     def expected_numel(self, world: int) -> Optional[int]:
         """The module's reduce-scatter size for a shard group of `world` ranks, from its
-        parameters' global shapes (FSDP2 pads dim 0 of each to a multiple of the group), or None
-        when the module is not known or some parameter is not sharded on dim 0 (then the first
-        call checks)."""
+        trainable parameters' global shapes (FSDP2 pads dim 0 of each to a multiple of the
+        group), 0 when none is trainable, or None when the module is not known or some parameter
+        is not sharded on dim 0 (then the first call checks)."""
         mod = self.module
         if mod is None:
             return None
         total = 0
-        for p in _own_params(mod, type(self).fsdp_module_class):
+        # FSDP reduce-scatters only the parameters that received a gradient: a frozen one
+        # (requires_grad=False) takes no part in the buffer
+        for p in _trainable(_own_params(mod, type(self).fsdp_module_class)):
             placements = getattr(p, "placements", None)
             if not placements or getattr(placements[-1], "dim", None) != 0 or p.dim() == 0:
                 return None
             rows = p.shape[0]
             total += -(-rows // world) * world * (p.numel() // rows if rows else 0)
-        return total or None
+        return total
 
     def _make(self, numel: int, dtype: str, world: int, rank: int, device: torch.device,
               stream: int, average: bool):
@@ -186,6 +198,9 @@ class CompressedReduceScatter(_ShardComm):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
+        if self.passthrough:
+            _dense_reduce_scatter(output_tensor, input_tensor, op=op, group=group)
+            return None
         try:
             average = {dist.ReduceOp.AVG: True, dist.ReduceOp.SUM: False}.get(op)
         except TypeError:  # a PREMUL_SUM op object is not hashable
@@ -227,6 +242,9 @@ class CompressedAllGather(_ShardComm):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
+        if self.passthrough:
+            _dense_all_gather(output_tensor, input_tensor, group=group)
+            return None
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if output_tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(
@@ -248,6 +266,19 @@ class CompressedAllGather(_ShardComm):
         stats = run_sync(plan, group)
         self.owner._record("allgather", stats, flat, world, time.perf_counter() - t0)
         return None
+
+
+def _dense_reduce_scatter(output, input, *, op, group) -> None:
+    """FSDP's own reduce-scatter (what its default comm calls; the older name before
+    reduce_scatter_single), synchronous."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        output, input, op=op, group=group)
+
+
+def _dense_all_gather(output, input, *, group) -> None:
+    """FSDP's own all-gather (as _dense_reduce_scatter)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        output, input, group=group)
 
 
 class _Steps:
@@ -318,7 +349,8 @@ class FSDPCompression:
         """The error feedback of every module's gradient plan (after settling the last step):
         {"format", "version", "world", "rank", "grads", "grad_options", "modules": {name:
         [{"numel", "dtype", "average", "world", "rank", "state": bytes}, ...]}} ("world" and
-        "rank" at the top are the job's; an entry's are its reduce-scatter group's)."""
+        "rank" at the top are the job's; an entry's are its reduce-scatter group's). Every
+        compressed module that owns parameters is listed, with [] while it has no state."""
         self.settle()
         mods: Dict[str, list] = {}
         for name, comm in self.reduce_scatters.items():
@@ -327,7 +359,10 @@ class FSDPCompression:
                 if plan.stateful:
                     entries.append({"numel": numel, "dtype": dtype, "average": average,
                                     "world": world, "rank": rank, "state": plan.state_dict()})
-            if entries:
+            # a module with parameters is listed even with no state yet (frozen, not reached by
+            # a backward so far, or a stateless family), so that a checkpoint that lacks it is
+            # recognisably one of another model or modules= selection
+            if entries or comm.module is None or _own_params(comm.module, comm.fsdp_module_class):
                 mods[name] = entries
         return {"format": FORMAT, "version": VERSION, "world": self._world,
                 "rank": dist.get_rank() if dist.is_initialized() else 0, "grads": self.grads,
@@ -361,13 +396,19 @@ class FSDPCompression:
         mods = sd.get("modules")
         if not isinstance(mods, dict):
             raise ValueError("gradcomp FSDP: state_dict['modules'] must be a dict")
+        odd = [k for k in mods if not isinstance(k, str)]
+        if odd:
+            raise ValueError(f"gradcomp FSDP: state_dict['modules'] is keyed by module names "
+                             f"(str), not {odd[:3]!r}")
         unknown = sorted(set(mods) - set(self.reduce_scatters))
         if unknown:
             raise ValueError(f"gradcomp FSDP: the checkpoint has state for modules {unknown}, "
                              "which this model does not have (or does not compress)")
+        # the modules whose reduce-scatter can hold error feedback: those with a trainable
+        # parameter (a frozen module never reduce-scatters, so a checkpoint may omit it)
         owning = {n for n, c in self.reduce_scatters.items()
-                  if c.module is None or _own_params(c.module, c.fsdp_module_class)}
-        missing = sorted(owning - set(mods)) if mods else []
+                  if c.module is None or _trainable(_own_params(c.module, c.fsdp_module_class))}
+        missing = sorted(owning - set(mods))
         if missing:
             raise ValueError(f"gradcomp FSDP: the checkpoint has no state for modules {missing} "
                              "(saved with other modules=, or from another model); their error "
@@ -384,12 +425,17 @@ class FSDPCompression:
             for e in entries:
                 key = _entry_key(name, e, world)
                 numel, dtype, average, w, r = key
+                if key in plans:  # one would silently win over the other
+                    raise ValueError(f"gradcomp FSDP: module '{name}': two states for the same "
+                                     f"reduce-scatter ({numel} {dtype} elements, average="
+                                     f"{average}, rank {r} of {w})")
                 expected = comm.expected_numel(w)
                 if expected is not None and expected != numel:
                     raise ValueError(
                         f"gradcomp FSDP: module '{name}': the checkpoint's reduce-scatter has "
-                        f"{numel} elements, this model's has {expected} (padded to {w} ranks): "
-                        "another model")
+                        f"{numel} elements, this model's has {expected} (its trainable "
+                        f"parameters, padded to {w} ranks): another model, or other parameters "
+                        "frozen (requires_grad)")
                 plan = comm._make(numel, dtype, w, r, torch.device("cpu"), 0, average)
                 plan.load_state_dict(bytes(e["state"]))  # ValueError on any mismatch
                 plans[key] = plan
@@ -414,6 +460,17 @@ def _own_params(mod, FSDPModule) -> list:
 
     walk(mod, True)
     return own
+
+
+def _trainable(params) -> list:
+    return [p for p in params if p.requires_grad]
+
+
+# The FSDP modules of every model compress_fsdp compressed. A second compress_fsdp over any of
+# them is refused: two compressions of one model would each settle skipped steps over their own
+# modules only, and the first one's checkpoint would no longer describe what runs. Weak, and
+# holding nothing that refers to the module, so that a model is freed as before.
+_INSTALLED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 _ENTRY_TYPES = {"numel": int, "dtype": str, "average": bool, "world": int, "rank": int,
@@ -458,7 +515,10 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
     names (``model.named_modules()``; "<root>" for the model itself) of the FSDP modules to
     compress, the others keeping FSDP's own collectives (e.g. an embedding or a head that is
     sensitive to rounding); default all. See the module docstring. Every option and name is
-    checked here (ValueError), before any collective is replaced."""
+    checked here (ValueError), before any collective is replaced; so is a model that an earlier
+    call already compressed (all of its FSDP modules count, also those modules= left out). A
+    module that refuses a custom collective (FSDP does with several parameter groups) raises a
+    ValueError, and every module keeps running FSDP's own collectives."""
     FSDPModule, (rs_base, ag_base) = _fsdp_api()
     _ShardComm.fsdp_module_class = FSDPModule
     names = list(_C.shard_plan_names())
@@ -497,6 +557,17 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
         if ag_base is not object else CompressedAllGather
     found = [(i, name or "<root>", mod)
              for i, (name, mod) in enumerate(_fsdp_modules(model, FSDPModule))]
+    taken = [label for _, label, mod in found if mod in _INSTALLED]
+    if taken:
+        raise ValueError(
+            f"gradcomp FSDP: FSDP modules {taken} of this model already run the collectives of "
+            "an earlier compress_fsdp call. A second one is refused: the two would not know of "
+            "each other's skipped steps (one module's NaN/Inf must take back every module's "
+            "error-feedback step) and the first one's state_dict would no longer describe what "
+            "runs. Keep using the object the first call returned (its state_dict / "
+            "load_state_dict carry the error feedback), or shard a fresh model for other "
+            "settings")
+    everything = [mod for _, _, mod in found]
     if modules is not None:
         if isinstance(modules, str):
             raise ValueError("gradcomp FSDP: modules must be a list of module names, not a str")
@@ -521,9 +592,20 @@ def compress_fsdp(model, grads: Optional[str] = "quant", params: Optional[str] =
                 ag = ag_cls(comp, label, pfamily, param_options, bucket_id=i)
                 mod.set_custom_all_gather(ag)
                 comp.all_gathers[label] = ag
-        except ValueError as e:  # several parameter groups (shard_placement_fn), ...
-            raise ValueError(f"gradcomp FSDP: module '{label}' refused a custom collective: "
-                             f"{e}") from e
+        except BaseException as e:
+            # the modules before this one already hold our collectives: they go back to FSDP's
+            # own, so that a failed call leaves the model training as before it (and a later
+            # call may compress it)
+            for comm in (*comp.reduce_scatters.values(), *comp.all_gathers.values()):
+                comm.passthrough = True
+            if isinstance(e, ValueError):  # several parameter groups (shard_placement_fn), ...
+                raise ValueError(f"gradcomp FSDP: module '{label}' refused a custom collective: "
+                                 f"{e}") from e
+            raise
+    # every FSDP module of the model, also one left to FSDP by modules=: a later call on the
+    # model or on a part of it would share this one's backward
+    for mod in everything:
+        _INSTALLED.add(mod)
     return comp
 
 
