@@ -44,6 +44,8 @@ struct RandomKCompressor::Impl {
   k::SelectWorkspace ws;
   void* stream;
   int device_index = 0;
+  bool shared = false;  // set_shares(): values sent as shares of a sum over share.divisor ranks
+  k::ValueShare share;
 };
 
 namespace {
@@ -162,15 +164,25 @@ void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   h.section_bytes[1] = static_cast<uint64_t>(kk) * dtype_size(cfg_.value_dtype);
   out.bytes.resize(h.total_bytes(), false);
   auto* values = static_cast<uint8_t*>(out.bytes.data()) + h.section_offset(1);
-  s.dgc.take(idx, ks, values);
+  const k::ValueShare* share = s.shared ? &s.share : nullptr;
+  s.dgc.take(idx, ks, values, /*mask=*/true, share);
   // sent every step: the momentum stays (no masking), so these elements follow SGD with momentum
-  s.dgc.take(idx + ks, s.dense_n, values + ks * dtype_size(cfg_.value_dtype), /*mask=*/false);
+  s.dgc.take(idx + ks, s.dense_n, values + ks * dtype_size(cfg_.value_dtype), /*mask=*/false,
+             share);
   write_header(out, device_, s.stream);
   stats_.record(step_, n, kk, g.dtype, h.total_bytes());
   if (!s.dgc.staged()) ++step_;
 }
 
 void RandomKCompressor::set_staged(bool on) { impl_->dgc.set_staged(on); }
+
+void RandomKCompressor::set_shares(int ranks) {
+  GC_CHECK_ARG(ranks >= 1, "randomk: set_shares needs ranks >= 1, got ", ranks);
+  Impl& s = *impl_;
+  s.shared = ranks > 1;
+  s.share.divisor = static_cast<float>(ranks);
+  s.share.limit = k::share_limit(cfg_.value_dtype, ranks);
+}
 
 void RandomKCompressor::commit() { impl_->dgc.commit_step(step_); }
 

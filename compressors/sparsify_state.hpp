@@ -163,11 +163,13 @@ class SparsifyState {
   }
 
   /// values[j] = v[idx[j]] in the value dtype; v[idx] = 0 and, with masking (and `mask`),
-  /// u[idx] = 0 (on the step's working state).
-  void take(const uint32_t* idx, int64_t c, void* values, bool mask = true) {
+  /// u[idx] = 0 (on the step's working state). With a share, values[j] is v's share of a sum
+  /// over share->divisor ranks and v keeps what it did not carry (kernels' gather_and_clear).
+  void take(const uint32_t* idx, int64_t c, void* values, bool mask = true,
+            const k::ValueShare* share = nullptr) {
     float* mask_u = cfg_.momentum_masking && mask ? work_u() : nullptr;
     k::dispatch::gather_and_clear({dev_, stream_}, work_v(), mask_u, idx, c, values,
-                                  cfg_.value_dtype);
+                                  cfg_.value_dtype, share);
   }
 
   /// A codec's checkpoint (top-k and random-k alike; reshard_sparsify_state reads the same

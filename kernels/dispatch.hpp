@@ -68,7 +68,7 @@ void dgc_accumulate(const Exec& e, const void* g, DType t, int64_t n, float coef
                     bool nesterov, float* u, float* v, const float* u_src = nullptr,
                     const float* v_src = nullptr);
 void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, int64_t k,
-                      void* values, DType vt);
+                      void* values, DType vt, const ValueShare* share = nullptr);
 void gather(const Exec& e, const float* v, const uint32_t* idx, int64_t k, void* values, DType vt);
 void randomk_indices(const Exec& e, int64_t n, int64_t k, const RngKey& key, uint32_t* out,
                      const uint32_t* ranges = nullptr, int64_t nr = 0);

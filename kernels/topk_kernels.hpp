@@ -25,6 +25,13 @@ struct SelectWorkspace {
   ~SelectWorkspace();
 };
 
+/// Values sent as shares of a sum over ranks (value_share in topk_math.h): each divided by
+/// `divisor` and saturated to `limit`.
+struct ValueShare {
+  float divisor = 1.0f;
+  float limit = 0.0f;
+};
+
 namespace cpu {
 /// Indices (ascending) of the selected elements of x by |x|; returns how many (<= k). See
 /// gradcomp::SelectOptions for the contract of each method.
@@ -38,8 +45,10 @@ double sum_squares(const void* g, DType t, int64_t n);
 /// can still be dropped: same traffic as in place); null: in place.
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
                     float* u, float* v, const float* u_src = nullptr, const float* v_src = nullptr);
-/// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0.
-void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt);
+/// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0. With a share:
+/// values[j] = value_share(v[idx[j]], divisor, limit), and v[idx] keeps v - divisor * values[j].
+void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
+                      const ValueShare* share = nullptr);
 /// values[j] = v[idx[j]] (converted to vt; -0 sent as +0, as 0 + v would be), v unchanged: the
 /// gather of a selection made on the gradient itself (no error feedback, no momentum, no clip).
 void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt);
@@ -61,7 +70,7 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
                     float* u, float* v, void* stream, const float* u_src = nullptr,
                     const float* v_src = nullptr);
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
-                      void* stream);
+                      void* stream, const ValueShare* share = nullptr);
 void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt, void* stream);
 /// As the CPU twin; `ranges` in device memory.
 void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream,

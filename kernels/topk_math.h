@@ -2,6 +2,7 @@
 // The element-wise math of the top-k family, written once for the CPU loops and the CUDA kernels.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "gradcomp/detail/macros.hpp"
@@ -47,15 +48,54 @@ GC_HD float value_to_send(float v, DType vt) { return saturate_for(v, vt); }
 /// for the gather that reads the gradient itself (the same bits as that path sends).
 GC_HD float plus_zero(float x) { return (float_bits(x) & 0x7fffffffu) == 0u ? 0.0f : x; }
 
-/// Local gradient clipping coefficient: min(1, max_norm / ||g||); 1 when clipping is off (<= 0).
 /// What stays in the residual of an element whose accumulated value v was sent as `sent` (v
 /// rounded to the value dtype, as the receiver decodes it): the rounding error v - sent, so
 /// that fp16/bf16 values lose nothing over steps; 0 for fp32 values (sent == v). A `sent` that
-/// overflowed the value dtype (infinite) leaves 0.
-GC_HD float residual_after_send(float v, float sent) {
-  return is_finite_bits(sent) ? v - sent : 0.0f;
+/// overflowed the value dtype (infinite) leaves 0. A share (value_share) stands for `divisor`
+/// times itself: v - divisor * sent stays (divisor 1: v - sent, bit for bit).
+GC_HD float residual_after_send(float v, float sent, float divisor = 1.0f) {
+  return is_finite_bits(sent) ? v - divisor * sent : 0.0f;
 }
 
+/// One rank's share of a sum over `divisor` ranks that is summed in the value dtype itself (the
+/// random-k plan, whose indices are shared, allreduces the values): v / divisor, saturated to
+/// `limit` (share_limit), so that the sum of the ranks' shares, which is the average, stays in
+/// the dtype's range however large the residuals grow; what does not fit stays in the residual
+/// (residual_after_send with the same divisor). NaN and Inf pass unchanged.
+GC_HD float value_share(float v, float divisor, float limit) {
+  const float x = divisor == 1.0f ? v : v / divisor;
+  const float a = x < 0.0f ? -x : x;
+  if (!(a > limit) || !is_finite_bits(x)) return x;
+  return x < 0.0f ? -limit : limit;
+}
+
+/// The largest value of vt that value_share may send so that a sum over `ranks` such values
+/// cannot overflow vt however the sum is ordered. Each rounded partial sum is off by at most half
+/// an ulp of vt's largest value, and by at most u = 2^-(mantissa bits + 1) of itself: with
+/// either bound, ranks * limit plus the error of the ranks - 2 intermediate roundings stays at
+/// or below vt's largest finite value, and the last rounding of a sum that does not pass it
+/// gives no Inf. The larger of the two limits is taken (the first is tighter for few ranks, the
+/// second for thousands). ranks <= 1: vt's largest finite value (value_to_send). Host only.
+inline float share_limit(DType vt, int ranks) {
+  const bool f16 = vt == DType::kFloat16, b16 = vt == DType::kBFloat16;
+  const double top = f16 ? 65504.0 : b16 ? 0x1.fep127 : 0x1.fffffep127;
+  if (ranks <= 1) return static_cast<float>(top);
+  const double half_ulp = f16 ? 16.0 : b16 ? 0x1p119 : 0x1p103;
+  const double u = f16 ? 0x1p-11 : b16 ? 0x1p-8 : 0x1p-24;
+  const double p = static_cast<double>(ranks);
+  const double by_ulp = (top - half_ulp * (p - 2.0)) / p;
+  const double by_rel = top / (p * std::pow(1.0 + u, p - 2.0));
+  const double x = by_ulp > by_rel ? by_ulp : by_rel;
+  float f = static_cast<float>(x);  // the largest value of vt at or below x
+  if (static_cast<double>(f) > x) f = std::nextafter(f, 0.0f);
+  if (vt == DType::kFloat32) return f;
+  auto back = [&](uint16_t b) { return f16 ? half_to_float(b) : bf16_to_float(b); };
+  uint16_t h = f16 ? float_to_half(f) : float_to_bf16(f);
+  while (h > 0 && static_cast<double>(back(h)) > x) --h;  // (positive: the bits order values)
+  return back(h);
+}
+
+/// Local gradient clipping coefficient: min(1, max_norm / ||g||); 1 when clipping is off (<= 0).
 GC_HD float clip_coefficient(double norm, double max_norm) {
   if (max_norm <= 0.0 || norm <= max_norm) return 1.0f;
   return static_cast<float>(max_norm / norm);

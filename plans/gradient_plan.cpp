@@ -82,8 +82,8 @@ void GradientPlan::end_step(bool skip, int64_t bad_index, bool undoable) {
                    "index ", bad_index, "; the step was dropped on every rank and no state ",
                    "changed (on_nonfinite='raise')");
     GC_CHECK_ARG(false, "plan '", name(), "': another rank's gradient held a non-finite value ",
-                 "(NaN or Inf); the step was dropped on every rank and no state changed ",
-                 "(on_nonfinite='raise')");
+                 "(NaN or Inf), or the sum over ranks overflowed; the step was dropped on every ",
+                 "rank and no state changed (on_nonfinite='raise')");
   }
 }
 

@@ -89,14 +89,16 @@ void PowerSGDPlan::begin(const std::vector<TensorView>& grads) {
     GC_CHECK_ARG(g.numel == 0 || g.data != nullptr, "PowerSGD: tensor ", i, " has null data");
   }
   // CPU: the finiteness check rides on P and the uncompressed pack in the first next() phase
-  // (phase_compress): no extra pass over the bucket. CUDA: one scan here.
+  // (phase_compress): no extra pass over the bucket. CUDA: one scan here. The plain steps before
+  // start_iter scan the sum instead (kPlainWait), which a non-finite value on any rank reaches.
   grads_ = grads;
   bad_ = false;
   esaved_ = flipped_ = false;
   ++st_.impl_->generation;  // (saved copies now belong to this step)
   bad_what_.clear();
   start_step();
-  if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA) find_bad();
+  const bool plain = st_.step_ < st_.cfg_.start_iter;
+  if (st_.cfg_.check_finite && st_.device_ == Device::kCUDA && !plain) find_bad();
   issued_.clear();
   phase_ = Phase::kStart;
 }
@@ -117,7 +119,6 @@ Collective PowerSGDPlan::make(void* buf, size_t count, const char* tag) const {
 
 std::optional<Collective> PowerSGDPlan::next() {
   auto& im = *st_.impl_;
-  const bool gpu = st_.device_ == Device::kCUDA;
   const float world = static_cast<float>(world_);
   float* pbuf = static_cast<float*>(im.pbuf.data());
   float* ubuf = pbuf + st_.p_numel_;
@@ -152,8 +153,7 @@ std::optional<Collective> PowerSGDPlan::next() {
     case Phase::kDone:
       return std::nullopt;
     case Phase::kStart: {
-      if (st_.step_ < st_.cfg_.start_iter) {            // plain allreduce of the whole bucket
-        if (!gpu && st_.cfg_.check_finite) find_bad();  // (CUDA: checked in begin())
+      if (st_.step_ < st_.cfg_.start_iter) {  // plain allreduce of the whole bucket
         if (im.total_numel == 0) return done(false);
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
@@ -161,9 +161,8 @@ std::optional<Collective> PowerSGDPlan::next() {
           k::dispatch::psgd_load(im.ex, g.data, g.dtype, g.numel, b + off, false);
           off += g.numel;
         }
-        // a bad rank sends NaN: the sum's first value is NaN on every rank
-        if (bad_)
-          device_fill_nan(st_.device_, b, static_cast<size_t>(im.total_numel) * 4, im.stream);
+        // sent as it is: a NaN or Inf of any rank makes its element of the sum NaN or Inf on
+        // every rank, which kPlainWait's scan of the sum finds (with a finite sum that overflows)
         phase_ = Phase::kPlainWait;
         return issue(make(b, static_cast<size_t>(im.total_numel), "powersgd plain"));
       }
@@ -178,9 +177,13 @@ std::optional<Collective> PowerSGDPlan::next() {
       return issue(make(ubuf, nu, "powersgd uncompressed"));
     }
     case Phase::kPlainWait: {
+      // The whole sum is scanned: a finite gradient whose sum over ranks overflows fp32 can do
+      // so at any element, and every rank holds the same sum, so every rank skips alike.
       const float* b = static_cast<const float*>(im.plain.data());
-      if (st_.cfg_.check_finite && device_first_is_nan(st_.device_, b, DType::kFloat32, im.stream))
+      if (st_.cfg_.check_finite && sum_nonfinite(b, im.total_numel)) {
+        find_bad();  // (this rank's own gradient, still as it came, names the bad value)
         return skip_step();
+      }
       int64_t off = 0;
       for (const auto& g : grads_) {
         k::dispatch::psgd_store_mean(im.ex, b + off, g.numel, world, g.data, g.dtype);
@@ -314,8 +317,9 @@ std::optional<Collective> PowerSGDPlan::skip_step() {
     GC_CHECK_ARG(!bad_, "PowerSGD: ", bad_what_, "(the step was dropped on every rank and no ",
                  "state changed; on_nonfinite='raise')");
     GC_CHECK_ARG(false, "PowerSGD: another rank's gradient held a non-finite value (NaN or Inf), ",
-                 "or the sum of P over ranks overflowed fp32; the step was dropped on every rank ",
-                 "and no state changed (on_nonfinite='raise')");
+                 "or the sum over ranks of P (or of the gradient, before start_iter) overflowed ",
+                 "fp32; the step was dropped on every rank and no state changed ",
+                 "(on_nonfinite='raise')");
   }
   return std::nullopt;
 }

@@ -62,6 +62,13 @@ RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t num
   // the plan checks finiteness itself (once), so that a bad rank can tell the others
   check_finite_ = cfg.check_finite;
   comp_.set_staged(check_finite_);
+  // fp16 values are summed in fp16, whose range (65504) a sum of P values passes long before
+  // the residuals do: each rank sends its share of the average, as the fp16 cast plans divide
+  // by P before their sum, so that no finite residual makes an overflow step (without a loss
+  // scaler every step would be skipped while a residual stays that large). fp32 and bf16 values
+  // keep fp32's range and are sent as they are.
+  shares_ = cfg.value_dtype == DType::kFloat16 && world > 1;
+  if (shares_) comp_.set_shares(world);
   detail::OptionsHash h;  // what decides the indices and the count
   h.add(numel).add(cfg.ratio).add(cfg.momentum).add(cfg.nesterov).add(cfg.momentum_masking);
   h.add(cfg.clip_norm).add(static_cast<int>(cfg.clip_scaling)).add_all(cfg.warmup_ratios);
@@ -191,8 +198,9 @@ std::optional<Collective> RandomKAllreducePlan::advance() {
         return encode_and_send();
       }
       // a bad rank sent NaN values; a sum of finite values can also overflow the value dtype
-      // (fp16 sums past 65504): either way every rank holds the same non-finite sum and skips.
-      // The k summed values are scanned (small next to the bucket).
+      // (bf16 or fp32 values at the top of fp32's range; fp16 shares cannot): either way every
+      // rank holds the same non-finite sum and skips. The k summed values are scanned (small
+      // next to the bucket).
       if (check_finite_ && h.count > 0 &&
           first_nonfinite(static_cast<const uint8_t*>(payload_.bytes.data()) + h.section_offset(1),
                           DType(h.value_dtype), static_cast<int64_t>(h.count)) >= 0) {
@@ -206,7 +214,7 @@ std::optional<Collective> RandomKAllreducePlan::advance() {
       device_zero(device_, acc, n * sizeof(float), stream_);
       comp_.decode_add(payload_.data(), payload_.size(),
                        TensorView(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_),
-                       1.0f / float(world_));
+                       shares_ ? 1.0f : 1.0f / float(world_));
       if (!direct)  // saturating, as the top-k plan
         k::convert_saturating(device_, acc, grad_.data, dtype_, numel_, stream_);
       phase_ = 2;

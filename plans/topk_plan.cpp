@@ -8,6 +8,7 @@
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "plans/options_hash.hpp"
 #include "plans/per_rank.hpp"
 
@@ -274,7 +275,8 @@ std::optional<Collective> TopKAllreducePlan::advance() {
       return send(longest);
     }
     case 2: {  // dense route: the sum of the scaled decodes is the average
-      const bool skip = check_dense_slots();  // (throws on every rank when the ranks disagree)
+      // (throws on every rank when the ranks disagree)
+      const bool skip = check_dense_slots() || sum_overflowed(dense_.get<float>(0), nullptr);
       if (!skip) {
         const float* d = dense_.get<float>(0);
         if (dtype_ == DType::kFloat32)
@@ -306,14 +308,42 @@ std::optional<Collective> TopKAllreducePlan::advance() {
       for (size_t r = 0; r < P; ++r)
         comp_.decode_add(all + r * stride_, static_cast<size_t>(payload_bytes_[r]), dense,
                          1.0f / float(world_));
-      finish();
+      const bool skip = sum_overflowed(acc, all);
+      if (!skip) finish();
       phase_ = 4;
-      settle(false);
+      settle(skip);
       return std::nullopt;
     }
     default:
       return std::nullopt;
   }
+}
+
+bool TopKAllreducePlan::sum_overflowed(const float* sum, const uint8_t* gathered) {
+  // Every rank's values are finite here (a rank with a NaN/Inf gradient sent none and flagged
+  // it) and each was scaled by 1/P, so the exact average is finite; the fp32 sum of the scaled
+  // values still rounds past FLT_MAX at the top of the range (values near FLT_MAX on every rank
+  // for P = 10, 18, 20, ...), at any element. Each rank holds the same sum (the allreduce's, or
+  // the same payloads decoded in rank order), so the whole of it is scanned and every rank skips
+  // alike, as an overflow step.
+  if (!check_finite_ || numel_ == 0) return false;
+  if (gathered != nullptr && device_ == Device::kCPU && world_ < (1 << 20)) {
+    // Sparse route on the CPU: the scan of n elements would cost more than the decode of the
+    // P k values. Values all below 2^126 in magnitude cannot reach FLT_MAX (each scaled term is
+    // below 2^126 / P times (1 + 2^-24)^2, their sum with P - 1 roundings below 2^127), which
+    // the values' sums of squares tell (P k values, in double): only then is the sum scanned.
+    bool large = false;
+    for (size_t r = 0; r < headers_.size() && !large; ++r) {
+      const PayloadHeader& h = headers_[r];
+      const auto vt = DType(h.value_dtype);
+      if (vt == DType::kFloat16 || h.count == 0) continue;  // (fp16 values stay below 65504)
+      const double ss = k::cpu::sum_squares(gathered + r * stride_ + h.section_offset(1), vt,
+                                            static_cast<int64_t>(h.count));
+      large = !(ss < 0x1p252);
+    }
+    if (!large) return false;
+  }
+  return first_nonfinite(sum, DType::kFloat32, numel_) >= 0;
 }
 
 void TopKAllreducePlan::settle(bool skip) {

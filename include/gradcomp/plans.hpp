@@ -373,6 +373,9 @@ class TopKAllreducePlan : public GradientPlan {
   void copy_headers(const uint8_t* gathered);
   /// Keeps (commit) or drops the step's state change and ends the step (GradientPlan::end_step).
   void settle(bool skip);
+  /// Whether the step's sum (n fp32 values, the same on every rank) holds a NaN or Inf;
+  /// `gathered`: the sparse route's payloads (their values tell when no overflow is possible).
+  bool sum_overflowed(const float* sum, const uint8_t* gathered);
   void undo_state() override {
     comp_.uncommit();
     if (agreed_step_ > 0) agreed_step_ -= 1;  // every rank takes the same kept step back
@@ -380,7 +383,10 @@ class TopKAllreducePlan : public GradientPlan {
 };
 
 /// Random-k allreduce: every rank selects the same indices (shared RNG), so the values alone
-/// are summed (rank-ordered allreduce in the value dtype) and decoded once with scale 1/P.
+/// are summed (rank-ordered allreduce in the value dtype) and decoded once with scale 1/P. fp16
+/// values (value_dtype) are sent as each rank's share of the average instead (v / P, saturated
+/// so that the sum of P shares stays below 65504; RandomKCompressor::set_shares) and decoded
+/// with scale 1: a sum of values each below 65504 but past it together is no overflow step.
 /// The allreduce's length is decided from the step the ranks last agreed on (the schedule's
 /// largest count for a new plan or after a failed step), not from this rank's own counter, so
 /// that a rank whose state was replaced in a live plan (within a warm-up whose count changes
@@ -436,6 +442,7 @@ class RandomKAllreducePlan : public GradientPlan {
   int64_t agreed_step_ = -1;
   int64_t max_count_ = 0;  ///< the largest count of any step of the warm-up schedule
   size_t sent_ = 0;        ///< this step: the values (and slots) the allreduce sums
+  bool shares_ = false;    ///< values are sent as shares of the average (fp16 values)
 };
 
 /// 1-bit Adam's compressed allreduce (Tang et al. 2021) as a plan, for one rank of `world`:

@@ -201,6 +201,13 @@ class RandomKCompressor : public Compressor {
   /// next one. encode() then leaves the finiteness check to the plan, which checks the bucket
   /// once and tells the other ranks. Costs a second residual (and momentum) buffer.
   void set_staged(bool on);
+  /// For a plan that sums the values of `ranks` ranks in the value dtype (RandomKAllreducePlan
+  /// with fp16 values): from the next encode() on, each value is sent as this rank's share of
+  /// the average, v / ranks saturated so that the sum of `ranks` shares cannot overflow the
+  /// value dtype (kernels/topk_math.h: value_share, share_limit); the residual keeps
+  /// v - ranks * share. Decode such payloads with scale 1 (the sum is the average). ranks = 1:
+  /// values as they are (the default).
+  void set_shares(int ranks);
   /// Makes the last encode()'s state change permanent (staged mode; a no-op otherwise).
   void commit();
   /// Takes the last commit() back (staged mode): the state before that step's encode() is still

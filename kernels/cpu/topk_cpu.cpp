@@ -371,9 +371,11 @@ void dgc_accumulate_t(const void* g, int64_t n, float coef, float m, bool nester
   }
 }
 
-/// Stores x as value j in the value dtype; returns what a receiver decodes from it.
-inline float store_value(void* values, DType vt, int64_t j, float v) {
-  const float x = value_to_send(v, vt);
+/// Stores v (value_to_send, or with a share's divisor and limit value_share) as value j in the
+/// value dtype; returns what a receiver decodes from it.
+inline float store_value(void* values, DType vt, int64_t j, float v,
+                         const ValueShare* share = nullptr) {
+  const float x = share ? value_share(v, share->divisor, share->limit) : value_to_send(v, vt);
   switch (vt) {
     case DType::kFloat32:
       static_cast<float*>(values)[j] = x;
@@ -426,10 +428,12 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
   });
 }
 
-void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt) {
+void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
+                      const ValueShare* share) {
+  const float divisor = share ? share->divisor : 1.0f;
   for (int64_t j = 0; j < k; ++j) {
     const uint32_t i = idx[j];
-    v[i] = residual_after_send(v[i], store_value(values, vt, j, v[i]));
+    v[i] = residual_after_send(v[i], store_value(values, vt, j, v[i], share), divisor);
     if (u) u[i] = 0.0f;
   }
 }

@@ -123,8 +123,9 @@ __global__ void __launch_bounds__(kThreads)
 
 /// Stores x as value j in the value dtype; returns what a receiver decodes from it.
 template <DType VT>
-__device__ __forceinline__ float store_value(void* values, int64_t j, float v) {
-  const float x = value_to_send(v, VT);
+__device__ __forceinline__ float store_value(void* values, int64_t j, float v,
+                                             const ValueShare* share = nullptr) {
+  const float x = share ? value_share(v, share->divisor, share->limit) : value_to_send(v, VT);
   if constexpr (VT == DType::kFloat32) {
     static_cast<float*>(values)[j] = x;
     return x;
@@ -141,11 +142,14 @@ __device__ __forceinline__ float store_value(void* values, int64_t j, float v) {
 
 template <DType VT>
 __global__ void __launch_bounds__(kThreads)
-    gather_clear_kernel(float* v, float* u, const uint32_t* idx, int64_t k, void* values) {
+    gather_clear_kernel(float* v, float* u, const uint32_t* idx, int64_t k, void* values,
+                        bool shared, ValueShare share) {
+  const ValueShare* sh = shared ? &share : nullptr;
+  const float divisor = shared ? share.divisor : 1.0f;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<int64_t>(gridDim.x) * kThreads) {
     const uint32_t i = idx[j];
-    v[i] = residual_after_send(v[i], store_value<VT>(values, j, v[i]));
+    v[i] = residual_after_send(v[i], store_value<VT>(values, j, v[i], sh), divisor);
     if (u) u[i] = 0.0f;
   }
 }
@@ -346,12 +350,14 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
 }
 
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
-                      void* stream) {
+                      void* stream, const ValueShare* share) {
   if (k <= 0) return;
   const cudaStream_t s = as_stream(stream);
   const int grid = grid_for(k, kThreads, kMaxGrid);
+  const ValueShare sh = share ? *share : ValueShare{};  // (by value: a kernel argument)
   by_value_dtype(vt, [&](auto VT) {
-    gather_clear_kernel<decltype(VT)::value><<<grid, kThreads, 0, s>>>(v, u, idx, k, values);
+    gather_clear_kernel<decltype(VT)::value>
+        <<<grid, kThreads, 0, s>>>(v, u, idx, k, values, share != nullptr, sh);
   });
   GC_CUDA_CHECK_LAUNCH();
 }

@@ -93,11 +93,11 @@ void dgc_accumulate(const Exec& e, const void* g, DType t, int64_t n, float coef
 }
 
 void gather_and_clear(const Exec& e, float* v, float* u, const uint32_t* idx, int64_t k,
-                      void* values, DType vt) {
+                      void* values, DType vt, const ValueShare* share) {
   if (e.cuda())
-    cuda::gather_and_clear(v, u, idx, k, values, vt, e.stream);
+    cuda::gather_and_clear(v, u, idx, k, values, vt, e.stream, share);
   else
-    cpu::gather_and_clear(v, u, idx, k, values, vt);
+    cpu::gather_and_clear(v, u, idx, k, values, vt, share);
 }
 
 void gather(const Exec& e, const float* v, const uint32_t* idx, int64_t k, void* values, DType vt) {

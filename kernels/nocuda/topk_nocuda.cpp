@@ -18,7 +18,8 @@ void dgc_accumulate(const void*, DType, int64_t, float, float, bool, float*, flo
                     const float*, const float*) {
   throw_not_built_with_cuda("DGC accumulation on a CUDA tensor");
 }
-void gather_and_clear(float*, float*, const uint32_t*, int64_t, void*, DType, void*) {
+void gather_and_clear(float*, float*, const uint32_t*, int64_t, void*, DType, void*,
+                      const ValueShare*) {
   throw_not_built_with_cuda("top-k gather on a CUDA tensor");
 }
 void gather(const float*, const uint32_t*, int64_t, void*, DType, void*) {

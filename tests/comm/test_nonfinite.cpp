@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "gradcomp/make_plan.hpp"
 #include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/make_plan.hpp"
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "plan_variant.hpp"
@@ -422,4 +422,49 @@ TEST(NonFinite, StateThatWouldOverflowSkipsTheStep) {
     for (int r = 0; r < P; ++r)
       EXPECT_NO_THROW(fresh.plans[r]->load_state_dict(states[r].data(), states[r].size()));
   }
+}
+
+// Top-k averages by summing over ranks values each scaled by 1/P: the exact average of finite
+// values is finite, but at the top of fp32's range the rounded sum passes FLT_MAX (ten ranks each
+// sending FLT_MAX: ten times FLT_MAX * 0.1f is Inf) at whichever element every rank sends there.
+// On either route that is an overflow step on every rank wherever the element lies (the first, a
+// middle, the last): average NaN, state as before, and the plans go on.
+TEST(NonFinite, TopKSumThatOverflowsAnywhereIsAnOverflowStep) {
+  using S = std::string;
+  const int P = 10;
+  const int64_t n = 200;
+  const gc::DType dt = gc::DType::kFloat32;
+  for (const char* route : {"dense", "sparse"})
+    for (int64_t at : {int64_t{0}, int64_t{77}, n - 1}) {
+      const Variant v{"topk", {{"ratio", 0.05}, {"route", S(route)}}};
+      SCOPED_TRACE(describe(v) + " element " + std::to_string(at));
+      Ranks ranks(v, P, n, dt, gc::OnNonFinite::kSkip);
+      auto grads = [&](int step) {
+        std::vector<std::vector<uint8_t>> g;
+        for (int r = 0; r < P; ++r) g.push_back(gradient(n, dt, r, step));
+        return g;
+      };
+      auto g = grads(0);
+      ranks.step(g, dt);
+      const auto before = ranks.states();
+      g = grads(1);
+      const float big = std::numeric_limits<float>::max();
+      for (auto& b : g) std::memcpy(b.data() + 4 * at, &big, 4);
+      ranks.step(g, dt);
+      for (int r = 0; r < P; ++r) {
+        ASSERT_TRUE(ranks.plans[r]->skipped()) << "rank " << r;
+        ASSERT_TRUE(all_nan(g[r], dt)) << "rank " << r << ": the average is not NaN";
+      }
+      ASSERT_EQ(ranks.states(), before) << "a skipped step changed a state";
+      g = grads(2);
+      ranks.step(g, dt);
+      for (int r = 0; r < P; ++r) {
+        ASSERT_FALSE(ranks.plans[r]->skipped()) << "rank " << r;
+        for (int64_t i = 0; i < n; ++i) {
+          float x;
+          std::memcpy(&x, g[r].data() + 4 * i, 4);
+          ASSERT_TRUE(std::isfinite(x)) << "rank " << r << " index " << i;
+        }
+      }
+    }
 }

@@ -167,8 +167,8 @@ TEST(Reshard, ConservesErrorFeedbackMassAndTrainsOnInEveryFamily) {
   for (const Variant& v : variants())
     for (auto [P, P2] : {std::pair{4, 2}, std::pair{2, 3}, std::pair{3, 1}, std::pair{1, 4}})
       for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{4137}}) {
-        SCOPED_TRACE(gc::test::describe(v) + " P=" + std::to_string(P) + " -> " + std::to_string(P2) +
-                     " n=" + std::to_string(n));
+        SCOPED_TRACE(gc::test::describe(v) + " P=" + std::to_string(P) + " -> " +
+                     std::to_string(P2) + " n=" + std::to_string(n));
         const Job old = trained(v, n, P, 5, 11);
         const auto& states = old.states;
         const auto& before = old.arrays;
@@ -259,6 +259,75 @@ TEST(Reshard, TopKResidualIsWhatTheNewJobStillSends) {
     total += std::fabs(mass[i]);
   }
   EXPECT_GT(total, 1.0);
+}
+
+// Random-k's resharded residual is, as top-k's, what the new job still sends, at random-k's pace:
+// with zero gradients from then on an element's residual goes out whole at the first step that
+// samples it, and each step samples each element with probability `ratio` (one element of each
+// stratum of 1 / ratio elements, drawn afresh at every step), so after T steps the expected share
+// of the residual not sent yet is (1 - ratio)^T (0.95^40 = 0.129 here; at 1% after 80 steps
+// 0.45), where top-k, sending the largest first, empties it in 1 / ratio steps. That share is
+// random-k's, not the resharding's: the resharded job sends what the old one would have, element
+// by element (the indices depend on the seed, the step and the bucket, all kept), and what was
+// sent plus what is left is the old mean residual. With momentum (and DGC's masking) an element's
+// momentum keeps adding to its residual until the element is sent and is then dropped, so what is
+// sent is not the residual alone; the resharded job still sends what the old one would have.
+TEST(Reshard, RandomKResidualDrainsAtItsDensity) {
+  const int64_t n = 4000;
+  const int P = 4, P2 = 3, T = 40;
+  const double ratio = 0.05;
+  for (double momentum : {0.0, 0.9}) {
+    const Variant v{"randomk",
+                    {{"ratio", ratio}, {"momentum", momentum}, {"dense_below", int64_t{0}}}};
+    SCOPED_TRACE(gc::test::describe(v));
+    Job old = trained(v, n, P, 4, 21);
+    const auto mass = rank_mean(old.arrays, 0);
+    Plans fresh;
+    for (int r = 0; r < P2; ++r) {
+      const auto st = gc::reshard_state(old.states, P2, r);
+      fresh.push_back(plan_for(v, n, P2, r));
+      fresh.back()->load_state_dict(st.data(), st.size());
+    }
+    // T steps of zero gradients: what rank 0's averages add up to, and the mean residual left
+    auto drain = [&](Plans& plans, std::vector<double>& sent, std::vector<double>& left) {
+      sent.assign(static_cast<size_t>(n), 0.0);
+      for (int s = 0; s < T; ++s) {
+        std::vector<std::vector<float>> g(plans.size(), std::vector<float>(n, 0.0f));
+        std::vector<gc::Plan*> raw;
+        for (size_t r = 0; r < plans.size(); ++r) {
+          plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+          raw.push_back(plans[r].get());
+        }
+        gc::run_plans_in_process(raw);
+        for (int64_t i = 0; i < n; ++i) sent[i] += g[0][i];
+      }
+      std::vector<Arrays> after;
+      for (auto& p : plans) after.push_back(arrays_of(*p, n));
+      left = rank_mean(after, 0);
+    };
+    std::vector<double> sent_old, left_old, sent_new, left_new;
+    drain(old.plans, sent_old, left_old);
+    drain(fresh, sent_new, left_new);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(sent_new[i], sent_old[i], 1e-5 * (1 + std::fabs(sent_old[i]))) << i;
+      ASSERT_NEAR(left_new[i], left_old[i], 1e-5 * (1 + std::fabs(left_old[i]))) << i;
+    }
+    if (momentum > 0.0) continue;
+    int64_t left_whole = 0, sent_whole = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double tol = 1e-5 * (1 + std::fabs(mass[i]));
+      ASSERT_NEAR(sent_new[i] + left_new[i], mass[i], tol) << i;
+      if (mass[i] == 0.0) continue;
+      const bool left = left_new[i] != 0.0;  // never sampled: its residual whole, nothing sent
+      ASSERT_NEAR(left ? left_new[i] : sent_new[i], mass[i], tol) << i;
+      ++(left ? left_whole : sent_whole);
+    }
+    ASSERT_GT(left_whole + sent_whole, n / 2) << "little residual: the test does not test";
+    const double share =
+        static_cast<double>(left_whole) / static_cast<double>(left_whole + sent_whole);
+    // (binomial: the standard deviation of the share is 0.005 here)
+    EXPECT_NEAR(share, std::pow(1.0 - ratio, T), 0.03);
+  }
 }
 
 // A resharded state is a state like any other: a step where one rank's gradient overflows (an

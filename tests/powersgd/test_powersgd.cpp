@@ -754,5 +754,57 @@ TEST(PowerSGDPlan, NonFiniteRejectedInPlainSteps) {
   EXPECT_EQ(st.step(), 1);
 }
 
+// In the plain steps before start_iter a finite gradient whose sum over ranks overflows fp32 (2e38
+// on every rank) makes an overflow step wherever the element lies: the first of the bucket, one
+// inside the matrix, the matrix's last, the bucket's last. Every rank skips (its average NaN, no
+// exception), the state is as before, and the next step is kept.
+TEST(PowerSGDPlan, PlainStepSumOverflowingAnywhereIsSkippedOnEveryRank) {
+  const Shapes shapes = {{16, 12}, {16}};  // 192 + 16 elements
+  PowerSGDConfig c = cfg_rank(2);
+  c.start_iter = 3;
+  for (int P : {2, 3})
+    for (int64_t at : {int64_t{0}, int64_t{100}, int64_t{191}, int64_t{207}}) {
+      SCOPED_TRACE("P=" + std::to_string(P) + " element " + std::to_string(at));
+      std::vector<std::unique_ptr<PowerSGDState>> st;
+      std::vector<std::unique_ptr<PowerSGDPlan>> plans;
+      std::vector<Plan*> raw;
+      for (int r = 0; r < P; ++r) {
+        st.push_back(std::make_unique<PowerSGDState>(c, shapes));
+        plans.push_back(std::make_unique<PowerSGDPlan>(*st.back(), P));
+        plans.back()->set_on_nonfinite(OnNonFinite::kSkip);
+        raw.push_back(plans.back().get());
+      }
+      auto step = [&](uint64_t seed, bool overflow) {
+        std::vector<Bucket> b;
+        for (int r = 0; r < P; ++r) {
+          b.emplace_back(shapes, seed + r);
+          if (overflow) (at < 192 ? b[r].data[0][at] : b[r].data[1][at - 192]) = 2e38f;
+        }
+        for (int r = 0; r < P; ++r) plans[r]->begin(b[r].views());
+        run_plans_in_process(raw);
+        return b;
+      };
+      step(10, false);
+      std::vector<std::vector<uint8_t>> before;
+      for (const auto& s : st) before.push_back(s->state_dict());
+      const auto out = step(20, true);
+      for (int r = 0; r < P; ++r) {
+        EXPECT_TRUE(plans[r]->skipped()) << "rank " << r;
+        for (const auto& t : out[r].data)
+          for (float x : t)
+            ASSERT_TRUE(std::isnan(x)) << "rank " << r << ": the average is not NaN";
+        EXPECT_EQ(st[r]->state_dict(), before[r]) << "rank " << r;
+        EXPECT_EQ(st[r]->step(), 1);
+      }
+      const auto next = step(30, false);
+      for (int r = 0; r < P; ++r) {
+        EXPECT_FALSE(plans[r]->skipped()) << "rank " << r;
+        for (const auto& t : next[r].data)
+          for (float x : t) ASSERT_TRUE(std::isfinite(x));
+        EXPECT_EQ(st[r]->step(), 2);
+      }
+    }
+}
+
 }  // namespace
 }  // namespace gradcomp::test

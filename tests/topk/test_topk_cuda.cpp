@@ -12,9 +12,10 @@
 #include <numeric>
 #include <set>
 
-#include "gradcomp/gradcomp.hpp"
 #include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/gradcomp.hpp"
 #include "kernels/topk_kernels.hpp"
+#include "kernels/topk_math.h"
 #include "test_util.hpp"
 
 using namespace gradcomp;
@@ -670,6 +671,33 @@ TEST(TopKCudaKernels, GatherClearScatterAddRandomK) {
         expect_close(download<float>(dd.as(), n), dense, "scatter_add");
       }
     }
+  }
+}
+
+// The random-k plan's fp16 shares (v / P saturated to share_limit, the residual keeping
+// v - P * share): the CUDA twin writes the same values and residuals, bit for bit, from values
+// beyond what P shares may carry down to ones that round to 0.
+TEST(TopKCudaKernels, GatherClearWithSharesMatchesTheCpu) {
+  GC_REQUIRE_GPU();
+  const int64_t n = 4099;
+  for (int P : {2, 3, 7}) {
+    const kernels::ValueShare share{static_cast<float>(P),
+                                    kernels::share_limit(DType::kFloat16, P)};
+    std::vector<float> v = normal(n, 51), u = normal(n, 52);
+    for (int64_t i = 0; i < n; ++i) v[i] *= std::ldexp(1.0f, static_cast<int>(i % 48) - 28);
+    std::vector<uint32_t> idx;
+    for (int64_t i = 0; i < n; i += 2) idx.push_back(static_cast<uint32_t>(i));
+    const auto k = static_cast<int64_t>(idx.size());
+    const Dev dv = upload(v), du = upload(u), didx = upload(idx);
+    std::vector<uint8_t> vals(2 * static_cast<size_t>(k));
+    Dev dvals(vals.size());
+    kernels::cpu::gather_and_clear(v.data(), u.data(), idx.data(), k, vals.data(), DType::kFloat16,
+                                   &share);
+    kernels::cuda::gather_and_clear(dv.as<float>(), du.as<float>(), didx.as<uint32_t>(), k,
+                                    dvals.as(), DType::kFloat16, nullptr, &share);
+    ASSERT_EQ(download<uint8_t>(dvals.as(), vals.size()), vals) << "P=" << P;
+    ASSERT_EQ(download<float>(dv.as(), n), v) << "P=" << P;
+    ASSERT_EQ(download<float>(du.as(), n), u) << "P=" << P;
   }
 }
 

@@ -183,7 +183,7 @@ class BucketTable:
                 # checkpointed state not applied yet has that key (it must not be hidden)
                 k = idx if idx not in self.pending else 1 + max(list(self.pending) +
                                                                  list(self.buckets))
-                plan = make(bucket, k)
+                plan = self._restarted(make(bucket, k), buf, dt, layout, self.shapes(bucket))
                 b = self.buckets[k] = _Bucket(plan, buf.numel(), dt, layout,
                                               self.shapes(bucket), buf.device)
             elif cover is None:
@@ -205,6 +205,22 @@ class BucketTable:
         if b.layout == layout:
             return bucket, b, False
         return self._permute(bucket, layout, b.layout, idx), b, True
+
+    def _restarted(self, plan, buf, dt, layout, shapes):
+        """`plan`, new, for parameters no state holds; but where a state loaded into the running
+        job has no entry for them (it was saved before compression began, in the plain steps of
+        start_iter) and a live plan served them when it was loaded, that live plan with the new
+        plan's state: it keeps what the ranks last agreed on (the sizes of its next
+        collectives), so that a rank that loaded such a state alone sends what its peers expect
+        and is told, with them, that its step differs (step 0 against theirs), where the new
+        plan would exchange sizes while its peers send payloads (gloo aborts)."""
+        for k, old in list(self._live.items()):
+            if (old.numel == buf.numel() and old.dtype == dt and old.device == buf.device
+                    and tuple(old.layout) == tuple(layout) and old.shapes == shapes):
+                del self._live[k]
+                old.plan.load_state_dict(plan.state_dict())
+                return old.plan
+        return plan
 
     def _known(self):
         """(key, layout) of every state: live plans, then checkpointed states not yet applied."""
@@ -377,8 +393,10 @@ class BucketTable:
     def load_state_dict(self, buckets: Dict[int, Dict[str, Any]]) -> None:
         """Applies what check_state_dict() returned: every bucket's state is applied when its
         parameters first reach the hook."""
-        self._live = {k: b for k, b in self.buckets.items()
-                      if b.plan.stateful and not isinstance(b.plan, _CompositePlan)}
+        # (live plans of an earlier load that no step has taken up yet stay live: two loads
+        # between steps leave the plans as one would)
+        self._live.update({k: b for k, b in self.buckets.items()
+                           if b.plan.stateful and not isinstance(b.plan, _CompositePlan)})
         self.buckets = {}
         self.pending = dict(buckets)
 

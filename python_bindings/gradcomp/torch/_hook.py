@@ -72,6 +72,11 @@ class GradcompState:
         self._owner = None  # the state that settles steps (hook("auto") for its candidates)
         self._adam = None  # 1-bit Adam's optimizer (hook("onebit", adam=...))
         self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
+        # [iteration, start_iter] as the ranks last agreed on them, advanced with every applied
+        # step; None before the first check. A load into the running job does not move it: the
+        # step after picks the plain allreduce or the compressed plan from it, so that a rank
+        # that loaded alone issues what its peers issue (see _agree_first_step)
+        self._job: Optional[list] = None
         self._steps = _Steps(self)
         self.stats = HookStats(compressor, TIMELINE_RUNS)  # history, last_stats, timeline
         # per-bucket plans, matched to parameters across DDP's bucket rebuild, and checkpoints
@@ -168,6 +173,14 @@ class GradcompState:
         self._calls += 1
         if applied:
             self.iter += 1
+            if self._job is not None:
+                self._job[0] += 1
+
+    def _warmup(self, it: int) -> bool:
+        """Whether this step runs the plain allreduce of the first start_iter iterations: from
+        the iteration the ranks agreed on (the same on every rank), `it` before any check."""
+        job = self._job
+        return it < self.start_iter if job is None else job[0] < job[1]
 
     # -- buckets and checkpoints (gradcomp/torch/_buckets.py) -----------------------------------
     @property
@@ -508,8 +521,8 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
         if err is not None:
             raise err
         if state._owner is None:  # (hook("auto") checks for its candidates)
-            _agree_first_step(state, buf)
-        warmup = it < state.start_iter
+            _agree_first_step(state, buf, first_bucket=rec.calls == 1)
+        warmup = state._warmup(it)
         if state._adam is not None:
             # (keys the bucket's parameters first: they are keyed at first sight, which a
             # refused first step must not skip, or a later restore would find other keys)
@@ -566,16 +579,29 @@ def _fail_after_backward(error: Exception, buf) -> torch.futures.Future:
     return fut
 
 
-def _agree_first_step(state, buf) -> None:
+def _agree_first_step(state, buf, first_bucket: bool = True) -> None:
     """The first step a hook state runs (in this process) starts with one small allgather of
     (iteration, start_iter, a digest of the compressor and its options) on the hook's own group;
     a ValueError on every rank when they differ. A rank restored alone (iteration 5 where its
     peers start at 0), or built with other options, would otherwise issue other collectives
     than its peers from the first bucket on (a plain allreduce against a compressed exchange),
-    which gloo answers with an abort or a hang. Later steps carry their own checks (the plans'
-    headers and consensus slots), so this costs one collective per job start; after a failed
-    check the next step checks again."""
-    if state._agreed or not (dist.is_available() and dist.is_initialized()):
+    which gloo answers with an abort or a hang. After a failed check the next step checks again.
+
+    A state loaded into the running job on one rank moves that rank's iteration, maybe across
+    start_iter, and its peers cannot know: every rank must keep issuing the same collectives.
+    So the phase of a step (plain allreduce or compressed) follows the iteration the ranks last
+    agreed on (state._job), not a loaded one, and the check runs at every step while that
+    iteration is at most start_iter (the plain steps and the first compressed one: start_iter + 1
+    small collectives per job), where a loaded iteration is told on every rank. Past it the
+    ranks compress, and the plans' own checks (their headers and consensus slots carry each
+    rank's step) tell a rank whose state is another step's: a state from before compression
+    began leaves the rank's live plans at step 0 (see BucketTable.resolve). Once agreed, the
+    check runs at a step's first bucket only: later buckets' plans may be on the wire already,
+    on the same group, from the worker thread."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    job = getattr(state, "_job", None)  # (hook("auto") keeps none: its first step only)
+    if state._agreed and (job is None or job[0] > job[1] or not first_bucket):
         return
     worker = state._worker or state._make_worker()
     group = worker.group.world if isinstance(worker.group, Topology) else worker.group
@@ -587,6 +613,7 @@ def _agree_first_step(state, buf) -> None:
     got = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(got, mine, group=group)
     rows = [g.tolist() for g in got]
+    state._agreed = False  # (until every row matches: the next step checks again)
     for r, row in enumerate(rows):
         if row[0] != rows[0][0]:
             raise ValueError(f"gradcomp hook: the ranks start at different iterations (rank 0 at "
@@ -597,6 +624,8 @@ def _agree_first_step(state, buf) -> None:
                              f"differ from rank 0's: build the hook alike on every rank; no rank "
                              f"ran the step")
     state._agreed = True
+    if hasattr(state, "_job"):
+        state._job = [state.iter, state.start_iter]
 
 
 def _layout(hierarchy, per_node, group) -> int:

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One rank loads, in a running job, a hook state whose iteration lies on the other side of
+start_iter than the job's: before the check, that rank ran the compressed plan while its peer ran
+the plain allreduce of the first start_iter iterations (or the reverse), and gloo aborted or
+hung on collectives of different kinds and sizes. Now every rank gets a ValueError at the next
+backward, again at the step after (a failed check is repeated), and once the rank has loaded a
+state of the job's iteration again the ranks train on in step.
+
+- Job in its plain steps (iteration 1 of start_iter 2), rank 0 loads the state of iteration 4
+  (compressed): told by the hook's check, which runs at every step up to start_iter.
+- Job compressing (iteration 4), rank 0 loads the state of iteration 1 (no compression state
+  yet): that rank compresses with the job, its live plans at step 0, and the plans' own
+  consensus tells every rank that the steps differ.
+"""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import gradcomp.torch as gt  # noqa: E402
+
+from ddp_util import make_data, mark_ok, params_equal_across_ranks, run_ok, train  # noqa: E402
+
+FAMILIES = [
+    ("topk", dict(ratio=0.05)),
+    ("randomk", dict(ratio=0.05, dense_below=0)),
+]
+
+
+def _fails_twice(model, opt, batch, match: str) -> None:
+    """backward() raises a ValueError on this rank at two steps in a row."""
+    x, y = batch
+    for _ in range(2):
+        opt.zero_grad()
+        with pytest.raises(ValueError, match=match):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _live_load_across_start_iter(rank, world, out_dir):
+    data = make_data(rank, 7)
+
+    def build(name, opts):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(32, 8))
+        # (timeout: where the ranks' collectives differ, a failure in a minute, not a hang)
+        state, hook = gt.hook(name, model=model, start_iter=2, timeout=60, **opts)
+        model.register_comm_hook(state, hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    for name, opts in FAMILIES:
+        model, state, opt = build(name, opts)
+        train(model, opt, data[0:4])
+        late = copy.deepcopy(state.state_dict())  # iteration 4: compressing
+        assert late["iter"] == 4 and late["buckets"]
+
+        # a job in its plain steps (iteration 1); rank 0 loads iteration 4
+        model, state, opt = build(name, opts)
+        train(model, opt, data[0:1])
+        early = copy.deepcopy(state.state_dict())
+        assert early["iter"] == 1 and not early["buckets"]
+        if rank == 0:
+            state.load_state_dict(late)
+        _fails_twice(model, opt, data[4], "different iterations")
+        if rank == 0:
+            state.load_state_dict(early)
+        train(model, opt, data[5:7])
+        assert state.iter == 3, (name, state.iter)
+        assert params_equal_across_ranks(model), name
+
+        # a job compressing (iteration 4); rank 0 loads iteration 1, before compression began
+        model, state, opt = build(name, opts)
+        train(model, opt, data[0:4])
+        if rank == 0:
+            state.load_state_dict(early)
+        _fails_twice(model, opt, data[4], "ranks are at different steps")
+        if rank == 0:
+            state.load_state_dict(late)
+        train(model, opt, data[5:7])
+        assert state.iter == 6, (name, state.iter)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert params_equal_across_ranks(model), name
+    mark_ok(out_dir, rank)
+
+
+def test_a_live_load_across_start_iter_fails_on_every_rank_then_trains_in_step():
+    run_ok(_live_load_across_start_iter, 2)
