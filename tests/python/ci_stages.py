@@ -55,6 +55,8 @@ STAGES = {
                                      "torch version), hung and failing peers, bad options"),
     "test_hostile_inputs.py": (_ALL, "hostile arrays, payloads and states at every codec and "
                                      "plan; torch tensors through DLPack"),
+    "test_live_load.py": (_ALL, "one rank loads a state from the other side of start_iter in a "
+                                "live DDP job: the hook's agreement check, C++ state restored"),
     "test_nonfinite_ddp.py": (_ALL, "Inf/NaN steps under DDP and GradScaler; the plans' undo"),
     "test_onebit_adam.py": (_ALL, "1-bit Adam: torch's optimizer API and the hook's C++ state"),
     "test_overlap.py": (_ALL, "the hooks' overlap with backward under DDP"),
