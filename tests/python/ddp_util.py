@@ -1,16 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers for multi-process DDP tests: spawn N gloo ranks on loopback, deterministic models."""
 import atexit
-import multiprocessing
 import os
 import shutil
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from gradcomp.experiments.launch import exit_rank, free_port  # noqa: F401 (free_port: for tests)
+from gradcomp.experiments.launch import exit_rank, free_port, rank_context, start_ranks  # noqa: F401,E501 (for tests)
 
 
 def _entry(rank, world, port, fn, args):
@@ -37,16 +35,14 @@ def finish():
 def run(fn, world, *args):
     """Runs fn(rank, world, *args) in `world` new processes; raises if any rank fails.
 
-    The ranks are forked from multiprocessing's fork server, which imports torch once: starting
-    a fresh interpreter that imports torch for every rank (mp.spawn) was most of these tests'
-    time (test_restart.py took 3x as long on torch 2.x). Each rank still imports gradcomp and
-    the test module itself; the server is started from the test process with its environment
-    and output (pytest's capture), and forks only, so no rank inherits another's state.
-    test_default_buckets.py, test_dropcompute_ddp.py, test_qsr_py.py and the experiments'
-    launcher keep mp.spawn (fresh interpreters, as torchrun starts them)."""
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True,
-                       start_method="forkserver")
+    The ranks are forked from multiprocessing's fork server, which imports torch once
+    (gradcomp.experiments.launch.start_ranks, which the experiments use too): starting a fresh
+    interpreter that imports torch for every rank (mp.spawn) was most of these tests' time. Each
+    rank still imports gradcomp and the test module itself; the server is started from the test
+    process with its environment and output (pytest's capture), and forks only, so no rank
+    inherits another's state. docs/MULTI_GPU.md's torchrun lines (test_torchrun_recipe.py) start
+    fresh interpreters, as a user's job does."""
+    start_ranks(_entry, (world, free_port(), fn, args), world)
 
 
 class Net(torch.nn.Module):

@@ -14,9 +14,8 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from ddp_util import finish, free_port
+from ddp_util import finish, free_port, rank_context
 
 WORLD = 4
 WIDTH, LAYERS = 1024, 4  # 4.2M parameters: two of DDP's buckets (1 MiB first bucket, then 25 MB)
@@ -56,7 +55,7 @@ def _rank(rank, world, port, compressor, opts):
                                               ("powersgd", dict(rank=4)),
                                               ("topk", dict(ratio=0.01))])
 def test_hook_completes_with_default_buckets_on_gloo(compressor, opts):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, WORLD, port, compressor, opts))
              for r in range(WORLD)]

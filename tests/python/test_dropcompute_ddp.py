@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DropCompute with DDP: 4 gloo ranks on loopback (torch.multiprocessing spawn).
+"""DropCompute with DDP: 4 gloo ranks on loopback (forked from the fork server,
+ddp_util.start_ranks).
 
 - normalisation (b) gives exactly the mean of the computed micro-batch gradients, with drops,
   at each drop point; (a) the sum over N*M; exactly one allreduce (one comm-hook call) per step;
@@ -15,13 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp  # noqa: E402
 from gradcomp.torch.dropcompute import DropCompute  # noqa: E402
 
-from ddp_util import finish  # noqa: E402
+from ddp_util import finish, start_ranks  # noqa: E402
 
 WORLD = 4
 
@@ -43,7 +43,7 @@ def init(rank, world, port):
 
 
 def spawn(fn, tmp_path, *args):
-    mp.spawn(fn, args=(WORLD, free_port(), str(tmp_path)) + args, nprocs=WORLD, join=True)
+    start_ranks(fn, (WORLD, free_port(), str(tmp_path)) + args, WORLD)
     return [torch.load(os.path.join(tmp_path, f"r{r}.pt")) for r in range(WORLD)]
 
 

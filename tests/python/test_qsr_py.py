@@ -155,11 +155,11 @@ def _local_sgd_worker(rank, world, port, out, compressed):
 @pytest.mark.parametrize("compressed", [False, True], ids=["exact", "fp16-delta"])
 def test_local_sgd_averages_exactly_at_the_scheduled_steps(tmp_path, compressed):
     torch = pytest.importorskip("torch")
-    import torch.multiprocessing as mp
+    from ddp_util import start_ranks
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_local_sgd_worker, args=(2, port, str(tmp_path), compressed), nprocs=2, join=True)
+    start_ranks(_local_sgd_worker, (2, port, str(tmp_path), compressed), 2)
     res = [torch.load(os.path.join(tmp_path, f"r{r}.pt")) for r in range(2)]
     lrs = [0.02 * lam(0)] + res[0]["lrs"]  # lrs[s]: the lr after s steps
     expected = ref_schedule(lrs, ALPHA, H_BASE, TOTAL, WARMUP)
@@ -217,11 +217,11 @@ def test_named_compressors_average_over_a_subgroup(tmp_path):
     copied back) and plans took the global rank; with a group of ranks {1, 2} of 3, every named
     compressor leaves both members identical, near the exact mean of their replicas."""
     torch = pytest.importorskip("torch")
-    import torch.multiprocessing as mp
+    from ddp_util import start_ranks
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_named_worker, args=(3, port, str(tmp_path)), nprocs=3, join=True)
+    start_ranks(_named_worker, (3, port, str(tmp_path)), 3)
     r1, r2 = (torch.load(os.path.join(tmp_path, f"n{r}.pt")) for r in (1, 2))
     for name in NAMED:
         for step, ((l1, a1), (l2, a2)) in enumerate(zip(r1[name], r2[name])):

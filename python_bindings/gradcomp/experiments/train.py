@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .data import load_split
-from .launch import exit_rank, free_port
+from .launch import exit_rank, free_port, start_ranks
 
 def make_model(kind: str = "cnn"):
     """'cnn': two 3x3 conv layers (32, 64 channels, each followed by 2x2 max pooling), then
@@ -596,9 +596,7 @@ def run_config(args: Dict[str, Any], world: int = 4, netns: str = "",
                            "--_result", out_path],
                 timeout=float(args.get("timeout", 1800)), delay=delay)
         else:
-            import torch.multiprocessing as mp
-
-            mp.spawn(rank_entry, args=(world, free_port(), args, out_path), nprocs=world, join=True)
+            start_ranks(rank_entry, (world, free_port(), args, out_path), world)
         with open(out_path) as f:
             return json.load(f)
     finally:
