@@ -14,6 +14,9 @@
 # Environment: GRADCOMP_VENV (the torch 1.13 venv that builds the wheel, default .venv),
 # GRADCOMP_TORCH2_VENV (default .venv-torch2), GRADCOMP_TORCH2_SPEC (default "torch>=2,<3"),
 # GRADCOMP_SKIP_TORCH2=1 skips this stage.
+# Usage: test-torch2.sh [--packages-only | --skip-packages]: step 1 alone (scripts/test.sh runs it
+# in the background while the C++ build runs: it is mostly download and unpacking), or steps 2
+# and 3 alone (after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${GRADCOMP_SKIP_TORCH2:-0}" = "1" ]; then
@@ -27,17 +30,24 @@ spec=${GRADCOMP_TORCH2_SPEC:-torch>=2,<3}
 wheelhouse=${GRADCOMP_WHEELHOUSE:-$HOME/.cache/gradcomp/wheelhouse}
 mkdir -p "$wheelhouse"
 
-# 1. the venv and its packages: the newest matching versions from PyPI, each downloaded once
-[ -x "$venv2/bin/python" ] || /usr/bin/python3 -m venv "$venv2"
+mode=${1:-all}
+case "$mode" in all|--packages-only|--skip-packages) ;; *) echo "test-torch2: unknown argument $mode" >&2; exit 2 ;; esac
+
 pip2=("$venv2/bin/pip" --disable-pip-version-check)
-deps=("$spec" numpy pytest matplotlib)  # matplotlib: the experiment report's plots
-if ! "${pip2[@]}" download -q --no-cache-dir -d "$wheelhouse" "${deps[@]}"; then
-  # offline: the cached wheels still serve, if there are any
-  ls "$wheelhouse"/torch-2.*.whl >/dev/null 2>&1 || { echo "test-torch2: no torch 2.x wheel" >&2; exit 1; }
-  echo "test-torch2: PyPI unreachable, installing from the cached wheels in $wheelhouse" >&2
+
+# 1. the venv and its packages: the newest matching versions from PyPI, each downloaded once
+if [ "$mode" != "--skip-packages" ]; then
+  [ -x "$venv2/bin/python" ] || /usr/bin/python3 -m venv "$venv2"
+  deps=("$spec" numpy pytest matplotlib)  # matplotlib: the experiment report's plots
+  if ! "${pip2[@]}" download -q --no-cache-dir -d "$wheelhouse" "${deps[@]}"; then
+    # offline: the cached wheels still serve, if there are any
+    ls "$wheelhouse"/torch-2.*.whl >/dev/null 2>&1 || { echo "test-torch2: no torch 2.x wheel" >&2; exit 1; }
+    echo "test-torch2: PyPI unreachable, installing from the cached wheels in $wheelhouse" >&2
+  fi
+  "${pip2[@]}" install -q --no-index --find-links "$wheelhouse" --upgrade "${deps[@]}"
+  echo "test-torch2: packages ready in $((SECONDS - t0)) s"
 fi
-"${pip2[@]}" install -q --no-index --find-links "$wheelhouse" --upgrade "${deps[@]}"
-echo "test-torch2: packages ready in $((SECONDS - t0)) s"
+[ "$mode" = "--packages-only" ] && exit 0
 
 # 2. the same extension build as .venv's: a wheel from the tree scripts/test.sh built (scikit-build
 # reuses build/py-<tag>, so this is a packaging step), installed without dependencies

@@ -17,6 +17,39 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
+# The torch 2.x packages (about 3 GB to download and unpack) are made ready in the background
+# while the C++ build runs; its log is printed when the torch 2.x stage needs them.
+# The sanitizer build (scripts/sanitize.sh --build-only) starts now too, at the lowest priority:
+# it takes the CPU the other stages leave idle (the Python stages wait on their ranks' start-up
+# and collectives about a quarter of the time) and costs them little, and the sanitizer stage
+# then finds most of its tree built.
+bg_logs=$(mktemp -d)
+bg_pids=()
+kill_tree() {  # a background step and everything it started
+  local c
+  for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
+  kill "$1" 2>/dev/null || true
+}
+trap 'for p in "${bg_pids[@]}"; do kill_tree "$p"; done; rm -rf "$bg_logs"' EXIT
+bash scripts/test-torch2.sh --packages-only >"$bg_logs/torch2" 2>&1 &
+torch2_pid=$!
+bg_pids+=("$torch2_pid")
+asan_pid=""
+if [ "${GRADCOMP_SKIP_SANITIZE:-0}" != "1" ]; then
+  nice -n 19 bash scripts/sanitize.sh --build-only >"$bg_logs/asan" 2>&1 &
+  asan_pid=$!
+  bg_pids+=("$asan_pid")
+fi
+# waits for a background step, prints its log, and fails with it
+join_bg() {  # $1 = pid, $2 = log, $3 = what
+  local rc=0 p keep=()
+  wait "$1" || rc=$?
+  for p in "${bg_pids[@]}"; do [ "$p" = "$1" ] || keep+=("$p"); done
+  bg_pids=("${keep[@]}")  # (ended: never signalled again)
+  cat "$2"
+  [ "$rc" = 0 ] || { echo "test: $3 failed (exit $rc)"; exit 1; }
+}
+
 build=${BUILD_DIR:-build-test}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
@@ -45,9 +78,11 @@ fi
 
 # Every test file on the newest torch 2.x (the same extension build: gradcomp._C does not link
 # libtorch).
-bash scripts/test-torch2.sh
+join_bg "$torch2_pid" "$bg_logs/torch2" "the torch 2.x packages"
+bash scripts/test-torch2.sh --skip-packages
 
 # Sanitizers and fuzzing, in their own build tree (build-asan); see scripts/sanitize.sh.
-if [ "${GRADCOMP_SKIP_SANITIZE:-0}" != "1" ]; then
+if [ -n "$asan_pid" ]; then
+  join_bg "$asan_pid" "$bg_logs/asan" "the sanitizer build"
   bash scripts/sanitize.sh
 fi
