@@ -7,13 +7,7 @@
 # WORK is kept between runs and configured with --fresh: a new cache, so the defaults are checked
 # as a first configure sees them, while a repeated local run recompiles nothing unchanged.
 cmake_minimum_required(VERSION 3.24)  # a script gets no policies otherwise (IN_LIST)
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
-  endif()
-  set(last_output "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_step.cmake)
 run(${CMAKE_COMMAND} --fresh -S ${SRC} -B ${WORK} -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
     -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_SOURCE_DIR=${GRADCOMP_SOURCE_DIR} -DGRADCOMP_CUDA=OFF
     -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON -DCMAKE_DISABLE_FIND_PACKAGE_benchmark=ON)

@@ -160,6 +160,35 @@ Job trained(const Variant& v, int64_t n, int P, int steps, uint64_t seed) {
   return j;
 }
 
+// the P2 ranks of a new job, each loading its reshard_state() of `states`
+Plans resharded(const Variant& v, const std::vector<std::vector<uint8_t>>& states, int64_t n,
+                int P2) {
+  Plans fresh;
+  for (int r = 0; r < P2; ++r) {
+    const auto st = gc::reshard_state(states, P2, r);
+    fresh.push_back(plan_for(v, n, P2, r));
+    fresh.back()->load_state_dict(st.data(), st.size());
+  }
+  return fresh;
+}
+
+// `steps` steps of zero gradients on every rank: what rank 0's averages add up to (the residual
+// the job still sends)
+std::vector<double> drain(Plans& plans, int64_t n, int steps) {
+  std::vector<double> sent(static_cast<size_t>(n), 0.0);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<float>> g(plans.size(), std::vector<float>(n, 0.0f));
+    std::vector<gc::Plan*> raw;
+    for (size_t r = 0; r < plans.size(); ++r) {
+      plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+      raw.push_back(plans[r].get());
+    }
+    gc::run_plans_in_process(raw);
+    for (int64_t i = 0; i < n; ++i) sent[i] += g[0][i];
+  }
+  return sent;
+}
+
 }  // namespace
 
 TEST(Reshard, ConservesErrorFeedbackMassAndTrainsOnInEveryFamily) {
@@ -231,27 +260,9 @@ TEST(Reshard, TopKResidualIsWhatTheNewJobStillSends) {
   const auto& states = old.states;
   const auto mass = rank_mean(old.arrays, 0);
 
-  auto drain = [&](Plans& plans) {
-    std::vector<double> sent(static_cast<size_t>(n), 0.0);
-    for (int s = 0; s < 12; ++s) {  // ratio 0.25: four steps empty each residual
-      std::vector<std::vector<float>> g(plans.size(), std::vector<float>(n, 0.0f));
-      std::vector<gc::Plan*> raw;
-      for (size_t r = 0; r < plans.size(); ++r) {
-        plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
-        raw.push_back(plans[r].get());
-      }
-      gc::run_plans_in_process(raw);
-      for (int64_t i = 0; i < n; ++i) sent[i] += g[0][i];
-    }
-    return sent;
-  };
-  Plans fresh;
-  for (int r = 0; r < P2; ++r) {
-    const auto st = gc::reshard_state(states, P2, r);
-    fresh.push_back(plan_for(v, n, P2, r));
-    fresh.back()->load_state_dict(st.data(), st.size());
-  }
-  const auto sent_old = drain(old.plans), sent_new = drain(fresh);
+  Plans fresh = resharded(v, states, n, P2);
+  // ratio 0.25: four steps empty each residual
+  const auto sent_old = drain(old.plans, n, 12), sent_new = drain(fresh, n, 12);
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     EXPECT_NEAR(sent_old[i], mass[i], 1e-5 * (1 + std::fabs(mass[i]))) << i;
@@ -282,32 +293,17 @@ TEST(Reshard, RandomKResidualDrainsAtItsDensity) {
     SCOPED_TRACE(gc::test::describe(v));
     Job old = trained(v, n, P, 4, 21);
     const auto mass = rank_mean(old.arrays, 0);
-    Plans fresh;
-    for (int r = 0; r < P2; ++r) {
-      const auto st = gc::reshard_state(old.states, P2, r);
-      fresh.push_back(plan_for(v, n, P2, r));
-      fresh.back()->load_state_dict(st.data(), st.size());
-    }
+    Plans fresh = resharded(v, old.states, n, P2);
     // T steps of zero gradients: what rank 0's averages add up to, and the mean residual left
-    auto drain = [&](Plans& plans, std::vector<double>& sent, std::vector<double>& left) {
-      sent.assign(static_cast<size_t>(n), 0.0);
-      for (int s = 0; s < T; ++s) {
-        std::vector<std::vector<float>> g(plans.size(), std::vector<float>(n, 0.0f));
-        std::vector<gc::Plan*> raw;
-        for (size_t r = 0; r < plans.size(); ++r) {
-          plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
-          raw.push_back(plans[r].get());
-        }
-        gc::run_plans_in_process(raw);
-        for (int64_t i = 0; i < n; ++i) sent[i] += g[0][i];
-      }
+    auto left_after = [&](Plans& plans) {
       std::vector<Arrays> after;
       for (auto& p : plans) after.push_back(arrays_of(*p, n));
-      left = rank_mean(after, 0);
+      return rank_mean(after, 0);
     };
-    std::vector<double> sent_old, left_old, sent_new, left_new;
-    drain(old.plans, sent_old, left_old);
-    drain(fresh, sent_new, left_new);
+    const auto sent_old = drain(old.plans, n, T);
+    const auto left_old = left_after(old.plans);
+    const auto sent_new = drain(fresh, n, T);
+    const auto left_new = left_after(fresh);
     for (int64_t i = 0; i < n; ++i) {
       ASSERT_NEAR(sent_new[i], sent_old[i], 1e-5 * (1 + std::fabs(sent_old[i]))) << i;
       ASSERT_NEAR(left_new[i], left_old[i], 1e-5 * (1 + std::fabs(left_old[i]))) << i;

@@ -8,7 +8,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from gradcomp.experiments.launch import exit_rank, free_port, rank_context, start_ranks  # noqa: F401,E501 (for tests)
+# (free_port, rank_context, start_ranks: for the tests that start ranks themselves)
+from gradcomp.experiments.launch import (  # noqa: F401
+    exit_rank, free_port, rank_context, start_ranks)
 
 
 def _entry(rank, world, port, fn, args):
@@ -89,6 +91,18 @@ def train(model, opt, data):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+
+
+def fails_twice(model, opt, batch, match: str) -> None:
+    """backward() raises a ValueError matching `match` on this rank at two steps in a row (the
+    step after a failed check checks again)."""
+    import pytest
+
+    x, y = batch
+    for _ in range(2):
+        opt.zero_grad()
+        with pytest.raises(ValueError, match=match):
+            torch.nn.functional.mse_loss(model(x), y).backward()
 
 
 def params_equal_across_ranks(model) -> bool:

@@ -13,39 +13,13 @@ import torch
 import torch.distributed as dist
 
 import gradcomp.torch as gt
-from ddp_util import Net, make_data, run
-
-try:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    HAVE_FSDP2 = hasattr(FSDPModule, "set_custom_reduce_scatter")
-except (ImportError, ValueError):  # torch 1.13's fsdp package fails to import on Python 3.11
-    HAVE_FSDP2 = False
-
-needs_fsdp2 = pytest.mark.skipif(
-    not HAVE_FSDP2, reason=f"FSDP2 custom collectives need torch 2.x (this is {torch.__version__})")
-
+from ddp_util import make_data, run
+from fsdp_util import HAVE_FSDP2, local_grads, local_params, needs_fsdp2, sharded_net
 
 @pytest.mark.skipif(HAVE_FSDP2, reason="this torch has FSDP2: the refusal is for older ones")
 def test_old_torch_is_refused_with_the_version():
     with pytest.raises(RuntimeError, match=torch.__version__.split("+")[0]):
         gt.compress_fsdp(torch.nn.Linear(2, 2))
-
-
-def _sharded(seed=0, d_hidden=37):
-    torch.manual_seed(seed)
-    m = Net(d_hidden=d_hidden)  # 37: rows that do not split evenly (FSDP pads the shards)
-    for layer in (m.fc1, m.fc2, m.fc3):
-        fully_shard(layer)
-    fully_shard(m)
-    return m
-
-
-def _shards(model):
-    return [p.to_local().detach().clone() for p in model.parameters()]
-
-
-def _grads(model):
-    return [p.grad.to_local().detach().clone() for p in model.parameters()]
 
 
 def _step(model, opt, x, y):
@@ -56,14 +30,14 @@ def _step(model, opt, x, y):
 
 def _lossless(rank, world):
     data = make_data(rank, 3)
-    ref, ours = _sharded(), _sharded()
+    ref, ours = sharded_net(), sharded_net()
     comp = gt.compress_fsdp(ours, grads="allreduce", params="allreduce")
     o_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     o_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
     for x, y in data:
         _step(ref, o_ref, x, y)
         _step(ours, o_ours, x, y)
-    for a, b in zip(_shards(ref), _shards(ours)):
+    for a, b in zip(local_params(ref), local_params(ours)):
         assert torch.equal(a, b)
     t = comp.totals()
     assert t["reduce_scatter"]["calls"] == 3 * 3  # three layers, three steps
@@ -99,11 +73,11 @@ def test_lossless_plans_match_fsdp2_bitwise_and_the_readme_example_runs():
 def _compressed(rank, world):
     x, y = make_data(rank, 1, batch=64)[0]
     # gradients: 4-bit against FSDP2's own, within the codec's error, same on every rank
-    ref, ours = _sharded(), _sharded()
+    ref, ours = sharded_net(), sharded_net()
     comp = gt.compress_fsdp(ours, grads="quant", bits=4, params="int8")
     torch.nn.functional.mse_loss(ref(x), y).backward()
     torch.nn.functional.mse_loss(ours(x), y).backward()
-    for a, b in zip(_grads(ref), _grads(ours)):
+    for a, b in zip(local_grads(ref), local_grads(ours)):
         err = (a - b).norm() / a.norm()
         assert err < 0.4, err  # one 4-bit step (no error fed back yet) with int8 weights
     t = comp.totals()
@@ -122,7 +96,7 @@ def _compressed(rank, world):
     opt.step()
     sd = comp.state_dict()
     assert set(sd["modules"]) == {"fc1", "fc2", "fc3"}
-    twin = _sharded()
+    twin = sharded_net()
     with torch.no_grad():
         for p, q in zip(twin.parameters(), ours.parameters()):
             p.to_local().copy_(q.to_local())
@@ -132,7 +106,7 @@ def _compressed(rank, world):
     for m in (ours, twin):
         m.zero_grad()
         torch.nn.functional.mse_loss(m(x2), y2).backward()
-    for a, b in zip(_grads(ours), _grads(twin)):
+    for a, b in zip(local_grads(ours), local_grads(twin)):
         assert torch.equal(a, b)
 
     # refusals, each before anything changes
@@ -170,7 +144,7 @@ def _compressed(rank, world):
     if rank == 1:
         xb[0, 0] = float("nan")
     torch.nn.functional.mse_loss(twin(xb), y2).backward()
-    for g in _grads(twin):
+    for g in local_grads(twin):
         assert torch.isnan(g).any()
     assert comp2.settle()
     after = comp2.state_dict()
@@ -178,40 +152,40 @@ def _compressed(rank, world):
         assert after["modules"][k][0]["state"] == before["modules"][k][0]["state"]
 
     # top-k shards: the residual keeps what was not sent; 1% of each chunk on the wire
-    sparse = _sharded()
+    sparse = sharded_net()
     comp3 = gt.compress_fsdp(sparse, grads="topk", ratio=0.01)
     torch.nn.functional.mse_loss(sparse(x), y).backward()
     rs = comp3.totals()["reduce_scatter"]
     assert rs["calls"] == 3 and rs["dense_wire_bytes"] > 4 * rs["wire_bytes"]
-    gs = _grads(sparse)
+    gs = local_grads(sparse)
     assert all(torch.isfinite(g).all() for g in gs)
     nonzero = sum(int((g != 0).sum()) for g in gs)
     assert 0 < nonzero <= 0.1 * sum(g.numel() for g in gs)  # at most 3 ranks x 1% (+ rounding)
     assert set(comp3.state_dict()["modules"]) == {"fc1", "fc2", "fc3"}
 
     # a chosen subset of modules; the others keep FSDP's own collectives
-    part = gt.compress_fsdp(_sharded(), grads="quant", modules=["fc1", "fc3"])
+    part = gt.compress_fsdp(sharded_net(), grads="quant", modules=["fc1", "fc3"])
     assert set(part.reduce_scatters) == {"fc1", "fc3"}
     with pytest.raises(ValueError, match="nope"):
-        gt.compress_fsdp(_sharded(), grads="quant", modules=["fc1", "nope"])
+        gt.compress_fsdp(sharded_net(), grads="quant", modules=["fc1", "nope"])
     # nothing to compress is an error, not a silent no-op
     with pytest.raises(ValueError, match="modules=\\[\\] names none"):
-        gt.compress_fsdp(_sharded(), grads="quant", modules=[])
+        gt.compress_fsdp(sharded_net(), grads="quant", modules=[])
     with pytest.raises(ValueError, match="no FSDP module"):
         gt.compress_fsdp(torch.nn.Linear(4, 4), grads="quant")
 
     # options are checked at once
     with pytest.raises(ValueError, match="rotate"):
-        gt.compress_fsdp(_sharded(), grads="quant", rotate=True)
+        gt.compress_fsdp(sharded_net(), grads="quant", rotate=True)
     with pytest.raises(ValueError, match="bits"):
-        gt.compress_fsdp(_sharded(), grads="quant", params="int8", param_options={"bits": 4})
+        gt.compress_fsdp(sharded_net(), grads="quant", params="int8", param_options={"bits": 4})
     with pytest.raises(ValueError, match="allgather form"):
-        gt.compress_fsdp(_sharded(), grads=None, params="topk")
+        gt.compress_fsdp(sharded_net(), grads=None, params="topk")
     with pytest.raises(ValueError, match="grads"):
-        gt.compress_fsdp(_sharded(), grads="powersgd")
+        gt.compress_fsdp(sharded_net(), grads="powersgd")
     # average is FSDP's to decide per call (its reduce op): a given one would be overwritten
     with pytest.raises(ValueError, match="average= is not an option"):
-        gt.compress_fsdp(_sharded(), grads="quant", average=False)
+        gt.compress_fsdp(sharded_net(), grads="quant", average=False)
 
 
 @needs_fsdp2

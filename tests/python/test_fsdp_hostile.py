@@ -16,32 +16,13 @@ import torch.distributed as dist
 
 import gradcomp.torch as gt
 from ddp_util import Net, make_data, run, tmpdir
+from fsdp_util import local_grads, local_params, needs_fsdp2, shard, sharded_net
 
-try:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    HAVE_FSDP2 = hasattr(FSDPModule, "set_custom_reduce_scatter")
-except (ImportError, ValueError):  # torch 1.13's fsdp package fails to import on Python 3.11
-    HAVE_FSDP2 = False
-
-pytestmark = pytest.mark.skipif(
-    not HAVE_FSDP2, reason=f"FSDP2 custom collectives need torch 2.x (this is {torch.__version__})")
+pytestmark = needs_fsdp2
 
 
 def _mse(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
-
-
-def _shard(model, layers, **kw):
-    for layer in layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
-def _net(seed=0, **kw):
-    torch.manual_seed(seed)
-    m = Net(d_hidden=37)  # 37 rows: FSDP pads the shards
-    return _shard(m, (m.fc1, m.fc2, m.fc3), **kw)
 
 
 class _Gained(torch.nn.Module):
@@ -66,15 +47,7 @@ def _frozen(seed=0, bias_frozen=True):
     m = _Gained()
     m.fc1.requires_grad_(False)
     m.fc2.bias.requires_grad_(not bias_frozen)
-    return _shard(m, (m.fc1, m.fc2, m.fc3))
-
-
-def _local_grads(model):
-    return [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
-
-
-def _local(model):
-    return [p.to_local().detach().clone() for p in model.parameters()]
+    return shard(m, (m.fc1, m.fc2, m.fc3))
 
 
 def _states(sd):
@@ -89,7 +62,7 @@ def _rel(a, b):
 # ---- 1. a second compress_fsdp on the same model
 def _twice(rank, world):
     x, y = make_data(rank, 1)[0]
-    m = _net()
+    m = sharded_net()
     comp = gt.compress_fsdp(m, grads="quant", bits=4)
     _mse(m, x, y).backward()
     before = comp.state_dict()
@@ -102,7 +75,7 @@ def _twice(rank, world):
     with pytest.raises(ValueError, match="earlier compress_fsdp"):  # a part of the model
         gt.compress_fsdp(m.fc2, grads="bf16")
     # modules FSDP was left to by modules= count too: they share the first call's backward
-    part = _net()
+    part = sharded_net()
     gt.compress_fsdp(part, grads="quant", modules=["fc1"])
     with pytest.raises(ValueError, match="earlier compress_fsdp"):
         gt.compress_fsdp(part, grads="quant", modules=["fc2", "fc3"])
@@ -113,7 +86,7 @@ def _twice(rank, world):
     assert comp.totals()["allgather"]["calls"] == 0  # params= of a refused call never ran
     assert _states(comp.state_dict()) != _states(before)  # its error feedback moved on
     # another model is not refused
-    gt.compress_fsdp(_net(), grads="quant", bits=4)
+    gt.compress_fsdp(sharded_net(), grads="quant", bits=4)
 
     # a module that refuses a custom collective (FSDP does with several parameter groups) after
     # others took theirs: the call fails, and the model trains with FSDP's own collectives,
@@ -121,13 +94,13 @@ def _twice(rank, world):
     def refuse(comm):
         raise ValueError("not with several parameter groups")
 
-    failed, ref = _net(), _net()
+    failed, ref = sharded_net(), sharded_net()
     failed.fc3.set_custom_all_gather = refuse
     with pytest.raises(ValueError, match="module 'fc3' refused a custom collective"):
         gt.compress_fsdp(failed, grads="quant", bits=4, params="int8")
     for mod in (failed, ref):
         _mse(mod, x, y).backward()
-    assert all(torch.equal(a, b) for a, b in zip(_local_grads(ref), _local_grads(failed)))
+    assert all(torch.equal(a, b) for a, b in zip(local_grads(ref), local_grads(failed)))
     del failed.fc3.set_custom_all_gather
     again = gt.compress_fsdp(failed, grads="quant", bits=4, params="int8")
     _mse(failed, x, y).backward()
@@ -141,15 +114,16 @@ def _frozen_params(rank, world):
     gt.compress_fsdp(ours, grads="allreduce", params="allreduce")
     o_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05)
     o_ours = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.05)
-    start = _local(ours)
+    start = local_params(ours)
     for x, y in data:
         for m, o in ((ref, o_ref), (ours, o_ours)):
             o.zero_grad()
             _mse(m, x, y).backward()
             o.step()
-        for a, b in zip(_local_grads(ref), _local_grads(ours)):
+        for a, b in zip(local_grads(ref), local_grads(ours)):
             assert (a is None and b is None) or torch.equal(a, b)
-    for (n, p), a, b, s in zip(ours.named_parameters(), _local(ref), _local(ours), start):
+    for (n, p), a, b, s in zip(ours.named_parameters(), local_params(ref), local_params(ours),
+                               start):
         assert torch.equal(a, b), n
         if b.numel():  # (rank 1's shard of the gain is empty)
             assert torch.equal(b, s) != p.requires_grad, n  # only the trainable ones moved
@@ -164,7 +138,7 @@ def _frozen_params(rank, world):
     for m in (ref, ours):
         _mse(m, x, y).backward()
     assert comp.totals()["reduce_scatter"]["calls"] == 3
-    for (n, p), a, b in zip(ours.named_parameters(), _local_grads(ref), _local_grads(ours)):
+    for (n, p), a, b in zip(ours.named_parameters(), local_grads(ref), local_grads(ours)):
         if p.requires_grad and a.numel():
             assert _rel(a, b) < 0.4, n
     rel_gain = _rel(ref.gain.grad.full_tensor(), ours.gain.grad.full_tensor())
@@ -181,8 +155,8 @@ def _frozen_params(rank, world):
     for m in (ours, twin):
         m.zero_grad()
         _mse(m, x2, y2).backward()
-    for n, a, b in zip([n for n, _ in ours.named_parameters()], _local_grads(ours),
-                       _local_grads(twin)):
+    for n, a, b in zip([n for n, _ in ours.named_parameters()], local_grads(ours),
+                       local_grads(twin)):
         assert (a is None and b is None) or torch.equal(a, b), n
     # ... and into one frozen otherwise it is refused, nothing changed
     other = _frozen(bias_frozen=False)
@@ -209,21 +183,21 @@ class _Mixed(torch.nn.Module):
 def _mixed_net():
     torch.manual_seed(0)
     m = _Mixed()
-    return _shard(m, (m.a, m.b))
+    return shard(m, (m.a, m.b))
 
 
 def _mixed(rank, world):
     x, y = make_data(rank, 1, batch=64)[0]
     ref = _mixed_net()
     _mse(ref, x, y).backward()
-    want = _local_grads(ref)
+    want = local_grads(ref)
     for grads, params in [("allreduce", "allreduce"), ("quant", None), ("quant", "int8"),
                           (None, "int8"), ("bf16", "bf16")]:
         ours = _mixed_net()
         comp = gt.compress_fsdp(ours, grads=grads, params=params,
                                 **({"bits": 4} if grads == "quant" else {}))
         _mse(ours, x, y).backward()
-        got = _local_grads(ours)
+        got = local_grads(ours)
         assert [g.dtype for g in got] == [torch.bfloat16] * 2 + [torch.float32] * 2
         for a, b in zip(want, got):
             if (grads, params) == ("allreduce", "allreduce"):
@@ -243,7 +217,7 @@ def _mixed(rank, world):
 # ---- 5. reshard_after_forward=False
 def _no_reshard(rank, world):
     data = make_data(rank, 3)
-    ref, ours = _net(reshard_after_forward=False), _net(reshard_after_forward=False)
+    ref, ours = sharded_net(reshard_after_forward=False), sharded_net(reshard_after_forward=False)
     comp = gt.compress_fsdp(ours, grads="allreduce", params="allreduce")
     o_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     o_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
@@ -252,11 +226,11 @@ def _no_reshard(rank, world):
             o.zero_grad()
             _mse(m, x, y).backward()
             o.step()
-    assert all(torch.equal(a, b) for a, b in zip(_local(ref), _local(ours)))
+    assert all(torch.equal(a, b) for a, b in zip(local_params(ref), local_params(ours)))
     t = comp.totals()
     assert t["reduce_scatter"]["calls"] == 9
     assert t["allgather"]["calls"] == 9  # kept from forward to backward: one per module a step
-    q = _net(reshard_after_forward=False)
+    q = sharded_net(reshard_after_forward=False)
     gt.compress_fsdp(q, grads="quant", bits=4, params="int8")
     _mse(q, *data[0]).backward()
     full = torch.cat([p.grad.full_tensor().reshape(-1) for p in q.parameters()])
@@ -275,16 +249,16 @@ def _accumulate(rank, world):
             if no_sync:  # only the last micro-batch reduce-scatters
                 model.set_requires_gradient_sync(i == len(batches) - 1)
             _mse(model, x, y).backward()
-        return _local_grads(model)
+        return local_grads(model)
 
     for no_sync in (False, True):
-        want = accumulate(_net(), data, no_sync)
-        lossless = _net()
+        want = accumulate(sharded_net(), data, no_sync)
+        lossless = sharded_net()
         comp = gt.compress_fsdp(lossless, grads="allreduce")
         assert all(torch.equal(a, b) for a, b in
                    zip(want, accumulate(lossless, data, no_sync)))
         assert comp.totals()["reduce_scatter"]["calls"] == (3 if no_sync else 9)
-        q = _net()
+        q = sharded_net()
         gt.compress_fsdp(q, grads="quant", bits=4)
         for a, b in zip(want, accumulate(q, data, no_sync)):
             assert _rel(a, b) < 0.3, no_sync
@@ -294,12 +268,12 @@ def _accumulate(rank, world):
     # into the next, neither dropped nor counted twice); the first step alone rounds as much
     one = {}
     for n in (1, 8):
-        ref, q = _net(), _net()
+        ref, q = sharded_net(), sharded_net()
         gt.compress_fsdp(q, grads="quant", bits=4)
         for m in (ref, q):
             for _ in range(n):
                 _mse(m, *data[0]).backward()
-        one[n] = max(_rel(a, b) for a, b in zip(_local_grads(ref), _local_grads(q)))
+        one[n] = max(_rel(a, b) for a, b in zip(local_grads(ref), local_grads(q)))
     assert one[8] < 0.3 * one[1], one
 
 
@@ -334,7 +308,7 @@ def _scaled(rank, world):
     def train(mode):
         torch.manual_seed(0)
         m = _PoisonNet(d_hidden=37)
-        _shard(m, (m.fc1, m.fc2, m.fc3))
+        shard(m, (m.fc1, m.fc2, m.fc3))
         comp = gt.compress_fsdp(m, grads="quant", bits=4, params="int8")
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -356,7 +330,7 @@ def _scaled(rank, world):
                 assert scaler.get_scale() == 512.0
             if before is not None:  # state_dict() settles at once: the skipped step left nothing
                 assert (_states(comp.state_dict()) == _states(before)) == (i == BAD), i
-        return _local(m), _states(comp.state_dict())
+        return local_params(m), _states(comp.state_dict())
 
     # "inf" settles the skipped step where a training loop does (the next backward)
     p_without, s_without = train("without")
@@ -369,7 +343,7 @@ def _scaled(rank, world):
 # ---- 9. damaged checkpoints
 def _damaged(rank, world):
     x, y = make_data(rank, 1)[0]
-    m = _net()
+    m = sharded_net()
     comp = gt.compress_fsdp(m, grads="quant", bits=4)
     _mse(m, x, y).backward()
     sd = comp.state_dict()
@@ -465,11 +439,11 @@ def _train_span(rank, out, resume):
             osd = opt.state_dict()  # (its per-parameter dicts are the optimizer's own)
             osd["state"] = {k: {**st, "momentum_buffer": st["momentum_buffer"].to_local()}
                             for k, st in osd["state"].items()}
-            torch.save({"model": _local(m), "opt": osd, "comp": comp.state_dict()}, path)
+            torch.save({"model": local_params(m), "opt": osd, "comp": comp.state_dict()}, path)
         opt.zero_grad()
         _mse(m, *data[i]).backward()
         opt.step()
-    final = {"params": _local(m), "comp": _states(comp.state_dict())}
+    final = {"params": local_params(m), "comp": _states(comp.state_dict())}
     torch.save(final, os.path.join(out, f"final_{'resume' if resume else 'straight'}_{rank}.pt"))
 
 

@@ -21,21 +21,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import make_data, mark_ok, params_equal_across_ranks, run_ok, train  # noqa: E402
+from ddp_util import (  # noqa: E402
+    fails_twice, make_data, mark_ok, params_equal_across_ranks, run_ok, train)
 
 FAMILIES = [
     ("topk", dict(ratio=0.05)),
     ("randomk", dict(ratio=0.05, dense_below=0)),
 ]
-
-
-def _fails_twice(model, opt, batch, match: str) -> None:
-    """backward() raises a ValueError on this rank at two steps in a row."""
-    x, y = batch
-    for _ in range(2):
-        opt.zero_grad()
-        with pytest.raises(ValueError, match=match):
-            torch.nn.functional.mse_loss(model(x), y).backward()
 
 
 def _live_load_across_start_iter(rank, world, out_dir):
@@ -62,7 +54,7 @@ def _live_load_across_start_iter(rank, world, out_dir):
         assert early["iter"] == 1 and not early["buckets"]
         if rank == 0:
             state.load_state_dict(late)
-        _fails_twice(model, opt, data[4], "different iterations")
+        fails_twice(model, opt, data[4], "different iterations")
         if rank == 0:
             state.load_state_dict(early)
         train(model, opt, data[5:7])
@@ -74,7 +66,7 @@ def _live_load_across_start_iter(rank, world, out_dir):
         train(model, opt, data[0:4])
         if rank == 0:
             state.load_state_dict(early)
-        _fails_twice(model, opt, data[4], "ranks are at different steps")
+        fails_twice(model, opt, data[4], "ranks are at different steps")
         if rank == 0:
             state.load_state_dict(late)
         train(model, opt, data[5:7])

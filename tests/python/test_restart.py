@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      mark_ok, params_equal_across_ranks, run, run_ok, save_checkpoint, tmpdir,
-                      train)
+from ddp_util import (  # noqa: E402
+    Net, assert_resumed_equals_straight, fails_twice, load_checkpoint, make_data, mark_ok,
+    params_equal_across_ranks, run, run_ok, save_checkpoint, tmpdir, train)
 
 # Linear(64, 700) -> Linear(700, 700) -> Linear(700, 8): DDP's initial single bucket is regrouped
 # into two after the first iteration (the probe that found restores failing)
@@ -350,16 +350,6 @@ ALONE = [
 ]
 
 
-def _fails_twice(model, opt, batch, match: str) -> None:
-    """backward() raises a ValueError on this rank twice in a row (the step after a failed check
-    checks again)."""
-    x, y = batch
-    for _ in range(2):
-        opt.zero_grad()
-        with pytest.raises(ValueError, match=match):
-            torch.nn.functional.mse_loss(model(x), y).backward()
-
-
 def _one_rank_loads_alone(rank, world, out_dir):
     data = make_data(rank, 8)
     for name, opts in ALONE:
@@ -374,7 +364,7 @@ def _one_rank_loads_alone(rank, world, out_dir):
         mine = copy.deepcopy(state.state_dict())
         if rank == 0:
             state.load_state_dict(older)
-        _fails_twice(model, opt, data[4], "ranks are at different steps")
+        fails_twice(model, opt, data[4], "ranks are at different steps")
         if rank == 0:
             state.load_state_dict(mine)
         train(model, opt, data[4:8])
@@ -408,7 +398,7 @@ def _restored_alone(rank, world, out_dir):
         model, state, opt = build()  # the restarted job: only rank 0 restores
         if rank == 0:
             state.load_state_dict(sd)
-        _fails_twice(model, opt, data[5], "different iterations")
+        fails_twice(model, opt, data[5], "different iterations")
         if rank == 1:
             state.load_state_dict(sd)
         train(model, opt, data[5:9])
