@@ -8,7 +8,6 @@ ddp_util.start_ranks).
   bitwise and the parameters stay bitwise identical; the same stacked with the top-k hook.
 """
 import os
-import socket
 import struct
 import time
 
@@ -21,15 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp  # noqa: E402
 from gradcomp.torch.dropcompute import DropCompute  # noqa: E402
 
-from ddp_util import finish, start_ranks  # noqa: E402
+from ddp_util import finish, free_port, start_ranks  # noqa: E402
 
 WORLD = 4
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init(rank, world, port):

@@ -3,7 +3,6 @@
 ranks): averaging happens exactly at the scheduled steps, and only there."""
 import math
 import os
-import socket
 
 import pytest
 
@@ -155,10 +154,8 @@ def _local_sgd_worker(rank, world, port, out, compressed):
 @pytest.mark.parametrize("compressed", [False, True], ids=["exact", "fp16-delta"])
 def test_local_sgd_averages_exactly_at_the_scheduled_steps(tmp_path, compressed):
     torch = pytest.importorskip("torch")
-    from ddp_util import start_ranks
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ddp_util import free_port, start_ranks
+    port = free_port()
     start_ranks(_local_sgd_worker, (2, port, str(tmp_path), compressed), 2)
     res = [torch.load(os.path.join(tmp_path, f"r{r}.pt")) for r in range(2)]
     lrs = [0.02 * lam(0)] + res[0]["lrs"]  # lrs[s]: the lr after s steps
@@ -217,10 +214,8 @@ def test_named_compressors_average_over_a_subgroup(tmp_path):
     copied back) and plans took the global rank; with a group of ranks {1, 2} of 3, every named
     compressor leaves both members identical, near the exact mean of their replicas."""
     torch = pytest.importorskip("torch")
-    from ddp_util import start_ranks
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ddp_util import free_port, start_ranks
+    port = free_port()
     start_ranks(_named_worker, (3, port, str(tmp_path)), 3)
     r1, r2 = (torch.load(os.path.join(tmp_path, f"n{r}.pt")) for r in (1, 2))
     for name in NAMED:

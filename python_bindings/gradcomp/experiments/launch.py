@@ -53,5 +53,5 @@ def start_ranks(fn, args: tuple, nprocs: int, join: bool = True):
     (join=False) or raises the first failing rank's exception (join=True), as mp.spawn does."""
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(_preload())
+    rank_context()  # (the server's preload)
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
