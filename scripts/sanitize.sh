@@ -38,14 +38,14 @@
 # through the same hooks and extension entry points as test_ddp_hooks.py, which is in it;
 # tests/python/test_ci_stages.py checks that the stage still reaches every entry point.
 #
-# Usage: sanitize.sh [--build-only]: step 1 alone (scripts/test.sh runs it in the background at
-# the lowest priority, on the CPU its other stages leave idle; the full run after it then finds
-# the tree built).
+# Usage: sanitize.sh [--build-only | --cpp-only | --python-only]: step 1 alone; steps 1-3; or step
+# 1 (nothing to do on a built tree) and step 4. scripts/test.sh runs --cpp-only and then, once it
+# has installed the wheel, --python-only, in a lane of its own beside its other stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 mode=${1:-all}
-case "$mode" in all|--build-only) ;; *) echo "sanitize: unknown argument $mode" >&2; exit 2 ;; esac
+case "$mode" in all|--build-only|--cpp-only|--python-only) ;; *) echo "sanitize: unknown argument $mode" >&2; exit 2 ;; esac
 bash scripts/setup.sh
 
 build=${ASAN_BUILD_DIR:-build-asan}
@@ -54,7 +54,7 @@ fuzz_default=10  # CI time: the committed corpus replays whole either way; relea
 [ "${GRADCOMP_CI_FULL:-0}" = "1" ] && fuzz_default=60
 fuzz_s=${GRADCOMP_FUZZ_SECONDS:-$fuzz_default}
 venv=${GRADCOMP_VENV:-.venv}
-python_step=1
+python_step=1  # (the extension is built whenever step 4 is to run, in this call or a later one)
 if [ "${GRADCOMP_SANITIZE_PYTHON:-1}" = "0" ] || [ "${GRADCOMP_SKIP_PYTHON:-0}" = "1" ]; then
   python_step=0
 fi
@@ -77,6 +77,7 @@ cmake --build "$build" -j "$jobs"
 phase "built $build"
 [ "$mode" = "--build-only" ] && exit 0
 
+if [ "$mode" != "--python-only" ]; then
 # ---- 2. the C++ suites ----
 # The tests that run OpenMPI set fast_unwind_on_malloc=0 themselves (GRADCOMP_MPI_TEST_ENV in
 # CMakeLists.txt): OpenMPI has no frame pointers, its leak stacks are only complete (and matched
@@ -122,6 +123,8 @@ for t in "${targets[@]}"; do
 done
 [ "$fuzz_bad" = 0 ] || { echo "sanitize: fuzzer finding (inputs above, logs in $fuzzdir)"; exit 1; }
 phase "fuzzers clean (${#targets[@]} targets x ${fuzz_s} s)"
+fi
+[ "$mode" = "--cpp-only" ] && python_step=0
 
 # ---- 4. the Python suite against the ASan extension ----
 if [ "$python_step" = 1 ]; then

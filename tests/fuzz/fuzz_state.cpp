@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// libFuzzer target: load_state_dict of one state kind (GC_FUZZ_STATE_KIND, a name from
-// tests/state_subjects.hpp; one binary per kind). Each input is loaded twice into a subject that
-// has taken a step (so that "unchanged" means something):
+// libFuzzer target: load_state_dict of one state kind (fuzz::state_kind, a name from
+// tests/state_subjects.hpp; one binary per kind: this file is compiled once, and each binary adds
+// the one-line definition of its kind that tests/fuzz/CMakeLists.txt generates). Each input is
+// loaded twice into a subject that has taken a step (so that "unchanged" means something):
 //  1. as given: almost every mutation breaks the CRC-32C trailer and must be rejected;
 //  2. with the trailer recomputed over the mutated fields, which takes the mutation past the
 //     checksum to the field parser.
@@ -22,9 +23,9 @@
 #include "gradcomp/make_plan.hpp"
 #include "state_subjects.hpp"
 
-#ifndef GC_FUZZ_STATE_KIND
-#error "GC_FUZZ_STATE_KIND (a state kind of tests/state_subjects.hpp) must be defined"
-#endif
+namespace gradcomp::fuzz {
+extern const char* const state_kind;  // defined by each binary
+}  // namespace gradcomp::fuzz
 
 using namespace gradcomp;
 
@@ -68,7 +69,7 @@ void reshard_check(const std::vector<uint8_t>& fuzzed, const std::vector<uint8_t
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  auto subject = test::make_state_subject(GC_FUZZ_STATE_KIND);
+  auto subject = test::make_state_subject(fuzz::state_kind);
   subject->step(1);
   load_and_check(*subject, data, size);
   if (size >= sizeof(uint32_t)) {
