@@ -19,6 +19,7 @@
 # and 3 alone (after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/build_env.sh  # (the settings scripts/test.sh built the wheel's tree with)
 if [ "${GRADCOMP_SKIP_TORCH2:-0}" = "1" ]; then
   echo "test-torch2: skipped (GRADCOMP_SKIP_TORCH2=1)"
   exit 0

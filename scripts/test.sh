@@ -17,12 +17,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
-# ccache: `pip install .` below compiles the library's CPU sources again, for the wheel's build
-# tree (build/py-<tag>); with the compiler launched through ccache under the same name (CXX) in both
-# trees, those compiles are cache hits of the C++ build's (measured: the wheel 2 min 23 s -> 59 s).
-if command -v ccache >/dev/null; then
-  export CMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER:-ccache} CXX=${CXX:-c++}
-fi
+source scripts/build_env.sh  # (ccache: the wheel reuses the C++ build's compiles)
+# OpenMP threads that wait for work sleep instead of spinning: the suites run two at a time (ctest
+# -j 2, the ranks of a Python test, the two lanes below) on as many cores, where a spinning
+# thread takes the CPU another process needs (four ASan suites at ctest -j 2: 115 s, 221 CPU-s
+# spinning; 101 s, 187 CPU-s passive, 2026-11-28).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 
 # Two lanes. The first (this shell): the C++ build, its tests, the wheel, then the Python suite on
 # the newest torch. The second (in the background from the start): the sanitizer stage
@@ -73,7 +73,8 @@ join_bg() {  # $1 = pid, $2 = log, $3 = what
 
 build=${BUILD_DIR:-build-test}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
+  -DGRADCOMP_CCACHE="${GRADCOMP_CCACHE:-OFF}" -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
 cmake --build "$build" -j "${JOBS:-2}"
 # ctest and the wheel side by side: ctest's MPI and multi-rank suites wait on each other much of
 # the time, and the wheel's compiles (mostly ccache hits) take that time.
