@@ -45,7 +45,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 mode=${1:-all}
-case "$mode" in all|--build-only|--cpp-only|--python-only) ;; *) echo "sanitize: unknown argument $mode" >&2; exit 2 ;; esac
+case "$mode" in
+  all|--build-only|--cpp-only|--python-only) ;;
+  *) echo "sanitize: unknown argument $mode" >&2; exit 2 ;;
+esac
 bash scripts/setup.sh
 
 build=${ASAN_BUILD_DIR:-build-asan}

@@ -7,12 +7,14 @@
 # supported) the files whose code path depends on the torch version; on the newest torch 2.x
 # from PyPI (scripts/test-torch2.sh: .venv-torch2, the same wheel) every file; and in the
 # sanitizer stage (scripts/sanitize.sh: ASan+UBSan suites, bounded fuzzing) the files that cross
-# the binding boundary, against the ASan build of the extension.
+# the binding boundary, against the ASan build of the extension; the sanitizer stage runs in a
+# second lane beside the others (see "Two lanes" below).
 # Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF), CUDA_ARCHS (default
 # 90), JOBS (default 2), GRADCOMP_CI_FULL=1 (every Python test file in every stage: for
 # releases), GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage, which downloads about 3 GB once,
 # cached in GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse; torch 1.13 then runs every
-# file), GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage).
+# file), GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage), GRADCOMP_CCACHE (ON when ccache is
+# found: scripts/build_env.sh), OMP_WAIT_POLICY (default passive).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -29,10 +31,11 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 # (scripts/sanitize.sh: its own build tree, ctest, fuzzers, then the Python files of the stage
 # "asan" once the wheel is installed), at nice 19: while the C++ build runs it takes only the CPU
 # the build leaves idle, and the torch 2.x stage runs at nice 19 too, so that from then on the two
-# lanes share the CPU evenly: the Python stages wait on their ranks' start-up and collectives much
-# of the time, and the other lane takes that time. The torch 2.x packages (about 3 GB to download
-# and unpack) are made ready in the background as well. Each background step's log is printed
-# when its lane joins; a failure fails CI; every background process is killed on exit.
+# lanes share the CPU evenly. (Measured on the 2-core machine, side by side saves little over one
+# after the other, 1041 s against about 1075 s: the stages keep both cores busy; CI time is cut
+# by doing less work: bench/results/ci_full_2026-11-28.md.) The torch 2.x packages (about 3 GB
+# to download and unpack) are made ready in the background as well. Each background step's log is
+# printed when its lane joins; a failure fails CI; every background process is killed on exit.
 bg_logs=$(mktemp -d)
 bg_pids=()
 kill_tree() {  # a background step and everything it started
