@@ -7,7 +7,7 @@ Usage::
     OMP_NUM_THREADS=1 python bench/gpu_bench.py --device cpu --small --out DIR  # dry run, gloo
 
 Writes DIR/gpu_bench.json (all numbers, trials, checks, tracebacks) and DIR/gpu_bench.md (the
-table, also printed) after each section. Sections: copy, topk, onebit, powersgd; each bench_*
+table, also printed) after each section. Sections: copy, topk, topk_ef, onebit, powersgd; each bench_*
 docstring says what its numbers mean. Each case has its own try/except (a failure is an error
 row, the rest runs); exit status 1 if any failed, 2 if the watchdog (--max-seconds) fired.
 Timing: 3 warm-up calls, 5 trials of up to 20 calls (about 0.3 s per case); ms = the median
@@ -170,6 +170,62 @@ def bench_topk(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -
                 if not ok:
                     raise AssertionError(f"{name}: {got} selected (k={k}) or values not top-k")
             guard("topk", name, gc_case, n)
+        del g
+        gc.collect()
+
+
+def bench_topk_ef(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -> None:
+    """TopKCompressor.encode at density 0.1% with error feedback (the residual v holds what was
+    not sent: v += g, select the k largest |v|, send them, clear them in v) against the form a
+    user would write in PyTorch on the same data: `v.add_(g); idx = torch.topk(v.abs(), k,
+    sorted=False)[1]; vals = v[idx]; v[idx] = 0`. Both keep a residual across calls, so each
+    timed call selects from a residual that has grown as it would in training. GB/s and
+    frac_of_copy count 12n bytes (read g and v, write v: the least any such encode moves).
+    check: on a fresh residual (v = g) the first encode's payload holds `count` values equal to
+    g's, all in the true top-k, count in [ceil(0.8 k), k] ("sampled") or k ("exact")."""
+    for n in sizes:
+        k = math.ceil(0.001 * n)
+        g = randn(n, dev, seed=3)
+        ref: Dict[str, Any] = {}
+
+        def torch_case():
+            v = torch.zeros(n, device=dev)
+
+            def step():
+                v.add_(g)
+                idx = torch.topk(v.abs(), k, sorted=False)[1]
+                vals = v[idx]
+                v[idx] = 0
+                return vals, idx
+            t = timed(step, dev)
+            ref["ms"], ref["kth"] = t["ms"], torch.topk(g.abs(), k, sorted=False)[0].min().item()
+            bw_row("topk_ef", "torch: v.add_(g); topk(v.abs()); v[idx] = 0", n, t, 12 * n,
+                   copy_bw, k=k)
+        guard("topk_ef", "torch", torch_case, n)
+
+        for method in ("sampled", "exact"):
+            name = f"gradcomp {method} error_feedback=True"
+
+            def gc_case(method=method, name=name):
+                kw = gc_kw(dev)
+                c = gradcomp.TopKCompressor(n, ratio=0.001, method=method, error_feedback=True,
+                                            **kw)
+                p = gradcomp.Payload()
+                c.encode(g, p, kw["stream"])  # the first encode, from a zero residual: checked
+                dense = torch.zeros(n, device=dev)
+                c.decode_add(p.array(), dense, 1.0, kw["stream"])
+                sel = dense != 0
+                got = int(sel.sum().item())
+                lo = k if method == "exact" else math.ceil(0.8 * k)
+                ok = (got == p.count and lo <= got <= k and bool(torch.equal(dense[sel], g[sel]))
+                      and ("kth" not in ref or dense[sel].abs().min().item() >= ref["kth"]))
+                t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
+                bw_row("topk_ef", name, n, t, 12 * n, copy_bw, ref.get("ms"),
+                       check=f"{'ok' if ok else 'FAIL'} first count={got} k={k}", k=k,
+                       last_stats=dict(c.last_stats), payload_bytes=p.nbytes)
+                if not ok:
+                    raise AssertionError(f"{name}: {got} selected (k={k}) or values not top-k")
+            guard("topk_ef", name, gc_case, n)
         del g
         gc.collect()
 
@@ -378,7 +434,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="small sizes (the CPU dry run)")
     ap.add_argument("--commit", default=None, help="the commit, recorded as given")
-    ap.add_argument("--sections", default="copy,topk,onebit,powersgd")
+    ap.add_argument("--sections", default="copy,topk,topk_ef,onebit,powersgd")
     ap.add_argument("--max-seconds", type=float, default=200.0,
                     help="watchdog: write what there is and exit 2 after this long")
     a = ap.parse_args()
@@ -408,6 +464,7 @@ def main() -> int:
     t_start = time.perf_counter()
     for name, fn in (("copy", lambda: bench_copy(dev, sizes, copy_bw)),
                      ("topk", lambda: bench_topk(dev, sizes, copy_bw)),
+                     ("topk_ef", lambda: bench_topk_ef(dev, sizes, copy_bw)),
                      ("onebit", lambda: bench_onebit(dev, sizes, copy_bw)),
                      ("powersgd", lambda: bench_powersgd(dev, a.small))):
         if name not in a.sections.split(","):

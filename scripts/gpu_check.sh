@@ -5,7 +5,9 @@
 #                                     GoogleTest, Google Benchmark and OpenBLAS/LAPACKE (headers,
 #                                     libraries, CMake package files; about 53 MB) into
 #                                     .gpu-deps/prefix, which git ignores, so that a device run can
-#                                     carry it (carry: [".gpu-deps"])
+#                                     carry it (carry: [".gpu-deps"]); and builds the CUB top-k
+#                                     anchor (bench/cub_topk_anchor.cu) against the headers of the
+#                                     nvidia-cuda-cccl wheel (pip download) into .gpu-deps
 #   scripts/gpu_check.sh OUT [COMMIT] there: configures with CUDA for the local GPU
 #                                     (CUDA_ARCHS, default native; -lineinfo, so that the
 #                                     sanitizers name source lines) and NCCL from PyTorch's
@@ -31,9 +33,11 @@
 # PyTorch's fp16 hook, a profiler trace, CUDA graph capture), pytest (test_gpu.py), bench
 # (bench/gpu_bench.py; BENCH_SECTIONS picks its sections), csan (the multi-rank hook test at 2
 # ranks for CSAN_FAMILIES, default topk,quant, under TORCH_CUDA_SANITIZER=1), profile
-# (bench/gpu_profile.py: device time per kernel of one encode), sanitizers, cpp (the C++ CUDA
-# benchmarks, also added by BENCH_CPP=1; CPP_FILTER is their --benchmark_filter); "all" is
-# ctest, multirank, overlap, pytest, bench, csan and sanitizers.
+# (bench/gpu_profile.py: device time per kernel of one encode), sanitizers (SANITIZE_BINS, a
+# space list of test binary names, limits them), cub (CUB's DeviceTopK beside a copy, from
+# .gpu-deps/cub_topk_anchor, which --prepare builds), cpp (the C++ CUDA benchmarks, also added by
+# BENCH_CPP=1; CPP_FILTER is their --benchmark_filter); "all" is ctest, multirank, overlap,
+# pytest, bench, csan, sanitizers and cub.
 #
 # Exit status: 0 when the build, ctest, the Python GPU tests, bench/gpu_bench.py and every
 # sanitizer run passed; the logs say what failed.
@@ -62,6 +66,18 @@ if [ "${1:-}" = "--prepare" ]; then
   ln -sf libopenblas.so.0 "$p/lib/libblas.so.3"
   ln -sf libopenblas.so.0 "$p/lib/libopenblas.so"
   ln -sf liblapacke.so.3 "$p/lib/liblapacke.so"
+  # CUB's DeviceTopK, the speed anchor of bench/cub_topk_anchor.cu, is in CCCL 3.2 and newer;
+  # CUDA 13.0's CCCL is older, so the anchor is compiled here against the headers of the
+  # nvidia-cuda-cccl wheel (25 MB of headers would not fit the carry; the binary, 1.6 MB, does),
+  # for sm_90 (the H100 and H200). CCCL_WHEEL_VERSION pins the wheel.
+  w=$(mktemp -d)
+  python3 -m pip download -q --no-deps -d "$w" "nvidia-cuda-cccl${CCCL_WHEEL_VERSION:+==$CCCL_WHEEL_VERSION}"
+  (cd "$w" && unzip -q ./*.whl 'nvidia/*/include/cccl/*')
+  inc=$(dirname "$(ls -d "$w"/nvidia/*/include/cccl/cub)")
+  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 -I "$inc" bench/cub_topk_anchor.cu \
+    -o .gpu-deps/cub_topk_anchor
+  ls "$w"/*.whl | sed 's|.*/||' > .gpu-deps/cub_topk_anchor.txt
+  rm -rf "$w"
   du -sh .gpu-deps
   exit 0
 fi
@@ -182,6 +198,7 @@ for t in "$build"/tests/*/test_*cuda "$build"/tests/comm/test_comm_nccl \
          "$build"/tests/comm/test_comm_inprocess; do
   [ -x "$t" ] || continue
   n=$(basename "$t")
+  [ -z "${SANITIZE_BINS:-}" ] || [[ " $SANITIZE_BINS " == *" $n "* ]] || continue
   tools=memcheck
   case " $race " in *" $n "*|*" all "*) tools="memcheck racecheck" ;; esac
   # NCCL (PyTorch's wheel) asks cudaFuncGetAttributes about kernels it has no image for on this
@@ -204,6 +221,14 @@ if [ -x "$build/tests/powersgd/test_powersgd_cuda" ]; then  # each hazard: threa
 fi
 stamp "sanitizers: $(grep -c '^FAILED' "$out/sanitizer.log") failed runs"
 grep -E '^== |FAILED|ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -30
+fi
+
+if want cub && [ -x .gpu-deps/cub_topk_anchor ]; then
+  rc=0
+  timeout 90 .gpu-deps/cub_topk_anchor 25000000 110000000 > "$out/cub_topk.json" 2>&1 || rc=$?
+  [ $rc -eq 0 ] || status=1
+  stamp "cub DeviceTopK anchor ($(cat .gpu-deps/cub_topk_anchor.txt)): exit $rc"
+  cat "$out/cub_topk.json"
 fi
 
 if want cpp; then
