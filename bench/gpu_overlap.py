@@ -151,13 +151,15 @@ def profiled(r, steps, trace_path=None):
 def graph_capture(a, dev, family):
     # DDP made on the warm-up side stream: its gradient accumulators keep the stream they were
     # made on, and accumulation on the default stream invalidates the capture before any hook
-    # runs (the first run of this script built DDP on the default stream and saw exactly that)
+    # runs (the first run of this script built DDP on the default stream and saw exactly that);
+    # 11 eager steps, since DDP's forward logs runtime statistics (a host synchronisation, which
+    # a capture cannot hold) at its 10th iteration
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         r = Runner(family, a, dev)
     with torch.cuda.stream(s):
-        for _ in range(4):
+        for _ in range(11):
             r.step()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()

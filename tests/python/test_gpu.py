@@ -235,12 +235,16 @@ def _graph_capture(rank, world):
     ordinary step runs and trains on."""
     from gradcomp.torch._hook import GraphCaptureError
     dev = torch.device(DEV)
-    data = make_data(rank, 6)
+    warm = 11
+    data = make_data(rank, warm + 3)
     for name, opts in (("quant", dict(bits=4)), ("topk", dict(ratio=0.05))):
-        # DDP made and warmed up on a side stream, as torch.cuda.graph asks: DDP keeps its
-        # gradient accumulators, whose stream is the one DDP was made on, and accumulation on
-        # the default stream invalidates a capture before any hook runs (seen on an H200, with
-        # torch's warning "The AccumulateGrad node's stream does not match")
+        # DDP made and warmed up on a side stream, as torch's CUDA-graph notes ask for DDP: DDP
+        # keeps its gradient accumulators, whose stream is the one DDP was made on, and
+        # accumulation on the default stream invalidates a capture before any hook runs (seen on
+        # an H200, with torch's warning "The AccumulateGrad node's stream does not match"); and
+        # at least 11 eager iterations, since DDP's forward logs runtime statistics (a host
+        # synchronisation) at its 10th (seen on an H200: cudaErrorStreamCaptureUnsupported in
+        # DDP's _pre_forward, before any hook ran, after 4 warm-up iterations)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -248,18 +252,18 @@ def _graph_capture(rank, world):
             state, hook = gt.hook(name, model=model, **opts)
             model.register_comm_hook(state, hook)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            _train(model, opt, data[:4], dev)
+            _train(model, opt, data[:warm], dev)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         it, sd = state.iter, pickle.dumps(state.state_dict())
-        x, y = data[4][0].to(dev), data[4][1].to(dev)
+        x, y = data[warm][0].to(dev), data[warm][1].to(dev)
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(GraphCaptureError, match="cannot be captured in a CUDA graph"):
             with torch.cuda.graph(graph):
                 torch.nn.functional.mse_loss(model(x), y).backward()
         torch.cuda.synchronize()
         assert state.iter == it and pickle.dumps(state.state_dict()) == sd, name
-        losses = _train(model, opt, data[4:], dev)
+        losses = _train(model, opt, data[warm + 1:], dev)
         assert state.iter == it + 2, (name, state.iter, it)
         assert all(torch.isfinite(p).all() for p in model.parameters()), name
         assert all(l == l for l in losses), name
