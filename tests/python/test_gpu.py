@@ -8,6 +8,7 @@ twins by the C++ CUDA suites):
   for the CUDA model, a gloo group for the CPU one, in one process; the losses agree to 2%);
 - a checkpoint taken mid-run on the GPU resumes to the same parameters as the run that never
   stopped;
+- hook("auto") runs its trial and decides (its consensus on the device);
 - torch's own fp16 GradScaler with autocast: the scaler's overflow steps are the hook's skipped
   steps, and the model trains;
 - the hooks under a side stream (torch.cuda.stream) give the default stream's result;
@@ -122,6 +123,27 @@ def _vs_cpu(rank, world, name, opts):
 @pytest.mark.parametrize("name,opts", FAMILIES, ids=IDS)
 def test_hook_trains_like_its_cpu_twin(name, opts):
     _spawn(_vs_cpu, 1, name, opts)
+
+
+def _auto(rank, world):
+    """hook("auto") through its trial to a decision on the device: the ranks' measurements are
+    averaged on the bucket's device (NCCL takes no CPU tensors; a CPU consensus failed there with
+    "No backend type associated with device type cpu" once the trial ended)."""
+    dev = torch.device(DEV)
+    model = _model(dev)
+    state, hook = gt.hook("auto", model=model, start_iter=1, trial_steps=2)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    decided_at = 1 + len(state.candidates) * 2
+    losses = _train(model, opt, make_data(rank, decided_at + 4), dev)
+    assert len(state.trials) == 1 and state.trials[0]["iter"] == decided_at, state.trials
+    assert state.choices and set(state.choices.values()) <= set(state.candidates), state.choices
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < losses[0], losses
+
+
+def test_auto_decides_on_the_device():
+    _spawn(_auto, 1)
 
 
 def _resume(rank, world, name, opts):

@@ -41,6 +41,7 @@ from gradcomp import _C
 
 from ._buckets import _as_int
 from ._driver import PlanStats, wire_bytes
+from ._families import _device_of, _stream_of
 from ._hook import GradcompState, _agree_first_step, _fail_after_backward, _hook, _layout, _Steps
 from ._reshard import is_gathered, local_state_dict, whole_or_none
 
@@ -193,18 +194,19 @@ class AutoState:
             return "trial", self.candidates[k // self.trial_steps], k % self.trial_steps != 0
         return "chosen", None, False
 
-    def _new_step(self, it: int) -> None:
-        """Runs once per iteration, at its first bucket (the same point on every rank)."""
+    def _new_step(self, it: int, like: Optional[torch.Tensor] = None) -> None:
+        """Runs once per iteration, at its first bucket (the same point on every rank); `like`
+        is that bucket, whose device the consensus runs on."""
         if it < self.start_iter:
             return
         if self._decided_trial != self._trial_start:  # in a trial, or just after one
             if it >= self._trial_start + self._trial_len():
-                self._decide(it)
+                self._decide(it, like)
         elif self.recheck_every and it >= self._decided_at + self.recheck_every:
             self._trial_start = it  # a new trial starts with this iteration
             self._samples = {}
 
-    def _decide(self, it: int) -> None:
+    def _decide(self, it: int, like: Optional[torch.Tensor] = None) -> None:
         buckets = sorted({idx for idx, _ in self._samples})
         cands = self.candidates
         local = torch.full((len(buckets) * len(cands),), -1.0, dtype=torch.float32)
@@ -213,7 +215,7 @@ class AutoState:
                 v = self._samples.get((idx, c))
                 if v:
                     local[i * len(cands) + j] = statistics.median(v)
-        mean = self._consensus(local)
+        mean = self._consensus(local, like)
         costs = {idx: {c: (float(mean[i * len(cands) + j]) if mean[i * len(cands) + j] >= 0
                            else None) for j, c in enumerate(cands)}
                  for i, idx in enumerate(buckets)}
@@ -230,15 +232,21 @@ class AutoState:
         log.info("gradcomp auto at iteration %d: %s", it,
                  ", ".join(f"bucket {i}: {c}" for i, c in sorted(self.choices.items())))
 
-    def _consensus(self, local: torch.Tensor) -> torch.Tensor:
+    def _consensus(self, local: torch.Tensor,
+                   like: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The mean over ranks of every rank's measurements, through the hook's own worker (so
-        it is ordered with the hook's collectives on every rank)."""
+        it is ordered with the hook's collectives on every rank), on the device of `like` (the
+        step's first bucket): the group may be NCCL's, which takes no CPU tensors."""
         if local.numel() == 0 or not (dist.is_available() and dist.is_initialized()):
             return local
-        plan = _C.make_plan("allreduce", local.numel(), "float32", self.world)
-        plan.begin(local, 0)
+        t = local if like is None else local.to(like.device)
+        dev, index = _device_of(t)
+        stream = _stream_of(t)
+        plan = _C.make_plan("allreduce", t.numel(), "float32", self.world, device=dev,
+                            device_index=index, stream=stream)
+        plan.begin(t, stream)
         worker = self._worker or self._make_worker()
-        return worker.submit(plan, lambda: local).wait()
+        return worker.submit(plan, lambda: t, device=t.device).wait().cpu()
 
     def _sampler(self, name: str):
         def on_done(idx: int, it: int, stats):  # filed by _close_step if the step is applied
@@ -379,7 +387,7 @@ def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
     it = state.iter
     if state._seen != it:
         state._seen = it
-        state._new_step(it)
+        state._new_step(it, bucket.buffer())
     phase, name, measured = state.phase(it)
     idx = bucket.index()
     if name is None:  # chosen; a bucket the trial did not see runs the most faithful candidate
