@@ -83,8 +83,11 @@ def main():
                     "hook": hook_state, "step": args.steps}, args.checkpoint)
         print(f"final loss {loss.item():.4f}; checkpoint {args.checkpoint}", flush=True)
         t = state.totals
-        print(f"{args.compressor}: {t['dense_bytes'] / max(1, t['wire_bytes']):.1f}x fewer bytes "
-              f"on the wire than the dense gradients", flush=True)
+        if world == 1:  # one rank has no peer: nothing goes on the wire, no ratio to report
+            print(f"{args.compressor}: one rank, nothing sent", flush=True)
+        else:
+            print(f"{args.compressor}: {t['dense_bytes'] / max(1, t['wire_bytes']):.1f}x fewer "
+                  f"bytes on the wire than the dense gradients", flush=True)
         if args.compressor == "auto":  # what it measured and picked, per DDP bucket
             print(f"auto chose {state.choices}", flush=True)
 
