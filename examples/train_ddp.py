@@ -100,11 +100,16 @@ def main():
     same = all(torch.equal(s, mine) for s in sums)
     if rank == 0:
         print(f"parameters bitwise identical on all {world} ranks: {same}", flush=True)
+    # The end of the job, in this order while `sums` and `mine` still hold the last collective's
+    # tensors. The hook first: close() stops its thread and releases the process groups it made,
+    # which would otherwise live until the interpreter shuts down and be destroyed then, when a
+    # thread of gloo that frees a tensor Python saw ends the process ("terminate called without
+    # an active exception"). Then torch's groups; the DDP model holds the last reference to the
+    # default one, so it goes with the model: gloo's destructor joins gloo's threads holding the
+    # GIL, and one of them may still be dropping the last collective's tensors, which needs the
+    # GIL (a hang at exit on torch 1.13, 2 of 4 runs here) unless they are still held here.
+    state.close()
     dist.destroy_process_group()
-    # The DDP model holds the group's last reference, so the group goes with it. torch 1.13 then
-    # joins gloo's threads holding the GIL while one of them may still be dropping the last
-    # collective's tensors, which needs the GIL: a hang at exit (2 of 4 runs here). Freeing the
-    # model while `sums` and `mine` still hold those tensors leaves that thread nothing to drop.
     del model, state, hook
     if not same:
         raise SystemExit(f"rank {rank}: parameter checksums differ across ranks: "

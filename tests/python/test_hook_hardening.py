@@ -158,6 +158,40 @@ def test_ddp_backward_raises_the_workers_exception_and_ddp_stays_usable():
     run(_nan_step, 2)
 
 
+def _close(rank, world):
+    data = make_data(rank, 6)
+    for name, opts in (("topk", dict(ratio=0.1, hierarchy="node", per_node=1)),
+                       ("quant", dict()), ("auto", dict(start_iter=1, trial_steps=2))):
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state, hook = gt.hook(name, model=model, **opts)
+        model.register_comm_hook(state, hook)
+        for x, y in data[:3]:
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        worker = state._worker
+        assert worker is not None and worker._thread.is_alive() and worker.group is not None
+        it = state.iter
+        state.close()
+        # the thread has stopped and the process groups it held are released, here and now
+        assert not worker._thread.is_alive() and worker.group is None, name
+        assert state._worker is None
+        state.close()  # a second close does nothing
+        x, y = data[3]
+        model.zero_grad()
+        with pytest.raises(RuntimeError, match="closed"):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        assert state.iter == it, name
+        assert params_equal_across_ranks(model)
+
+
+def test_close_stops_the_worker_and_releases_its_groups():
+    """close(), at the end of a job: the hook's thread stops and its process groups (its own,
+    and a two-level plan's) are released at once, not when the interpreter shuts down (where
+    gloo's destructor can end the process); a step after it raises, naming why."""
+    run(_close, 2)
+
+
 # ---- a hung peer: the hook raises within the process group's timeout ---------------------------
 def _hung_peer(user_timeout: float, hook_timeout, d_hidden: int):
     port = free_port()

@@ -176,6 +176,17 @@ class AutoState:
                 s._worker = self._worker
         return self._worker
 
+    def close(self) -> None:
+        """As GradcompState.close: every rank, at the end of a job, before
+        ``dist.destroy_process_group()``; stops the worker its candidates share and releases
+        its process groups. A step after it raises RuntimeError."""
+        w, self._worker = self._worker, None
+        for sub in self.subs.values():
+            sub._worker = None
+            sub.close()
+        if w is not None:
+            w.close(timeout=None)
+
     @property
     def world(self) -> int:
         return dist.get_world_size(self.process_group)

@@ -83,6 +83,7 @@ class GradcompState:
         self.table = BucketTable(COMPRESSORS[compressor].stateful, model)
         watch_capture(model)
         self._worker: Optional[Worker] = None
+        self._closed = False  # close(): no worker is made again
         if live and not lazy:
             self._make_worker()
 
@@ -93,6 +94,9 @@ class GradcompState:
         per_node: the node size of the groups for hierarchical plans (default: this hook's;
         hook("auto") shares one worker between flat and hierarchical candidates)."""
         per_node = self.per_node if per_node is None else per_node
+        if self._closed:
+            raise RuntimeError("gradcomp hook: this hook state was closed (close() ends its use "
+                               "of the network); make a new hook to train on")
         if self._worker is None:
             pg = self.process_group
             # the user's timeout: torch's default (30 minutes) would let a hung peer hang us
@@ -107,6 +111,19 @@ class GradcompState:
                 own = Topology(own, per_node, timeout)
             self._worker = Worker(own, pipeline=self.pipeline)
         return self._worker
+
+    def close(self) -> None:
+        """Ends this hook's use of the network, on every rank at the end of a job and before
+        ``dist.destroy_process_group()``: waits for the collectives it has queued, stops its
+        worker thread and releases the process groups it made (its own group, and a two-level
+        plan's node and cross groups). A step after it raises RuntimeError; a second call does
+        nothing. Without it the thread and the groups live until the interpreter exits, and a
+        group released that late is destroyed while the interpreter shuts down, where a
+        thread of gloo that still needs the interpreter ends the process (SIGABRT)."""
+        self._closed = True
+        w, self._worker = self._worker, None
+        if w is not None:
+            w.close(timeout=None)
 
     def set_model(self, model) -> None:
         """Gives a hook state the model its parameters are keyed by, as ``hook(model=...)``

@@ -196,11 +196,18 @@ class Worker:
             job = plan = result = done = fut = stream = value = after = submitted = pre = None
             failed = None
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Finishes the queued plans and stops the thread."""
+    def close(self, timeout: Optional[float] = 5.0) -> None:
+        """Finishes the queued plans and stops the thread (waits at most `timeout` seconds;
+        None: until it has stopped, which a collective's own timeout bounds). Once the thread
+        has stopped, the process groups are released here, in the caller's thread: gloo's
+        destructor joins gloo's threads, and run late, from an interpreter that is shutting
+        down, a gloo thread that needs the interpreter (to free a tensor Python saw) ends the
+        process."""
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.group = None
 
     def _run(self, plan, result, done, submitted=None, pre=None):
         if self._failed is not None:
