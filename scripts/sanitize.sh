@@ -38,9 +38,13 @@
 # through the same hooks and extension entry points as test_ddp_hooks.py, which is in it;
 # tests/python/test_ci_stages.py checks that the stage still reaches every entry point.
 #
-# Usage: sanitize.sh [--build-only | --cpp-only | --python-only]: step 1 alone; steps 1-3; or step
-# 1 (nothing to do on a built tree) and step 4. scripts/test.sh runs --cpp-only and then, once it
-# has installed the wheel, --python-only, in a lane of its own beside its other stages.
+# Usage: sanitize.sh [--build-only | --cpp-only | --python-only [--shard I/N]]: step 1 alone;
+# steps 1-3; or step 1 (nothing to do on a built tree) and step 4. With --shard, step 4 runs
+# shard I of N of its files (tests/python/ci_stages.py: about equal time each) and step 1 is left
+# out: the tree must be built already (shards run side by side, and two builds of one tree at
+# once would race). scripts/test.sh runs --build-only, --cpp-only and, once it has installed the
+# wheel, --python-only --shard 2/2 in a lane of its own beside its other stages; its own lane runs
+# shard 1/2 when its other stages are done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -49,7 +53,13 @@ case "$mode" in
   all|--build-only|--cpp-only|--python-only) ;;
   *) echo "sanitize: unknown argument $mode" >&2; exit 2 ;;
 esac
-bash scripts/setup.sh
+shard=""
+if [ $# -gt 1 ]; then
+  [ "$mode" = "--python-only" ] && [ "${2:-}" = "--shard" ] && [[ "${3:-}" =~ ^[1-9][0-9]*/[1-9][0-9]*$ ]] && [ $# -eq 3 ] ||
+    { echo "sanitize: usage: sanitize.sh [--build-only | --cpp-only | --python-only [--shard I/N]]" >&2; exit 2; }
+  shard=$3
+fi
+[ -n "$shard" ] || bash scripts/setup.sh
 
 build=${ASAN_BUILD_DIR:-build-asan}
 jobs=${JOBS:-2}
@@ -73,11 +83,13 @@ py_args=(-DGRADCOMP_BUILD_PYTHON=OFF)
 if [ "$python_step" = 1 ]; then
   py_args=(-DGRADCOMP_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$root/$venv/bin/python")
 fi
+if [ -z "$shard" ]; then
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DGRADCOMP_SANITIZE=address,undefined -DGRADCOMP_FUZZ=ON -DGRADCOMP_CUDA=OFF \
   -DGRADCOMP_BUILD_BENCH=OFF "${py_args[@]}" >/dev/null
 cmake --build "$build" -j "$jobs"
 phase "built $build"
+fi
 [ "$mode" = "--build-only" ] && exit 0
 
 if [ "$mode" != "--python-only" ]; then
@@ -131,17 +143,20 @@ fi
 
 # ---- 4. the Python suite against the ASan extension ----
 if [ "$python_step" = 1 ]; then
-  pkg=$build/pypkg
+  sfx=""  # (each shard its own staging and report directories: shards run side by side)
+  [ -n "$shard" ] && sfx="-shard${shard%/*}of${shard#*/}"
+  pkg=$build/pypkg$sfx
   rm -rf "$pkg"
   mkdir -p "$pkg"
   cp -r python_bindings/gradcomp "$pkg/"
   find "$pkg" -name __pycache__ -prune -exec rm -rf {} +
-  so=$(ls "$build"/python_bindings/_C.*.so)
+  so=$(ls "$build"/python_bindings/_C.*.so 2>/dev/null) ||
+    { echo "sanitize: no ASan extension in $build (a --shard run needs the tree built first)"; exit 1; }
   cp "$so" "$pkg/gradcomp/"
   # (grep reads all of nm's output: with -q it could exit first and fail the pipe with SIGPIPE)
   nm -D --undefined-only "$so" | grep __asan_report >/dev/null ||
     { echo "sanitize: $so is not ASan-instrumented"; exit 1; }
-  logs=$root/$build/py-sanitizer-logs
+  logs=$root/$build/py-sanitizer-logs$sfx
   rm -rf "$logs"
   mkdir -p "$logs"
   py_status=0
@@ -154,7 +169,7 @@ if [ "$python_step" = 1 ]; then
     "$root/$venv/bin/python" -c "import gradcomp, sys; f = gradcomp.__file__; \
 sys.exit(0 if f.startswith('$root/$pkg/') else 'gradcomp imported from ' + f)"
     "$root/$venv/bin/python" -m pytest -q -p no:cacheprovider -rs --durations=10 \
-      --ci-stage=asan .
+      --ci-stage=asan ${shard:+--ci-shard=$shard} .
   ) || py_status=$?
   if compgen -G "$logs/report*" >/dev/null; then
     cat "$logs"/report*
@@ -162,7 +177,7 @@ sys.exit(0 if f.startswith('$root/$pkg/') else 'gradcomp imported from ' + f)"
     exit 1
   fi
   [ "$py_status" = 0 ] || { echo "sanitize: Python suite failed under ASan"; exit 1; }
-  phase "Python suite clean under ASan"
+  phase "Python suite clean under ASan${shard:+ (shard $shard)}"
 fi
 
 phase "done, no findings"

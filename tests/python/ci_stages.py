@@ -103,6 +103,43 @@ STAGES = {
 }
 
 
+# Seconds each file of the asan stage took under ASan, alone on this 2-core machine (CI record,
+# 2026-11-28). Used only to split the stage into shards of about equal time (--ci-shard: CI runs
+# two, one in each lane of scripts/test.sh); a stale figure costs balance, never a file.
+ASAN_SECONDS = {
+    "test_nonfinite_ddp.py": 58, "test_restart.py": 48, "test_reshard.py": 39,
+    "test_ddp_hooks.py": 35, "test_auto_hook.py": 27, "test_hook_hardening.py": 26,
+    "test_default_buckets.py": 26, "test_hostile_inputs.py": 24, "test_bench_cli.py": 19,
+    "test_torchrun_recipe.py": 17,
+}
+DEFAULT_SECONDS = 3.0  # the other files: 59 s among 20 files in that run
+
+
+def shard(files, index: int, count: int):
+    """Shard `index` (1-based) of `count` of `files`: the longest first, each to the shard with
+    the least time so far (ASAN_SECONDS). Every file is in exactly one shard."""
+    if not 1 <= index <= count:
+        raise ValueError(f"shard {index} of {count}: the index must be in 1..{count}")
+    load = [0.0] * count
+    out = [[] for _ in range(count)]
+    for f in sorted(files, key=lambda f: (-ASAN_SECONDS.get(f, DEFAULT_SECONDS), f)):
+        i = min(range(count), key=lambda j: (load[j], j))
+        out[i].append(f)
+        load[i] += ASAN_SECONDS.get(f, DEFAULT_SECONDS)
+    return sorted(out[index - 1])
+
+
+def parse_shard(text: str):
+    """"I/N" -> (I, N), 1 <= I <= N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--ci-shard takes I/N (for example 1/2), got {text!r}") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"--ci-shard {text}: I must be in 1..N")
+    return i, n
+
+
 def full_run() -> bool:
     """GRADCOMP_CI_FULL=1: every stage runs every file (for releases)."""
     return os.environ.get("GRADCOMP_CI_FULL", "0") not in ("", "0")

@@ -97,6 +97,38 @@ def test_conftest_collects_each_stage_as_the_table_says(stub_dir):
     assert left_out and all(f in r.stdout for f in left_out), "the header lists what is left out"
 
 
+def test_shards_split_a_stage_into_parts_that_run_every_file_once():
+    files = ci_stages.files_of(ci_stages.ASAN)
+    for n in (1, 2, 3, 5):
+        parts = [ci_stages.shard(files, i, n) for i in range(1, n + 1)]
+        assert sorted(f for p in parts for f in p) == files, n
+    # about equal time: the two halves CI runs differ by less than the longest file
+    t = [sum(ci_stages.ASAN_SECONDS.get(f, ci_stages.DEFAULT_SECONDS) for f in
+             ci_stages.shard(files, i, 2)) for i in (1, 2)]
+    assert abs(t[0] - t[1]) <= max(ci_stages.ASAN_SECONDS.values()), t
+    for bad in ((0, 2), (3, 2)):
+        with pytest.raises(ValueError):
+            ci_stages.shard(files, *bad)
+    for bad in ("2", "a/b", "0/2", "3/2"):
+        with pytest.raises(ValueError):
+            ci_stages.parse_shard(bad)
+
+
+def test_conftest_collects_each_shard_and_the_shards_make_the_stage(stub_dir):
+    got = []
+    for i in (1, 2):
+        r = _collect(stub_dir, "--ci-stage=asan", f"--ci-shard={i}/2")
+        assert r.returncode == 0, r.stdout + r.stderr
+        files = _files_collected(r.stdout)
+        assert files == ci_stages.shard(ci_stages.files_of(ci_stages.ASAN), i, 2)
+        assert f"shard {i} of 2" in r.stdout
+        got += files
+    assert sorted(got) == ci_stages.files_of(ci_stages.ASAN)
+    for args in (("--ci-shard=1/2",), ("--ci-stage=asan", "--ci-shard=3/2")):
+        r = _collect(stub_dir, *args)
+        assert r.returncode != 0 and "ci-shard" in r.stdout + r.stderr, args
+
+
 def test_conftest_stops_at_a_file_in_no_stage(stub_dir):
     (stub_dir / "test_new_thing.py").write_text("def test_stub():\n    pass\n")
     r = _collect(stub_dir, "--ci-stage=newest")
