@@ -69,14 +69,19 @@ if [ "${1:-}" = "--prepare" ]; then
   # CUB's DeviceTopK, the speed anchor of bench/cub_topk_anchor.cu, is in CCCL 3.2 and newer;
   # CUDA 13.0's CCCL is older, so the anchor is compiled here against the headers of the
   # nvidia-cuda-cccl wheel (25 MB of headers would not fit the carry; the binary, 1.6 MB, does),
-  # for sm_90 (the H100 and H200). CCCL_WHEEL_VERSION pins the wheel.
+  # for sm_90 (the H100 and H200). CCCL_WHEEL_VERSION pins the wheel. Optional: without PyPI
+  # (or nvcc) the anchor is left out and the device run's `cub` step is skipped.
   w=$(mktemp -d)
-  python3 -m pip download -q --no-deps -d "$w" "nvidia-cuda-cccl${CCCL_WHEEL_VERSION:+==$CCCL_WHEEL_VERSION}"
-  (cd "$w" && unzip -q ./*.whl 'nvidia/*/include/cccl/*')
-  inc=$(dirname "$(ls -d "$w"/nvidia/*/include/cccl/cub)")
-  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 -I "$inc" bench/cub_topk_anchor.cu \
-    -o .gpu-deps/cub_topk_anchor
-  ls "$w"/*.whl | sed 's|.*/||' > .gpu-deps/cub_topk_anchor.txt
+  if python3 -m pip download -q --no-deps -d "$w" \
+       "nvidia-cuda-cccl${CCCL_WHEEL_VERSION:+==$CCCL_WHEEL_VERSION}" &&
+     (cd "$w" && unzip -q ./*.whl 'nvidia/*/include/cccl/*') &&
+     inc=$(dirname "$(ls -d "$w"/nvidia/*/include/cccl/cub)") &&
+     /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 -I "$inc" bench/cub_topk_anchor.cu \
+       -o .gpu-deps/cub_topk_anchor; then
+    ls "$w"/*.whl | sed 's|.*/||' > .gpu-deps/cub_topk_anchor.txt
+  else
+    echo "gpu_check --prepare: the CUB anchor was not built (no nvidia-cuda-cccl wheel or nvcc)"
+  fi
   rm -rf "$w"
   du -sh .gpu-deps
   exit 0
