@@ -126,6 +126,23 @@ def bench_copy(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -
         guard("copy", "dst.copy_(src)", one, n)
 
 
+def check_topk_payload(c, p, g: torch.Tensor, k: int, method: str, ref: Dict[str, Any],
+                       stream: int) -> tuple:
+    """(ok, count) for the payload p that c.encode just wrote from g: decoded, it holds `count`
+    values equal to g's (count == p.count == c.last_stats["count"]), all in the true top-k (the
+    smallest selected |g| >= ref["kth"], torch's k-th largest, when known), and count == k for
+    "exact", in [ceil(0.8 k), k] for "sampled" (SelectOptions.min_fraction)."""
+    dense = torch.zeros_like(g)
+    c.decode_add(p.array(), dense, 1.0, stream)
+    sel = dense != 0
+    got = int(sel.sum().item())
+    lo = k if method == "exact" else math.ceil(0.8 * k)
+    ok = (got == p.count == c.last_stats["count"] and lo <= got <= k
+          and bool(torch.equal(dense[sel], g[sel]))
+          and ("kth" not in ref or dense[sel].abs().min().item() >= ref["kth"]))
+    return ok, got
+
+
 # ---- 2. topk -------------------------------------------------------------------------------------
 def bench_topk(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -> None:
     """TopKCompressor.encode at density 0.1% (k = ceil(0.001 n)) with error_feedback=False (each
@@ -156,14 +173,7 @@ def bench_topk(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -
                                             **kw, **extra)
                 p = gradcomp.Payload()
                 t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
-                dense = torch.zeros(n, device=dev)
-                c.decode_add(p.array(), dense, 1.0, kw["stream"])
-                sel = dense != 0
-                got = int(sel.sum().item())
-                lo = k if method == "exact" else math.ceil(0.8 * k)
-                ok = (got == p.count == c.last_stats["count"] and lo <= got <= k
-                      and bool(torch.equal(dense[sel], g[sel]))
-                      and ("kth" not in ref or dense[sel].abs().min().item() >= ref["kth"]))
+                ok, got = check_topk_payload(c, p, g, k, method, ref, kw["stream"])
                 bw_row("topk", name, n, t, 4 * n, copy_bw, ref.get("ms"),
                        check=f"{'ok' if ok else 'FAIL'} count={got} k={k}", k=k,
                        last_stats=dict(c.last_stats), payload_bytes=p.nbytes)
@@ -212,13 +222,7 @@ def bench_topk_ef(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]
                                             **kw)
                 p = gradcomp.Payload()
                 c.encode(g, p, kw["stream"])  # the first encode, from a zero residual: checked
-                dense = torch.zeros(n, device=dev)
-                c.decode_add(p.array(), dense, 1.0, kw["stream"])
-                sel = dense != 0
-                got = int(sel.sum().item())
-                lo = k if method == "exact" else math.ceil(0.8 * k)
-                ok = (got == p.count and lo <= got <= k and bool(torch.equal(dense[sel], g[sel]))
-                      and ("kth" not in ref or dense[sel].abs().min().item() >= ref["kth"]))
+                ok, got = check_topk_payload(c, p, g, k, method, ref, kw["stream"])
                 t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
                 bw_row("topk_ef", name, n, t, 12 * n, copy_bw, ref.get("ms"),
                        check=f"{'ok' if ok else 'FAIL'} first count={got} k={k}", k=k,
