@@ -10,10 +10,10 @@
 # the binding boundary, against the ASan build of the extension; the sanitizer stage runs in a
 # second lane beside the others (see "Two lanes" below).
 # Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF), CUDA_ARCHS (default:
-# native where a GPU is visible, else 90-virtual, see below), JOBS (default 2), GRADCOMP_CI_FULL=1 (every Python test file in every stage: for
-# releases), GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage, which downloads about 3 GB once,
-# cached in GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse; torch 1.13 then runs every
-# file), GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage), GRADCOMP_CCACHE (ON when ccache is
+# native where a GPU is visible, else 90-virtual, see below), JOBS (default 2),
+# GRADCOMP_CI_FULL=1 (every Python test file in every stage: for releases),
+# GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage, which downloads about 3 GB once, cached in
+# GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse; torch 1.13 then runs every file), GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage), GRADCOMP_CCACHE (ON when ccache is
 # found: scripts/build_env.sh), OMP_WAIT_POLICY (default passive).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -133,8 +133,7 @@ nice -n 19 bash scripts/test-torch2.sh --skip-packages
 # there (or the lane has ended without one: its log then says why), then its log and verdict.
 if [ -n "$asan_pid" ]; then
   while [ ! -e "$bg_logs/asan_built" ] && kill -0 "$asan_pid" 2>/dev/null; do sleep 2; done
-  if [ -e "$bg_logs/asan_built" ] && [ "${GRADCOMP_SANITIZE_PYTHON:-1}" != "0" ] &&
-     [ "${GRADCOMP_SKIP_PYTHON:-0}" != "1" ]; then
+  if [ -e "$bg_logs/asan_built" ]; then  # (sanitize.sh itself honours GRADCOMP_SKIP_PYTHON)
     nice -n 19 bash scripts/sanitize.sh --python-only --shard 1/2 ||
       { echo "test: the sanitizer stage's Python shard 1/2 failed"; exit 1; }
   fi
