@@ -11,7 +11,8 @@
 # second lane beside the others (see "Two lanes" below).
 # Environment: BUILD_DIR (default build-test), GRADCOMP_CUDA (AUTO/ON/OFF), CUDA_ARCHS (default:
 # native where a GPU is visible, else 90-virtual, see below), JOBS (default 2),
-# GRADCOMP_CI_FULL=1 (every Python test file in every stage: for releases),
+# GRADCOMP_CI_FULL=1 (every Python test file in every stage, and the host C++ suites in the
+# Release tree as well as under ASan: for releases),
 # GRADCOMP_SKIP_TORCH2=1 (skip the torch 2.x stage, which downloads about 3 GB once, cached in
 # GRADCOMP_WHEELHOUSE, default ~/.cache/gradcomp/wheelhouse; torch 1.13 then runs every file), GRADCOMP_SKIP_SANITIZE=1 (skip the sanitizer stage), GRADCOMP_CCACHE (ON when ccache is
 # found: scripts/build_env.sh), OMP_WAIT_POLICY (default passive).
@@ -89,9 +90,19 @@ if [ -z "${CUDA_ARCHS:-}" ]; then
     CUDA_ARCHS=native
   fi
 fi
+# The host C++ suites run once, in the sanitizer stage (ASan+UBSan, clang -O1): this Release tree
+# builds the library, the CUDA sources and their suites, the bindings' wheel, benchmarks and
+# examples, and runs the install, example and CLI tests; the Release library itself is what the
+# Python suites test. Compiling and running the host suites here too cost about 300 and 100
+# CPU-seconds of CI's 2 cores (bench/results/ci_full_2026-11-28.md). They build here when the
+# sanitizer stage is skipped, and in a full run (GRADCOMP_CI_FULL=1).
+host_suites=OFF
+if [ "${GRADCOMP_SKIP_SANITIZE:-0}" = "1" ] || [ "${GRADCOMP_CI_FULL:-0}" = "1" ]; then
+  host_suites=ON
+fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGRADCOMP_CCACHE="${GRADCOMP_CCACHE:-OFF}" -DGRADCOMP_CUDA="${GRADCOMP_CUDA:-AUTO}" \
-  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS"
+  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS" -DGRADCOMP_HOST_SUITES="$host_suites"
 cmake --build "$build" -j "${JOBS:-2}"
 # ctest and the wheel side by side: ctest's MPI and multi-rank suites wait on each other much of
 # the time, and the wheel's compiles (mostly ccache hits) take that time.
