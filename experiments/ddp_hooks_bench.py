@@ -85,6 +85,7 @@ CONFIGS = [
     ("ours-onebit-serial", "onebit", {"pipeline": False}),
     # measures allreduce / fp16 / powersgd r4 on the real link, then picks per bucket; its trial
     # (start_iter 2 + 3 candidates x trial_steps) must end within the warm-up: --warmup >= 9
+    # (>= 11 for ours-auto-topk's four candidates)
     ("ours-auto", "auto", {"trial_steps": 2}),
     # the same with top-k (0.1%) allowed (its accuracy needs DGC momentum correction)
     ("ours-auto-topk", "auto", {"trial_steps": 2, "max_density": 0.001,
@@ -145,7 +146,11 @@ def _worker(rank, world, init, args, out):
     torch.set_num_threads(1)
     if isinstance(init, int):
         init = f"tcp://127.0.0.1:{init}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    from gradcomp.experiments import latency
+
+    # --delay: gloo with that one-way latency per message round (gradcomp.experiments.latency)
+    backend = latency.backend_for(args.delay, per_node=args.per_node)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     names = [c[0] for c in CONFIGS]
     chosen = [c for c in CONFIGS if not args.only or c[0] in args.only.split(",")]
@@ -319,10 +324,10 @@ def _run_in_namespaces(args):
     result = os.path.join(tempfile.mkdtemp(), "rows.json")
     passthrough = [a for a in sys.argv[1:]]
     i = 0
-    while i < len(passthrough):  # drop --netns/--delay (and their values) from the ranks' argv
-        if passthrough[i] in ("--netns", "--delay"):
+    while i < len(passthrough):  # drop --netns (and its value) from the ranks' argv
+        if passthrough[i] == "--netns":
             del passthrough[i:i + 2]
-        elif passthrough[i].startswith(("--netns=", "--delay=")):
+        elif passthrough[i].startswith("--netns="):
             del passthrough[i]
         else:
             i += 1
@@ -330,7 +335,7 @@ def _run_in_namespaces(args):
         args.world, args.netns,
         lambda r: [sys.executable, os.path.abspath(__file__), *passthrough, "--_rank", str(r),
                    "--_init", f"tcp://{netem.RANK0_ADDR}:29517", "--_result", result],
-        timeout=args.timeout, delay=args.delay, per_node=args.per_node)
+        timeout=args.timeout, per_node=args.per_node)
     with open(result) as f:
         return json.load(f)
 
@@ -357,7 +362,10 @@ def main():
                     help="root: every rank in its own network namespace, links limited to RATE "
                          "(tc syntax, e.g. 1gbit, 10gbit) both ways (gradcomp.experiments.netem); "
                          "default: all ranks on loopback")
-    ap.add_argument("--delay", default="", help="with --netns: added one-way delay, e.g. 100us")
+    ap.add_argument("--delay", default="",
+                    help="one-way latency added to every collective per message round (e.g. "
+                         "5ms; gradcomp.experiments.latency, torch 2.x); with --per-node, not "
+                         "to groups inside one node")
     ap.add_argument("--per-node", type=int, default=1,
                     help="ranks per node: with --netns, a two-level cluster (a namespace per node, "
                          "its ranks unshaped among themselves, nodes joined by RATE links); the "
@@ -370,7 +378,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.quick:
-        args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 9, 3, 1
+        args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 11, 3, 1
     if args._rank is not None:  # one rank of a --netns run, started inside its namespace
         _worker(args._rank, args.world, args._init, args, args._result)
         return

@@ -8,14 +8,16 @@
 # 10.77.0.1-4, inside namespaces this script creates, are used; everything is removed on exit.
 #
 # Usage (root):  experiments/netem/run.sh [build_dir]      env: RATE, NP (<= 8), GC_BENCH_NUMEL,
-#                                                    GC_BENCH_ITERS, DELAY (netem, e.g. 100us)
+#                                                    GC_BENCH_ITERS
+# No added latency: this machine's kernel has no netem, and the latency emulation of the
+# experiments lives in a torch process group (gradcomp/experiments/latency.py), which MPI does
+# not use.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build}
 BENCH=$(readlink -f "$BUILD/bench/bench_comm")
 RATE=${RATE:-1gbit}
 NP=${NP:-4}
-DELAY=${DELAY:-}
 [ -x "$BENCH" ] || { echo "no $BENCH: build the benchmarks first" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces, tc)" >&2; exit 1; }
 
@@ -28,7 +30,7 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-python_bindings/gradcomp/experiments/netns.sh up "$PFX" "$NP" "$RATE" "$DELAY"
+python_bindings/gradcomp/experiments/netns.sh up "$PFX" "$NP" "$RATE"
 : > "$TMP/hosts"
 for ((i = 0; i < NP; i++)); do echo "10.77.0.$((i + 1)) slots=1" >> "$TMP/hosts"; done
 

@@ -66,6 +66,9 @@ STAGES = {
     "test_restart.py": (_ALL, "bitwise resume from checkpoints of every plan's C++ state, DDP's "
                               "bucket regrouping"),
     "test_topk_py.py": (_ALL, "the codecs' bindings; torch fp16/bf16 tensors through DLPack"),
+    "test_latency.py": (_ALL, "the experiments' latency emulation: a process group written in "
+                              "Python on torch 2.x (DDP and the hooks through it), refused on "
+                              "1.13 (a version gate)"),
     # ---- every stage too: torch-version dependent; under ASan they add little but keep the
     # ---- asan stage a superset of oldest (scripts/test.sh runs oldest only without sanitizers)
     "test_default_buckets.py": (_ALL, "DDP's default buckets on gloo (torch's own hook behaves "

@@ -67,7 +67,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--netns", default="", metavar="RATE",
                     help="root: each rank in its own network namespace, links of RATE (tc "
                          "syntax: 1gbit, 10gbit); default: loopback")
-    ap.add_argument("--delay", default="", help="with --netns: added one-way delay, e.g. 100us")
+    ap.add_argument("--delay", default="",
+                    help="one-way latency added to every collective per message round (e.g. "
+                         "5ms; gradcomp.experiments.latency, torch 2.x)")
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds: bound on each configuration's run (and the gloo timeout)")
     ap.add_argument("--target", type=float, default=0.0,

@@ -5,7 +5,7 @@ interface ``gce<r>``. The namespaces are made by ``netns.sh`` beside this module
 whatever happens. Used by the Fashion-MNIST experiment and by experiments/ddp_hooks_bench.py (both
 ``--netns RATE``) and, for MPI, by experiments/netem/run.sh.
 
-    python -m gradcomp.experiments.netem up PFX NP RATE [DELAY]   # what netns.sh does
+    python -m gradcomp.experiments.netem up PFX NP RATE   # what netns.sh does
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ def require_root() -> None:
 
 
 def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], List[str]],
-                      timeout: float, delay: str = "", env: Optional[dict] = None,
+                      timeout: float, env: Optional[dict] = None,
                       per_node: int = 1) -> None:
     """Starts ``command_for_rank(r)`` for r < world, each inside its own namespace with links of
-    ``rate`` (tc syntax: 1gbit, 10gbit) and optional one-way ``delay``; waits for all of them,
-    at most ``timeout`` seconds in all. Raises RuntimeError when a rank fails or the time runs
-    out (the remaining ranks are killed). The namespaces are removed in every case.
+    ``rate`` (tc syntax: 1gbit, 10gbit); waits for all of them, at most ``timeout`` seconds in
+    all. Raises RuntimeError when a rank fails or the time runs out (the remaining ranks are
+    killed). The namespaces are removed in every case. The links have no added latency (this
+    kernel has no netem): the ranks add it in their process group (gradcomp.experiments.latency).
 
     ``per_node`` > 1 emulates a two-level cluster: world / per_node namespaces (nodes), ranks
     r // per_node = node (node-major, as torchrun numbers them) sharing their node's namespace
@@ -42,7 +43,7 @@ def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], L
         raise ValueError(f"per_node={per_node} does not divide the world size {world}")
     nodes = world // per_node
     pfx = f"gcx{os.getpid() % 100000}"
-    subprocess.run(["bash", SCRIPT, "up", pfx, str(nodes), rate] + ([delay] if delay else []), check=True)
+    subprocess.run(["bash", SCRIPT, "up", pfx, str(nodes), rate], check=True)
     procs: List[subprocess.Popen] = []
     try:
         for r in range(world):

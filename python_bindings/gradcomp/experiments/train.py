@@ -564,7 +564,11 @@ def rank_entry(rank, world, init, args, out_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if isinstance(init, int):
         init = f"tcp://127.0.0.1:{init}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    from . import latency
+
+    # --delay: gloo with that one-way latency per message round (gradcomp.experiments.latency)
+    backend = latency.backend_for(args.get("delay", ""), per_node=int(args.get("per_node", 1)))
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=float(args.get("timeout", 1800))))
     try:
         train_rank(rank, world, args, out_path)
@@ -578,9 +582,15 @@ def run_config(args: Dict[str, Any], world: int = 4, netns: str = "",
     """Trains one configuration on `world` gloo ranks in fresh processes; returns rank 0's
     result (accuracy, loss log, training time, bytes per step). With `netns` (root) every rank
     runs in its own network namespace with links of that rate (gradcomp.experiments.netem);
-    else all ranks talk over loopback."""
+    else all ranks talk over loopback. With `delay` ("5ms": one-way), every collective pays
+    that latency per message round (gradcomp.experiments.latency; torch 2.x)."""
     config_flags(args["config"])  # reject a bad suffix before starting anything
     parse_config(args["config"])
+    if delay:
+        from . import latency
+
+        latency.parse_delay(delay)  # a bad value fails here, not in every rank
+        args = dict(args, delay=delay)
     fd, out_path = tempfile.mkstemp(prefix="gradcomp-fmnist-", suffix=".json")
     os.close(fd)
     try:
@@ -594,7 +604,7 @@ def run_config(args: Dict[str, Any], world: int = 4, netns: str = "",
                            "--_rank", str(r), "--world", str(world),
                            "--_init", f"tcp://{netem.RANK0_ADDR}:29517", "--_args", blob,
                            "--_result", out_path],
-                timeout=float(args.get("timeout", 1800)), delay=delay)
+                timeout=float(args.get("timeout", 1800)))
         else:
             start_ranks(rank_entry, (world, free_port(), args, out_path), world)
         with open(out_path) as f:

@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The latency emulation of the experiments (gradcomp.experiments.latency): gloo wrapped in a
+process group that holds each collective back for one one-way latency per message round. On
+torch 2.x: collectives give gloo's results, in order, each late by its rounds x the latency (not
+less, and not much more); plain DDP, PyTorch's fp16 hook and a gradcomp hook train through it
+with bitwise equal parameters on every rank. On torch 1.13: a clear refusal."""
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from ddp_util import exit_rank, free_port, start_ranks  # noqa: E402
+from gradcomp.experiments import latency  # noqa: E402
+
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+needs_torch2 = pytest.mark.skipif(not TORCH2, reason="Python process groups need torch 2.x "
+                                                      f"(this is {torch.__version__})")
+
+
+def test_rounds_follow_the_textbook_algorithms():
+    assert [latency.rounds("allreduce", p) for p in (1, 2, 3, 4, 8)] == [0, 2, 4, 6, 14]
+    assert [latency.rounds("allgather", p) for p in (1, 2, 4)] == [0, 1, 3]
+    assert [latency.rounds("reduce_scatter", p) for p in (2, 5)] == [1, 4]
+    assert [latency.rounds("broadcast", p) for p in (2, 3, 4, 5, 8)] == [1, 2, 2, 3, 3]
+    assert latency.rounds("barrier", 4) == 2 and latency.rounds("alltoall", 4) == 1
+    assert latency.rounds("gather", 4) == 1 and latency.rounds("reduce", 4) == 2
+    with pytest.raises(ValueError, match="unknown collective 'allgatherv'"):
+        latency.rounds("allgatherv", 2)
+    with pytest.raises(ValueError, match="world=0"):
+        latency.rounds("allreduce", 0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "5ms", None])
+def test_register_refuses_a_bad_latency(bad):
+    with pytest.raises(ValueError, match="latency_s="):
+        latency.register(bad)
+
+
+@pytest.mark.skipif(TORCH2, reason="the refusal is torch 1.13's")
+def test_register_on_torch_1_13_says_it_needs_torch_2():
+    with pytest.raises(RuntimeError, match="needs torch 2.x"):
+        latency.register(0.01)
+
+
+# s one way: large beside gloo's own ~0.1-2 ms on loopback and beside the wake-ups of a loaded
+# CI machine (SLACK), so that twice the model's time fails
+LAT = 0.05
+SLACK = 0.06
+
+
+def _timed(fn, reps=5):
+    """The median time of `reps` calls, each after a barrier."""
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[reps // 2]
+
+
+def _collectives(rank, world, port, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    latency.register(LAT)
+    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    res = {}
+    t = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    res["allreduce"] = t.tolist()
+    g = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(g, torch.full((3,), float(rank)))
+    res["allgather"] = [x.tolist() for x in g]
+    flat = torch.zeros(2 * world)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank + 10)))
+    res["allgather_into_tensor"] = flat.tolist()
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=1)
+    res["broadcast"] = b.tolist()
+    a2a = torch.zeros(world)
+    dist.all_to_all_single(a2a, torch.arange(world, dtype=torch.float32) + 100 * rank)
+    res["alltoall"] = a2a.tolist()
+    # collectives issued at once, of different kinds and sizes, each pair matched in order
+    x1, x2 = torch.full((4,), float(rank + 1)), torch.full((1000,), 10.0 * (rank + 1))
+    g2 = [torch.zeros(2) for _ in range(world)]
+    works = [dist.all_reduce(x1, async_op=True),
+             dist.all_gather(g2, torch.full((2,), float(rank)), async_op=True),
+             dist.all_reduce(x2, async_op=True)]
+    for w in works:
+        w.wait()
+    res["in_order"] = [x1.tolist(), [x.tolist() for x in g2], x2.unique().tolist()]
+    small = torch.ones(16)
+    res["t_allreduce"] = _timed(lambda: dist.all_reduce(small))
+    res["t_barrier"] = _timed(dist.barrier)
+    one = torch.zeros(1)
+
+    def pingpong():
+        if rank == 0:
+            dist.send(one, 1)
+            dist.recv(one, 1)
+        else:
+            dist.recv(one, 0)
+            dist.send(one, 0)
+
+    res["t_pingpong"] = _timed(pingpong)
+    if rank == 0:
+        torch.save(res, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank()
+
+
+@needs_torch2
+def test_collectives_are_right_in_order_and_late_by_their_rounds(tmp_path):
+    out = str(tmp_path / "res.pt")
+    start_ranks(_collectives, (2, free_port(), out), 2)
+    r = torch.load(out)
+    assert r["allreduce"] == [0.0, 3.0, 6.0, 9.0, 12.0]
+    assert r["allgather"] == [[0.0] * 3, [1.0] * 3]
+    assert r["allgather_into_tensor"] == [10.0, 10.0, 11.0, 11.0]
+    assert r["broadcast"] == [1.0, 1.0]
+    assert r["alltoall"] == [0.0, 100.0]
+    assert r["in_order"] == [[3.0] * 4, [[0.0, 0.0], [1.0, 1.0]], [30.0]]
+    # each at least its rounds x LAT; at most that plus SLACK for gloo and the wake-ups
+    for key, kind in (("t_allreduce", "allreduce"), ("t_barrier", "barrier")):
+        want = latency.rounds(kind, 2) * LAT
+        assert want * 0.98 <= r[key] <= want + SLACK, (key, r[key], want)
+    # a ping-pong is two one-way trips
+    assert 2 * LAT * 0.98 <= r["t_pingpong"] <= 2 * LAT + SLACK, r["t_pingpong"]
+
+
+def _train(rank, world, port, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    latency.register(0.002)
+    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradcomp.torch as gt
+
+    res = {}
+    for mode in ("plain", "fp16", "quant"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        model = DDP(net, bucket_cap_mb=0.005)  # a few buckets
+        state = None
+        if mode == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif mode == "quant":
+            state, hook = gt.hook("quant", model=model)
+            model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 32, generator=gen)).square().mean().backward()
+            opt.step()
+        p = torch.cat([q.detach().flatten() for q in net.parameters()])
+        every = [torch.zeros_like(p) for _ in range(world)]
+        dist.all_gather(every, p)
+        res[mode] = all(torch.equal(every[0], q) for q in every)
+        if state is not None:
+            state.close()
+    if rank == 0:
+        torch.save(res, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank()
+
+
+@needs_torch2
+def test_ddp_and_hooks_train_through_it(tmp_path):
+    out = str(tmp_path / "res.pt")
+    start_ranks(_train, (2, free_port(), out), 2)
+    assert torch.load(out) == {"plain": True, "fp16": True, "quant": True}
