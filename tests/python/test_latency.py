@@ -179,3 +179,50 @@ def test_ddp_and_hooks_train_through_it(tmp_path):
     out = str(tmp_path / "res.pt")
     start_ranks(_train, (2, free_port(), out), 2)
     assert torch.load(out) == {"plain": True, "fp16": True, "quant": True}
+
+
+def _auto(rank, world, port, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    latency.register(LAT)
+    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradcomp.torch as gt
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 8)))  # one bucket of 2,632 values
+    state, hook = gt.hook("auto", model=model, trial_steps=2)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(state.start_iter + len(state.candidates) * state.trial_steps + 1):
+        opt.zero_grad()
+        model(torch.randn(8, 32, generator=gen)).square().mean().backward()
+        opt.step()
+    if rank == 0:
+        torch.save({"trials": state.trials, "choices": dict(state.choices)}, out)
+    state.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank()
+
+
+@needs_torch2
+def test_auto_keeps_plain_allreduce_where_latency_dominates(tmp_path):
+    """The smallest corner of the sweep over links: a small bucket on a link of 50 ms one way.
+    PowerSGD runs two allreduces per bucket (P, then Q) where the plain average runs one, so at
+    this latency it costs about twice as much whatever it saves in bytes; auto measures that on
+    the link and keeps the plain allreduce."""
+    out = str(tmp_path / "res.pt")
+    start_ranks(_auto, (2, free_port(), out), 2)
+    r = torch.load(out)
+    assert r["choices"] == {0: "allreduce"}, r
+    costs = r["trials"][-1]["costs"][0]
+    print("\nauto's measured costs (s per step) at 50 ms one way:",
+          {k: round(v, 4) for k, v in costs.items()})
+    # what auto measured: one allreduce (2 rounds at 2 ranks) against PowerSGD's two
+    assert costs["allreduce"] >= 2 * LAT * 0.98, costs
+    assert costs["powersgd"] >= costs["allreduce"] + 1.5 * LAT, costs
