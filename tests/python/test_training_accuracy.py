@@ -97,11 +97,17 @@ def _has_fsdp2() -> bool:
 
 @pytest.mark.skipif(not _has_fsdp2(),
                     reason=f"FSDP2 custom collectives need torch 2.x (this is {torch.__version__})")
-def test_sharded_quantized_training_within_margin_of_fsdp2():
-    """FSDP2 with 4-bit gradients and int8 weights (compress_fsdp) against FSDP2's own
-    collectives, same seed and data: within FSDP_MARGIN points, and 7x fewer gradient bytes."""
-    ref, ours = _run("fsdp"), _run("fsdp-quant4-int8")
-    print(f"\nfsdp-quant4-int8: {100 * ours['accuracy']:.2f}% vs fsdp "
+def test_sharded_quantized_training_within_margin_of_fsdp2(plain):
+    """FSDP2 with 4-bit gradients and int8 weights (compress_fsdp) against the uncompressed
+    run, same seed and data: within FSDP_MARGIN points, and 7x fewer gradient bytes. The
+    uncompressed run is plain DDP's: FSDP2 with its own collectives ends on the same loss, to the
+    last bit (0.40441823422908785, 86.55% both, torch 2.15, 2026-11-28), so training it as well
+    only repeated that run (70 s of CI); GRADCOMP_CI_FULL=1 trains it and checks the identity."""
+    ref, ours = plain, _run("fsdp-quant4-int8")
+    if ci_stages.full_run():
+        fsdp = _run("fsdp")
+        assert fsdp["final_loss"] == plain["final_loss"], (fsdp["final_loss"], plain["final_loss"])
+    print(f"\nfsdp-quant4-int8: {100 * ours['accuracy']:.2f}% vs uncompressed "
           f"{100 * ref['accuracy']:.2f}%")
     assert ours["accuracy"] >= ref["accuracy"] - FSDP_MARGIN / 100
     t = ours["fsdp_totals"]

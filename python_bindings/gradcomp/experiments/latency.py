@@ -16,12 +16,14 @@ on a real link.
 Rounds per collective (``rounds()``), as the textbook algorithms over P ranks have them: ring
 allreduce 2(P - 1); ring allgather and reduce-scatter P - 1; binomial-tree broadcast and reduce
 and dissemination barrier ceil(log2 P); pairwise all-to-all, direct gather and scatter 1 (every
-pair at once); send / recv 1.
-These are the counts the cost model uses (gradcomp.scale); gloo's own algorithms may take other
-paths, and tests/python/test_latency.py measures what the emulation gives against this model.
+pair at once); send / recv 1. The scale model (gradcomp.scale) counts the same for allreduce
+and allgather, and P - 1 for all-to-all (a pairwise exchange; gloo posts every pair at once).
+experiments/latency_check.py measures what the emulation gives against the alpha-beta model,
+tests/python/test_latency.py checks it.
 
 Use: ``register(latency_s)`` in every rank before ``init_process_group("gloo_latency", ...)``;
-subgroups made with ``dist.new_group(...)`` get the same latency. The group keeps the order of
+subgroups made with ``dist.new_group(...)`` get the same latency (with ``per_node``, none inside
+one node). The group keeps the order of
 collectives (one release queue per group), which gloo needs on every rank alike. Needs torch 2.x
 (a process group written in Python, with futures, is what DDP's reducer can call); on torch 1.13
 ``register`` raises RuntimeError saying so.
