@@ -51,6 +51,24 @@ LAT = 0.05
 SLACK = 0.06
 
 
+def _start(rank, world, port, lat):
+    """A rank of these tests: one thread, gloo with `lat` seconds one way per round."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    latency.register(lat)
+    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+
+
+def _finish(rank, res, out):
+    """Rank 0 saves `res` to `out`; every rank leaves once all are done (no teardown)."""
+    if rank == 0:
+        torch.save(res, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank()
+
+
 def _timed(fn, reps=5):
     """The median time of `reps` calls, each after a barrier."""
     ts = []
@@ -63,11 +81,7 @@ def _timed(fn, reps=5):
 
 
 def _collectives(rank, world, port, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    latency.register(LAT)
-    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    _start(rank, world, port, LAT)
     res = {}
     t = torch.arange(5, dtype=torch.float32) * (rank + 1)
     dist.all_reduce(t)
@@ -107,11 +121,7 @@ def _collectives(rank, world, port, out):
             dist.send(one, 0)
 
     res["t_pingpong"] = _timed(pingpong)
-    if rank == 0:
-        torch.save(res, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_rank()
+    _finish(rank, res, out)
 
 
 @needs_torch2
@@ -134,11 +144,7 @@ def test_collectives_are_right_in_order_and_late_by_their_rounds(tmp_path):
 
 
 def _train(rank, world, port, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    latency.register(0.002)
-    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    _start(rank, world, port, 0.002)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -167,11 +173,7 @@ def _train(rank, world, port, out):
         res[mode] = all(torch.equal(every[0], q) for q in every)
         if state is not None:
             state.close()
-    if rank == 0:
-        torch.save(res, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_rank()
+    _finish(rank, res, out)
 
 
 @needs_torch2
@@ -182,11 +184,7 @@ def test_ddp_and_hooks_train_through_it(tmp_path):
 
 
 def _auto(rank, world, port, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    latency.register(LAT)
-    dist.init_process_group(latency.BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    _start(rank, world, port, LAT)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradcomp.torch as gt
@@ -202,12 +200,8 @@ def _auto(rank, world, port, out):
         opt.zero_grad()
         model(torch.randn(8, 32, generator=gen)).square().mean().backward()
         opt.step()
-    if rank == 0:
-        torch.save({"trials": state.trials, "choices": dict(state.choices)}, out)
     state.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_rank()
+    _finish(rank, {"trials": state.trials, "choices": dict(state.choices)}, out)
 
 
 @needs_torch2
