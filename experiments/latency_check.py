@@ -127,7 +127,8 @@ def main():
         pp = statistics.median(r["pingpong"])
         if base is None:
             base = (a0, b, pp)
-        rows.append({"latency_s": lat, "alpha_fit_s": a0, "bandwidth_Bps": 1.0 / b if b > 0 else None,
+        rows.append({"latency_s": lat, "alpha_fit_s": a0,
+                     "bandwidth_Bps": 1.0 / b if b > 0 else None,
                      "alpha_added_s": a0 - base[0], "alpha_model_s": k * lat,
                      "pingpong_s": pp, "pingpong_added_s": pp - base[2],
                      "pingpong_model_s": 2 * lat,
