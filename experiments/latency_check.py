@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,10 +70,8 @@ def _measure(rank, world, init, lat, sizes, reps, out):
 
 def _fit(xs, ys):
     """Least squares y = a + b x; returns (a, b)."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - b * mx, b
+    b, a = np.polyfit(np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64), 1)
+    return float(a), float(b)
 
 
 def run_one(world, lat, sizes, reps, netns, timeout, tmp):

@@ -16,53 +16,56 @@
 
 namespace gradcomp::test {
 
-/// The draws of normal() and heavy_tailed(), remembered by their arguments: the suites draw the
-/// same data again for each setting they sweep, and under the sanitizers (clang -O1) drawing was
-/// a third of test_topk's time and 40% of the longest test of test_make_plan, because
-/// libstdc++'s generate_canonical calls logl per sample, which clang does not fold. Returns
-/// copies (a caller may write to its vector); emptied past 64 MiB; safe from several threads.
-template <class Draw>
-std::vector<float> remembered_draw(int kind, int64_t n, uint64_t seed, float param, Draw draw) {
-  using Key = std::tuple<int, int64_t, uint64_t, float>;
+/// Test data remembered by what determines it: `draw()` runs once per `key` (a tuple of the
+/// draw's arguments), later calls get a copy (a caller may write to its data). The suites draw
+/// the same data again for each setting they sweep, and under the sanitizers (clang -O1) drawing
+/// was a third of test_topk's time and 40% of the longest tests of test_make_plan and
+/// test_onebit, because libstdc++'s generate_canonical calls logl per sample, which clang does
+/// not fold. One cache per kind of draw (each `Draw` type), emptied past 64 MiB (`bytes_of`
+/// says what a value holds); safe from several threads.
+template <class Key, class Draw, class BytesOf>
+auto remembered(const Key& key, Draw draw, BytesOf bytes_of) -> decltype(draw()) {
+  using Value = decltype(draw());
   static std::mutex mu;
-  static std::map<Key, std::vector<float>> cache;
+  static std::map<Key, Value> cache;
   static size_t bytes = 0;
-  const Key key{kind, n, seed, param};
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  std::vector<float> v = draw();
+  Value v = draw();
   std::lock_guard<std::mutex> lock(mu);
-  bytes += 4 * v.size();
+  bytes += bytes_of(v);
   if (bytes > (size_t{64} << 20)) {
     cache.clear();
-    bytes = 4 * v.size();
+    bytes = bytes_of(v);
   }
   cache.emplace(key, v);
   return v;
 }
 
+inline size_t float_bytes(const std::vector<float>& v) { return 4 * v.size(); }
+
 inline std::vector<float> normal(int64_t n, uint64_t seed, float sigma = 1.0f) {
-  return remembered_draw(0, n, seed, sigma, [&] {
+  return remembered(std::tuple{n, seed, sigma}, [&] {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> d(0.0f, sigma);
     std::vector<float> v(static_cast<size_t>(n));
     for (auto& x : v) x = d(rng);
     return v;
-  });
+  }, float_bytes);
 }
 
 /// Heavy-tailed (Student-t with 2 degrees of freedom).
 inline std::vector<float> heavy_tailed(int64_t n, uint64_t seed) {
-  return remembered_draw(1, n, seed, 2.0f, [&] {
+  return remembered(std::tuple{n, seed}, [&] {
     std::mt19937_64 rng(seed);
     std::student_t_distribution<float> d(2.0f);
     std::vector<float> v(static_cast<size_t>(n));
     for (auto& x : v) x = d(rng);
     return v;
-  });
+  }, float_bytes);
 }
 
 /// Bitwise equality of n bytes; n == 0 is equal whatever the pointers (memcmp(nullptr, ...) is

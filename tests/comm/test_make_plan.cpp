@@ -385,28 +385,7 @@ TEST(MakePlan, ErrorFeedbackStaysBoundedForEveryFamily) {
                        {{"scaling", std::string(sc)}, {"rotate", rotate}},
                        4.0,
                        std::string("onebit ") + sc + (rotate ? " rotate" : "")});
-  // the gradients of every step, drawn once: every case trains on the same ones (drawing them
-  // per case took 40% of the test's time under ASan)
   const auto fixed = gc::test::rank_input(n, 0, 91);
-  std::vector<std::vector<std::vector<float>>> grads[3];  // [kind][step][rank]
-  for (int kind = 0; kind < 3; ++kind)
-    for (int s = 0; s < steps; ++s) {
-      std::vector<std::vector<float>> g(P);
-      for (int r = 0; r < P; ++r) {
-        if (kind == 1) {
-          g[r] = fixed;
-          if (r == 1)
-            for (float& v : g[r]) v *= -0.9f;
-        } else {
-          g[r] = gc::test::rank_input(n, r, 1000 + s);
-          if (kind == 2) {
-            const auto d = gc::test::rank_input(n, r, 5000 + s);
-            for (int64_t i = 0; i < n; ++i) g[r][i] /= std::sqrt(0.5f * (d[i] * d[i] + 1e-3f));
-          }
-        }
-      }
-      grads[kind].push_back(std::move(g));
-    }
   for (const auto& c : cases)
     for (int kind = 0; kind < 3; ++kind) {
       gc::BucketSpec b;
@@ -423,7 +402,20 @@ TEST(MakePlan, ErrorFeedbackStaysBoundedForEveryFamily) {
       std::vector<double> drift(n, 0.0);
       double gmax = 0, outmax = 0;
       for (int s = 0; s < steps; ++s) {
-        const auto& g = grads[kind][static_cast<size_t>(s)];
+        std::vector<std::vector<float>> g(P);
+        for (int r = 0; r < P; ++r) {
+          if (kind == 1) {
+            g[r] = fixed;
+            if (r == 1)
+              for (float& v : g[r]) v *= -0.9f;
+          } else {
+            g[r] = gc::test::rank_input(n, r, 1000 + s);
+            if (kind == 2) {
+              const auto d = gc::test::rank_input(n, r, 5000 + s);
+              for (int64_t i = 0; i < n; ++i) g[r][i] /= std::sqrt(0.5f * (d[i] * d[i] + 1e-3f));
+            }
+          }
+        }
         std::vector<double> mean(n, 0.0);
         for (int r = 0; r < P; ++r)
           for (int64_t i = 0; i < n; ++i) {

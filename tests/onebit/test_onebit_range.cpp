@@ -12,7 +12,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -158,25 +157,13 @@ Grad draw_grad(DType t, Mag m, int64_t n, uint64_t seed) {
   return g;
 }
 
-/// draw_grad, remembered: the sweeps below draw the same gradient for every setting of the
-/// codec (scaling, error feedback, chunk), and drawing took about 40% of their time under
-/// ASan (libstdc++'s generate_canonical calls logl per sample where clang does not fold it).
-/// The cache is emptied past 64 MiB.
+/// draw_grad, remembered (gradcomp::test::remembered): the sweeps below draw the same gradient
+/// for every setting of the codec (scaling, error feedback, chunk).
 Grad make_grad(DType t, Mag m, int64_t n, uint64_t seed) {
-  using Key = std::tuple<int, int, int64_t, uint64_t>;
-  static std::map<Key, Grad> cache;
-  static size_t bytes = 0;
-  const Key key{static_cast<int>(t), static_cast<int>(m), n, seed};
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  Grad g = draw_grad(t, m, n, seed);
-  bytes += 6 * g.f.size();
-  if (bytes > (size_t{64} << 20)) {
-    cache.clear();
-    bytes = 6 * g.f.size();
-  }
-  cache.emplace(key, g);
-  return g;
+  return gradcomp::test::remembered(
+      std::tuple{static_cast<int>(t), static_cast<int>(m), n, seed},
+      [&] { return draw_grad(t, m, n, seed); },
+      [](const Grad& g) { return 4 * g.f.size() + 2 * g.h.size(); });
 }
 
 /// The compensated value of the definition: g + e in fp32, saturated to +-FLT_MAX.

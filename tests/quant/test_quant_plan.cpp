@@ -226,25 +226,21 @@ TEST(QuantPlan, MatchesScalarReferenceForEveryOption) {
 }
 
 TEST(QuantPlan, LargeBucketsAndOtherBlockSizes) {
-  const int64_t n = 300001;
-  const int P = 3;
-  // the gradients of both steps, drawn once for every setting (drawing them per setting took
-  // most of the test's time under ASan)
-  std::vector<std::vector<float>> drawn[2];
-  for (int step = 0; step < 2; ++step)
-    for (int r = 0; r < P; ++r) drawn[step].push_back(test::heavy_tailed(n, 10 * step + r));
   for (int bits : {2, 4, 8})
     for (int64_t S : {32, 1024, 8192}) {
       QuantConfig c;
       c.bits = bits;
       c.block_size = S;
+      const int64_t n = 300001;
+      const int P = 3;
       auto plans = make_ranks(c, n, P);
       Ref R{c, P, n, plans[0]->chunk_elems()};
       RefRanks st;
       st.we.assign(P, std::vector<float>(n, 0.0f));
       st.se.assign(P, std::vector<float>(R.CE, 0.0f));
       for (int step = 0; step < 2; ++step) {
-        std::vector<std::vector<float>> g = drawn[step];
+        std::vector<std::vector<float>> g(P);
+        for (int r = 0; r < P; ++r) g[r] = test::heavy_tailed(n, 10 * step + r);
         const auto want = ref_step(R, st, g, step);
         run(plans, g);
         for (int r = 0; r < P; ++r)
