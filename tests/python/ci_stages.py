@@ -61,6 +61,8 @@ STAGES = {
     "test_onebit_adam.py": (_ALL, "1-bit Adam: torch's optimizer API and the hook's C++ state"),
     "test_overlap.py": (_ALL, "the hooks' overlap with backward under DDP"),
     "test_qsr_py.py": (_ALL, "the C++ QSR scheduler; Local SGD averaging over torch.distributed"),
+    "test_diloco.py": (_ALL, "the outer step (DiLoCo), streaming fragments, round headers and "
+                             "checkpoints against a NumPy reference"),
     "test_reshard.py": (_ALL, "checkpoints resharded to another world size (C++ reshard_state) "
                               "under DDP"),
     "test_restart.py": (_ALL, "bitwise resume from checkpoints of every plan's C++ state, DDP's "

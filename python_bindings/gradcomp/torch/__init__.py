@@ -44,8 +44,8 @@ from ._stats import format_timeline, timeline  # noqa: F401
 from .dropcompute import CudaEventClock, DropCompute  # noqa: F401
 from .fsdp import FSDPCompression, compress_fsdp  # noqa: F401
 from .onebit_adam import OneBitAdam  # noqa: F401
-from .qsr import QSRAverager  # noqa: F401
+from .qsr import QSRAverager, diloco  # noqa: F401
 
 __all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "format_timeline",
-           "gather_state_dict", "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager", "OneBitAdam",
-           "compress_fsdp", "FSDPCompression"]
+           "gather_state_dict", "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager",
+           "diloco", "OneBitAdam", "compress_fsdp", "FSDPCompression"]
