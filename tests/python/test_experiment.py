@@ -105,6 +105,25 @@ def test_local_adamw_with_qsr_and_a_constant_period():
     assert qsr["wire_bytes_per_step"] == pytest.approx(dense_wire * len(s) / 40)
 
 
+def test_diloco_configuration():
+    """DiLoCo in the experiment: local AdamW replicas with an outer Nesterov step every 4 steps,
+    the pseudo-gradient in 4-bit blocks, streamed in two fragments merged a step late. It trains,
+    and its wire bytes are what the averager counted: far below one 4-bit exchange of the
+    parameters per step (a quarter of the steps, eight times fewer bytes than fp32)."""
+    base = dict(seed=0, lr=1e-3, momentum=0.0, batch=32, epochs=1, steps=40, model="cnn",
+                train_subset=2560, test_subset=500, log_every=8, eval_every=0,
+                optimizer="adamw", weight_decay=0.05, warmup_steps=4)
+    r = fm.run_config(dict(base, config="qsr:alpha=0;h_base=4;outer=nesterov;fragments=2;"
+                                        "delay=1;compressor=quant;bits=4"), world=2)
+    assert r["sync_steps"] == list(range(4, 41, 4))
+    assert r["accuracy"] > 0.5
+    dense_wire = r["plain_wire_bytes_per_step"]
+    # measured 2026-11-28: 1.7% of plain DDP's bytes per step at H = 8 (54,774 of 3,297,832)
+    assert 0 < r["wire_bytes_per_step"] < dense_wire / 4 / 6
+    with pytest.raises(Exception, match="unknown QSRAverager options"):  # raised in the rank
+        fm.run_config(dict(base, config="qsr:alpha=0;h_base=4;outer=nesterov;bits=4"), world=1)
+
+
 def test_onebit_adam_configuration():
     """1-bit Adam in the experiment: OneBitAdam with hook("onebit", adam=opt), the variance
     frozen after 30% of the steps; it trains, and the bytes per step drop after the freeze."""

@@ -163,11 +163,25 @@ CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "onebit-adam": ("onebit", dict(adam=0.3), False),
     "local-qsr": ("qsr", dict(alpha=0.002, h_base=4), False),
     "local-h4": ("qsr", dict(alpha=0.0, h_base=4), False),
+    # DiLoCo: the same local replicas, with an outer step (QSRAverager(outer="nesterov"): SGD
+    # with Nesterov momentum 0.9, lr 0.7) on the averaged pseudo-gradient every h_base steps;
+    # "compressor" (with its options) compresses the pseudo-gradient with error feedback, and
+    # fragments / delay stream it (Streaming DiLoCo). Other settings as 'qsr:outer=nesterov;...'
+    "diloco-h16": ("qsr", dict(alpha=0.0, h_base=16, outer="nesterov"), False),
+    "diloco-h16-quant4": ("qsr", dict(alpha=0.0, h_base=16, outer="nesterov",
+                                      compressor="quant", bits=4), False),
+    "diloco-h16-stream": ("qsr", dict(alpha=0.0, h_base=16, outer="nesterov", fragments=4,
+                                      delay=2, compressor="quant", bits=4), False),
+    "diloco-qsr": ("qsr", dict(alpha=0.002, h_base=16, outer="nesterov"), False),
     "fsdp": ("fsdp", {}, False),
     "fsdp-bf16": ("fsdp", dict(grads="bf16", params="bf16"), False),
     "fsdp-quant4": ("fsdp", dict(grads="quant", bits=4), False),
     "fsdp-quant4-int8": ("fsdp", dict(grads="quant", bits=4, params="int8"), False),
 }
+#: the QSRAverager arguments a 'qsr' configuration may set besides alpha and h_base (others are
+#: the named compressor's options)
+_AVERAGER_KEYS = ("outer", "outer_lr", "outer_momentum", "fragments", "delay", "mixing",
+                  "compressor")
 #: suffixes a configuration may carry: "+slow" injects log-normal delays on the last rank and
 #: trains with micro-batches; "+dropcompute" adds DropCompute (automatic tau) to that loop;
 #: "+hier" runs the hook's two-level plan (hierarchy="node", nodes of --per-node ranks)
@@ -325,14 +339,21 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     lr = float(args["lr"])
     if freeze is None:
         opt, lr_factor = make_optimizer(model.parameters(), args, hook_momentum, total_steps)
-    avg = None
+    avg, outer = None, False
     qsr_next = [0]  # the step whose learning rate the averager reads
     if local:
         from gradcomp.torch import QSRAverager
 
+        avg_kw = {k: opts[k] for k in _AVERAGER_KEYS if k in opts}
+        rest = {k: v for k, v in opts.items() if k not in _AVERAGER_KEYS + ("alpha", "h_base")}
+        if rest:  # the named compressor's options
+            if "compressor" not in avg_kw:
+                raise ValueError(f"{args['config']!r}: unknown QSRAverager options {sorted(rest)}")
+            avg_kw["compressor_options"] = rest
         avg = QSRAverager(net, lambda: lr * lr_factor(qsr_next[0]), alpha=float(opts["alpha"]),
                           h_base=int(opts["h_base"]), total_steps=total_steps,
-                          warmup_steps=int(args.get("warmup_steps", 0)))
+                          warmup_steps=int(args.get("warmup_steps", 0)), **avg_kw)
+        outer = avg.outer_optimizer is not None
     log_every = int(args.get("log_every", 25))
     eval_every = int(args.get("eval_every") or 0)
 
@@ -421,6 +442,9 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
             elif state is not None:
                 total = state.totals["wire_bytes"]
                 wire, wire_seen = total - wire_seen, total
+            elif local and outer:  # what the outer steps put on this rank's link
+                wire = avg.wire_bytes - local_wire
+                local_wire = avg.wire_bytes
             elif local:  # an averaging is one ring allreduce of the parameters
                 wire = ring_wire(plain_bytes) if synced else 0.0
                 local_wire += wire
@@ -479,6 +503,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "final_loss": sum(losses[-25:]) / max(1, len(losses[-25:])),
                "dense_bytes": dense,
                "bytes_sent_per_step": (fsdp_wire if fsdp else
+                                       None if local and outer else
                                        plain_bytes * len(avg.sync_steps) / max(1, step)
                                        if local else
                                        (sum(sent) / len(sent)) if state is not None and sent
