@@ -418,3 +418,67 @@ def test_bad_outer_options(kw, match):
     alpha = kw.pop("alpha", 0.0)
     with pytest.raises(ValueError, match=match):
         QSRAverager(model, lambda: 0.1, alpha=alpha, h_base=4, total_steps=10, **kw)
+
+
+# -- a gathered checkpoint on another number of ranks ----------------------------------------------
+RESHARD = dict(_cfg([33, 17, 9], [(0, 1), (1, 3)], h=4, total=13, tau=1, mixing=0.5),
+               kw=dict(compressor="topk", compressor_options=dict(ratio=0.25)))
+
+
+def _gather_worker(rank, world, out):
+    from gradcomp.torch import gather_state_dict
+    cfg = RESHARD
+    model = Params(init_for(cfg["seed"], cfg["sizes"]))
+    avg = _averager(cfg, model)
+    _run_steps(cfg, model, avg, rank, range(1, 7))  # fragment 1's round of step 6 in flight
+    sd = gather_state_dict(avg)
+    if rank == 0:
+        torch.save(sd, os.path.join(out, "gathered.pt"))
+
+
+def _reshard_worker(rank, world, out):
+    import copy
+    import torch.distributed as dist
+    cfg = RESHARD
+    sd = torch.load(os.path.join(out, "gathered.pt"))
+    model = Params(init_for(99, cfg["sizes"]))
+    avg = _averager(cfg, model)
+    bad = copy.deepcopy(sd)  # one rank's outer parameters differ: refused by every rank
+    bad["ranks"][-1]["outer"]["params"][0][0] += 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        avg.load_state_dict(bad)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    avg.load_state_dict(sd)
+    loaded = [p.detach().clone() for p in model.parameters()]
+    pending = len(avg._outer.pending)
+    _run_steps(cfg, model, avg, rank, range(7, cfg["total"] + 1))
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    got = [torch.empty_like(final) for _ in range(world)]
+    dist.all_gather(got, final)
+    torch.save(dict(refused=refused, unchanged=unchanged, loaded=loaded, pending=pending,
+                    identical=all(torch.equal(got[0], g) for g in got),
+                    finite=bool(torch.isfinite(final).all())),
+               os.path.join(out, f"w{world}_r{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_gathered_checkpoint_on_another_world_size(world):
+    out = tmpdir()
+    run(_gather_worker, 2, out)
+    run(_reshard_worker, world, out)
+    sd = torch.load(os.path.join(out, "gathered.pt"))
+    old = [r["outer"]["model"] for r in sd["ranks"]]
+    for r in range(world):
+        res = torch.load(os.path.join(out, f"w{world}_r{r}.pt"))
+        assert res["refused"] is not None and res["unchanged"], res["refused"]
+        if world > 1:
+            assert "every rank" in res["refused"] or "rank 0's" in res["refused"]
+        # every new replica is the mean of the old ones: the round's average pseudo-gradient
+        for i, p in enumerate(res["loaded"]):
+            mean = (old[0][f"ps.{i}"].double() + old[1][f"ps.{i}"].double()) / 2
+            torch.testing.assert_close(p, mean.float(), rtol=0, atol=1e-6)
+        assert res["pending"] == 1 and res["identical"] and res["finite"]

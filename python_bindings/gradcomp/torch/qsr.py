@@ -61,6 +61,7 @@ from gradcomp import _C
 
 from ._compat import global_rank
 from ._driver import run_sync, wire_bytes
+from ._reshard import is_gathered, whole_or_none
 from ._families import COMPRESSORS
 
 __all__ = ["QSRAverager", "diloco"]
@@ -628,10 +629,84 @@ class QSRAverager:
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` (one rank's, on as many ranks). Everything is checked
-        first; a bad checkpoint is refused whole with a ValueError and nothing changes. Every
-        rank must load its own rank's state: a rank that loads another round than its peers
-        gets a ValueError at the next exchange, on every rank."""
+        """Restores :meth:`state_dict`: one rank's, on as many ranks, or a gathered checkpoint
+        (``gradcomp.torch.gather_state_dict(averager)``: every rank's) on any number of ranks.
+        Everything is checked first; a bad checkpoint is refused whole with a ValueError and
+        nothing changes (a gathered one by every rank alike). A rank that loads another round
+        than its peers gets a ValueError at the next exchange, on every rank.
+
+        On another number of ranks (outer step only), each new rank takes the parts every rank
+        shares (outer parameters and optimizer, rounds, results waiting for their merge), the
+        element-wise mean of the old replicas (so the round's average pseudo-gradient is what it
+        was) and each fragment plan's error feedback resharded as the hooks' is
+        (``gradcomp._C.reshard_state``: its sum over ranks divided by the world size kept)."""
+        gathered = is_gathered(sd)
+        if gathered and self._outer is None:
+            raise ValueError("a gathered checkpoint is for the outer step's per-rank state; a "
+                             "parameter-averaging QSRAverager's state_dict() is the same on "
+                             "every rank: load it as it is")
+        apply = whole_or_none(gathered, self.process_group,
+                              lambda: self._check_state(self._own_state(sd) if gathered else sd))
+        apply()
+
+    def _own_state(self, sd: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's state from a gathered checkpoint (resharded for another world size)."""
+        world, rank = self._world(), dist.get_rank(self.process_group)
+        ranks, P = sd.get("ranks"), sd.get("world_size")
+        if (isinstance(P, bool) or not isinstance(P, int) or P < 1
+                or not isinstance(ranks, list) or len(ranks) != P
+                or not all(isinstance(s, dict) and isinstance(s.get("outer"), dict)
+                           for s in ranks)):
+            raise ValueError("gathered checkpoint: needs 'world_size' P and 'ranks', P outer-step "
+                             "states")
+        if world == P:
+            return ranks[rank]
+        base = ranks[0]
+        for r, s in enumerate(ranks[1:], 1):  # one job's checkpoint of one step
+            for k in ("step_count", "sync_steps", "last_sync", "next_sync"):
+                if s.get(k) != base.get(k):
+                    raise ValueError(f"gathered checkpoint: rank {r} has {k} = {s.get(k)!r}, "
+                                     f"rank 0 {base.get(k)!r}: not one job's checkpoint of one "
+                                     f"step")
+            o, b = s["outer"], base["outer"]
+            for k in ("world_size", "fragments", "delay", "mixing", "options", "numel",
+                      "rounds"):
+                if o.get(k) != b.get(k):
+                    raise ValueError(f"gathered checkpoint: rank {r}'s outer {k} = "
+                                     f"{o.get(k)!r}, rank 0's {b.get(k)!r}")
+            if not _same_tensors(o.get("params"), b.get("params")) or not _same_tensors(
+                    o.get("pending"), b.get("pending")):
+                raise ValueError(f"gathered checkpoint: rank {r}'s outer parameters or pending "
+                                 f"results differ from rank 0's (every rank holds the same)")
+        models = [s["outer"].get("model") for s in ranks]
+        if not all(isinstance(m, dict) and set(m) == set(models[0]) for m in models):
+            raise ValueError("gathered checkpoint: the ranks' replicas have different entries")
+        local = {}
+        for k, v in models[0].items():
+            vs = [m[k] for m in models]
+            if (not all(isinstance(x, torch.Tensor) and x.shape == v.shape
+                        and x.dtype == v.dtype for x in vs)):
+                raise ValueError(f"gathered checkpoint: replica entry {k!r} differs in shape or "
+                                 f"type between ranks")
+            local[k] = (torch.stack([x.double() for x in vs]).mean(0).to(v.dtype)
+                        if v.is_floating_point() else v.clone())
+        plans = base["outer"].get("plans")
+        if isinstance(plans, dict):
+            new = {}
+            for f in plans:
+                states = [s["outer"].get("plans", {}).get(f) for s in ranks]
+                if not all(isinstance(x, (bytes, bytearray)) for x in states):
+                    raise ValueError(f"gathered checkpoint: fragment {f!r}'s plan state must be "
+                                     f"bytes on every rank")
+                try:
+                    new[f] = _C.reshard_state([bytes(x) for x in states], world, rank)
+                except ValueError as e:
+                    raise ValueError(f"gathered checkpoint: fragment {f!r}: {e}") from None
+            plans = new
+        return dict(base, outer=dict(base["outer"], world_size=world, model=local, plans=plans))
+
+    def _check_state(self, sd: Dict[str, Any]) -> Callable[[], None]:
+        """Everything load_state_dict() checks, nothing applied; returns what applies it."""
         if not isinstance(sd, dict):
             raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
         need = ("version", "step_count", "sync_steps", "periods", "last_sync")
@@ -665,17 +740,19 @@ class QSRAverager:
         applied = self._check_outer_state(sd) if self._outer is not None else None
         if self._outer is None and "outer" in sd:
             raise ValueError("state_dict holds an outer step; this averager averages parameters")
-        # everything checked: apply
-        if sched is not None:
-            self.scheduler = sched
-        self.step_count = step
-        self.sync_steps = list(sd["sync_steps"])
-        self.periods = list(sd["periods"])
-        self._last_sync = (int(last[0]), float(last[1]))
-        self.skipped = [tuple(s) for s in sd.get("skipped", [])]
-        self.wire_bytes = int(sd.get("wire_bytes", 0))
-        if applied is not None:
-            applied()
+
+        def apply() -> None:  # everything checked
+            if sched is not None:
+                self.scheduler = sched
+            self.step_count = step
+            self.sync_steps = list(sd["sync_steps"])
+            self.periods = list(sd["periods"])
+            self._last_sync = (int(last[0]), float(last[1]))
+            self.skipped = [tuple(s) for s in sd.get("skipped", [])]
+            self.wire_bytes = int(sd.get("wire_bytes", 0))
+            if applied is not None:
+                applied()
+        return apply
 
     def _check_outer_state(self, sd: Dict[str, Any]) -> Callable[[], None]:
         """Checks the outer part of a checkpoint; returns what applies it."""
@@ -770,6 +847,17 @@ class QSRAverager:
             if fresh is not None:
                 self.compressor.plans = fresh.plans
         return apply
+
+
+def _same_tensors(a, b) -> bool:
+    """a and b hold the same structure of lists and values, tensors equal to the bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))
+                and len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b)))
+    return a == b
 
 
 def diloco(model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, h: int,
