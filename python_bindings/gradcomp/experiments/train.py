@@ -520,6 +520,8 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
                "samples_fraction": float(fr.mean()), "samples_fraction_per_rank": fr.tolist(),
                "dropcompute_tau": (dc.tau if dc is not None else None),
                "sync_steps": avg.sync_steps if avg is not None else None,
+               # rank 0's seconds in the averager's step(): what synchronizing cost its wall time
+               "sync_s": avg.sync_seconds if avg is not None else None,
                "freeze_step": freeze,
                "steps_log": steps_log,
                "log": log}

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import time
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -269,6 +270,9 @@ class QSRAverager:
         self.periods: List[int] = [self.scheduler.period]  #: H after each averaging (and at 0)
         self.skipped: List[Tuple[int, int]] = []  #: (step, fragment) rounds skipped (not finite)
         self.wire_bytes = 0           #: bytes this rank put on its link for synchronizations
+        #: seconds this rank spent in step(): the synchronizations' share of its wall time (what
+        #: a delayed exchange did not hide behind the inner steps, and the outer steps)
+        self.sync_seconds = 0.0
         self._anchor: Optional[Dict[int, torch.Tensor]] = None
         self._last_sync = (0, self._initial_lr)  # (step, lr) the schedule was last set from
         self._outer: Optional[_Outer] = None
@@ -360,6 +364,13 @@ class QSRAverager:
     def step(self) -> bool:
         """Call after each local optimizer step (and after the LR scheduler's step). Returns
         True when a synchronization (of any fragment) started or merged now."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.sync_seconds += time.perf_counter() - t0
+
+    def _step(self) -> bool:
         if self.step_count >= self.scheduler.config.total_steps:
             raise ValueError(f"QSRAverager.step(): all total_steps = "
                              f"{self.scheduler.config.total_steps} steps are done")
