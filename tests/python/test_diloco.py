@@ -261,6 +261,9 @@ DISAGREE = {
     # found only at a round: after step 3 rank 1's learning rate falls, so at the round of
     # step 4 its QSR period is (0.1 / 0.02)^2 = 25 where rank 0's stays (0.1 / 0.05)^2 = 4
     "period": (dict(), dict(lr_after_3=0.02)),
+    # rank 1 loads alone, after step 8, the checkpoint it saved after step 4: at the next round
+    # (rank 0's third, at step 12; rank 1's second, at its step 8 again) the headers differ
+    "round": (dict(), dict(reload_after_8=True)),
 }
 
 
@@ -280,10 +283,17 @@ def _disagree_worker(rank, world, out):
                                   h_base=2, total_steps=12, outer="nesterov")
             else:
                 avg = _averager(cfg, model)
-            for t in range(1, cfg["total"] + 1):
+            saved, t = None, 0
+            while avg.step_count < cfg["total"]:
+                t = avg.step_count + 1
                 _inner_step(cfg, model, rank, t)
                 now[0] = t
                 avg.step()
+                if cfg.get("reload_after_8") and t == 4 and saved is None:
+                    saved = avg.state_dict()
+                if cfg.get("reload_after_8") and t == 8 and saved is not None:
+                    avg.load_state_dict(saved)
+                    cfg["reload_after_8"] = False
             res[name] = None
         except ValueError as e:
             res[name] = (str(e), now[0])
@@ -302,6 +312,9 @@ def test_ranks_that_disagree_all_raise():
             assert res[name] is not None and "disagree" in res[name][0], (name, res[name])
         # settings are compared when the averagers are built; a schedule that drifts, at the
         # first round it changes
+        if name == "round":
+            assert "round" in r0[name][0] and (r0[name][1], r1[name][1]) == (12, 8)
+            continue
         assert r0[name][1] == r1[name][1] == (4 if name == "period" else 0), name
 
 
