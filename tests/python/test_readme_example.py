@@ -15,10 +15,12 @@ from ddp_util import free_port, mark_ok, params_equal_across_ranks, run_ok  # no
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 
-def _example() -> str:
+def _example(containing: str = "") -> str:
+    """The README's first ```python block (that contains `containing`)."""
     with open(README) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    assert blocks, "the README has no PyTorch example"
+    blocks = [b for b in blocks if containing in b]
+    assert blocks, f"the README has no PyTorch example with {containing!r}"
     return blocks[0]
 
 
@@ -47,3 +49,28 @@ def test_readme_pytorch_example_runs():
     code = _example()
     assert "gt.hook(" in code and "register_comm_hook" in code
     run_ok(_worker, 2, free_port(), code)
+
+
+def _diloco_worker(rank, world, out_dir, port, code):
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    g = torch.Generator().manual_seed(rank)
+
+    def make_model():
+        torch.manual_seed(rank)  # unlike replicas: the averager starts them from rank 0's
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    loader = [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+              for _ in range(40)]
+    env = {"make_model": make_model, "loader": loader}
+    exec(compile(code, "README.md", "exec"), env)
+    avg, model = env["avg"], env["model"]
+    assert params_equal_across_ranks(model)
+    assert avg.sync_steps == [16, 32, 40] and avg.wire_bytes > 0
+    mark_ok(out_dir, rank)
+
+
+def test_readme_diloco_example_runs():
+    code = _example("gt.diloco(")
+    run_ok(_diloco_worker, 2, free_port(), code)
