@@ -24,20 +24,26 @@ def _example(containing: str = "") -> str:
     return blocks[0]
 
 
-def _worker(rank, world, out_dir, port, code):
+def _run_example(rank, world, port, code, model_seed, batches):
+    """Runs the example as a torchrun rank would, with a small model and loader; its globals."""
     dist.destroy_process_group()  # the example makes its own, from the environment (torchrun's)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
     g = torch.Generator().manual_seed(rank)
 
     def make_model():
-        torch.manual_seed(0)
+        torch.manual_seed(model_seed)
         return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
     loader = [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
-              for _ in range(16)]
+              for _ in range(batches)]
     env = {"make_model": make_model, "loader": loader}
     exec(compile(code, "README.md", "exec"), env)
+    return env
+
+
+def _worker(rank, world, out_dir, port, code):
+    env = _run_example(rank, world, port, code, 0, 16)
     state, model = env["state"], env["model"]
     assert params_equal_across_ranks(model)
     assert state.iter == 16
@@ -52,19 +58,8 @@ def test_readme_pytorch_example_runs():
 
 
 def _diloco_worker(rank, world, out_dir, port, code):
-    dist.destroy_process_group()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    g = torch.Generator().manual_seed(rank)
-
-    def make_model():
-        torch.manual_seed(rank)  # unlike replicas: the averager starts them from rank 0's
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-
-    loader = [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
-              for _ in range(40)]
-    env = {"make_model": make_model, "loader": loader}
-    exec(compile(code, "README.md", "exec"), env)
+    # unlike replicas (seeded by rank): the averager starts every rank from rank 0's
+    env = _run_example(rank, world, port, code, rank, 40)
     avg, model = env["avg"], env["model"]
     assert params_equal_across_ranks(model)
     assert avg.sync_steps == [16, 32, 40] and avg.wire_bytes > 0
