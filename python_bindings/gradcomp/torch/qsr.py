@@ -417,7 +417,7 @@ class QSRAverager:
             return True
         for f in range(self.fragments):
             offset = f * h // self.fragments
-            if nxt >= offset and (nxt - offset) % h == 0 and nxt > 0:
+            if nxt >= offset and (nxt - offset) % h == 0:
                 if self.delay == 0:
                     self._finish(self._exchange(f, nxt), f, 0.0)
                 else:
@@ -456,9 +456,9 @@ class QSRAverager:
     def _average_round(self, f: int, header: torch.Tensor, delta: torch.Tensor,
                        buf_flat: Optional[torch.Tensor]):
         group, world = self.process_group, self._world()
+        self.wire_bytes += wire_bytes("allgather", 8 * header.numel(), world)
         if not self._check_headers(header):
             return ("skip",)
-        self.wire_bytes += wire_bytes("allgather", 8 * header.numel(), world)
         if self.compressor is None:
             dist.all_reduce(delta, op=dist.ReduceOp.SUM, group=group)
             delta.div_(world)
