@@ -55,15 +55,6 @@ def _inner(model, inner: str):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
 
 
-def _accuracy(model, x, y) -> float:
-    model.eval()
-    with torch.no_grad():
-        correct = sum(int((model(x[i:i + 2000]).argmax(1) == y[i:i + 2000]).sum())
-                      for i in range(0, len(x), 2000))
-    model.train()
-    return correct / len(x)
-
-
 def _train(model, opt, xtr, ytr, idx, after_step=None) -> float:
     t0 = time.perf_counter()
     for s, ix in enumerate(idx):
@@ -77,7 +68,7 @@ def _train(model, opt, xtr, ytr, idx, after_step=None) -> float:
 
 
 def _worker(rank: int, cfg: dict, port: int, lighthouse: str, out: str) -> None:
-    from gradcomp.experiments.train import make_model
+    from gradcomp.experiments.train import _evaluate, make_model
     torch.set_num_threads(1)
     world, steps = cfg["world"], cfg["steps"]
     xtr, ytr, xte, yte, idx = _data(rank, world, steps, cfg["seed"])
@@ -116,7 +107,7 @@ def _worker(rank: int, cfg: dict, port: int, lighthouse: str, out: str) -> None:
         res["train_s"] = _train(model, opt, xtr, ytr, idx, avg.step)
         res["rounds"] = len(avg.sync_steps)
         res["wire_bytes"] = avg.wire_bytes
-    res["accuracy"] = _accuracy(model, xte, yte)
+    res["accuracy"] = _evaluate(model, xte, yte)
     res["final_params"] = [p.detach().clone() for p in model.parameters()]
     torch.save(res, os.path.join(out, f"{cfg['name']}_r{rank}.pt"))
     if cfg["impl"] != "torchft":
@@ -130,10 +121,8 @@ def _run(cfg: dict, out: str) -> dict:
         from torchft.coordination import LighthouseServer
         server = LighthouseServer(bind="127.0.0.1:0", min_replicas=cfg["world"])
         lighthouse = server.address()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from gradcomp.experiments.launch import free_port
+    port = free_port()
     t0 = time.time()
     mp.start_processes(_worker, args=(cfg, port, lighthouse, out), nprocs=cfg["world"],
                        start_method="spawn")

@@ -116,6 +116,21 @@ _HEADER = ("magic", "round", "step", "period", "fragments", "fragment", "numel",
 _MAGIC = 0x4C6F436F  # marks an outer-step header
 
 
+def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors in one float32 buffer, in order."""
+    return torch.cat([t.detach().reshape(-1).float() for t in ts])
+
+
+@torch.no_grad()
+def _unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+    """Copies consecutive slices of `flat` into the tensors `ts` (cast to their dtypes)."""
+    off = 0
+    for t in ts:
+        n = t.numel()
+        t.copy_(flat[off:off + n].view_as(t))
+        off += n
+
+
 def _fragment_bounds(sizes: Sequence[int], parts: int) -> List[Tuple[int, int]]:
     """Splits tensors of `sizes` elements (in model order) into `parts` contiguous, non-empty
     groups of about equal element count: [begin, end) tensor indices."""
@@ -162,7 +177,7 @@ class _Outer:
         return self.params[b:e]
 
     def _flat(self, f: int) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.tensors(f)])
+        return _flatten(self.tensors(f))
 
     def numel(self, f: int) -> int:
         return self.outer[f].numel()
@@ -176,15 +191,9 @@ class _Outer:
         """The fragment's parameters from its outer parameters: mixing * local + (1 - mixing)
         * outer (mixing 0: the outer parameters exactly)."""
         src = self.outer[f].detach()
-        off = 0
-        for p in self.tensors(f):
-            n = p.numel()
-            new = src[off:off + n].view_as(p)
-            if mixing == 0.0:
-                p.copy_(new)
-            else:
-                p.copy_(p.float() * mixing + new * (1.0 - mixing))
-            off += n
+        if mixing != 0.0:
+            src = self._flat(f) * mixing + src * (1.0 - mixing)
+        _unflatten_into(src, self.tensors(f))
 
     @torch.no_grad()
     def apply(self, f: int, avg_delta: torch.Tensor) -> None:
@@ -441,7 +450,7 @@ class QSRAverager:
         on meanwhile): its header, pseudo-gradient and (fragment 0) floating buffers."""
         delta = self._outer.pseudo_gradient(f)
         bufs = self._buffers() if f == 0 else []
-        buf_flat = torch.cat([b.reshape(-1).float() for b in bufs]) if bufs else None
+        buf_flat = _flatten(bufs) if bufs else None
         finite = bool(torch.isfinite(delta).all()) and (
             buf_flat is None or bool(torch.isfinite(buf_flat).all()))
         header = self._header(f, step, delta.numel(), finite)
@@ -515,12 +524,7 @@ class QSRAverager:
         out.apply(f, avg_delta)
         out.set_local(f, mixing)
         if buf_flat is not None:
-            with torch.no_grad():
-                off = 0
-                for b in self._buffers():
-                    n = b.numel()
-                    b.copy_(buf_flat[off:off + n].view_as(b))
-                    off += n
+            _unflatten_into(buf_flat, self._buffers())
 
     @torch.no_grad()
     def _start_identical(self) -> None:
@@ -534,18 +538,12 @@ class QSRAverager:
         header = self._header(0, 0, sum(sizes), True)
         header[_HEADER.index("round")] = -1
         self._check_headers(header)
-        bufs = self._buffers()
-        flat = torch.cat([o.detach() for o in out.outer]
-                         + [b.reshape(-1).float() for b in bufs])
+        dests = list(out.outer) + self._buffers()
+        flat = _flatten(dests)
         dist.broadcast(flat, src=global_rank(self.process_group, 0), group=self.process_group)
-        off = 0
-        for f, o in enumerate(out.outer):
-            o.copy_(flat[off:off + sizes[f]])
-            off += sizes[f]
+        _unflatten_into(flat, dests)
+        for f in range(self.fragments):
             out.set_local(f, 0.0)
-        for b in bufs:
-            b.copy_(flat[off:off + b.numel()].view_as(b))
-            off += b.numel()
 
     # -- parameter averaging ----------------------------------------------------------------------
     @torch.no_grad()
@@ -571,11 +569,7 @@ class QSRAverager:
                                               world)
             else:
                 flat = self._compressed(flat, i)
-            off = 0
-            for t in group_ts:
-                n = t.numel()
-                t.copy_(flat[off:off + n].view_as(t))
-                off += n
+            _unflatten_into(flat, group_ts)
 
     def _compressed(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         if self._anchor is None:
