@@ -50,6 +50,8 @@ from gradcomp.experiments.launch import free_port  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+PSGD = baselines.PSGD
+
 # (name, kind, options); kind: "ddp", "torch-fp16", "torch-powersgd", or a gradcomp compressor
 CONFIGS = [
     ("ddp", "ddp", {}),
@@ -63,10 +65,10 @@ CONFIGS = [
     ("torch-fp16", "torch-fp16", {}),
     ("ours-fp16", "fp16", {}),
     ("torch-powersgd-r1", "torch-powersgd", {"rank": 1}),
-    ("ours-powersgd-r1", "powersgd", {"rank": 1}),
-    ("ours-powersgd-r1-nocheck", "powersgd", {"rank": 1, "check_finite": False}),
+    ("ours-powersgd-r1", "powersgd", {"rank": 1, **PSGD}),
+    ("ours-powersgd-r1-nocheck", "powersgd", {"rank": 1, "check_finite": False, **PSGD}),
     ("torch-powersgd-r4", "torch-powersgd", {"rank": 4}),
-    ("ours-powersgd-r4", "powersgd", {"rank": 4}),
+    ("ours-powersgd-r4", "powersgd", {"rank": 4, **PSGD}),
     ("ours-topk-0.001", "topk", {"ratio": 0.001}),
     ("ours-topk-0.01", "topk", {"ratio": 0.01}),
     # top-k with the size allgather before every payload allgather (the exchange before
@@ -80,7 +82,7 @@ CONFIGS = [
     # the same hooks without pipelining (each bucket's phases strictly after the previous
     # bucket's): the A/B of the worker's overlap of compression with transfers
     ("ours-fp16-serial", "fp16", {"pipeline": False}),
-    ("ours-powersgd-r4-serial", "powersgd", {"rank": 4, "pipeline": False}),
+    ("ours-powersgd-r4-serial", "powersgd", {"rank": 4, "pipeline": False, **PSGD}),
     ("ours-topk-0.001-serial", "topk", {"ratio": 0.001, "pipeline": False}),
     ("ours-onebit-serial", "onebit", {"pipeline": False}),
     # measures allreduce / fp16 / powersgd r4 on the real link, then picks per bucket; its trial
@@ -99,9 +101,28 @@ CONFIGS = [
     ("ours-randomk-0.01-hier", "randomk", {"ratio": 0.01, "hierarchy": "node"}),
     ("ours-onebit-hier", "onebit", {"hierarchy": "node"}),
     ("ours-quant-4-hier", "quant", {"bits": 4, "hierarchy": "node"}),
-    ("ours-powersgd-r4-hier", "powersgd", {"rank": 4, "hierarchy": "node"}),
+    ("ours-powersgd-r4-hier", "powersgd", {"rank": 4, "hierarchy": "node", **PSGD}),
 ]
-PSGD = baselines.PSGD
+
+# --set sweep (experiments/auto_sweep.py): what a user would compare before adding one line:
+# plain DDP, PyTorch's two hooks at the settings a user would pick (fp16; PowerSGD at its
+# default rank 1, from the second step), auto with its defaults, and every compressing family
+# of ours at its documented defaults (nothing tuned); no-comm gives the compute floor, from
+# which plain DDP's share of the step spent communicating follows
+SWEEP_CONFIGS = [
+    ("ddp", "ddp", {}),
+    ("no-comm", "no-comm", {}),
+    ("torch-fp16", "torch-fp16", {}),
+    ("torch-powersgd", "torch-powersgd", {"rank": 1}),
+    ("auto", "auto", {}),
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("quant", "quant", {}),
+    ("powersgd", "powersgd", {}),
+    ("topk", "topk", {}),
+    ("randomk", "randomk", {}),
+    ("onebit", "onebit", {}),
+]
 
 
 
@@ -121,6 +142,27 @@ class Net(torch.nn.Module):
         return x
 
 
+def _make_net(args):
+    """The benchmark's model and one rank's batch: "mlp" (Net(width, layers), MSE on random
+    targets) or the Fashion-MNIST experiment's "cnn" / "vit" (random 28 x 28 images, cross
+    entropy on random labels: a step's cost does not depend on the pixels)."""
+    if args.model == "mlp":
+        return Net(args.width, args.layers)
+    from gradcomp.experiments.train import make_model
+    return make_model(args.model)
+
+
+def _batch(args, rank):
+    gen = torch.Generator().manual_seed(1234 + rank)
+    if args.model == "mlp":
+        x = torch.randn(args.batch, args.width, generator=gen)
+        y = torch.randn(args.batch, args.width, generator=gen)
+        return x, y, torch.nn.functional.mse_loss
+    x = torch.randn(args.batch, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    return x, y, torch.nn.functional.cross_entropy
+
+
 def _setup(kind, opts, model, per_node=1):
     """Registers the hook of one configuration; returns the gradcomp state or None."""
     if kind == "ddp":
@@ -130,8 +172,6 @@ def _setup(kind, opts, model, per_node=1):
         return None
     import gradcomp.torch as gt
     o = dict(opts)
-    if kind == "powersgd":
-        o.update(PSGD)
     if o.get("hierarchy"):
         o.setdefault("per_node", per_node)
     state, hook = gt.hook(kind, model=model, **o)
@@ -152,32 +192,33 @@ def _worker(rank, world, init, args, out):
     backend = latency.backend_for(args.delay, per_node=args.per_node)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
-    names = [c[0] for c in CONFIGS]
-    chosen = [c for c in CONFIGS if not args.only or c[0] in args.only.split(",")]
+    configs = SWEEP_CONFIGS if args.set == "sweep" else CONFIGS
+    names = [c[0] for c in configs]
+    chosen = [c for c in configs if not args.only or c[0] in args.only.split(",")]
     order = []
     for rnd in range(args.rounds):
         order += [(rnd, c) for c in (chosen if rnd % 2 == 0 else chosen[::-1])]
-    gen = torch.Generator().manual_seed(1234 + rank)
-    x = torch.randn(args.batch, args.width, generator=gen)
-    y = torch.randn(args.batch, args.width, generator=gen)
+    x, y, loss_fn = _batch(args, rank)
     results = {}
     for rnd, (name, kind, opts) in order:
         torch.manual_seed(0)
-        model = DDP(Net(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb)
+        model = DDP(_make_net(args), bucket_cap_mb=args.bucket_cap_mb)
         state = _setup(kind, opts, model, args.per_node)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         n_params = sum(p.numel() for p in model.parameters())
+        # auto's trial (start_iter + candidates x trial_steps) must end inside the warm-up
+        warm = max(args.warmup, args.warmup_auto) if kind == "auto" else args.warmup
         times = []
         prof = None
         dist.barrier()
-        for step in range(args.warmup + args.steps):
-            if args.profile and step == args.warmup and rank == 0:
+        for step in range(warm + args.steps):
+            if args.profile and step == warm and rank == 0:
                 import cProfile
                 prof = cProfile.Profile()
                 prof.enable()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=False)
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
@@ -186,22 +227,22 @@ def _worker(rank, world, init, args, out):
             import pstats
             print(f"\n== profile rank 0, {name} ==", flush=True)
             pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-        t = torch.tensor(times[args.warmup:], dtype=torch.float64)
+        t = torch.tensor(times[warm:], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step: the slowest rank
         step_times = t.tolist()
         hist = None
         choices = None
         if kind == "auto":  # (ours-auto, ours-auto-topk)
             choices = dict(state.choices)
-            assert state.trials and state.trials[-1]["iter"] <= args.warmup, \
-                "auto: the trial did not end within the warm-up; raise --warmup"
+            assert state.trials and state.trials[-1]["iter"] <= warm, \
+                "auto: the trial did not end within the warm-up; raise --warmup-auto"
         tl = None
         if state is not None:  # the last timed step's timeline (rank 0's clock)
             import gradcomp.torch as gt
             tl = gt.timeline(state)
         if state is not None:
-            hs = [h for h in state.history if h["iter"] >= args.warmup]
-            hs = [h for h in hs if h["iter"] < args.warmup + args.steps]
+            hs = [h for h in state.history if h["iter"] >= warm]
+            hs = [h for h in hs if h["iter"] < warm + args.steps]
             hist = {
                 "bytes": statistics.mean(h["bytes_sent"] for h in hs),
                 "wire": statistics.mean(h["wire_bytes"] for h in hs),
@@ -346,7 +387,16 @@ def main():
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--model", choices=("mlp", "cnn", "vit"), default="mlp",
+                    help="mlp: --layers x Linear(--width, --width); cnn, vit: the Fashion-MNIST "
+                         "experiment's models on random 28 x 28 images")
+    ap.add_argument("--set", choices=("bench", "sweep"), default="bench",
+                    help="the configurations: this benchmark's A/B list, or the sweep's "
+                         "(experiments/auto_sweep.py: every method at its defaults)")
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup-auto", type=int, default=12,
+                    help="warm-up steps of the auto configurations: their trial (start_iter + "
+                         "candidates x trial_steps) must end inside it")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bucket-cap-mb", type=float, default=1024.0,
@@ -376,6 +426,9 @@ def main():
     ap.add_argument("--_init", default="", help=argparse.SUPPRESS)
     ap.add_argument("--_result", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--json", default="",
+                    help="write the rows and the run's context to this JSON file instead of the "
+                         ".md/.csv pair (experiments/auto_sweep.py)")
     args = ap.parse_args()
     if args.quick:
         args.width, args.layers, args.warmup, args.steps, args.rounds = 256, 3, 11, 3, 1
@@ -410,6 +463,20 @@ def main():
     print(f"wall {wall:.0f} s; load average (1 min) during the run: min {min(load):.2f}, "
           f"mean {statistics.mean(load):.2f}, max {max(load):.2f}")
     if args.quick:
+        return
+    if args.json:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "commit": _git("rev-parse", "--short", "HEAD"),
+                "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+                "command": "python experiments/ddp_hooks_bench.py " + " ".join(sys.argv[1:]),
+                "torch": torch.__version__, "cpus": os.cpu_count(), "wall_s": wall,
+                "load_before": load_before[0], "load_min": min(load),
+                "load_mean": statistics.mean(load), "load_max": max(load)}
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f)
+        os.replace(tmp, args.json)  # a half-written file never looks like a finished setting
+        print(f"wrote {args.json}")
         return
 
     date = datetime.date.today().isoformat()

@@ -1,0 +1,328 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Is ``hook("auto")`` ever slower than plain DDP? A sweep over link rate x added round-trip
+latency x model x world size, each setting one interleaved run of every method.
+
+Each setting is one run of ``experiments/ddp_hooks_bench.py --set sweep`` (plain DDP, its
+compute floor, PyTorch's fp16 and PowerSGD hooks, auto with its defaults, every compressing
+family of ours at its documented defaults), every rank in its own network namespace with links
+of the setting's rate (tbf) and the latency added by the ``gloo_latency`` process group (one-way
+latency = RTT / 2 per message round of each collective; this kernel has no netem:
+gradcomp.experiments.latency, checked against the alpha-beta model in
+experiments/results/latency_check_2026-11-28). Plain DDP and PyTorch's hooks go through the same
+group, so every method pays the same latency per round.
+
+Resumable and bounded: every finished setting is a JSON file in the output folder and is not
+run again; a setting that fails is recorded (``failed.jsonl``) and retried by the next
+invocation; no new setting starts once ``--budget-min`` is spent, and each is bounded by
+``--setting-timeout``. ``--report`` writes the table and heatmaps from what is there.
+
+    sudo .venv-torch2/bin/python experiments/auto_sweep.py --out experiments/results/auto_sweep
+    .venv-torch2/bin/python experiments/auto_sweep.py --report experiments/results/auto_sweep
+
+Needs root (namespaces) and torch 2.x (the latency group).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BENCH = os.path.join(HERE, "ddp_hooks_bench.py")
+
+RATES = ("100mbit", "1gbit", "10gbit", "40gbit")
+RTTS_MS = (0.1, 5.0, 50.0)
+MODELS = ("mlp", "cnn", "vit")
+WORLDS = (2, 4)
+#: methods whose speed the report compares auto with ("best": the fastest of these); no-comm is
+#: the compute floor, not a method
+METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant", "powersgd",
+           "topk", "randomk", "onebit")
+#: the 6.3M-parameter MLP: 6 x Linear(1024, 1024)
+MLP = dict(width=1024, layers=6)
+
+
+def setting_key(model: str, world: int, rate: str, rtt_ms: float) -> str:
+    return f"{model}_w{world}_{rate}_rtt{rtt_ms:g}ms"
+
+
+def settings(models, worlds, rates, rtts) -> List[Dict[str, Any]]:
+    """Every combination, the fastest links first (the cheap settings: a budget cut short
+    leaves the slowest link's settings for the next invocation, each model and world size
+    covered at every rate run so far)."""
+    out = []
+    for rate in sorted(rates, key=lambda r: -_rate_bits(r)):
+        for rtt, world, model in itertools.product(rtts, worlds, models):
+            out.append(dict(model=model, world=world, rate=rate, rtt_ms=rtt,
+                            key=setting_key(model, world, rate, rtt)))
+    return out
+
+
+def _rate_bits(rate: str) -> float:
+    """tc's rate syntax as bits/s (100mbit, 1gbit, 40gbit)."""
+    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * mult
+    raise ValueError(f"rate {rate!r}: a number with kbit, mbit or gbit")
+
+
+def bench_command(s: Dict[str, Any], a) -> List[str]:
+    cmd = [sys.executable, BENCH, "--set", "sweep", "--model", s["model"],
+           "--world", str(s["world"]), "--netns", s["rate"], "--delay", f"{s['rtt_ms'] / 2:g}ms",
+           "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--batch", str(a.batch), "--bucket-cap-mb", "25",
+           "--timeout", str(a.setting_timeout)]
+    if s["model"] == "mlp":
+        cmd += ["--width", str(MLP["width"]), "--layers", str(MLP["layers"])]
+    return cmd
+
+
+def run(a) -> None:
+    os.makedirs(a.out, exist_ok=True)
+    todo = settings(a.models, a.worlds, a.rates, a.rtts)
+    t0 = time.time()
+    done = skipped = 0
+    for s in todo:
+        path = os.path.join(a.out, s["key"] + ".json")
+        if os.path.exists(path):
+            skipped += 1
+            continue
+        spent = (time.time() - t0) / 60
+        if spent >= a.budget_min:
+            print(f"sweep: budget of {a.budget_min:g} min spent; {len(todo) - done - skipped} "
+                  f"settings left for the next invocation", flush=True)
+            break
+        cmd = bench_command(s, a) + ["--json", path]
+        print(f"sweep: {s['key']} ({spent:.1f} min spent)", flush=True)
+        t1 = time.time()
+        try:
+            # the bench bounds its ranks by --timeout; this bounds the bench itself
+            r = subprocess.run(cmd, cwd=ROOT, timeout=a.setting_timeout + 120,
+                               capture_output=True, text=True)
+            ok = r.returncode == 0 and os.path.exists(path)
+            err = "" if ok else (r.stderr or r.stdout)[-2000:]
+        except subprocess.TimeoutExpired:
+            ok, err = False, f"timed out after {a.setting_timeout + 120:g} s"
+        if ok:
+            done += 1
+            print(f"sweep: {s['key']} done in {time.time() - t1:.0f} s", flush=True)
+        else:
+            with open(os.path.join(a.out, "failed.jsonl"), "a") as f:
+                f.write(json.dumps({"key": s["key"], "at": _now(), "error": err}) + "\n")
+            print(f"sweep: {s['key']} FAILED: {err[-400:]}", flush=True)
+    print(f"sweep: {done} run now, {skipped} already there, {(time.time() - t0) / 60:.1f} min",
+          flush=True)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------------------- report
+def _speed(row) -> Dict[str, float]:
+    """steps/s from the median of the rounds' median step times, and the rounds' range."""
+    rounds = row["all_rounds"]
+    return {"sps": 1.0 / statistics.median(rounds), "lo": 1.0 / max(rounds),
+            "hi": 1.0 / min(rounds)}
+
+
+def analyse(run: Dict[str, Any]) -> Dict[str, Any]:
+    """One setting's figures: auto against plain DDP, the best method and PyTorch's hooks."""
+    rows = {r["name"]: r for r in run["rows"]}
+    sp = {n: _speed(r) for n, r in rows.items()}
+    ddp, auto = sp["ddp"], sp["auto"]
+    methods = [m for m in METHODS if m in sp]
+    best = max(methods, key=lambda m: sp[m]["sps"])
+    floor = rows.get("no-comm")
+    share = (1.0 - statistics.median(floor["all_rounds"]) / statistics.median(rows["ddp"]["all_rounds"])
+             if floor else None)
+    vs_ddp = auto["sps"] / ddp["sps"]
+    # a loss counts when auto is below 0.95x plain DDP and the rounds do not overlap: auto's
+    # fastest round slower than plain DDP's slowest
+    loss = vs_ddp < 0.95 and auto["hi"] < ddp["lo"]
+    return {"ddp_sps": ddp["sps"], "auto_sps": auto["sps"], "vs_ddp": vs_ddp,
+            "vs_ddp_lo": auto["lo"] / ddp["hi"], "vs_ddp_hi": auto["hi"] / ddp["lo"],
+            "loss": loss, "comm_share": share, "best": best, "best_vs_ddp": sp[best]["sps"] / ddp["sps"],
+            "vs_best": auto["sps"] / sp[best]["sps"],
+            "vs_torch_fp16": auto["sps"] / sp["torch-fp16"]["sps"] if "torch-fp16" in sp else None,
+            "vs_torch_powersgd": (auto["sps"] / sp["torch-powersgd"]["sps"]
+                                  if "torch-powersgd" in sp else None),
+            "choices": rows["auto"].get("choices"),
+            "speeds": {m: sp[m]["sps"] / ddp["sps"] for m in methods}}
+
+
+def load(folder: str) -> List[Dict[str, Any]]:
+    out = []
+    for s in sorted(settings(MODELS, WORLDS, RATES, RTTS_MS),
+                    key=lambda s: (MODELS.index(s["model"]), s["world"], RATES.index(s["rate"]),
+                                   s["rtt_ms"])):
+        path = os.path.join(folder, s["key"] + ".json")
+        if os.path.exists(path):
+            with open(path) as f:
+                run = json.load(f)
+            out.append(dict(s, run=run, **analyse(run)))
+    return out
+
+
+def _choices_text(ch) -> str:
+    if not ch:
+        return "-"
+    return ", ".join(f"{k}:{v}" for k, v in sorted(ch.items(), key=lambda kv: int(kv[0])))
+
+
+def report(folder: str) -> str:
+    res = load(folder)
+    if not res:
+        raise SystemExit(f"no finished setting in {folder}")
+    lines = []
+    metas = [r["run"]["meta"] for r in res]
+    commits = sorted({m["commit"] + (" (dirty)" if m["dirty"] else "") for m in metas})
+    lines.append("# auto against plain DDP, PyTorch's hooks and every family: the sweep\n")
+    lines.append(f"- {len(res)} of {len(MODELS) * len(WORLDS) * len(RATES) * len(RTTS_MS)} "
+                 f"settings. Runs {min(m['date'] for m in metas)} to {max(m['date'] for m in metas)} "
+                 f"(UTC), commits {', '.join(commits)}, torch {metas[0]['torch']}, "
+                 f"{metas[0]['cpus']}-core VM; 1-minute load average during the runs: "
+                 f"{min(m['load_min'] for m in metas):.2f} to {max(m['load_max'] for m in metas):.2f}.")
+    lines.append(f"- Command: `sudo .venv-torch2/bin/python experiments/auto_sweep.py --out "
+                 f"{os.path.relpath(folder, ROOT)}`; each setting's file names its exact bench "
+                 f"command (`meta.command`).")
+    lines.append("- Speeds: steps/s = 1 / (median over rounds of each round's median step time), "
+                 "a step's time being the slowest rank's; ratios against plain DDP in the same "
+                 "run. [lo, hi]: the ratio's range over the rounds (auto's slowest round against "
+                 "DDP's fastest, and the reverse). A loss: below 0.95x and the ranges apart.")
+    lines.append("- comm share: 1 - (compute floor, DDP with a hook that communicates nothing) / "
+                 "(plain DDP step).\n")
+    hdr = ["model", "ranks", "link", "RTT ms", "DDP steps/s", "comm share", "auto/DDP [lo, hi]",
+           "best (x DDP)", "auto/best", "auto/torch-fp16", "auto/torch-PowerSGD",
+           "auto chose (bucket:candidate)"]
+    lines.append("| " + " | ".join(hdr) + " |")
+    lines.append("|" + "---|" * len(hdr))
+    for r in res:
+        share = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%"
+        lines.append("| " + " | ".join([
+            r["model"], str(r["world"]), r["rate"], f"{r['rtt_ms']:g}", f"{r['ddp_sps']:.2f}",
+            share, f"{r['vs_ddp']:.2f} [{r['vs_ddp_lo']:.2f}, {r['vs_ddp_hi']:.2f}]"
+            + (" LOSS" if r["loss"] else ""),
+            f"{r['best']} ({r['best_vs_ddp']:.2f})", f"{r['vs_best']:.2f}",
+            f"{r['vs_torch_fp16']:.2f}", f"{r['vs_torch_powersgd']:.2f}",
+            _choices_text(r["choices"])]) + " |")
+    # targets
+    n = len(res)
+    losses = [r for r in res if r["loss"]]
+    heavy = [r for r in res if r["comm_share"] is not None and r["comm_share"] >= 0.6]
+    lines.append("\n## Against the targets\n")
+    lines.append(f"- auto >= 0.95x plain DDP: {n - len(losses)} of {n} settings"
+                 + (f" (losses: {', '.join(r['key'] for r in losses)})" if losses else "")
+                 + f"; lowest ratio {min(r['vs_ddp'] for r in res):.2f}.")
+    if heavy:
+        lines.append(f"- Where plain DDP spends >= 60% of its step communicating ({len(heavy)} "
+                     f"settings): auto >= 2x in {sum(r['vs_ddp'] >= 2 for r in heavy)}; range "
+                     f"{min(r['vs_ddp'] for r in heavy):.2f}-{max(r['vs_ddp'] for r in heavy):.2f}x.")
+    lines.append(f"- auto within 10% of the best method: {sum(r['vs_best'] >= 1 / 1.1 for r in res)} "
+                 f"of {n}.")
+    lines.append(f"- auto >= PyTorch's fp16 hook: {sum(r['vs_torch_fp16'] >= 1 for r in res)} of "
+                 f"{n}; >= PyTorch's PowerSGD hook: "
+                 f"{sum(r['vs_torch_powersgd'] >= 1 for r in res)} of {n}.")
+    lines.append("\n## Every method against plain DDP (steps/s ratio)\n")
+    hdr = ["setting"] + list(METHODS[1:])
+    lines.append("| " + " | ".join(hdr) + " |")
+    lines.append("|" + "---|" * len(hdr))
+    for r in res:
+        lines.append("| " + " | ".join([r["key"]] + [
+            f"{r['speeds'][m]:.2f}" if m in r["speeds"] else "-" for m in METHODS[1:]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def heatmaps(folder: str) -> List[str]:
+    """Per model: auto / plain DDP and auto / best method over link rate x RTT, one column per
+    world size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    res = load(folder)
+    paths = []
+    for model in MODELS:
+        mine = [r for r in res if r["model"] == model]
+        if not mine:
+            continue
+        fig, axes = plt.subplots(2, len(WORLDS), figsize=(4.2 * len(WORLDS), 6.4), squeeze=False)
+        for j, world in enumerate(WORLDS):
+            for i, (field, title, cmap, lim) in enumerate(
+                    (("vs_ddp", "auto / plain DDP", "RdYlGn", (0.5, 2.0)),
+                     ("vs_best", "auto / best method", "RdYlGn", (0.5, 1.0)))):
+                ax = axes[i, j]
+                grid = np.full((len(RATES), len(RTTS_MS)), np.nan)
+                for r in mine:
+                    if r["world"] == world:
+                        grid[RATES.index(r["rate"]), RTTS_MS.index(r["rtt_ms"])] = r[field]
+                norm = matplotlib.colors.LogNorm(vmin=lim[0], vmax=lim[1]) if field == "vs_ddp" \
+                    else matplotlib.colors.Normalize(vmin=lim[0], vmax=lim[1])
+                im = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+                for a_, b_ in itertools.product(range(len(RATES)), range(len(RTTS_MS))):
+                    v = grid[a_, b_]
+                    ax.text(b_, a_, "not run" if math.isnan(v) else f"{v:.2f}", ha="center",
+                            va="center", fontsize=9)
+                ax.set_xticks(range(len(RTTS_MS)), [f"{t:g} ms" for t in RTTS_MS])
+                ax.set_yticks(range(len(RATES)), RATES)
+                ax.set_xlabel("added round-trip time")
+                ax.set_title(f"{title}, {world} ranks", fontsize=10)
+                fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.suptitle(f"{model}: steps/s of hook('auto') (defaults)", fontsize=11)
+        fig.tight_layout()
+        path = os.path.join(folder, f"heatmap_{model}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "auto_sweep"))
+    ap.add_argument("--report", default="", metavar="DIR",
+                    help="write DIR/README.md's table (table.md) and heatmaps from DIR; run nothing")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    ap.add_argument("--rates", default=",".join(RATES))
+    ap.add_argument("--rtts", default=",".join(f"{r:g}" for r in RTTS_MS), help="ms")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per method and round")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="warm-up steps (auto: 12, its trial with the defaults)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    ap.add_argument("--budget-min", type=float, default=60.0,
+                    help="no new setting starts after this many minutes")
+    ap.add_argument("--setting-timeout", type=float, default=1200.0, help="seconds per setting")
+    a = ap.parse_args(argv)
+    if a.report:
+        table = report(a.report)
+        with open(os.path.join(a.report, "table.md"), "w") as f:
+            f.write(table)
+        print(table)
+        for p in heatmaps(a.report):
+            print("wrote", p)
+        return 0
+    a.models = [m for m in a.models.split(",") if m]
+    a.worlds = [int(w) for w in a.worlds.split(",") if w]
+    a.rates = [r for r in a.rates.split(",") if r]
+    a.rtts = [float(r) for r in a.rtts.split(",") if r]
+    for m in a.models:
+        if m not in MODELS:
+            raise SystemExit(f"--models: unknown {m!r}; known: {', '.join(MODELS)}")
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
