@@ -45,6 +45,65 @@ def test_register_on_torch_1_13_says_it_needs_torch_2():
         latency.register(0.01)
 
 
+class _DoneWork:
+    """A gloo work that has already finished: its future calls back at once, on the thread that
+    attaches the callback."""
+
+    def __init__(self, value):
+        self._fut = torch.futures.Future()
+        self._fut.set_result(value)
+
+    def get_future(self):
+        return self._fut
+
+
+@needs_torch2
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_continuation_may_wait_for_the_next_collective(fails):
+    """PyTorch's PowerSGD hook issues its next allreduce inside a continuation of the previous
+    one and waits for it there. A continuation must therefore never run on the thread that
+    releases the collectives (it would wait for a collective only that thread can start: the
+    sweep hung so). The first collective here has finished before its callback is attached, the
+    case where the callback runs at once on the releasing thread; also when it was refused."""
+    import threading
+
+    group = latency._make_group_class()(_FakeInner(), 0.001)
+    try:
+        def start_first():
+            if fails:
+                raise RuntimeError("refused by gloo")
+            return _DoneWork([torch.ones(2)])
+
+        first = group._issue("allreduce", start_first).get_future()
+        got = []
+
+        def then(f):
+            try:
+                f.value()
+            except RuntimeError as e:
+                got.append(str(e))
+            nxt = group._issue("allreduce", lambda: _DoneWork([torch.full((2,), 7.0)]))
+            return nxt.get_future().wait()[0]  # waits inside the continuation
+
+        second = first.then(then)
+        t = threading.Thread(target=lambda: got.append(second.wait()), daemon=True)
+        t.start()
+        t.join(timeout=10.0)
+        assert not t.is_alive(), "the continuation's collective was never started"
+        assert torch.equal(got[-1], torch.full((2,), 7.0))
+        assert got[:-1] == (["refused by gloo"] if fails else [])
+    finally:
+        group.shutdown()
+
+
+class _FakeInner:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
 # s one way: large beside gloo's own ~0.1-2 ms on loopback and beside the wake-ups of a loaded
 # CI machine (SLACK), so that twice the model's time fails
 LAT = 0.05

@@ -155,6 +155,17 @@ def _make_group_class():
         def options(self):  # gloo's (its timeout: what gradcomp's hooks read for theirs)
             return self._inner.options
 
+        def _off_releaser(self, complete: Callable[[], None]) -> None:
+            """Runs `complete` (which completes a caller's future, and so runs the caller's
+            continuations) anywhere but on the releaser thread: a continuation may issue the
+            next collective and wait for it inside (PyTorch's PowerSGD hook does), and only the
+            releaser can start that one. gloo's own threads, where most completions arrive,
+            are free to run it, as they are without the latency."""
+            if threading.current_thread() is self._releaser._thread:
+                threading.Thread(target=complete, name="gloo-latency-done", daemon=True).start()
+            else:
+                complete()
+
         def _issue(self, kind: str, start: Callable[[], Any]) -> "_Work":
             fut: torch.futures.Future = torch.futures.Future()
 
@@ -162,7 +173,7 @@ def _make_group_class():
                 try:
                     work = start()
                 except Exception as e:  # a refusal by gloo reaches the caller's future
-                    fut.set_exception(e)
+                    self._off_releaser(lambda e=e: fut.set_exception(e))
                     return
                 try:
                     inner_fut = work.get_future()
@@ -177,13 +188,15 @@ def _make_group_class():
                     threading.Thread(target=wait_then_set, daemon=True).start()
                     return
 
-                def done(f: "torch.futures.Future") -> None:
+                def complete(f: "torch.futures.Future") -> None:
                     try:
                         fut.set_result(f.value())
                     except Exception as e:
                         fut.set_exception(e)
 
-                inner_fut.add_done_callback(done)
+                # a collective gloo finished before this line calls back at once, here, on the
+                # releaser thread
+                inner_fut.add_done_callback(lambda f: self._off_releaser(lambda: complete(f)))
 
             self._releaser.submit(rounds(kind, self.size()) * self._latency_s, begin)
             return _Work(fut)
