@@ -277,7 +277,11 @@ def heatmaps(folder: str) -> List[str]:
                 ax.set_yticks(range(len(RATES)), RATES)
                 ax.set_xlabel("added round-trip time")
                 ax.set_title(f"{title}, {world} ranks", fontsize=10)
-                fig.colorbar(im, ax=ax, fraction=0.046)
+                cb = fig.colorbar(im, ax=ax, fraction=0.046)
+                ticks = [0.5, 0.75, 1.0, 1.5, 2.0] if field == "vs_ddp" else [0.5, 0.75, 0.9, 1.0]
+                cb.minorticks_off()
+                cb.set_ticks(ticks)
+                cb.set_ticklabels([f"{t:g}x" for t in ticks])
         fig.suptitle(f"{model}: steps/s of hook('auto') (defaults)", fontsize=11)
         fig.tight_layout()
         path = os.path.join(folder, f"heatmap_{model}.png")

@@ -29,10 +29,16 @@ CastAllreducePlan::CastAllreducePlan(int64_t numel, DType grad_dtype, DType wire
       wide_(device, stream) {
   GC_CHECK_ARG(wire_dtype == DType::kFloat16 || wire_dtype == DType::kBFloat16,
                "CastAllreducePlan: wire dtype must be fp16 or bf16, got ", dtype_name(wire_dtype));
-  GC_CHECK_ARG(route == CastRoute::kAllreduce || route == CastRoute::kReduceScatter,
+  GC_CHECK_ARG(route == CastRoute::kAllreduce || route == CastRoute::kReduceScatter ||
+                   route == CastRoute::kGather,
                "CastAllreducePlan: unknown route ", static_cast<int>(route));
   if (route == CastRoute::kAllreduce) {
     wire_.reserve(static_cast<size_t>(numel) * 2);
+  } else if (route == CastRoute::kGather) {
+    const size_t all = static_cast<size_t>(numel) * static_cast<size_t>(world);
+    wire_.reserve(static_cast<size_t>(numel) * 2);
+    chunks_.reserve(all * 2);
+    wide_.reserve(all * sizeof(float));
   } else {
     const size_t padded = cast_chunk(numel, world) * static_cast<size_t>(world);
     wire_.reserve(padded * 2);
@@ -43,12 +49,13 @@ CastAllreducePlan::CastAllreducePlan(int64_t numel, DType grad_dtype, DType wire
 
 std::string CastAllreducePlan::name() const {
   std::string n = wire_dtype_ == DType::kFloat16 ? "cast_fp16" : "cast_bf16";
-  return route_ == CastRoute::kAllreduce ? n : n + "_rs";
+  return route_ == CastRoute::kAllreduce ? n : route_ == CastRoute::kGather ? n + "_gather" : n + "_rs";
 }
 
 std::optional<Collective> CastAllreducePlan::next() {
   require_begun();
   if (route_ == CastRoute::kReduceScatter) return next_reduce_scatter();
+  if (route_ == CastRoute::kGather) return next_gather();
   switch (phase_) {
     case 0: {
       auto* w = wire_.get<uint16_t>(static_cast<size_t>(numel_));
@@ -94,6 +101,34 @@ std::optional<Collective> CastAllreducePlan::next_reduce_scatter() {
       k::convert(device_, wire_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f, stream_);
       phase_ = 3;
       return std::nullopt;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<Collective> CastAllreducePlan::next_gather() {
+  const size_t n = static_cast<size_t>(numel_), P = static_cast<size_t>(world_);
+  const ElemType wt = elem_type(wire_dtype_);
+  switch (phase_) {
+    case 0: {  // wire = cast(grad / P); every rank's whole wire buffer to every rank
+      auto* w = wire_.get<uint16_t>(n);
+      k::convert(device_, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_), stream_);
+      phase_ = 1;
+      return make(CollectiveKind::kAllgather, wt, w, chunks_.get<uint16_t>(P * n), n,
+                  "cast gather all");
+    }
+    case 1: {  // the P buffers widened, summed in rank order, rounded once (as the RS route)
+      auto* all = chunks_.get<uint16_t>(P * n);
+      auto* f = wide_.get<float>(P * n);
+      auto* w = wire_.get<uint16_t>(n);
+      k::convert(device_, all, wire_dtype_, f, DType::kFloat32, static_cast<int64_t>(P * n), 1.0f,
+                 stream_);
+      k::reduce_blocks(device_, f, P, n, n, ElemType::kF32, f, stream_);
+      k::convert(device_, f, DType::kFloat32, w, wire_dtype_, numel_, 1.0f, stream_);
+      k::convert(device_, w, wire_dtype_, grad_.data, dtype_, numel_, 1.0f, stream_);
+      phase_ = 2;
+      return std::nullopt;
+    }
     default:
       return std::nullopt;
   }

@@ -333,10 +333,14 @@ std::unique_ptr<BucketPlan> build_plan(const std::string& name, const BucketSpec
   if (name == "fp16" || name == "bf16") {
     const std::string& r = o.name("route");
     CastRoute route;
-    if (r == "auto")
-      route = b.backend == "gloo" || (b.backend.empty() && b.device == Device::kCPU)
-                  ? CastRoute::kReduceScatter
-                  : CastRoute::kAllreduce;
+    if (r == "auto") {
+      // on gloo (which sums half precision slowly) the backend only moves bytes; on 2 ranks one
+      // allgather of the whole buffer moves the same bytes as the reduce-scatter route in one
+      // message round instead of two
+      const bool gloo = b.backend == "gloo" || (b.backend.empty() && b.device == Device::kCPU);
+      route = !gloo ? CastRoute::kAllreduce
+                    : b.world == 2 ? CastRoute::kGather : CastRoute::kReduceScatter;
+    }
     else
       route = o.pick<CastRoute>("route");
     return std::make_unique<CastAllreducePlan>(b.numel, b.dtype,

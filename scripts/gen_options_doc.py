@@ -48,9 +48,11 @@ FORMS = ("reduce_scatter", "allgather")
 _CAST_ROUTE = ("How the cast bucket is summed: `allreduce`, one allreduce in the "
                "wire type (fast where the backend sums half precision: NCCL); "
                "`reduce_scatter`, an all-to-all of wire-type chunks, a rank-ordered fp32 sum "
-               "and an allgather (the same bytes; the backend only moves bytes: gloo); `auto`, "
-               "`reduce_scatter` on gloo (and on the CPU when the backend is unknown), else "
-               "`allreduce`.")
+               "and an allgather (the same bytes; the backend only moves bytes: gloo); "
+               "`gather`, one allgather of the whole wire-type buffer and the same sum (one "
+               "message round instead of two, P-1 times the buffer on each link: the ring's bytes "
+               "on 2 ranks); `auto`, on gloo (and on the CPU when the backend is unknown) "
+               "`gather` on 2 ranks and `reduce_scatter` on more, else `allreduce`.")
 
 MEANINGS: Dict[Union[str, Tuple[str, str]], str] = {
     # -- every stateful family

@@ -106,6 +106,12 @@ enum class CastRoute : uint8_t {
   /// same bytes on each link as a ring allreduce (2(P-1)/P of the buffer), but the backend only
   /// moves bytes: for backends that sum half precision slowly (gloo on CPU) or not at all.
   kReduceScatter = 1,
+  /// One allgather of the whole wire-type buffer, then the same rank-ordered fp32 sum of the P
+  /// copies rounded once (bitwise the reduce-scatter route's result): one message round where
+  /// the reduce-scatter route takes two (an all-to-all, then an allgather) and a ring allreduce
+  /// 2(P-1), for (P-1) times the buffer on each link. On 2 ranks that is the ring's bytes for
+  /// half its rounds; on more, it pays where latency outweighs bytes (links of tens of ms).
+  kGather = 2,
 };
 
 /// Cast allreduce: wire = cast_to_wire(grad / P) (divided first, so fp16 does not overflow),
@@ -127,11 +133,13 @@ class CastAllreducePlan : public GradientPlan {
 
  private:
   std::optional<Collective> next_reduce_scatter();
+  std::optional<Collective> next_gather();
   DType wire_dtype_;
   CastRoute route_;
   Buffer wire_;
-  Buffer chunks_;  ///< kReduceScatter: the P received chunks, then the own reduced chunk
-  Buffer wide_;    ///< kReduceScatter: the P chunks in fp32
+  Buffer chunks_;  ///< kReduceScatter: the P received chunks, then the own reduced chunk;
+                   ///< kGather: the P buffers
+  Buffer wide_;    ///< kReduceScatter, kGather: the P chunks (buffers) in fp32
 };
 
 /// What a plan computes over a bucket of P equal chunks (chunk r: elements [r n/P, (r+1) n/P)).
@@ -826,9 +834,10 @@ struct EnumNames<PlanForm> {
 template <>
 struct EnumNames<CastRoute> {
   static constexpr const char* what = "cast route";
-  static constexpr std::size_t members = 2;
+  static constexpr std::size_t members = 3;
   static constexpr EnumName<CastRoute> table[] = {{"allreduce", CastRoute::kAllreduce},
-                                                  {"reduce_scatter", CastRoute::kReduceScatter}};
+                                                  {"reduce_scatter", CastRoute::kReduceScatter},
+                                                  {"gather", CastRoute::kGather}};
 };
 
 }  // namespace gradcomp

@@ -229,16 +229,19 @@ TEST(MakePlan, CodecConfigsAreThePlansConfigs) {
 }
 
 TEST(MakePlan, CastRouteAutoFollowsTheBackend) {
-  auto route_of = [](const char* backend) {
-    gc::BucketSpec b = spec(64, 2, 0);
+  auto route_of = [](const char* backend, int world = 3) {
+    gc::BucketSpec b = spec(64, world, 0);
     b.backend = backend;
     auto p = gc::make_plan("fp16", b);
     return dynamic_cast<gc::CastAllreducePlan&>(*p).route();
   };
   EXPECT_EQ(route_of("gloo"), gc::CastRoute::kReduceScatter);
+  EXPECT_EQ(route_of("gloo", 2), gc::CastRoute::kGather);  // the ring's bytes in one round
   EXPECT_EQ(route_of("nccl"), gc::CastRoute::kAllreduce);
+  EXPECT_EQ(route_of("nccl", 2), gc::CastRoute::kAllreduce);
   EXPECT_EQ(route_of("mpi"), gc::CastRoute::kAllreduce);
   EXPECT_EQ(route_of(""), gc::CastRoute::kReduceScatter);  // unknown, on the CPU
+  EXPECT_EQ(route_of("", 2), gc::CastRoute::kGather);
   auto p = gc::make_plan("bf16", spec(64, 2, 0), {{"route", std::string("allreduce")}});
   EXPECT_EQ(dynamic_cast<gc::CastAllreducePlan&>(*p).route(), gc::CastRoute::kAllreduce);
 }
@@ -451,7 +454,7 @@ TEST(EnumNames, EveryTableParsesItsNamesAndRefusesOthers) {
       {"auto", "gram_schmidt", "householder", "gram_schmidt_unfused"});
   check_enum_table<gc::TopKRoute>({"auto", "sparse", "dense"});
   check_enum_table<gc::TopKExchange>({"auto", "bound", "sizes"});
-  check_enum_table<gc::CastRoute>({"allreduce", "reduce_scatter"});
+  check_enum_table<gc::CastRoute>({"allreduce", "reduce_scatter", "gather"});
   check_enum_table<gc::SparsifyConfig::ClipScaling>({"sqrt_world", "none"});
   check_enum_table<gc::straggler::DropPoint>(
       {"before_forward", "between_forward_backward", "after_backward"});

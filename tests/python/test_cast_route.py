@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fp16/bf16 cast plan's reduce-scatter route over gloo: all-to-all of wire-type
 chunks, a rank-ordered fp32 sum rounded once, an allgather. Checked bit for bit against an
-independent torch reference on 3 ranks (sizes 0, 1, 2, 7, 1001: empty and padded chunks), and
-the hook's route choice: "auto" takes it on gloo, "allreduce" is honoured, a bad route is a
-ValueError when the hook is made."""
+independent torch reference on 2 and 3 ranks (sizes 0, 1, 2, 7, 1001, 200003: empty and padded
+chunks), with gloo's own all-to-all and allgather calls and with isend/irecv pairs; the gather
+route (one allgather of the whole buffer, the same sum) bitwise the same; and the hook's route
+choice: "auto" takes gather on 2 ranks of gloo and reduce_scatter on more, "allreduce" is
+honoured, a bad route is a ValueError when the hook is made."""
 import json
 import os
 
@@ -31,15 +33,18 @@ def _grad(rank, n):
 def _worker(rank, world, out_dir):
     from gradcomp.torch import _driver
     got = {}
+    # p2p: None the defaults (allgathers as isend/irecv pairs); "a2a" every all-to-all as pairs
+    # too, however small; "ring" every allgather through gloo's own (ring) call
     for wire, dt, p2p in (("float16", torch.float16, None), ("bfloat16", torch.bfloat16, None),
-                          ("float16", torch.float16, 0)):
-        if p2p is not None:  # every all-to-all as isend/irecv pairs, however small
-            _driver.P2P_ALL_TO_ALL_BYTES = p2p
-        for n in SIZES:
+                          ("float16", torch.float16, "a2a"), ("bfloat16", torch.bfloat16, "ring"),
+                          ("float16", torch.float16, "ring")):
+        _driver.P2P_ALL_TO_ALL_BYTES = 0 if p2p == "a2a" else 64 * 1024
+        _driver.P2P_ALLGATHER = p2p != "ring"
+        for n, route in [(n, r) for n in SIZES for r in ("reduce_scatter", "gather")]:
             g = _grad(rank, n)
             plan = _C.make_plan({"float16": "fp16", "bfloat16": "bf16"}[wire], n, "float32", world,
-                                options=dict(route="reduce_scatter"))
-            assert plan.route == "reduce_scatter"
+                                options=dict(route=route))
+            assert plan.route == route
             plan.begin(g)
             stats = run_sync(plan, None)
             # reference: each rank's g / P rounded to the wire type, summed in fp32 in rank
@@ -48,12 +53,12 @@ def _worker(rank, world, out_dir):
             for r in range(world):
                 acc = acc + (_grad(r, n) / world).to(dt).float()
             want = acc.to(dt).float()
-            got[f"{wire}/{n}/{p2p}"] = dict(equal=bool(torch.equal(g, want)),
+            got[f"{wire}/{n}/{p2p}/{route}"] = dict(equal=bool(torch.equal(g, want)),
                                       err=float((g - want).abs().max()) if n else 0.0,
                                       tags=list(stats.tags))
     # the hook's choice of route on this (gloo) group
     routes = {}
-    for opts in ({}, {"route": "allreduce"}, {"route": "reduce_scatter"}):
+    for opts in ({}, {"route": "allreduce"}, {"route": "reduce_scatter"}, {"route": "gather"}):
         fam = gt.COMPRESSORS["fp16"]
         plan = fam.make(opts, _Bucket(torch.zeros(10)), world, 0, None)
         routes[json.dumps(opts)] = plan.route
@@ -73,17 +78,22 @@ class _Bucket:
         return [self.t]
 
 
-def test_reduce_scatter_cast_matches_reference_over_gloo():
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_cast_matches_reference_over_gloo(world):
     d = tmpdir()
-    run(_worker, 3, d)
+    run(_worker, world, d)
     with open(os.path.join(d, "cast.json")) as f:
         res = json.load(f)
     for key, r in res["got"].items():
         assert r["equal"], f"{key}: max error {r['err']}"
         if "/0/" not in key:
-            assert r["tags"] == ["cast chunks", "cast gather"], key
-    assert res["routes"] == {"{}": "reduce_scatter", '{"route": "allreduce"}': "allreduce",
-                             '{"route": "reduce_scatter"}': "reduce_scatter"}
+            want = ["cast gather all"] if key.endswith("/gather") else ["cast chunks", "cast gather"]
+            assert r["tags"] == want, key
+    # on gloo, 2 ranks: one allgather (the ring's bytes in one message round); more: two phases
+    assert res["routes"] == {"{}": "gather" if world == 2 else "reduce_scatter",
+                             '{"route": "allreduce"}': "allreduce",
+                             '{"route": "reduce_scatter"}': "reduce_scatter",
+                             '{"route": "gather"}': "gather"}
 
 
 def test_bad_cast_route_is_refused_when_the_hook_is_made():

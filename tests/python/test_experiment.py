@@ -313,3 +313,61 @@ def test_a_failing_configuration_is_recorded_and_the_others_still_run(tmp_path):
     assert [r["config"] for r in rows] == ["plain", "topk:ratio=2"]
     assert rows[0]["steps"] == 4 and "error" not in rows[0]
     assert "ratio" in rows[1]["error"] and "\n" not in rows[1]["error"], rows[1]["error"]
+
+
+def _sweep_module():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "auto_sweep.py")
+    spec = importlib.util.spec_from_file_location("auto_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sweep_run(rounds_ms, choices=None):
+    """A fake bench result: method -> each round's median step time in ms."""
+    rows = [{"name": n, "all_rounds": [t / 1e3 for t in ts],
+             "choices": choices if n == "auto" else None} for n, ts in rounds_ms.items()]
+    meta = {"date": "2026-11-28T00:00:00+00:00", "commit": "abc1234", "dirty": False,
+            "torch": "2.x", "cpus": 2, "load_min": 1.0, "load_max": 2.0, "command": "x"}
+    return {"meta": meta, "rows": rows}
+
+
+def test_auto_sweep_analysis_and_report(tmp_path):
+    """The sweep's reading of one setting: speeds from the median of the rounds, a loss only
+    below 0.95x with the rounds' ranges apart, the communication share from the compute floor,
+    the best method and the regret; the report and heatmaps from the files in a folder; the
+    settings' order (fastest link first) and their keys."""
+    sw = _sweep_module()
+    base = {"ddp": [100, 110], "no-comm": [20, 20], "torch-fp16": [80, 80],
+            "torch-powersgd": [60, 64], "fp16": [75, 75], "onebit": [40, 40]}
+    # auto at 0.5 of plain DDP's speed, rounds far apart: a loss
+    slow = sw.analyse(_sweep_run(dict(base, auto=[210, 210]), {"0": "powersgd"}))
+    assert slow["loss"] and slow["vs_ddp"] == pytest.approx(105 / 210)
+    assert slow["comm_share"] == pytest.approx(1 - 20 / 105)
+    assert slow["best"] == "onebit" and slow["best_vs_ddp"] == pytest.approx(105 / 40)
+    assert slow["vs_best"] == pytest.approx(40 / 210)
+    # below 0.95x but within the rounds' spread: not a loss
+    close = sw.analyse(_sweep_run(dict(base, ddp=[100, 130], auto=[122, 128])))
+    assert close["vs_ddp"] < 0.95 and not close["loss"]
+    fast = sw.analyse(_sweep_run(dict(base, auto=[30, 30]), {"0": "powersgd", "1": "allreduce"}))
+    assert fast["best"] == "auto" and fast["vs_best"] == 1.0 and not fast["loss"]
+    assert fast["vs_torch_fp16"] == pytest.approx(80 / 30)
+    keys = [s["key"] for s in sw.settings(["mlp"], [2], ["100mbit", "40gbit"], [0.1, 50.0])]
+    assert keys == ["mlp_w2_40gbit_rtt0.1ms", "mlp_w2_40gbit_rtt50ms",
+                    "mlp_w2_100mbit_rtt0.1ms", "mlp_w2_100mbit_rtt50ms"]
+    with pytest.raises(ValueError, match="rate '1tbyte'"):
+        sw._rate_bits("1tbyte")
+    for key, run in (("cnn_w2_40gbit_rtt0.1ms", _sweep_run(dict(base, auto=[30, 30]))),
+                     ("cnn_w4_100mbit_rtt50ms", _sweep_run(dict(base, auto=[210, 210])))):
+        with open(tmp_path / f"{key}.json", "w") as f:
+            json.dump(run, f)
+    text = sw.report(str(tmp_path))
+    assert "2 of 72 settings" in text
+    assert "auto >= 0.95x plain DDP: 1 of 2 settings (losses: cnn_w4_100mbit_rtt50ms)" in text
+    assert "auto within 10% of the best method: 1 of 2" in text
+    pytest.importorskip("matplotlib")
+    paths = sw.heatmaps(str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["heatmap_cnn.png"]
+    assert os.path.getsize(paths[0]) > 10_000

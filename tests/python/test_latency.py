@@ -210,6 +210,10 @@ def _train(rank, world, port, out):
     import gradcomp.torch as gt
 
     res = {}
+    # the group wraps gloo: the plans choose gloo's routes (fp16 on 2 ranks: one allgather)
+    fam = gt.COMPRESSORS["fp16"]
+    flat = torch.zeros(10)
+    res["route"] = fam.make_flat({}, flat, world, 0, None).route
     for mode in ("plain", "fp16", "quant"):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
@@ -239,7 +243,7 @@ def _train(rank, world, port, out):
 def test_ddp_and_hooks_train_through_it(tmp_path):
     out = str(tmp_path / "res.pt")
     start_ranks(_train, (2, free_port(), out), 2)
-    assert torch.load(out) == {"plain": True, "fp16": True, "quant": True}
+    assert torch.load(out) == {"route": "gather", "plain": True, "fp16": True, "quant": True}
 
 
 def _auto(rank, world, port, out):
@@ -264,18 +268,21 @@ def _auto(rank, world, port, out):
 
 
 @needs_torch2
-def test_auto_keeps_plain_allreduce_where_latency_dominates(tmp_path):
-    """The smallest corner of the sweep over links: a small bucket on a link of 50 ms one way.
-    PowerSGD runs two allreduces per bucket (P, then Q) where the plain average runs one, so at
-    this latency it costs about twice as much whatever it saves in bytes; auto measures that on
-    the link and keeps the plain allreduce."""
+def test_auto_takes_the_fewest_message_rounds_where_latency_dominates(tmp_path):
+    """The smallest corner of the sweep over links: a small bucket on a link of 50 ms one way,
+    2 ranks. The plain average is a ring allreduce (2 message rounds); PowerSGD runs two
+    allreduces per bucket (P, then Q: 4 rounds), so at this latency it costs about twice as much
+    whatever it saves in bytes; fp16 on 2 ranks of gloo sends its whole buffer in one allgather
+    (1 round, the ring's bytes). auto measures that on the link, never picks the multi-phase
+    plan, and takes the one-round one."""
     out = str(tmp_path / "res.pt")
     start_ranks(_auto, (2, free_port(), out), 2)
     r = torch.load(out)
-    assert r["choices"] == {0: "allreduce"}, r
     costs = r["trials"][-1]["costs"][0]
     print("\nauto's measured costs (s per step) at 50 ms one way:",
           {k: round(v, 4) for k, v in costs.items()})
-    # what auto measured: one allreduce (2 rounds at 2 ranks) against PowerSGD's two
+    assert r["choices"] == {0: "fp16"}, r
+    # what auto measured: the rounds x the latency, each plan's own count
     assert costs["allreduce"] >= 2 * LAT * 0.98, costs
+    assert LAT * 0.98 <= costs["fp16"] <= costs["allreduce"] - 0.5 * LAT, costs
     assert costs["powersgd"] >= costs["allreduce"] + 1.5 * LAT, costs

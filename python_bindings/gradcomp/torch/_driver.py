@@ -97,6 +97,15 @@ class PlanStats:
 # peer from which the pairs are used:
 P2P_ALL_TO_ALL_BYTES = 64 * 1024
 
+# gloo's allgather is a ring: P - 1 message rounds one after the other, each paying the link's
+# latency, where sending this rank's part to every peer at once (isend / irecv pairs, as for the
+# all-to-all) pays it once for the same bytes on each link. Over loopback the pairs were faster
+# at 14 of 15 sizes from 64 B to 4 MB per rank on 2 and 4 ranks (1.0-2.5x; 0.73x at 256 KB on 4)
+# and, with 25 ms one way per round, 2.5-2.6x on 4 ranks (equal on 2, where the ring is one
+# round too): experiments/results/auto_sweep_2026-11-28/allgather_p2p.md.
+#: False: every allgather through gloo's own call (the A/B of the pairs)
+P2P_ALLGATHER = True
+
 
 class _Done:
     """What launch() returns for a collective made of several point-to-point works."""
@@ -124,6 +133,35 @@ def _all_to_all_p2p(recv: torch.Tensor, send: torch.Tensor, world: int, group) -
         works.append(dist.irecv(outs[p], src=peer, group=group))
         works.append(dist.isend(ins[p], dst=peer, group=group))
     return _Done(works)
+
+
+def _all_gather_p2p(recv: torch.Tensor, send: torch.Tensor, world: int, group) -> _Done:
+    """all_gather of equal parts as one isend of `send` to every peer and one irecv from each,
+    all in flight at once: part p of `recv` comes from group rank p."""
+    me = dist.get_rank(group)
+    outs = recv.chunk(world)
+    outs[me].copy_(send)
+    works = []
+    for p in range(world):
+        if p == me:
+            continue
+        peer = global_rank(group, p)
+        works.append(dist.irecv(outs[p], src=peer, group=group))
+        works.append(dist.isend(send, dst=peer, group=group))
+    return _Done(works)
+
+
+def _gloo(group) -> bool:
+    """Whether `group` is gloo's, or a wrapper of gloo registered as "gloo_<name>" (the
+    experiments' latency emulation): the CPU paths below are gloo's."""
+    name = str(dist.get_backend(group))
+    return name == "gloo" or name.startswith("gloo_")
+
+
+def _p2p_allgather(send: torch.Tensor, group) -> bool:
+    """Whether an allgather goes as point-to-point pairs (see P2P_ALLGATHER): on gloo, for host
+    memory (gloo's send/recv hand the pointer to its transport as host memory)."""
+    return P2P_ALLGATHER and not send.is_cuda and _gloo(group)
 
 
 class Topology:
@@ -196,7 +234,7 @@ def launch(c, group) -> torch.futures.Future:
     if kind == "allreduce":
         if not c.in_place:
             recv.copy_(send)
-        if recv.dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
+        if recv.dtype == torch.bfloat16 and _gloo(group):
             # gloo (torch 1.13) has no bf16 reductions: sum in fp32, round once; every rank
             # rounds the same fp32 sum, so the result stays identical across ranks
             wide = recv.float()
@@ -212,13 +250,15 @@ def launch(c, group) -> torch.futures.Future:
         work = dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=group, async_op=True)
     elif kind == "allgather":
         send, recv = _as_bits(send), _as_bits(recv)
+        if _p2p_allgather(send, group):
+            return _all_gather_p2p(recv, send, c.world, group)
         outs = list(recv.chunk(c.world))
         work = dist.all_gather(outs, send, group=group, async_op=True)
     elif kind == "all-to-all":
         # (CPU only: gloo's send/recv hand the tensor's pointer to its TCP transport as host
         # memory, while its all_to_all_single stages CUDA tensors through pinned host memory)
         if (c.send_bytes >= P2P_ALL_TO_ALL_BYTES * c.world and not send.is_cuda
-                and dist.get_backend(group) == "gloo"):
+                and _gloo(group)):
             return _all_to_all_p2p(_as_bits(recv), _as_bits(send), c.world, group)
         work = dist.all_to_all_single(_as_bits(recv), _as_bits(send), group=group,
                                       async_op=True)

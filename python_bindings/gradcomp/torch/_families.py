@@ -94,7 +94,11 @@ class _Family:
         plan (full precision inside nodes of per_node ranks, this family across them)."""
         dev, idx = _device_of(flat)
         if dist.is_initialized():
-            rank, backend = dist.get_rank(group), str(dist.get_backend(group))
+            # a wrapper of gloo (the experiments' latency emulation, "gloo_latency") moves
+            # bytes as gloo does: the plans choose their routes for gloo
+            from ._driver import _gloo
+            rank = dist.get_rank(group)
+            backend = "gloo" if _gloo(group) else str(dist.get_backend(group))
         else:  # the option probe before any process group
             rank, backend = 0, ""
         return _C.make_plan(self.name, flat.numel(), _dtype_name(flat), world, rank=max(rank, 0),
