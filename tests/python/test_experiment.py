@@ -348,6 +348,9 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     assert slow["comm_share"] == pytest.approx(1 - 20 / 105)
     assert slow["best"] == "onebit" and slow["best_vs_ddp"] == pytest.approx(105 / 40)
     assert slow["vs_best"] == pytest.approx(40 / 210)
+    # the best without the families that need DGC's momentum correction: PyTorch's PowerSGD
+    assert slow["best_plain"] == "torch-powersgd"
+    assert slow["vs_best_plain"] == pytest.approx(62 / 210)
     # below 0.95x but within the rounds' spread: not a loss
     close = sw.analyse(_sweep_run(dict(base, ddp=[100, 130], auto=[122, 128])))
     assert close["vs_ddp"] < 0.95 and not close["loss"]
@@ -366,7 +369,7 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     text = sw.report(str(tmp_path))
     assert "2 of 72 settings" in text
     assert "auto >= 0.95x plain DDP: 1 of 2 settings (losses: cnn_w4_100mbit_rtt50ms)" in text
-    assert "auto within 10% of the best method: 1 of 2" in text
+    assert "auto within 10% of the best method: 1 of 2; of the best method without" in text
     pytest.importorskip("matplotlib")
     paths = sw.heatmaps(str(tmp_path))
     assert [os.path.basename(p) for p in paths] == ["heatmap_cnn.png"]
