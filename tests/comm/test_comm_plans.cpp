@@ -178,37 +178,23 @@ TEST(CommPlans, CastMatchesReference) {
             [&](const auto& in) { return gc::test::ref_cast(in, wire); });
 }
 
-TEST(CommPlans, CastReduceScatterMatchesReference) {
-  // sizes that do not divide by P (zero-padded last chunk), smaller than P (empty chunks), 0
-  for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
-    for (int P = 1; P <= 4; ++P)
-      for (int64_t n :
-           {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{1000}, int64_t{65537}})
-        check_plan(
-            P, n, 2,
-            [&](int) {
-              return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P,
-                                                             gc::Device::kCPU, 0, nullptr,
-                                                             gc::CastRoute::kReduceScatter);
-            },
-            [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
-}
-
-TEST(CommPlans, CastGatherMatchesTheReduceScatterReference) {
-  // one allgather of the whole wire buffer, then the reduce-scatter route's ordered fp32 sum:
-  // bitwise the same result, on every size including 0 and 1
-  for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
-    for (int P = 1; P <= 4; ++P)
-      for (int64_t n :
-           {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{1000}, int64_t{65537}})
-        check_plan(
-            P, n, 2,
-            [&](int) {
-              return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P,
-                                                             gc::Device::kCPU, 0, nullptr,
-                                                             gc::CastRoute::kGather);
-            },
-            [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
+TEST(CommPlans, CastReduceScatterAndGatherMatchReference) {
+  // sizes that do not divide by P (zero-padded last chunk), smaller than P (empty chunks), 0;
+  // the gather route (one allgather of the whole wire buffer, then the same ordered fp32 sum)
+  // gives bitwise the reduce-scatter route's result
+  for (auto route : {gc::CastRoute::kReduceScatter, gc::CastRoute::kGather})
+    for (auto wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+      for (int P = 1; P <= 4; ++P)
+        for (int64_t n :
+             {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{1000}, int64_t{65537}})
+          check_plan(
+              P, n, 2,
+              [&](int) {
+                return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P,
+                                                               gc::Device::kCPU, 0, nullptr,
+                                                               route);
+              },
+              [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
 }
 
 TEST(CommPlans, CastReduceScatterAsksForAllToAllThenAllgather) {
