@@ -515,9 +515,12 @@ def main():
                 f"mean {statistics.mean(load):.2f}, max {max(load):.2f} (before: "
                 f"{load_before[0]:.2f}). {args.world} ranks, 1 intra-op thread each, so they "
                 f"oversubscribe the cores.\n")
-        f.write(f"- Model: {args.layers} x Linear({args.width}, {args.width}) with ReLU, "
+        what = (f"{args.layers} x Linear({args.width}, {args.width}) with ReLU" if args.model == "mlp"
+                else f"the Fashion-MNIST experiment's {args.model} on random 28 x 28 images")
+        f.write(f"- Model: {what}, "
                 f"{n_params:,} parameters ({n_params * 4 / 1e6:.0f} MB fp32 gradient), batch "
-                f"{args.batch} per rank, MSE loss, SGD lr 1e-3; DDP bucket_cap_mb "
+                f"{args.batch} per rank, {'MSE' if args.model == 'mlp' else 'cross-entropy'} "
+                f"loss, SGD lr 1e-3; DDP bucket_cap_mb "
                 f"{args.bucket_cap_mb:g}"
                 + " (DDP closes its first bucket once it holds 1 MB, the others at the cap; the "
                 "hooks' bucket indices show how many)"
