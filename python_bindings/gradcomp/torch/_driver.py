@@ -119,36 +119,34 @@ class _Done:
         return None
 
 
-def _all_to_all_p2p(recv: torch.Tensor, send: torch.Tensor, world: int, group) -> _Done:
-    """all_to_all_single with equal parts, as one isend and one irecv per peer, all in flight
-    at once. Part p of `send` goes to group rank p; part p of `recv` comes from it."""
+def _pairs(recv_parts, send_parts, group) -> _Done:
+    """One irecv into recv_parts[p] from, and one isend of send_parts[p] to, every peer p of
+    `group`, all in flight at once (this rank's own part is the caller's)."""
     me = dist.get_rank(group)
-    ins, outs = send.chunk(world), recv.chunk(world)
-    outs[me].copy_(ins[me])
     works = []
-    for p in range(world):
+    for p in range(len(recv_parts)):
         if p == me:
             continue
         peer = global_rank(group, p)  # torch's point-to-point calls take global ranks
-        works.append(dist.irecv(outs[p], src=peer, group=group))
-        works.append(dist.isend(ins[p], dst=peer, group=group))
+        works.append(dist.irecv(recv_parts[p], src=peer, group=group))
+        works.append(dist.isend(send_parts[p], dst=peer, group=group))
     return _Done(works)
+
+
+def _all_to_all_p2p(recv: torch.Tensor, send: torch.Tensor, world: int, group) -> _Done:
+    """all_to_all_single with equal parts, as one isend and one irecv per peer, all in flight
+    at once. Part p of `send` goes to group rank p; part p of `recv` comes from it."""
+    ins, outs = send.chunk(world), recv.chunk(world)
+    outs[dist.get_rank(group)].copy_(ins[dist.get_rank(group)])
+    return _pairs(outs, ins, group)
 
 
 def _all_gather_p2p(recv: torch.Tensor, send: torch.Tensor, world: int, group) -> _Done:
     """all_gather of equal parts as one isend of `send` to every peer and one irecv from each,
     all in flight at once: part p of `recv` comes from group rank p."""
-    me = dist.get_rank(group)
     outs = recv.chunk(world)
-    outs[me].copy_(send)
-    works = []
-    for p in range(world):
-        if p == me:
-            continue
-        peer = global_rank(group, p)
-        works.append(dist.irecv(outs[p], src=peer, group=group))
-        works.append(dist.isend(send, dst=peer, group=group))
-    return _Done(works)
+    outs[dist.get_rank(group)].copy_(send)
+    return _pairs(outs, [send] * world, group)
 
 
 def _gloo(group) -> bool:
