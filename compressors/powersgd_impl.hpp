@@ -74,5 +74,9 @@ namespace detail {
 // least); bounds the memory for models with many same-shape layers.
 inline constexpr int64_t kGpuScratchFloats = int64_t{1} << 24;
 
+// Room after P (and after the plain steps' bucket) for the step envelope that PowerSGDPlan
+// appends to a step's first allreduce (plans/envelope.hpp; the plan checks the two agree).
+inline constexpr size_t kEnvelopeFloats = 65;
+
 }  // namespace detail
 }  // namespace gradcomp

@@ -125,7 +125,9 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
       ids.push_back(cfg_.first_tensor_id + static_cast<uint32_t>(i));
     }
   float* M = impl_->mbuf.get<float>(static_cast<size_t>(m_numel_));
-  float* P = impl_->pbuf.get<float>(static_cast<size_t>(p_numel_ + u_numel_));
+  // (+ the step envelope that PowerSGDPlan appends to a step's first allreduce)
+  float* P =
+      impl_->pbuf.get<float>(static_cast<size_t>(p_numel_ + u_numel_) + detail::kEnvelopeFloats);
   float* Q = impl_->qbuf.get<float>(static_cast<size_t>(q_numel_));
   uint32_t* id = impl_->ids.get<uint32_t>(ids.size());
   if (!ids.empty()) device_copy(id, device, ids.data(), Device::kCPU, ids.size() * 4, stream);
@@ -161,7 +163,8 @@ PowerSGDState::PowerSGDState(const PowerSGDConfig& cfg,
       impl_->dbuf = device == Device::kCPU;
     }
   }
-  if (cfg_.start_iter > 0) impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel));
+  if (cfg_.start_iter > 0)
+    impl_->plain.get<float>(static_cast<size_t>(impl_->total_numel) + detail::kEnvelopeFloats);
   stats_.rank_used.assign(info_.size(), 0);
 }
 

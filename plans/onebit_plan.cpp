@@ -10,9 +10,12 @@
 #include "core/state_io.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"
 #include "kernels/reduce_kernels.hpp"  // convert: the in-place result in the gradient's dtype
+#include "plans/envelope.hpp"
+#include "plans/options_hash.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {
@@ -102,7 +105,7 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->device_index = device_index;
   Impl& s = *impl_;
-  const size_t P = static_cast<size_t>(world), B = block_bytes();
+  const size_t P = static_cast<size_t>(world), B = block_bytes(), A = exchange_block_bytes();
   const size_t ce = static_cast<size_t>(chunk_elems());
   device_zero(device, s.we[0].get<float>(static_cast<size_t>(numel)), numel * sizeof(float),
               stream);
@@ -120,13 +123,40 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   }
   s.scales.get<float>(P * static_cast<size_t>(scales_per_chunk_) + 1);
   s.bits.get<uint32_t>(static_cast<size_t>(words) + 1);
-  s.send.get<uint8_t>(P * B);
-  s.recv.get<uint8_t>(P * B);
+  s.send.get<uint8_t>(P * A);
+  s.recv.get<uint8_t>(P * A);
   s.avg.get<float>(ce + 1);
   s.gsend.get<uint8_t>(B);
   s.grecv.get<uint8_t>(P * B);
   s.bit_ptrs.resize(P);
   s.scale_ptrs.resize(P);
+  // what the blocks of every rank must agree on (the step envelope's options)
+  detail::OptionsHash h;
+  h.add(numel).add(static_cast<int>(cfg_.scaling)).add(cfg_.error_feedback).add(scale_block_);
+  h.add(cfg_.check_finite).add(cfg_.tensor_id).add(cfg_.momentum).add(cfg_.rotate);
+  options_hash_ = static_cast<uint32_t>(h.value());
+}
+
+void OneBitAllreducePlan::check_envelopes() {
+  Impl& s = *impl_;
+  if (world_ == 1) return;
+  const size_t P = static_cast<size_t>(world_), B = block_bytes(), A = exchange_block_bytes();
+  const auto* recv = static_cast<const uint8_t*>(s.recv.data());
+  std::vector<uint8_t> host(P * sizeof(detail::ByteEnvelope));
+  for (size_t q = 0; q < P; ++q)
+    device_copy(host.data() + q * sizeof(detail::ByteEnvelope), Device::kCPU, recv + q * A + B,
+                device_, sizeof(detail::ByteEnvelope), s.stream);
+  if (device_ == Device::kCUDA) cuda::stream_synchronize(s.stream);
+  const detail::EnvelopeVerdict v =
+      detail::read_byte_envelopes(host.data(), sizeof(detail::ByteEnvelope), world_);
+  if (v.agreed()) return;
+  phase_ = 0;  // the step is over on every rank: each received the same envelopes
+  // with check_finite the step wrote only the other copy of the state; without it, the worker
+  // error (and momentum) in place
+  detail::throw_disagreement(v, "onebit-allreduce",
+                             "scaling, chunk_size, error_feedback, momentum, rotate, check_finite "
+                             "and the bucket's size",
+                             step_, s.staged);
 }
 
 OneBitAllreducePlan::~OneBitAllreducePlan() = default;
@@ -228,7 +258,7 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
 
 std::optional<Collective> OneBitAllreducePlan::next() {
   Impl& s = *impl_;
-  const size_t P = static_cast<size_t>(world_), B = block_bytes();
+  const size_t P = static_cast<size_t>(world_), B = block_bytes(), A = exchange_block_bytes();
   const int64_t W = words_per_chunk_, CE = chunk_elems(), words = k::onebit::num_words(numel_);
   const int64_t S = scale_block_, NB = scales_per_chunk_;
   auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
@@ -242,8 +272,14 @@ std::optional<Collective> OneBitAllreducePlan::next() {
     case 1: {  // (1) worker compress (one scale per block of S) + split into P blocks
       const k::OneBitGeom geo = sign_geom(numel_, S);
       auto* send = static_cast<uint8_t*>(s.send.data());
-      device_zero(device_, send, P * B, s.stream);
+      device_zero(device_, send, P * A, s.stream);
+      if (A > B) {  // every block ends with this rank's step envelope (the same in each)
+        const detail::ByteEnvelope e = detail::byte_envelope({step_, options_hash_, false});
+        for (size_t q = 0; q < P; ++q)
+          device_copy(send + q * A + B, device_, &e, Device::kCPU, sizeof(e), s.stream);
+      }
       const int64_t K = (numel_ + CE - 1) / std::max<int64_t>(1, CE);  // chunks holding elements
+      c.count = A;
       c.kind = CollectiveKind::kAllToAll;
       c.send = send;
       c.recv = s.recv.data();
@@ -251,7 +287,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       phase_ = 2;
       if (s.bad >= 0) {
         // NaN scales in every chunk: each server sees them, and so every rank (phase 2 and 3)
-        for (int64_t q = 0; q < K; ++q) device_fill_nan(device_, send + q * B, 4 * NB, s.stream);
+        for (int64_t q = 0; q < K; ++q) device_fill_nan(device_, send + q * A, 4 * NB, s.stream);
         return c;
       }
       float* we = s.we_out();
@@ -266,7 +302,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
                                      ef ? we : nullptr, geo, scales, bits);
       const int64_t total_scales = geo.num_scales();
       for (int64_t q = 0; q < K; ++q) {
-        uint8_t* blk = send + q * B;
+        uint8_t* blk = send + q * A;
         const int64_t s0 = q * NB, s1 = std::min(total_scales, s0 + NB);
         device_copy(blk, device_, scales + s0, device_, 4 * (s1 - s0), s.stream);
         const int64_t w0 = q * W, w1 = std::min(words, w0 + W);
@@ -275,6 +311,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       return c;
     }
     case 2: {  // (3) server: average chunk `rank` of every worker, add server error, recompress
+      check_envelopes();  // (throws on every rank when the senders disagree)
       const int64_t L = chunk_len(rank_);
       auto* gsend = static_cast<uint8_t*>(s.gsend.data());
       device_zero(device_, gsend, B, s.stream);
@@ -282,14 +319,14 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       if (L > 0 && cfg_.check_finite) {  // a bad worker sent NaN scales
         const auto* recv = static_cast<const uint8_t*>(s.recv.data());
         for (size_t q = 0; q < P && !skip; ++q)
-          skip = device_first_is_nan(device_, recv + q * B, DType::kFloat32, s.stream);
+          skip = device_first_is_nan(device_, recv + q * A, DType::kFloat32, s.stream);
         if (skip) device_fill_nan(device_, gsend, 4 * NB, s.stream);  // server error untouched
       }
       if (L > 0 && !skip) {
         const auto* recv = static_cast<const uint8_t*>(s.recv.data());
         for (size_t q = 0; q < P; ++q) {
-          s.scale_ptrs[q] = reinterpret_cast<const float*>(recv + q * B);
-          s.bit_ptrs[q] = reinterpret_cast<const uint32_t*>(recv + q * B + 4 * NB);
+          s.scale_ptrs[q] = reinterpret_cast<const float*>(recv + q * A);
+          s.bit_ptrs[q] = reinterpret_cast<const uint32_t*>(recv + q * A + 4 * NB);
         }
         const k::OneBitGeom geo = sign_geom(L, S);
         float* avg = static_cast<float*>(s.avg.data());

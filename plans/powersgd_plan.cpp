@@ -11,6 +11,8 @@
 #include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/scan_kernels.hpp"
+#include "plans/envelope.hpp"
+#include "plans/options_hash.hpp"
 
 namespace gradcomp {
 
@@ -19,17 +21,32 @@ std::unique_ptr<PowerSGDState> checked(std::unique_ptr<PowerSGDState> s) {
   GC_CHECK_ARG(s != nullptr, "PowerSGD plan: null state");
   return s;
 }
+
+// What decides every rank's collectives and Q: ranks that differ in any of it would sum P and Q
+// of different projections. Told through the step envelope (plans/envelope.hpp).
+uint32_t options_hash(const PowerSGDConfig& c, const std::vector<std::vector<int64_t>>& shapes) {
+  detail::OptionsHash h;
+  h.add(c.rank).add(c.start_iter).add(c.min_compression_rate).add(c.error_feedback);
+  h.add(c.warm_start).add(c.orthogonalization_epsilon).add(c.seed).add(c.first_tensor_id);
+  h.add(static_cast<int>(c.orthogonalization)).add(c.fuse_uncompressed_with_p);
+  h.add(c.check_finite).add(shapes.size());
+  for (const auto& s : shapes) h.add(s.size()).add_all(s);
+  return static_cast<uint32_t>(h.value());
+}
+
 }  // namespace
 
 using detail::kGpuScratchFloats;
 
 PowerSGDPlan::PowerSGDPlan(PowerSGDState& state, int world) : st_(state), world_(world) {
   GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
+  options_hash_ = options_hash(st_.cfg_, st_.impl_->shapes);
 }
 
 PowerSGDPlan::PowerSGDPlan(std::unique_ptr<PowerSGDState> state, int world)
     : owned_(checked(std::move(state))), st_(*owned_), world_(world) {
   GC_CHECK_ARG(world >= 1, "PowerSGD plan: world size must be >= 1, got ", world);
+  options_hash_ = options_hash(st_.cfg_, st_.impl_->shapes);
 }
 
 void PowerSGDPlan::begin(const TensorView& bucket) {
@@ -164,19 +181,20 @@ std::optional<Collective> PowerSGDPlan::next() {
         // sent as it is: a NaN or Inf of any rank makes its element of the sum NaN or Inf on
         // every rank, which kPlainWait's scan of the sum finds (with a finite sum that overflows)
         phase_ = Phase::kPlainWait;
-        return issue(make(b, static_cast<size_t>(im.total_numel), "powersgd plain"));
+        return first(b, static_cast<size_t>(im.total_numel), "powersgd plain");
       }
       phase_compress();
       const size_t np = static_cast<size_t>(st_.p_numel_), nu = static_cast<size_t>(st_.u_numel_);
       if (np == 0 && nu == 0) return done(true);
       if (np > 0 && (nu == 0 || st_.cfg_.fuse_uncompressed_with_p)) {
         phase_ = Phase::kWaitP;
-        return issue(make(pbuf, np + nu, nu ? "powersgd P+uncompressed" : "powersgd P"));
+        return first(pbuf, np + nu, nu ? "powersgd P+uncompressed" : "powersgd P");
       }
       phase_ = Phase::kWaitU;
-      return issue(make(ubuf, nu, "powersgd uncompressed"));
+      return first(ubuf, nu, "powersgd uncompressed");
     }
     case Phase::kPlainWait: {
+      check_envelope();
       // The whole sum is scanned: a finite gradient whose sum over ranks overflows fp32 can do
       // so at any element, and every rank holds the same sum, so every rank skips alike.
       const float* b = static_cast<const float*>(im.plain.data());
@@ -192,6 +210,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       return done(false);
     }
     case Phase::kWaitU:
+      check_envelope();
       if (st_.cfg_.check_finite && sum_nonfinite(ubuf, st_.u_numel_)) return skip_step();
       if (st_.p_numel_ > 0) {
         phase_ = Phase::kWaitP;
@@ -202,6 +221,7 @@ std::optional<Collective> PowerSGDPlan::next() {
     case Phase::kWaitP:
       // P is small: all of it is scanned, so that a sum over ranks that overflows is caught as
       // well as a rank's NaN (every rank holds the same sum, so every rank skips)
+      check_envelope();  // (when P was the step's first allreduce)
       if (st_.cfg_.check_finite && sum_nonfinite(pbuf, issued_.back().count)) return skip_step();
       phase_project();
       phase_ = Phase::kWaitQ;
@@ -296,17 +316,57 @@ void PowerSGDPlan::find_bad() {
   }
 }
 
-std::optional<Collective> PowerSGDPlan::skip_step() {
+void PowerSGDPlan::restore_state() {
   auto& im = *st_.impl_;
-  if (st_.step_ >= st_.cfg_.start_iter) {  // a compressed step: Q (and on CUDA the error) back
-    if (st_.q_numel_ > 0)
-      device_copy(im.qbuf.data(), st_.device_, im.qsave.data(), st_.device_,
-                  static_cast<size_t>(st_.q_numel_) * 4, im.stream);
-    st_.q_ready_ = q_ready_saved_;
-    if (esaved_)  // (CUDA; the CPU has not written the error yet)
-      device_copy(im.mbuf.data(), st_.device_, im.esave.data(), st_.device_,
-                  static_cast<size_t>(st_.m_numel_) * 4, im.stream);
+  if (st_.step_ < st_.cfg_.start_iter) return;  // a plain step changes no state before its end
+  // a compressed step: Q (and on CUDA the error) back
+  if (st_.q_numel_ > 0)
+    device_copy(im.qbuf.data(), st_.device_, im.qsave.data(), st_.device_,
+                static_cast<size_t>(st_.q_numel_) * 4, im.stream);
+  st_.q_ready_ = q_ready_saved_;
+  if (esaved_)  // (CUDA; the CPU has not written the error yet)
+    device_copy(im.mbuf.data(), st_.device_, im.esave.data(), st_.device_,
+                static_cast<size_t>(st_.m_numel_) * 4, im.stream);
+}
+
+std::optional<Collective> PowerSGDPlan::first(float* buf, size_t count, const char* tag) {
+  static_assert(detail::kEnvelopeFloats == detail::kSumEnvelopeSlots,
+                "PowerSGDState leaves room for the step envelope");
+  envelope_ = nullptr;
+  if (world_ > 1) {  // (the buffers have room for it: PowerSGDState)
+    envelope_ = buf + count;
+    const std::vector<uint8_t> e =
+        detail::sum_envelope({st_.step_, options_hash_, false}, DType::kFloat32, world_);
+    device_copy(envelope_, st_.device_, e.data(), Device::kCPU, e.size(), st_.impl_->stream);
+    count += detail::kSumEnvelopeSlots;
   }
+  issued_.push_back(make(buf, count, tag));
+  return issued_.back();
+}
+
+void PowerSGDPlan::check_envelope() {
+  if (envelope_ == nullptr) return;
+  std::vector<uint8_t> h(detail::kSumEnvelopeSlots * sizeof(float));
+  device_copy(h.data(), Device::kCPU, envelope_, st_.device_, h.size(), st_.impl_->stream);
+  if (st_.device_ == Device::kCUDA) cuda::stream_synchronize(st_.impl_->stream);
+  envelope_ = nullptr;
+  const detail::EnvelopeVerdict v = detail::read_sum_envelope(h.data(), DType::kFloat32, world_);
+  if (v.agreed()) return;
+  // every rank holds the same sums: the step ends here on every rank, the state as before it
+  // (Q is saved only with check_finite; a plain step has changed nothing)
+  const bool kept = st_.step_ < st_.cfg_.start_iter || st_.cfg_.check_finite;
+  if (st_.cfg_.check_finite) restore_state();
+  grads_.clear();
+  issued_.clear();
+  phase_ = Phase::kDone;
+  detail::throw_disagreement(v, "powersgd",
+                             "rank, start_iter, min_compression_rate, error_feedback, "
+                             "warm_start, seed, the orthogonalization and the bucket's shapes",
+                             st_.step_, kept);
+}
+
+std::optional<Collective> PowerSGDPlan::skip_step() {
+  restore_state();
   for (const TensorView& g : grads_)
     device_fill_nan(g.device, g.data, static_cast<size_t>(g.nbytes()), g.stream);
   grads_.clear();

@@ -9,6 +9,7 @@
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/envelope.hpp"
 #include "plans/options_hash.hpp"
 #include "plans/per_rank.hpp"
 
@@ -16,40 +17,13 @@ namespace gradcomp {
 
 namespace k = kernels;
 
-namespace {
-
 // Consensus through the sum itself. The ranks' indices come from the RNG keyed by the step, so
 // ranks at different steps (one restored alone, an older state loaded into a live plan) or with
 // other options would sum values of different elements and get a wrong average without any
-// error. Each rank appends kSlots elements to its values: slot b holds bit b of (the step's low
-// 32 bits, the options' hash) as 0 or 1. After the sum, slot b is 0 or P on every rank exactly
-// when every rank's bit b is the same. Sums of 0/1 are exact while P is an integer of the value
-// dtype (fp32: 2^24, fp16: 2048, bf16: 256); beyond that every rank writes 0 (no check). Slot
-// 64 is 1 on a rank whose values did not fit the agreed count: a sum of ones is never 0, at any
-// P, so it is read as "some rank was cut short".
-constexpr int kSlots = 65;
-
-bool exact_for(DType t, int world) {
-  const int limit = t == DType::kFloat32 ? (1 << 24) : t == DType::kFloat16 ? 2048 : 256;
-  return world > 1 && world <= limit;
-}
-
-uint16_t one_bits(DType t) {
-  return t == DType::kFloat16 ? float_to_half(1.0f) : float_to_bf16(1.0f);
-}
-
-float slot_value(const uint8_t* p, int i, DType t) {
-  if (t == DType::kFloat32) {
-    float f;
-    std::memcpy(&f, p + 4 * i, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, p + 2 * i, 2);
-  return t == DType::kFloat16 ? half_to_float(h) : bf16_to_float(h);
-}
-
-}  // namespace
+// error. Each rank appends the step envelope (plans/envelope.hpp) to its values, in the values'
+// dtype; its flag is raised by a rank whose values did not fit the agreed count ("some rank was
+// cut short").
+constexpr size_t kSlots = detail::kSumEnvelopeSlots;
 
 RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t numel, int world,
                                            DType grad_dtype, Device device, int device_index,
@@ -96,30 +70,9 @@ size_t RandomKAllreducePlan::put_consensus(const PayloadHeader& h, size_t m) {
   if (own < m)  // fewer values than agreed (this rank's step is not the agreed one): zeros
     device_zero(device_, static_cast<uint8_t*>(payload_.bytes.data()) + values + own * es,
                 (m - own) * es, stream_);
-  std::vector<uint8_t> slots(kSlots * es, 0);
-  if (own > m) {  // more: cut short, which slot 64 says (the slots overwrite the values past m)
-    if (t == DType::kFloat32) {
-      const float one = 1.0f;
-      std::memcpy(slots.data() + 4 * 64, &one, 4);
-    } else {
-      const uint16_t one = one_bits(t);
-      std::memcpy(slots.data() + 2 * 64, &one, 2);
-    }
-  }
-  if (exact_for(t, world_)) {
-    const uint64_t bits =
-        (static_cast<uint64_t>(options_hash_) << 32) | (static_cast<uint64_t>(h.aux) & 0xffffffffu);
-    for (int b = 0; b < 64; ++b) {
-      if (!((bits >> b) & 1)) continue;
-      if (t == DType::kFloat32) {
-        const float one = 1.0f;
-        std::memcpy(slots.data() + 4 * b, &one, 4);
-      } else {
-        const uint16_t one = one_bits(t);
-        std::memcpy(slots.data() + 2 * b, &one, 2);
-      }
-    }
-  }
+  // more: cut short, which the flag says (the envelope overwrites the values past m)
+  const detail::StepEnvelope e{static_cast<int64_t>(h.aux), options_hash_, own > m};
+  const std::vector<uint8_t> slots = detail::sum_envelope(e, t, world_);
   device_copy(static_cast<uint8_t*>(payload_.bytes.data()) + at, device_, slots.data(),
               Device::kCPU, slots.size(), stream_);
   return m + kSlots;
@@ -135,21 +88,13 @@ bool RandomKAllreducePlan::check_consensus(const PayloadHeader& h) {
                   (sent_ - kSlots) * es,
               device_, slots.size(), stream_);
   if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
-  const auto P = static_cast<float>(world_);
-  bool step_differs = false, options_differ = false;
-  for (int b = 0; b < 64; ++b) {
-    const float v = slot_value(slots.data(), b, t);
-    if (v == 0.0f || v == P) continue;
-    (b < 32 ? step_differs : options_differ) = true;
-  }
-  if (!step_differs && !options_differ) return slot_value(slots.data(), 64, t) != 0.0f;
+  const detail::EnvelopeVerdict v = detail::read_sum_envelope(slots.data(), t, world_);
+  if (v.agreed()) return v.flagged;
   phase_ = kDone;  // the step is over on every rank (each sees the same sums); nothing committed
-  GC_CHECK_ARG(!options_differ, "plan 'randomk': the options differ across ranks (ratio, warm-up, ",
-               "seed, momentum, clipping, value_dtype, dense_below or the bucket's layout must be ",
-               "the same on every rank); the step failed on every rank and no state changed");
-  GC_CHECK_ARG(false, "plan 'randomk': ranks are at different steps (this rank at ", h.aux,
-               "); restore every rank's state, or none. The step failed on every rank and no ",
-               "state changed");
+  detail::throw_disagreement(v, "randomk",
+                             "ratio, warm-up, seed, momentum, clipping, value_dtype, dense_below "
+                             "and the bucket's layout",
+                             static_cast<int64_t>(h.aux), true);
 }
 
 size_t RandomKAllreducePlan::workspace_bytes() const {

@@ -9,6 +9,7 @@
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "kernels/topk_kernels.hpp"
+#include "plans/envelope.hpp"
 #include "plans/options_hash.hpp"
 #include "plans/per_rank.hpp"
 
@@ -164,35 +165,22 @@ Collective TopKAllreducePlan::gather_payloads(const char* tag) {
 }
 
 void TopKAllreducePlan::put_dense_slots(float* slots) {
-  // slot b < 64: bit b of (the options' hash's low 32 bits, this rank's step's low 32 bits) as
-  // 0 or 1; summed over P ranks each is 0 or P exactly when every rank's bit is the same (sums
-  // of 0/1 are exact in fp32 up to 2^24 ranks). Slot 64: 1 when this rank's gradient was bad.
-  std::vector<float> h(kDenseSlots, 0.0f);
-  const uint64_t bits = (static_cast<uint64_t>(config_fingerprint_) << 32) |
-                        (static_cast<uint64_t>(own_step_) & 0xffffffffu);
-  for (int b = 0; b < 64; ++b) h[b] = static_cast<float>((bits >> b) & 1);
-  h[64] = bad_ >= 0 ? 1.0f : 0.0f;
-  device_copy(slots, device_, h.data(), Device::kCPU, kDenseSlots * sizeof(float), stream_);
+  // the step envelope (plans/envelope.hpp): this rank's step and options, and as its flag
+  // whether this rank's gradient was bad
+  const detail::StepEnvelope e{own_step_, static_cast<uint32_t>(config_fingerprint_), bad_ >= 0};
+  const std::vector<uint8_t> h = detail::sum_envelope(e, DType::kFloat32, world_);
+  device_copy(slots, device_, h.data(), Device::kCPU, h.size(), stream_);
 }
 
 bool TopKAllreducePlan::check_dense_slots() {
-  std::vector<float> h(kDenseSlots);
-  device_copy(h.data(), Device::kCPU, dense_.get<float>(0) + numel_, device_,
-              kDenseSlots * sizeof(float), stream_);
+  static_assert(kDenseSlots == detail::kSumEnvelopeSlots, "the dense route carries the envelope");
+  std::vector<uint8_t> h(kDenseSlots * sizeof(float));
+  device_copy(h.data(), Device::kCPU, dense_.get<float>(0) + numel_, device_, h.size(), stream_);
   if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
-  const auto P = static_cast<float>(world_);
-  bool step_differs = false, options_differ = false;
-  for (int b = 0; b < 64 && world_ <= (1 << 24); ++b) {
-    if (h[b] == 0.0f || h[b] == P) continue;
-    (b < 32 ? step_differs : options_differ) = true;
-  }
-  GC_CHECK_ARG(!options_differ, "plan 'topk': the options differ across ranks: ratio, warm-up, ",
-               "value_dtype, route, exchange and the cost model must be the same on every rank; ",
-               "the step failed on every rank and no state changed");
-  GC_CHECK_ARG(!step_differs, "plan 'topk': ranks are at different steps (this rank at ", own_step_,
-               "): restore every rank's state, or none; the step failed on every ",
-               "rank and no state changed");
-  return check_finite_ && h[64] != 0.0f;
+  const bool flagged = detail::require_agreement(
+      detail::read_sum_envelope(h.data(), DType::kFloat32, world_), "topk",
+      "ratio, warm-up, value_dtype, route, exchange and the cost model", own_step_);
+  return check_finite_ && flagged;
 }
 
 std::optional<Collective> TopKAllreducePlan::next() {

@@ -343,8 +343,8 @@ class TopKAllreducePlan : public GradientPlan {
   bool read_gathered_sizes(const uint8_t* gathered);
   /// Pads this rank's payload to stride_ (the longest payload, rounded) and gathers them all.
   Collective gather_payloads(const char* tag);
-  /// Dense route: the consensus slots after the n dense values (step bits, options-hash bits,
-  /// and a count of ranks whose gradient was not finite).
+  /// Dense route: the step envelope after the n dense values (plans/envelope.hpp; its flag: a
+  /// rank's gradient was not finite).
   static constexpr size_t kDenseSlots = 65;
   void put_dense_slots(float* slots);
   /// Checks the summed slots: true when a rank's gradient was not finite (the step is skipped);
@@ -460,7 +460,12 @@ class RandomKAllreducePlan : public GradientPlan {
 ///      with 32 W P >= n (chunks hold whole blocks; the last chunks are padded with zero bits and
 ///      an empty block has scale 0). Each chunk holds NB = 32 W / S blocks. Send block p =
 ///      [NB scales of chunk p (fp32) | W words of bits]: B = 4 (NB + W) bytes.
-///  (2) all-to-all (ElemType::kU8, B bytes per rank): rank r receives chunk r from every rank.
+///  (2) all-to-all (ElemType::kU8, B + 16 bytes per rank when P > 1): rank r receives chunk r
+///      from every rank, each followed by its sender's step envelope (plans/envelope.hpp: the
+///      step and a hash of the options). Every rank receives every sender's envelope, so ranks
+///      at different steps (a state loaded on one rank only) or with other options fail the step
+///      on every rank with InvalidArgument before anything is combined (with check_finite, which
+///      double-buffers the state, nothing changed).
 ///  (3) rank r decodes the P blocks, sums them in rank order, multiplies by 1/P, adds
 ///      server_error and recompresses its chunk with the same blocks (server error feedback).
 ///  (4) allgather (ElemType::kU8, B bytes per rank) of the recompressed blocks.
@@ -515,6 +520,8 @@ class OneBitAllreducePlan : public BucketPlan {
   size_t block_bytes() const {
     return static_cast<size_t>(4 * (words_per_chunk_ + scales_per_chunk_));
   }
+  /// Bytes per rank of the all-to-all: a block and the step envelope (16 bytes) when P > 1.
+  size_t exchange_block_bytes() const { return block_bytes() + (world_ > 1 ? 16 : 0); }
   int64_t numel() const override { return numel_; }
   int64_t step() const { return step_; }
   Device device() const { return device_; }
@@ -526,7 +533,9 @@ class OneBitAllreducePlan : public BucketPlan {
   const float* momentum_buffer() const;
   const float* server_error() const;
   /// Bytes this rank sends per step (all-to-all + allgather), for compression-ratio reports.
-  uint64_t bytes_sent() const { return block_bytes() * static_cast<uint64_t>(world_ + 1); }
+  uint64_t bytes_sent() const {
+    return exchange_block_bytes() * static_cast<uint64_t>(world_) + block_bytes();
+  }
   bool stateful() const override { return true; }
   std::vector<uint8_t> state_dict() const override;
   /// Restores state_dict(); throws InvalidArgument on a mismatch and then changes nothing.
@@ -534,6 +543,10 @@ class OneBitAllreducePlan : public BucketPlan {
 
  private:
   void start(const TensorView& grad, const TensorView* out);
+  /// Phase 2: every sender's envelope from the received blocks; InvalidArgument on every rank
+  /// when their steps or options differ.
+  void check_envelopes();
+  uint32_t options_hash_ = 0;  ///< what every rank's blocks depend on (step envelope)
   void undo_state() override;
   struct Impl;
   std::unique_ptr<Impl> impl_;
@@ -696,7 +709,17 @@ class PowerSGDPlan : public BucketPlan {
   std::optional<Collective> skip_step();
   /// Whether a summed buffer of n floats holds NaN or Inf (a bad rank, or an overflowing sum).
   bool sum_nonfinite(const float* buf, int64_t n);
+  /// The step's first allreduce of `count` floats at buf, with the step envelope appended
+  /// (plans/envelope.hpp) when world > 1.
+  std::optional<Collective> first(float* buf, size_t count, const char* tag);
+  /// After the first allreduce: InvalidArgument on every rank when the ranks' steps or options
+  /// differ (Q and the error restored, as for a skipped step).
+  void check_envelope();
+  /// Puts Q (and on CUDA the error) back as they were before a compressed step.
+  void restore_state();
   void undo_state() override;
+  uint32_t options_hash_ = 0;  ///< what every rank's collectives depend on (envelope)
+  float* envelope_ = nullptr;  ///< this step: where the summed envelope lies, until checked
   std::unique_ptr<PowerSGDState> owned_;  ///< null when the caller keeps the state
   bool bad_ = false;  ///< this step: this rank's gradient (or its P) was not finite
   bool q_ready_saved_ = false;

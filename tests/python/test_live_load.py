@@ -11,6 +11,9 @@ state of the job's iteration again the ranks train on in step.
 - Job compressing (iteration 4), rank 0 loads the state of iteration 1 (no compression state
   yet): that rank compresses with the job, its live plans at step 0, and the plans' own
   consensus tells every rank that the steps differ.
+- Job compressing (iteration 5), rank 0 loads the state of iteration 4 (compressing too, one
+  step behind): only the step envelope on each step's first collective can tell; every family
+  does, 1-bit and PowerSGD included (before it they trained on from the mismatched state).
 """
 import copy
 
@@ -27,6 +30,9 @@ from ddp_util import (  # noqa: E402
 FAMILIES = [
     ("topk", dict(ratio=0.05)),
     ("randomk", dict(ratio=0.05, dense_below=0)),
+    ("onebit", {}),
+    ("powersgd", dict(rank=2)),
+    ("quant", {}),
 ]
 
 
@@ -41,38 +47,38 @@ def _live_load_across_start_iter(rank, world, out_dir):
         model.register_comm_hook(state, hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
 
+    def job(name, opts, steps, loaded, match, back=None):
+        """A job trained `steps` iterations in which rank 0 alone loads `loaded`: every rank
+        fails the next backward twice (`match`); then rank 0 loads `back` (the job's own state
+        from before its load, by default) and the ranks train two steps in step."""
+        model, state, opt = build(name, opts)
+        train(model, opt, data[0:steps])
+        own = copy.deepcopy(state.state_dict())
+        if rank == 0:
+            state.load_state_dict(loaded)
+        fails_twice(model, opt, data[steps], match)
+        if rank == 0:
+            state.load_state_dict(own if back is None else back)
+        train(model, opt, data[5:7])
+        assert all(torch.isfinite(p).all() for p in model.parameters()), name
+        assert params_equal_across_ranks(model), name
+        return state, own
+
     for name, opts in FAMILIES:
         model, state, opt = build(name, opts)
         train(model, opt, data[0:4])
         late = copy.deepcopy(state.state_dict())  # iteration 4: compressing
         assert late["iter"] == 4 and late["buckets"]
-
         # a job in its plain steps (iteration 1); rank 0 loads iteration 4
-        model, state, opt = build(name, opts)
-        train(model, opt, data[0:1])
-        early = copy.deepcopy(state.state_dict())
+        state, early = job(name, opts, 1, late, "different iterations")
         assert early["iter"] == 1 and not early["buckets"]
-        if rank == 0:
-            state.load_state_dict(late)
-        fails_twice(model, opt, data[4], "different iterations")
-        if rank == 0:
-            state.load_state_dict(early)
-        train(model, opt, data[5:7])
         assert state.iter == 3, (name, state.iter)
-        assert params_equal_across_ranks(model), name
-
         # a job compressing (iteration 4); rank 0 loads iteration 1, before compression began
-        model, state, opt = build(name, opts)
-        train(model, opt, data[0:4])
-        if rank == 0:
-            state.load_state_dict(early)
-        fails_twice(model, opt, data[4], "ranks are at different steps")
-        if rank == 0:
-            state.load_state_dict(late)
-        train(model, opt, data[5:7])
+        state, _ = job(name, opts, 4, early, "at different steps", back=late)
         assert state.iter == 6, (name, state.iter)
-        assert all(torch.isfinite(p).all() for p in model.parameters())
-        assert params_equal_across_ranks(model), name
+        # a job compressing (iteration 5); rank 0 loads iteration 4, one compressed step behind
+        state, _ = job(name, opts, 5, late, "at different steps")
+        assert state.iter == 7, (name, state.iter)
     mark_ok(out_dir, rank)
 
 
