@@ -313,7 +313,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per method and round")
     ap.add_argument("--warmup", type=int, default=3,
-                    help="warm-up steps (auto: 12, its trial with the defaults)")
+                    help="warm-up steps (auto: its whole trial and one step more)")
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     ap.add_argument("--budget-min", type=float, default=60.0,
                     help="no new setting starts after this many minutes")

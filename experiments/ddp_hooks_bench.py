@@ -207,7 +207,10 @@ def _worker(rank, world, init, args, out):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         n_params = sum(p.numel() for p in model.parameters())
         # auto's trial (start_iter + candidates x trial_steps) must end inside the warm-up
-        warm = max(args.warmup, args.warmup_auto) if kind == "auto" else args.warmup
+        warm = args.warmup
+        if kind == "auto":
+            trial = state.start_iter + len(state.candidates) * state.trial_steps + 1
+            warm = max(warm, trial if args.warmup_auto is None else args.warmup_auto)
         times = []
         prof = None
         dist.barrier()
@@ -394,9 +397,10 @@ def main():
                     help="the configurations: this benchmark's A/B list, or the sweep's "
                          "(experiments/auto_sweep.py: every method at its defaults)")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--warmup-auto", type=int, default=12,
-                    help="warm-up steps of the auto configurations: their trial (start_iter + "
-                         "candidates x trial_steps) must end inside it")
+    ap.add_argument("--warmup-auto", type=int, default=None,
+                    help="warm-up steps of the auto configurations (default: their trial, "
+                         "start_iter + candidates x trial_steps, and one step more); the trial "
+                         "must end inside it")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bucket-cap-mb", type=float, default=1024.0,

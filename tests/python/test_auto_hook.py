@@ -38,11 +38,12 @@ def test_choose_picks_cheapest_unless_a_more_faithful_one_is_within_margin():
 
 def test_schedule_plain_then_trial_then_chosen():
     state, _ = gt.hook("auto", trial_steps=2, start_iter=1)
-    assert state.candidates == CANDS
-    got = [state.phase(i) for i in range(8)]
+    assert state.candidates == ["allreduce", "fp16", "quant", "powersgd"]  # the defaults
+    got = [state.phase(i) for i in range(10)]
     assert got == [("plain", "allreduce", False),
                    ("trial", "allreduce", False), ("trial", "allreduce", True),
                    ("trial", "fp16", False), ("trial", "fp16", True),
+                   ("trial", "quant", False), ("trial", "quant", True),
                    ("trial", "powersgd", False), ("trial", "powersgd", True),
                    ("chosen", None, False)]
 
@@ -52,7 +53,7 @@ def test_decisions_and_rechecks_from_recorded_costs():
     decision after each trial, a recheck every recheck_every iterations, the state of a
     compressor a bucket leaves dropped."""
     state, _ = gt.hook("auto", trial_steps=2, start_iter=1, recheck_every=10)
-    link = {"allreduce": 0.30, "fp16": 0.18, "powersgd": 0.06}  # a slow link first
+    link = {"allreduce": 0.30, "fp16": 0.18, "quant": 0.09, "powersgd": 0.06}  # a slow link
 
     class Stats:
         def __init__(self, s):
@@ -60,14 +61,15 @@ def test_decisions_and_rechecks_from_recorded_costs():
 
     for it in range(30):
         if it == 12:
-            link = {"allreduce": 0.010, "fp16": 0.0103, "powersgd": 0.0098}  # a fast link
+            link = {"allreduce": 0.010, "fp16": 0.0103, "quant": 0.0105,
+                    "powersgd": 0.0098}  # a fast link
         state._new_step(it)
         phase, name, measured = state.phase(it)
         samples = [state._sampler(name)(idx, it, Stats(link[name] * (1 + idx)))
                    for idx in (0, 1)] if measured else []
         state._close_step(True, samples)  # an applied step files its samples
         state.subs["powersgd"].buckets[0] = object()  # as if bucket 0 had PowerSGD state
-    assert [t["iter"] for t in state.trials] == [7, 23]  # trials at 1-6 and 17-22
+    assert [t["iter"] for t in state.trials] == [9, 27]  # trials at 1-8 and 19-26
     assert state.trials[0]["choices"] == {0: "powersgd", 1: "powersgd"}
     assert state.trials[1]["choices"] == {0: "allreduce", 1: "allreduce"}
     assert state.trials[1]["costs"][1]["fp16"] == pytest.approx(0.0206)

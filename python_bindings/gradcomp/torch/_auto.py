@@ -49,7 +49,11 @@ log = logging.getLogger("gradcomp")
 
 #: Candidates from the most to the least faithful to the plain average.
 FIDELITY = ("allreduce", "bf16", "fp16", "quant", "powersgd", "topk")
-DEFAULT_CANDIDATES = ("allreduce", "fp16", "powersgd")
+#: quant (min_bits bits per value) is one of them because on links both slow and far (100 Mbit/s
+#: with 50 ms round trips, the sweep of experiments/auto_sweep.py) it was the fastest of the
+#: faithful families: an eighth of fp32's bytes in two message rounds, where PowerSGD's two
+#: allreduces pay the latency 2(P-1) times each and fp16 sends half the bytes.
+DEFAULT_CANDIDATES = ("allreduce", "fp16", "quant", "powersgd")
 #: With hierarchy="node", each candidate also runs as a two-level plan under this suffix
 #: ("powersgd@node": PowerSGD across nodes, full precision inside them).
 HIER = "@node"

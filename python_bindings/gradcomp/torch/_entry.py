@@ -31,7 +31,7 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
     what the overlap is worth. Not with ``"auto"``.
 
     ``"auto"`` measures the candidates on the real model and link and picks per bucket (see
-    :mod:`gradcomp.torch._auto`): ``hook("auto", candidates=("allreduce", "fp16", "powersgd"),
+    :mod:`gradcomp.torch._auto`): ``hook("auto", candidates=("allreduce", "fp16", "quant", "powersgd"),
     min_rank=4, max_density=0.01, min_bits=4, trial_steps=3, recheck_every=1000,
     margin=0.05)``.
 
