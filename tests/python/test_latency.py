@@ -286,3 +286,20 @@ def test_auto_takes_the_fewest_message_rounds_where_latency_dominates(tmp_path):
     assert costs["allreduce"] >= 2 * LAT * 0.98, costs
     assert LAT * 0.98 <= costs["fp16"] <= costs["allreduce"] - 0.5 * LAT, costs
     assert costs["powersgd"] >= costs["allreduce"] + 1.5 * LAT, costs
+
+
+@needs_torch2
+def test_auto_takes_fp16s_one_round_route_on_three_ranks(tmp_path):
+    """The same corner on 3 ranks, where fp16's default route takes two message rounds (an
+    all-to-all, then the allgather) and its gather route one (for 3/2 times the bytes, nothing on
+    this link): auto tries the gather route as a candidate of its own ("fp16/gather") and takes
+    it; the ring allreduce takes 4 rounds, quant 2, PowerSGD 8."""
+    out = str(tmp_path / "res.pt")
+    start_ranks(_auto, (3, free_port(), out), 3)
+    r = torch.load(out)
+    costs = r["trials"][-1]["costs"][0]
+    print("\nauto's measured costs (s per step) on 3 ranks at 50 ms one way:",
+          {k: round(v, 4) for k, v in costs.items()})
+    assert r["choices"] == {0: "fp16/gather"}, r
+    assert LAT * 0.98 <= costs["fp16/gather"] <= costs["fp16"] - 0.5 * LAT, costs
+    assert costs["allreduce"] >= 4 * LAT * 0.98, costs

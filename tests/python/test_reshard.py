@@ -42,6 +42,8 @@ def _job(rank, world, out_dir, name, phase, gathered_from=None):
     model = DDP(Net())
     state, hook = gt.hook(name.split()[0], model=model, **FAMILIES[name])
     model.register_comm_hook(state, hook)
+    if name == "auto":  # fp16's gather route is a candidate of its own on more than 2 gloo ranks
+        assert ("fp16/gather" in state.candidates) == (world > 2), state.candidates
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = make_data(rank, 10)
     path = os.path.join(gathered_from or out_dir, "gathered.pt")

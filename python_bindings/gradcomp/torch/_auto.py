@@ -15,8 +15,9 @@ before ``start_iter``) is DDP's own average: torch.distributed's allreduce on th
 group, issued by the hook at once, so that on a fast link auto costs what plain DDP costs; its
 cost is measured from launch to completion.
 
-With ``hierarchy="node"`` (and ``per_node``, or torchrun's ``LOCAL_WORLD_SIZE``) every candidate
-is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
+On gloo with more than 2 ranks fp16 and bf16 are also tried by their ``gather`` route, as
+``"fp16/gather"`` (see GATHER). With ``hierarchy="node"`` (and ``per_node``, or torchrun's
+``LOCAL_WORLD_SIZE``) every candidate is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
 ``"<name>@node"``; the flat form comes first, so it is kept when the two cost the same.
 
 The accuracy budget is the candidate list and three bounds: ``min_rank`` (PowerSGD's rank),
@@ -40,7 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from gradcomp import _C
 
 from ._buckets import _as_int
-from ._driver import PlanStats, wire_bytes
+from ._driver import PlanStats, _gloo, wire_bytes
 from ._families import _device_of, _stream_of
 from ._hook import GradcompState, _agree_first_step, _fail_after_backward, _hook, _layout, _Steps
 from ._reshard import is_gathered, local_state_dict, whole_or_none
@@ -57,6 +58,28 @@ DEFAULT_CANDIDATES = ("allreduce", "fp16", "quant", "powersgd")
 #: With hierarchy="node", each candidate also runs as a two-level plan under this suffix
 #: ("powersgd@node": PowerSGD across nodes, full precision inside them).
 HIER = "@node"
+#: On gloo with more than 2 ranks the fp16 and bf16 plans' reduce-scatter route takes two message
+#: rounds (an all-to-all, then the allgather) and their gather route one (an allgather of the
+#: whole wire buffer: P/2 times the bytes received). Which is cheaper depends on the link's
+#: latency against its rate, so both are measured: the gather route as a candidate of its own
+#: under this suffix ("fp16/gather"), bitwise the same average as the flat name, which comes
+#: first and is kept on a tie. (On 2 ranks the plans take the gather route themselves.)
+GATHER = "/gather"
+_ROUTED = ("fp16", "bf16")
+
+
+def _family(name: str) -> Tuple[str, Dict[str, Any], bool]:
+    """(family, extra options, two-level) of a candidate name."""
+    hier = name.endswith(HIER)
+    fam = name[:-len(HIER)] if hier else name
+    if fam.endswith(GATHER):
+        return fam[:-len(GATHER)], {"route": "gather"}, hier
+    return fam, {}, hier
+
+
+def _gathers(group) -> bool:
+    """Whether the gather route is worth its own candidate on this live group (see GATHER)."""
+    return _gloo(group) and dist.get_world_size(group) > 2
 
 
 def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
@@ -102,7 +125,7 @@ class AutoState:
                  min_bits: int = 4,
                  recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
                  hierarchy: Optional[str] = None, per_node: Optional[int] = None,
-                 _lazy: bool = False):
+                 _lazy: bool = False, _gather: Optional[bool] = None):
 
         if isinstance(candidates, str):
             raise ValueError("candidates must be a sequence of compressor names, not a string")
@@ -116,6 +139,12 @@ class AutoState:
         self.per_node = _layout(hierarchy, per_node, process_group if live else False)
         if self.per_node:  # each candidate also as a two-level plan (flat first: kept on a tie)
             self.candidates = [n for c in self.candidates for n in (c, c + HIER)]
+        # (_gather: what a pickled state measured, where the group is not known yet)
+        self._gather = bool(_gather) if _gather is not None else \
+            bool(live and not self.per_node and _gathers(process_group))
+        if self._gather:
+            self.candidates = [n for c in self.candidates
+                               for n in ((c, c + GATHER) if c in _ROUTED else (c,))]
         _check_int("min_rank", min_rank, 1)
         if _check_int("min_bits", min_bits, 2) not in (2, 4, 8):
             raise ValueError(f"min_bits must be 2, 4 or 8, got {min_bits!r}")
@@ -131,7 +160,7 @@ class AutoState:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
                 or not (margin >= 0 and math.isfinite(margin)):
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
-        self.options = dict(candidates=[c for c in self.candidates if not c.endswith(HIER)],
+        self.options = dict(candidates=[c for c in self.candidates if c in FIDELITY],
                             min_rank=min_rank, max_density=max_density, min_bits=min_bits,
                             trial_steps=trial_steps, recheck_every=recheck_every, margin=margin)
         if self.per_node:
@@ -146,13 +175,13 @@ class AutoState:
                "topk": {"ratio": max_density}}
         names = self.candidates if "allreduce" in self.candidates else \
             ["allreduce"] + self.candidates  # plain steps before start_iter
-        self.subs: Dict[str, Any] = {
-            n: (GradcompState(n[:-len(HIER)], process_group, 0, 0, model, timeout, pipeline,
-                              _lazy=True, hierarchy="node", per_node=self.per_node,
-                              **per[n[:-len(HIER)]]) if n.endswith(HIER) else
-                GradcompState(n, process_group, 0, 0, model, timeout, pipeline, _lazy=True,
-                              **per[n]))
-            for n in names}
+        def sub(n: str) -> GradcompState:
+            fam, extra, hier = _family(n)
+            where = dict(hierarchy="node", per_node=self.per_node) if hier else {}
+            return GradcompState(fam, process_group, 0, 0, model, timeout, pipeline, _lazy=True,
+                                 **where, **per[fam], **extra)
+
+        self.subs: Dict[str, Any] = {n: sub(n) for n in names}
         self.process_group = process_group
         self.compressor = "auto"
         self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
@@ -339,6 +368,16 @@ class AutoState:
             raise ValueError(f"state is for compressor {sd.get('compressor')!r}, this hook is "
                              f"'auto'")
         subs = sd.get("subs")
+        if isinstance(subs, dict):
+            # the gather-route candidates exist on some groups only (see GATHER) and are
+            # stateless: a state from a job with other ones (another world size) drops those it
+            # has and lends its flat candidate's state to those it lacks
+            subs = {n: s for n, s in subs.items() if GATHER not in n or n in self.subs}
+            for n in self.subs:
+                flat = subs.get(n.replace(GATHER, ""))
+                if GATHER in n and n not in subs and isinstance(flat, dict):
+                    subs[n] = dict(flat, options={**(flat.get("options") or {}),
+                                                  **_family(n)[1]})
         if not isinstance(subs, dict) or sorted(subs) != sorted(self.subs):
             raise ValueError(f"state has candidates {sorted(subs) if isinstance(subs, dict) else subs}"
                              f", this hook {sorted(self.subs)}")
@@ -349,6 +388,9 @@ class AutoState:
             it = _check_int("state_dict['iter']", sd.get("iter"), 0)
             choices = {_check_int("a choice's bucket", k if not isinstance(k, str) else int(k), 0):
                        v for k, v in sd["choices"].items()}
+            # a gather-route choice where this group has none: the same average by the flat route
+            choices = {k: (v.replace(GATHER, "") if isinstance(v, str) and GATHER in v
+                           and v not in self.candidates else v) for k, v in choices.items()}
             if any(v not in self.candidates and v != "allreduce" for v in choices.values()):
                 raise ValueError(f"state_dict['choices'] names unknown candidates: {choices}")
             trials = list(sd["trials"])
@@ -383,11 +425,12 @@ class AutoState:
 
     def __getstate__(self):
         return {"options": self.options, "log_every": self.log_every, "timeout": self.timeout,
-                "pipeline": self.pipeline, "sd": self.state_dict()}
+                "pipeline": self.pipeline, "gather": self._gather, "sd": self.state_dict()}
 
     def __setstate__(self, d):
         self.__init__(None, d["sd"]["start_iter"], d["log_every"], None, d["timeout"],
-                      pipeline=d.get("pipeline", True), _lazy=True, **d["options"])
+                      pipeline=d.get("pipeline", True), _lazy=True, _gather=d.get("gather"),
+                      **d["options"])
         self.load_state_dict(d["sd"])
 
 
