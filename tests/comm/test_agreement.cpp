@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,13 +53,11 @@ void store(uint8_t* p, gc::ElemType t, float v) {
 /// still running get their collective (sums in rank order, in fp32). Returns each rank's error
 /// ("" when its step ended). A collective asked for by some ranks only - the others having
 /// thrown or finished - would leave them waiting forever: reported as a failure.
-std::vector<std::string> step_each(Plans& plans, int64_t n, int64_t step) {
+/// `g`: each rank's bucket (the average comes back in it).
+std::vector<std::string> step_each(Plans& plans, std::vector<std::vector<float>>& g) {
   const size_t P = plans.size();
-  std::vector<std::vector<float>> g(P);
-  for (size_t r = 0; r < P; ++r) {
-    g[r] = rank_input(n, static_cast<int>(r), step);
-    plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
-  }
+  for (size_t r = 0; r < P; ++r)
+    plans[r]->begin(gc::TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
   std::vector<std::string> err(P);
   std::vector<bool> running(P, true);
   for (int round = 0; round < 64; ++round) {
@@ -124,6 +124,12 @@ std::vector<std::string> step_each(Plans& plans, int64_t n, int64_t step) {
   return err;
 }
 
+std::vector<std::string> step_each(Plans& plans, int64_t n, int64_t step) {
+  std::vector<std::vector<float>> g(plans.size());
+  for (size_t r = 0; r < g.size(); ++r) g[r] = rank_input(n, static_cast<int>(r), step);
+  return step_each(plans, g);
+}
+
 /// Options that make the families send what they compress (no dense start, no warm-up).
 gc::PlanOptions options_of(const std::string& name) {
   if (name == "topk") return {{"ratio", 0.05}, {"route", std::string("dense")}};
@@ -186,6 +192,42 @@ TEST(Agreement, EveryStatefulFamilyToldOfARankAtAnotherStepOnEveryRank) {
     for (const auto& e : step_each(plans, n, 5)) EXPECT_EQ(e, "");
     EXPECT_NE(plans[0]->state_dict(), before[0]) << "the step after the restore changed nothing";
   }
+}
+
+// The envelope rides on the same first collective as a bad rank's news (NaN values, scales or
+// P, or a flag): one rank's NaN or Inf - what an fp16 overflow hands DDP - must still end the
+// step alike on every rank, skipped (NaN average everywhere), nothing raised, no state changed,
+// and the next clean step must run in step on every rank.
+TEST(Agreement, EveryStatefulFamilySkipsOneRanksOverflowOnEveryRank) {
+  const int P = 3;
+  const int64_t n = 6000;
+  for (const std::string& name : stateful_families())
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      SCOPED_TRACE(name + (std::isnan(bad) ? " NaN" : " Inf"));
+      Plans plans = make(name, n, P, options_of(name));
+      for (int64_t s = 0; s < 2; ++s)
+        for (const auto& e : step_each(plans, n, s)) ASSERT_EQ(e, "");
+      std::vector<std::vector<uint8_t>> before;
+      for (auto& p : plans) before.push_back(p->state_dict());
+      std::vector<std::vector<float>> g(P);
+      for (int r = 0; r < P; ++r) g[r] = rank_input(n, r, 2);
+      g[1][4321] = bad;  // rank 1's gradient overflowed
+      const auto errors = step_each(plans, g);
+      for (int r = 0; r < P; ++r) {
+        EXPECT_EQ(errors[r], "") << "rank " << r;
+        EXPECT_TRUE(plans[r]->skipped()) << "rank " << r;
+        EXPECT_EQ(plans[r]->state_dict(), before[r]) << "rank " << r << " changed its state";
+        EXPECT_TRUE(std::isnan(g[r][0])) << "rank " << r << ": the average is not NaN";
+      }
+      std::vector<std::vector<float>> h(P);
+      for (int r = 0; r < P; ++r) h[r] = rank_input(n, r, 3);
+      for (const auto& e : step_each(plans, h)) EXPECT_EQ(e, "");
+      for (int r = 0; r < P; ++r) {
+        EXPECT_FALSE(plans[r]->skipped()) << "rank " << r;
+        EXPECT_EQ(h[r], h[0]) << "rank " << r << " ended the clean step with another average";
+      }
+    }
 }
 
 // The two families that carried no agreement check before the envelope: another option on one

@@ -267,6 +267,17 @@ def _auto(rank, world, port, out):
     _finish(rank, {"trials": state.trials, "choices": dict(state.choices)}, out)
 
 
+def _auto_on(tmp_path, world):
+    """_auto on `world` ranks: (its result, the costs its last trial measured for bucket 0)."""
+    out = str(tmp_path / "res.pt")
+    start_ranks(_auto, (world, free_port(), out), world)
+    r = torch.load(out)
+    costs = r["trials"][-1]["costs"][0]
+    print(f"\nauto's measured costs (s per step) on {world} ranks at 50 ms one way:",
+          {k: round(v, 4) for k, v in costs.items()})
+    return r, costs
+
+
 @needs_torch2
 def test_auto_takes_the_fewest_message_rounds_where_latency_dominates(tmp_path):
     """The smallest corner of the sweep over links: a small bucket on a link of 50 ms one way,
@@ -275,12 +286,7 @@ def test_auto_takes_the_fewest_message_rounds_where_latency_dominates(tmp_path):
     whatever it saves in bytes; fp16 on 2 ranks of gloo sends its whole buffer in one allgather
     (1 round, the ring's bytes). auto measures that on the link, never picks the multi-phase
     plan, and takes the one-round one."""
-    out = str(tmp_path / "res.pt")
-    start_ranks(_auto, (2, free_port(), out), 2)
-    r = torch.load(out)
-    costs = r["trials"][-1]["costs"][0]
-    print("\nauto's measured costs (s per step) at 50 ms one way:",
-          {k: round(v, 4) for k, v in costs.items()})
+    r, costs = _auto_on(tmp_path, 2)
     assert r["choices"] == {0: "fp16"}, r
     # what auto measured: the rounds x the latency, each plan's own count
     assert costs["allreduce"] >= 2 * LAT * 0.98, costs
@@ -294,12 +300,7 @@ def test_auto_takes_fp16s_one_round_route_on_three_ranks(tmp_path):
     all-to-all, then the allgather) and its gather route one (for 3/2 times the bytes, nothing on
     this link): auto tries the gather route as a candidate of its own ("fp16/gather") and takes
     it; the ring allreduce takes 4 rounds, quant 2, PowerSGD 8."""
-    out = str(tmp_path / "res.pt")
-    start_ranks(_auto, (3, free_port(), out), 3)
-    r = torch.load(out)
-    costs = r["trials"][-1]["costs"][0]
-    print("\nauto's measured costs (s per step) on 3 ranks at 50 ms one way:",
-          {k: round(v, 4) for k, v in costs.items()})
+    r, costs = _auto_on(tmp_path, 3)
     assert r["choices"] == {0: "fp16/gather"}, r
     assert LAT * 0.98 <= costs["fp16/gather"] <= costs["fp16"] - 0.5 * LAT, costs
     assert costs["allreduce"] >= 4 * LAT * 0.98, costs
