@@ -78,5 +78,9 @@ inline constexpr int64_t kGpuScratchFloats = int64_t{1} << 24;
 // appends to a step's first allreduce (plans/envelope.hpp; the plan checks the two agree).
 inline constexpr size_t kEnvelopeFloats = 65;
 
+/// Resumes PowerSGD's states (one per rank of the saved job) on another world size: the mean of
+/// the errors, Q and the step kept (reshard_state, gradcomp/make_plan.hpp).
+std::vector<uint8_t> reshard_powersgd_state(const std::vector<std::vector<uint8_t>>& states);
+
 }  // namespace detail
 }  // namespace gradcomp

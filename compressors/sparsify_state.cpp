@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "compressors/sparsify_state.hpp"
 #include "core/state_io.hpp"
 
 namespace gradcomp {

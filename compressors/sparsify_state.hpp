@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/state_io.hpp"
@@ -223,5 +224,10 @@ class SparsifyState {
   int cur_ = 0;
   bool staged_ = false;
 };
+
+/// Resumes top-k's or random-k's states (`kind`: "topk" / "randomk", one per rank of the saved job)
+/// on another world size: every new rank gets their mean (reshard_state, gradcomp/make_plan.hpp).
+std::vector<uint8_t> reshard_sparsify_state(const std::vector<std::vector<uint8_t>>& states,
+                                            const std::string& kind);
 
 }  // namespace gradcomp::detail

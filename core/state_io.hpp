@@ -221,18 +221,3 @@ class RankStates {
 };
 
 }  // namespace gradcomp::detail
-
-namespace gradcomp::detail {
-
-// The per-family halves of reshard_state (gradcomp/make_plan.hpp), each beside the state_dict()
-// whose layout it reads and writes. `states` holds one bucket's state from every rank, in rank
-// order; the result is rank `rank`'s state in a job of `world` ranks.
-std::vector<uint8_t> reshard_sparsify_state(const std::vector<std::vector<uint8_t>>& states,
-                                            const std::string& kind);
-std::vector<uint8_t> reshard_onebit_state(const std::vector<std::vector<uint8_t>>& states,
-                                          int world, int rank);
-std::vector<uint8_t> reshard_quant_state(const std::vector<std::vector<uint8_t>>& states, int world,
-                                         int rank);
-std::vector<uint8_t> reshard_powersgd_state(const std::vector<std::vector<uint8_t>>& states);
-
-}  // namespace gradcomp::detail

@@ -15,6 +15,7 @@
 #include "kernels/onebit_math.h"
 #include "kernels/reduce_kernels.hpp"  // convert: the in-place result in the gradient's dtype
 #include "plans/envelope.hpp"
+#include "plans/family.hpp"
 #include "plans/options_hash.hpp"
 #include "plans/two_phase.hpp"
 

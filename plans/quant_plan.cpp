@@ -14,6 +14,7 @@
 #include "gradcomp/quant.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/family.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {

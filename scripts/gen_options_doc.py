@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Writes docs/OPTIONS.md, the options reference, from the code that owns the options:
 
-- every compressor's options and defaults from the C++ option tables (plans/make_plan.cpp), read
+- every compressor's options and defaults from the C++ option tables (the family descriptors, plans/family_<name>.cpp), read
   through the extension: ``plan_names()``, ``plan_defaults(name)``, ``shard_plan_names()``,
   ``shard_plan_defaults(name, form)``;
 - the enum options' accepted names from the bound enums (``gradcomp._C.SelectMethod``, ...);
@@ -637,7 +637,8 @@ def render(model: Model) -> str:
     add([f"<!-- {GENERATED}. -->",
          "# Options reference",
          "",
-         f"{GENERATED}. The option names, types and defaults come from `plans/make_plan.cpp` "
+         f"{GENERATED}. The option names, types and defaults come from each family's descriptor in "
+         "`plans/family_<name>.cpp` "
          "(through `gradcomp._C.plan_defaults` and `shard_plan_defaults`), the accepted names "
          "of enum options from the bound enums, and the Python options from the entry points' "
          "signatures. `python scripts/gen_options_doc.py` rewrites this file; "

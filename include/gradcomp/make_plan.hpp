@@ -56,6 +56,18 @@ struct BucketSpec {
 /// "randomk", "onebit", "quant", "powersgd".
 std::vector<std::string> plan_names();
 
+/// What a caller needs to know about a family without building a plan, read from the one
+/// registry the factory uses (so a list kept elsewhere cannot drift from it).
+struct FamilyTraits {
+  std::string name;
+  bool stateful = false;     ///< plan_is_stateful(name)
+  bool uses_shapes = false;  ///< its plans read BucketSpec::shapes (PowerSGD, random-k)
+  std::vector<PlanForm> shard_forms;     ///< reduce_scatter / allgather forms (make_shard_plan)
+  std::vector<std::string> state_kinds;  ///< the state_dict() kinds its plans write
+};
+/// Every family's traits, in plan_names() order.
+std::vector<FamilyTraits> family_traits();
+
 /// Every option of a family with its default (InvalidArgument for an unknown family). These are
 /// the recommended settings, and for most options the configuration structs' own defaults; where
 /// they differ it is on purpose and said here:

@@ -200,6 +200,28 @@ void bind_plans(nb::module_& m) {
       "Every option of a compressor's shard plan of `form` with its default.");
   m.def("plan_names", &plan_names, "The compressor names make_plan() knows.");
   m.def(
+      "families",
+      [] {
+        nb::list out;
+        for (const FamilyTraits& t : family_traits()) {
+          nb::dict d;
+          d["name"] = t.name;
+          d["stateful"] = t.stateful;
+          d["uses_shapes"] = t.uses_shapes;
+          nb::list forms, kinds;
+          for (PlanForm f : t.shard_forms) forms.append(enum_name(f));
+          for (const auto& k : t.state_kinds) kinds.append(k);
+          d["shard_forms"] = forms;
+          d["state_kinds"] = kinds;
+          out.append(d);
+        }
+        return out;
+      },
+      "Every compressor family's traits, in plan_names() order, as dicts: name, stateful, "
+      "uses_shapes (its plans read the bucket's tensor shapes), shard_forms ('reduce_scatter', "
+      "'allgather': make_shard_plan) and state_kinds (the kinds of state_dict() its plans write). "
+      "Read from the one registry make_plan builds from.");
+  m.def(
       "plan_defaults",
       [](const std::string& name) {
         nb::dict d;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm_reference.hpp"
+#include "core/state_io.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/straggler.hpp"
@@ -274,6 +275,63 @@ TEST(MakePlan, StateRoundTripsThroughTheContract) {
     const auto x = run(a, n, 2), y = run(b, n, 2);
     for (size_t i = 0; i < x.size(); ++i)
       ASSERT_TRUE(gc::test::same_bits(x[i], y[i].data())) << "output " << i;
+  }
+}
+
+// The registry's traits are what the plans do: callers (the bindings, the Python hooks, the
+// option document) read the traits instead of keeping lists, so a trait that lies would mislead
+// all of them at once.
+TEST(Registry, TraitsAreWhatThePlansDo) {
+  const auto traits = gc::family_traits();
+  std::vector<std::string> names, shard_names;
+  for (const auto& t : traits) {
+    names.push_back(t.name);
+    if (!t.shard_forms.empty()) shard_names.push_back(t.name);
+  }
+  EXPECT_EQ(names, gc::plan_names());
+  EXPECT_EQ(shard_names, gc::shard_plan_names());
+  const int64_t n = 96;  // 12 x 8: one matrix PowerSGD compresses
+  for (const auto& t : traits) {
+    SCOPED_TRACE(t.name);
+    EXPECT_EQ(gc::plan_is_stateful(t.name), t.stateful);
+    // stateful: the plan says so and writes a state of one of the kinds listed
+    std::vector<std::unique_ptr<gc::BucketPlan>> plans;
+    for (int r = 0; r < 2; ++r) plans.push_back(gc::make_plan(t.name, spec(n, 2, r)));
+    EXPECT_EQ(plans[0]->stateful(), t.stateful);
+    run(plans, n, 1);
+    const auto st = plans[0]->state_dict();
+    if (t.stateful) {
+      ASSERT_FALSE(st.empty());
+      const std::string kind = gc::detail::StateReader(st.data(), st.size()).kind();
+      EXPECT_NE(std::find(t.state_kinds.begin(), t.state_kinds.end(), kind), t.state_kinds.end())
+          << kind;
+    } else {
+      EXPECT_TRUE(st.empty());
+      EXPECT_TRUE(t.state_kinds.empty());
+    }
+    // uses_shapes: shapes that do not fill the bucket are refused by a family that reads them,
+    // and ignored (the same plan) by one that does not
+    gc::BucketSpec bad = spec(n, 2, 0);
+    bad.shapes = {{5, 3}};
+    if (t.uses_shapes)
+      EXPECT_THROW(gc::make_plan(t.name, bad), gc::InvalidArgument);
+    else
+      EXPECT_NO_THROW(gc::make_plan(t.name, bad));
+    // every form listed builds with its defaults; every other is refused, naming the form
+    for (const gc::PlanForm form : {gc::PlanForm::kReduceScatter, gc::PlanForm::kAllgather}) {
+      const bool listed =
+          std::find(t.shard_forms.begin(), t.shard_forms.end(), form) != t.shard_forms.end();
+      if (listed) {
+        auto p =
+            gc::make_shard_plan(t.name, spec(n, 2, 0), form, gc::shard_plan_defaults(t.name, form));
+        EXPECT_EQ(p->numel(), n);
+      } else {
+        EXPECT_NE(message_of([&] {
+                    gc::shard_plan_defaults(t.name, form);
+                  }).find(std::string("has no ") + gc::enum_name(form) + " form"),
+                  std::string::npos);
+      }
+    }
   }
 }
 

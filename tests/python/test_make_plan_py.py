@@ -36,8 +36,29 @@ def test_every_extension_name_is_exported():
         assert hasattr(gradcomp, n), n
 
 
-@pytest.mark.parametrize("name", ["allreduce", "fp16", "bf16", "topk", "randomk", "onebit",
-                                  "quant", "powersgd"])
+def test_the_registry_is_the_one_list_of_families():
+    """Every list of families the package offers is read from the C++ registry: the names, the
+    shard forms, and the hook's compressors with their traits."""
+    fams = _C.families()
+    assert [f["name"] for f in fams] == _C.plan_names()
+    assert [f["name"] for f in fams if f["shard_forms"]] == _C.shard_plan_names()
+    for f in fams:
+        assert f["stateful"] == _C.plan_is_stateful(f["name"])
+        assert bool(f["state_kinds"]) == f["stateful"]
+        for form in f["shard_forms"]:
+            assert isinstance(_C.shard_plan_defaults(f["name"], form), dict)
+        for form in {"reduce_scatter", "allgather"} - set(f["shard_forms"]):
+            with pytest.raises(ValueError, match=f"has no {form} form"):
+                _C.shard_plan_defaults(f["name"], form)
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from gradcomp.torch import COMPRESSORS
+    assert list(COMPRESSORS) == _C.plan_names()
+    for f in fams:
+        fam = COMPRESSORS[f["name"]]
+        assert (fam.stateful, fam.uses_shapes) == (f["stateful"], f["uses_shapes"])
+
+
+@pytest.mark.parametrize("name", _C.plan_names())
 def test_every_family_takes_its_defaults_and_averages_in_place(name):
     n = 1000
     p = _C.make_plan(name, n, "float32", 1, options=_C.plan_defaults(name))

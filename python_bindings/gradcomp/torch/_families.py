@@ -42,10 +42,12 @@ class _Family:
     names, defaults and checks of every family (plan_defaults(name) lists them). The same code
     serves every family: the bucket is handed to the plan flat and averaged in place."""
 
-    def __init__(self, name: str):
-        self.name = name
-        self.stateful = _C.plan_is_stateful(name)
-        self.defaults: Dict[str, Any] = _C.plan_defaults(name)
+    def __init__(self, traits: Dict[str, Any]):
+        self.name: str = traits["name"]
+        self.stateful: bool = traits["stateful"]
+        # its plans read the bucket's tensor shapes (PowerSGD's matrices, random-k's dense_below)
+        self.uses_shapes: bool = traits["uses_shapes"]
+        self.defaults: Dict[str, Any] = _C.plan_defaults(self.name)
 
     def validate(self, opts: Dict[str, Any], world: int = 1, group=None,
                  per_node: int = 0) -> None:
@@ -58,7 +60,7 @@ class _Family:
 
     def _shapes(self, bucket) -> Optional[List[List[int]]]:
         """The bucket's tensor shapes, for the families that use them."""
-        if self.name not in ("powersgd", "randomk"):
+        if not self.uses_shapes:
             return None
         return [list(g.shape) for g in bucket.gradients()]
 
@@ -160,7 +162,7 @@ class _ProbeBucket:
 #   average (DRIVE); rotated blocks are near-Gaussian and lose 0.36-0.40 of their energy per phase
 #   instead of 0.59-0.69. Same bytes; closed most of the gap to plain DDP on Fashion-MNIST
 #   (experiments/results/fashion_mnist_onebit_rotation_2026-11-24.md).
-COMPRESSORS = {name: _Family(name) for name in _C.plan_names()}
+COMPRESSORS = {t["name"]: _Family(t) for t in _C.families()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -254,7 +254,7 @@ class GradcompState:
             if not dist.is_initialized():  # (unpickled before init_process_group: this rank is
                 return                     # not known yet; the bytes are checked when applied)
             flat = torch.empty(e["numel"], dtype=_TORCH_DTYPES[e["dtype"]])
-            shapes = e["shapes"] if fam.name in ("powersgd", "randomk") else None
+            shapes = e["shapes"] if fam.uses_shapes else None
             plan = fam.make_flat(self.options, flat, world, k, self.process_group, shapes,
                                  self.per_node)
             try:

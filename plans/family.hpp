@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: Apache-2.0
+// The family registry: everything make_plan(), make_shard_plan(), reshard_state(), the bindings
+// and the Python hooks know about a compressor family is one descriptor (a Family), defined in the
+// family's own file (plans/family_<name>.cpp) and listed once in plans/families.cpp. The public
+// entry points (gradcomp/make_plan.hpp) only look families up here: adding a family is its plan,
+// its descriptor and one line in the list, never another if-chain.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gradcomp/make_plan.hpp"
+
+namespace gradcomp::detail {
+
+class Options;
+class RankStates;
+
+using RankStateList = std::vector<std::vector<uint8_t>>;
+
+/// One kind of state_dict() a family's plans write (the kind string of its StateWriter) and how
+/// reshard_state() resumes it on `world` ranks. The function checks every state (one job's, one
+/// step) and returns rank `rank`'s new state; with world == states.size() the caller hands back
+/// the rank's own bytes, so it may return {} there. It refuses, naming the field, what it cannot
+/// reshard.
+struct StateKind {
+  const char* kind;
+  std::vector<uint8_t> (*reshard)(const RankStateList& states, int world, int rank);
+};
+
+/// A compressor family, registered once.
+struct Family {
+  const char* name;
+  /// The plans carry state between steps (checkpointed with the model); a test checks this
+  /// against what an empty plan of the family says (BucketPlan::stateful).
+  bool stateful = false;
+  /// The plan reads the bucket's tensor shapes (BucketSpec::shapes): callers that know them
+  /// pass them only to these families.
+  bool uses_shapes = false;
+  /// Every option of the allreduce plan with its default (plan_defaults).
+  PlanOptions (*defaults)() = nullptr;
+  /// The allreduce plan for bucket `b` from the parsed options.
+  std::unique_ptr<BucketPlan> (*build)(const BucketSpec& b, const Options& o) = nullptr;
+  /// The shard forms (sharded training); nullptr where the family has none. shard_defaults is
+  /// called only for a form in `shard_forms`.
+  std::vector<PlanForm> shard_forms;
+  PlanOptions (*shard_defaults)(PlanForm form) = nullptr;
+  std::unique_ptr<BucketPlan> (*build_shard)(const BucketSpec& b, PlanForm form,
+                                             const Options& o) = nullptr;
+  /// Why a shard form it lacks is missing, for the refusal ("parameters are not sparse").
+  const char* missing_form_reason = nullptr;
+  /// The state kinds its plans write, with their resharding.
+  std::vector<StateKind> states;
+};
+
+/// Every registered family, in plan_names() order.
+const std::vector<const Family*>& families();
+/// The family called `name`; InvalidArgument naming the known ones otherwise.
+const Family& family(const std::string& name);
+/// The family and state kind whose plans write states of `kind`; nullptr if none.
+const StateKind* state_kind(const std::string& kind);
+
+// One accessor per family, each defined in plans/family_<name>.cpp (function-local statics: no
+// order of static initialisation to depend on).
+const Family& allreduce_family();
+const Family& fp16_family();
+const Family& bf16_family();
+const Family& topk_family();
+const Family& randomk_family();
+const Family& onebit_family();
+const Family& quant_family();
+const Family& powersgd_family();
+
+/// The reduce-scatter states of sharded training (kind `kind`, one per rank), checked whole: the
+/// fields every such state starts with (numel, world, rank, in rank order), the family's own
+/// (`family_fields`, called with numel and P), the step and the fp32 `array` of numel values.
+/// They belong to their world size (FSDP pads each parameter to it), so another `world` is
+/// refused; on as many ranks the caller hands each rank its own bytes back.
+std::vector<uint8_t> check_shard_states(const RankStateList& states, int world,
+                                        const std::string& kind, const char* array,
+                                        void (*family_fields)(RankStates& rs, int64_t numel,
+                                                              int64_t P));
+
+// Resharding of the families whose state layout lives in a plan file (the codecs' own live
+// beside their states in compressors/).
+std::vector<uint8_t> reshard_onebit_state(const RankStateList& states, int world, int rank);
+std::vector<uint8_t> reshard_quant_state(const RankStateList& states, int world, int rank);
+
+}  // namespace gradcomp::detail

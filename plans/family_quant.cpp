@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// The multi-bit family (2 / 4 / 8-bit block quantization): the allreduce plan and both shard
+// forms (QuantAllreducePlan runs all three).
+#include "core/state_io.hpp"
+#include "gradcomp/error.hpp"
+#include "gradcomp/plans.hpp"
+#include "gradcomp/quant.hpp"
+#include "plans/family.hpp"
+#include "plans/options.hpp"
+
+namespace gradcomp::detail {
+namespace {
+
+PlanOptions quant_defaults() {
+  const QuantConfig d;
+  return {{"bits", int64_t{d.bits}},
+          {"block_size", d.block_size},
+          {"rounding", std::string(enum_name(d.rounding))},
+          {"scale", std::string(enum_name(d.scale))},
+          {"scale_dtype", std::string(enum_name(d.scale_dtype))},
+          {"rotate", d.rotate},
+          {"error_feedback", d.error_feedback},
+          {"check_finite", d.check_finite},
+          {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
+          {"seed", static_cast<int64_t>(d.seed)}};
+}
+
+/// The quant options (a form without rotate, error_feedback or check_finite has them off).
+QuantConfig quant_config_of(const Options& o, uint32_t tensor_id) {
+  QuantConfig c;
+  const int64_t bits = o.integer("bits");
+  GC_CHECK_ARG(bits == 2 || bits == 4 || bits == 8,
+               "invalid option for compressor 'quant': ", "bits must be 2, 4 or 8, got ", bits);
+  c.bits = static_cast<int>(bits);
+  c.block_size = o.integer("block_size");
+  c.rounding = o.pick<QuantRounding>("rounding");
+  c.scale = o.pick<QuantScale>("scale");
+  c.scale_dtype = o.pick<DType>("scale_dtype");
+  c.rotate = o.has("rotate") && o.flag("rotate");
+  c.error_feedback = o.has("error_feedback") && o.flag("error_feedback");
+  c.check_finite = o.has("check_finite") && o.flag("check_finite");
+  c.seed = o.seed("seed");
+  c.tensor_id = tensor_id;
+  return c;
+}
+
+PlanOptions quant_shard_defaults(PlanForm form) {
+  PlanOptions o = shard_defaults_from(quant_defaults(), form);
+  if (form == PlanForm::kAllgather) {
+    // parameters are gathered, not summed: nothing to feed back, no step to skip; 8 bits as
+    // ZeRO++'s quantized weights
+    o.erase("error_feedback");
+    o.erase("check_finite");
+    o.erase("on_nonfinite");
+    o["bits"] = int64_t{8};
+  }
+  return o;
+}
+
+std::vector<uint8_t> quant_shard_reshard(const RankStateList& states, int world, int) {
+  return check_shard_states(states, world, "quant-reduce-scatter", "worker_error",
+                            [](RankStates& rs, int64_t, int64_t) {
+                              QuantConfig c;
+                              c.bits = rs.same<uint8_t>("bits");
+                              c.block_size = rs.same<int64_t>("block_size");
+                              c.rounding = static_cast<QuantRounding>(rs.same<uint8_t>("rounding"));
+                              c.scale = static_cast<QuantScale>(rs.same<uint8_t>("scale"));
+                              c.scale_dtype = static_cast<DType>(rs.same<uint8_t>("scale_dtype"));
+                              c.validate();
+                              (void)rs.same<uint8_t>("error_feedback");
+                              GC_CHECK_ARG(rs.same<uint8_t>("rotate") == 0,
+                                           "state_dict: a reduce-scatter state with rotate");
+                              (void)rs.same<uint64_t>("seed");
+                            });
+}
+
+}  // namespace
+
+const Family& quant_family() {
+  static const Family f = [] {
+    Family q;
+    q.name = "quant";
+    q.stateful = true;
+    q.defaults = quant_defaults;
+    q.build = [](const BucketSpec& b, const Options& o) -> std::unique_ptr<BucketPlan> {
+      return std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel, b.world,
+                                                  b.rank, b.dtype, b.device, b.device_index,
+                                                  b.stream);
+    };
+    q.shard_forms = {PlanForm::kReduceScatter, PlanForm::kAllgather};
+    q.shard_defaults = quant_shard_defaults;
+    q.build_shard = [](const BucketSpec& b, PlanForm form,
+                       const Options& o) -> std::unique_ptr<BucketPlan> {
+      const bool average = form == PlanForm::kReduceScatter ? o.flag("average") : true;
+      return std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel, b.world,
+                                                  b.rank, b.dtype, b.device, b.device_index,
+                                                  b.stream, form, average);
+    };
+    q.states = {{"quant-allreduce", reshard_quant_state},
+                {"quant-reduce-scatter", quant_shard_reshard}};
+    return q;
+  }();
+  return f;
+}
+
+}  // namespace gradcomp::detail
