@@ -21,7 +21,6 @@ from ._driver import PlanStats, Topology
 from ._worker import AfterBackward, Worker
 from ._families import COMPRESSORS
 from ._reshard import is_gathered, local_state_dict, whole_or_none
-from .onebit_adam import check_steps, precondition
 from ._stats import TIMELINE_RUNS, HookStats
 
 log = logging.getLogger("gradcomp")
@@ -70,7 +69,8 @@ class GradcompState:
         self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw, skipped ones included: the index of history
         self._owner = None  # the state that settles steps (hook("auto") for its candidates)
-        self._adam = None  # 1-bit Adam's optimizer (hook("onebit", adam=...))
+        self._adam = None  # 1-bit Adam's optimizer (hook("onebit", adam=...)): its
+        # check_hook_step and precondition_bucket are all the hook asks of it
         self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
         # [iteration, start_iter] as the ranks last agreed on them, advanced with every applied
         # step; None before the first check. A load into the running job does not move it: the
@@ -544,7 +544,7 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
             # (keys the bucket's parameters first: they are keyed at first sight, which a
             # refused first step must not skip, or a later restore would find other keys)
             state.table.layout(bucket)
-            check_steps(state._adam, it)
+            state._adam.check_hook_step(it)
         if warmup:
             state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
             fam = COMPRESSORS["allreduce"]
@@ -553,7 +553,7 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
         else:
             fam = COMPRESSORS[state.compressor]
             if state._adam is not None:  # 1-bit Adam: the plan averages m / d
-                precondition(state._adam, bucket)
+                state._adam.precondition_bucket(bucket)
             view, b, permuted = state._resolve(bucket)
             plan = b.plan
             b.steps += 1

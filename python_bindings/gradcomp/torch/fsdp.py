@@ -281,7 +281,7 @@ def _dense_all_gather(output, input, *, group) -> None:
         output, input, group=group)
 
 
-class _Steps:
+class _BackwardSteps:
     """The reduce-scatters of one backward. A module's plan called a second time means a new
     backward began: if some module of the finished one skipped its step (NaN/Inf on some rank;
     its shard is NaN on every rank, so the optimizer skips the step), every other module's step
@@ -322,7 +322,7 @@ class FSDPCompression:
         self.reduce_scatters: Dict[str, CompressedReduceScatter] = {}
         self.all_gathers: Dict[str, CompressedAllGather] = {}
         self._totals = {"reduce_scatter": _Totals(), "allgather": _Totals()}
-        self._steps = _Steps()
+        self._steps = _BackwardSteps()
         self._world = dist.get_world_size() if dist.is_initialized() else 1
 
     def _record(self, kind, stats, flat, world, seconds) -> None:
@@ -443,7 +443,7 @@ class FSDPCompression:
         for comm in self.reduce_scatters.values():
             comm.plans = staged.pop(comm.module_name, {})
             comm.unused_loaded = set(comm.plans)
-        self._steps = _Steps()
+        self._steps = _BackwardSteps()
 
 
 def _own_params(mod, FSDPModule) -> list:

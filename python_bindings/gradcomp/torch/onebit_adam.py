@@ -147,6 +147,31 @@ class OneBitAdam(torch.optim.Optimizer):
                     p.add_(g, alpha=corr * (1.0 - b1))
         return loss
 
+    def check_hook_step(self, hook_iter: int) -> None:
+        """The hook and its optimizer must be at the same step: the hook sends the frozen,
+        preconditioned momentum from freeze_step on, and the optimizer applies it as such only from
+        its own freeze_step on. A model and hook state from after the freeze loaded beside an
+        optimizer state from before it (or the other way) would have the optimizer take the
+        preconditioned momentum for a gradient (seen: the loss at 5e8 five steps later). Each bucket
+        compares the optimizer's step count (the largest over its parameters: one that had no
+        gradient in some step, unused in that forward, counts fewer) with the hook's iteration; a
+        mismatch is a ValueError naming both. (Before the optimizer's first step there is nothing to
+        compare.)"""
+        steps = [int(st["step"]) for st in self.state.values() if st and "step" in st]
+        if steps and max(steps) != hook_iter:
+            raise ValueError(
+                f"1-bit Adam: the hook is at step {hook_iter} and the optimizer at step "
+                f"{max(steps)} (freeze_step {self.freeze_step}): their states come from "
+                f"different points of training (load the model, the optimizer and the hook "
+                f"from the same checkpoint)")
+
+    def precondition_bucket(self, bucket) -> None:
+        """Divides the bucket's gradients by the optimizer's frozen denominators, in place (the hook
+        calls it on compressed steps, before its plan reads the bucket)."""
+        with torch.no_grad():
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                g.mul_(self.inverse_denominator(p))
+
     def inverse_denominator(self, p: torch.Tensor) -> torch.Tensor:
         """1 / d for parameter p: what the hook divides p's gradient by after the freeze, with
         d = sqrt(max(v_hat, var_floor * mean(v_hat))) + eps and v_hat = v / (1 - beta2^T0) the
@@ -196,30 +221,3 @@ def hook_options(adam: Any, start_iter: Optional[int], options: Dict[str, Any]) 
                          f"freeze_step = {t0}; leave start_iter out")
     options["momentum"] = b1
     return t0
-
-
-def check_steps(adam: OneBitAdam, hook_iter: int) -> None:
-    """The hook and its optimizer must be at the same step: the hook sends the frozen,
-    preconditioned momentum from freeze_step on, and the optimizer applies it as such only from
-    its own freeze_step on. A model and hook state from after the freeze loaded beside an
-    optimizer state from before it (or the other way) would have the optimizer take the
-    preconditioned momentum for a gradient (seen: the loss at 5e8 five steps later). Each bucket
-    compares the optimizer's step count (the largest over its parameters: one that had no
-    gradient in some step, unused in that forward, counts fewer) with the hook's iteration; a
-    mismatch is a ValueError naming both. (Before the optimizer's first step there is nothing to
-    compare.)"""
-    steps = [int(st["step"]) for st in adam.state.values() if st and "step" in st]
-    if steps and max(steps) != hook_iter:
-        raise ValueError(
-            f"1-bit Adam: the hook is at step {hook_iter} and the optimizer at step "
-            f"{max(steps)} (freeze_step {adam.freeze_step}): their states come from "
-            f"different points of training (load the model, the optimizer and the hook "
-            f"from the same checkpoint)")
-
-
-def precondition(adam: OneBitAdam, bucket) -> None:
-    """Divides the bucket's gradients by the optimizer's frozen denominators, in place (the hook
-    calls it on compressed steps, before its plan reads the bucket)."""
-    with torch.no_grad():
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            g.mul_(adam.inverse_denominator(p))
