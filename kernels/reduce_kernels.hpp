@@ -25,6 +25,16 @@ void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float di
 /// beyond the destination's range become its largest finite value; Inf and NaN stay. src and dst
 /// may alias when the types have the same size.
 void convert_saturating(const float* src, void* dst, DType dt, int64_t n);
+/// The rank-ordered fp32 sum of nb blocks of fp16 / bf16 values (`wire`; block r starts at
+/// blocks + r * stride elements), rounded once to the wire type: w[i] = cast_wire(((float(b0[i])
+/// + float(b1[i])) + ...) + float(b_{nb-1}[i])). Written to wire_out[i] when wire_out is not null
+/// (it may alias block 0, not the others) and, cast to dtype out_t (the wire type: w's bits), to
+/// out[i] when out is not null (out may alias block 0 when out_t is 2 bytes wide). The bits of
+/// convert (widen to fp32)
+/// + reduce_blocks (kF32) + convert (to the wire type) + convert (to out_t), in one pass over
+/// the blocks that never stores them widened: the cast plans' sum of what every rank sent.
+void sum_widened(const uint16_t* blocks, DType wire, size_t nb, size_t count, size_t stride,
+                 uint16_t* wire_out, void* out, DType out_t);
 }  // namespace cpu
 
 namespace cuda {
@@ -33,6 +43,8 @@ void reduce_blocks(const void* blocks, size_t nblocks, size_t count, size_t stri
 void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float divisor,
              void* stream);
 void convert_saturating(const float* src, void* dst, DType dt, int64_t n, void* stream);
+void sum_widened(const uint16_t* blocks, DType wire, size_t nb, size_t count, size_t stride,
+                 uint16_t* wire_out, void* out, DType out_t, void* stream);
 }  // namespace cuda
 
 /// Backend by device.
@@ -49,6 +61,13 @@ inline void convert(Device d, const void* src, DType st, void* dst, DType dt, in
     cuda::convert(src, st, dst, dt, n, divisor, stream);
   else
     cpu::convert(src, st, dst, dt, n, divisor);
+}
+inline void sum_widened(Device d, const uint16_t* blocks, DType wire, size_t nb, size_t count,
+                        size_t stride, uint16_t* wire_out, void* out, DType out_t, void* stream) {
+  if (d == Device::kCUDA)
+    cuda::sum_widened(blocks, wire, nb, count, stride, wire_out, out, out_t, stream);
+  else
+    cpu::sum_widened(blocks, wire, nb, count, stride, wire_out, out, out_t);
 }
 inline void convert_saturating(Device d, const float* src, void* dst, DType dt, int64_t n,
                                void* stream) {

@@ -3,6 +3,7 @@
 // kernels: the rank-ordered sum of one element in its wire type, and the averaging cast.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "gradcomp/detail/macros.hpp"
@@ -20,6 +21,21 @@ GC_HD uint16_t add_f16(uint16_t a, uint16_t b) {
 GC_HD uint16_t add_bf16(uint16_t a, uint16_t b) {
   return float_to_bf16(bf16_to_float(a) + bf16_to_float(b));
 }
+
+/// Element i of the widened sum (sum_widened in reduce_kernels.hpp): the P half-precision values
+/// b[r * stride + i] (fp16, or bf16 when bf) widened to fp32, summed in rank order in fp32 and
+/// rounded once back to the half type.
+GC_HD uint16_t sum_widened_at(const uint16_t* b, bool bf, size_t nb, size_t stride, int64_t i) {
+  float acc = bf ? bf16_to_float(b[i]) : half_to_float(b[i]);
+  for (size_t r = 1; r < nb; ++r) {
+    const uint16_t v = b[r * stride + static_cast<size_t>(i)];
+    acc = add_f32(acc, bf ? bf16_to_float(v) : half_to_float(v));
+  }
+  return bf ? float_to_bf16(acc) : float_to_half(acc);
+}
+
+/// The fp32 value of a half-precision w (fp16, or bf16 when bf): exact.
+GC_HD float half_value(uint16_t w, bool bf) { return bf ? bf16_to_float(w) : half_to_float(w); }
 
 /// The averaging cast: value / divisor computed in fp32, then rounded to the destination type.
 GC_HD float scaled(float x, float divisor) { return divisor == 1.0f ? x : x / divisor; }

@@ -25,8 +25,7 @@ CastAllreducePlan::CastAllreducePlan(int64_t numel, DType grad_dtype, DType wire
       wire_dtype_(wire_dtype),
       route_(route),
       wire_(device, stream),
-      chunks_(device, stream),
-      wide_(device, stream) {
+      chunks_(device, stream) {
   GC_CHECK_ARG(wire_dtype == DType::kFloat16 || wire_dtype == DType::kBFloat16,
                "CastAllreducePlan: wire dtype must be fp16 or bf16, got ", dtype_name(wire_dtype));
   GC_CHECK_ARG(route == CastRoute::kAllreduce || route == CastRoute::kReduceScatter ||
@@ -35,21 +34,20 @@ CastAllreducePlan::CastAllreducePlan(int64_t numel, DType grad_dtype, DType wire
   if (route == CastRoute::kAllreduce) {
     wire_.reserve(static_cast<size_t>(numel) * 2);
   } else if (route == CastRoute::kGather) {
-    const size_t all = static_cast<size_t>(numel) * static_cast<size_t>(world);
     wire_.reserve(static_cast<size_t>(numel) * 2);
-    chunks_.reserve(all * 2);
-    wide_.reserve(all * sizeof(float));
+    chunks_.reserve(static_cast<size_t>(numel) * static_cast<size_t>(world) * 2);
   } else {
     const size_t padded = cast_chunk(numel, world) * static_cast<size_t>(world);
     wire_.reserve(padded * 2);
     chunks_.reserve(padded * 2);
-    wide_.reserve(padded * sizeof(float));
   }
 }
 
 std::string CastAllreducePlan::name() const {
   std::string n = wire_dtype_ == DType::kFloat16 ? "cast_fp16" : "cast_bf16";
-  return route_ == CastRoute::kAllreduce ? n : route_ == CastRoute::kGather ? n + "_gather" : n + "_rs";
+  return route_ == CastRoute::kAllreduce ? n
+         : route_ == CastRoute::kGather  ? n + "_gather"
+                                         : n + "_rs";
 }
 
 std::optional<Collective> CastAllreducePlan::next() {
@@ -88,12 +86,7 @@ std::optional<Collective> CastAllreducePlan::next_reduce_scatter() {
     }
     case 1: {  // chunk j of every rank, widened, summed in rank order, rounded once
       auto* in = chunks_.get<uint16_t>(P * c);
-      auto* f = wide_.get<float>(P * c);
-      k::convert(device_, in, wire_dtype_, f, DType::kFloat32, static_cast<int64_t>(P * c), 1.0f,
-                 stream_);
-      k::reduce_blocks(device_, f, P, c, c, ElemType::kF32, f, stream_);
-      k::convert(device_, f, DType::kFloat32, in, wire_dtype_, static_cast<int64_t>(c), 1.0f,
-                 stream_);
+      k::sum_widened(device_, in, wire_dtype_, P, c, c, in, nullptr, wire_dtype_, stream_);
       phase_ = 2;
       return make(CollectiveKind::kAllgather, wt, in, wire_.data(), c, "cast gather");
     }
@@ -117,15 +110,10 @@ std::optional<Collective> CastAllreducePlan::next_gather() {
       return make(CollectiveKind::kAllgather, wt, w, chunks_.get<uint16_t>(P * n), n,
                   "cast gather all");
     }
-    case 1: {  // the P buffers widened, summed in rank order, rounded once (as the RS route)
+    case 1: {  // the P buffers widened, summed in rank order, rounded once (as the RS route),
+               // written to the gradient in its dtype: one pass, no widened copy of P buffers
       auto* all = chunks_.get<uint16_t>(P * n);
-      auto* f = wide_.get<float>(P * n);
-      auto* w = wire_.get<uint16_t>(n);
-      k::convert(device_, all, wire_dtype_, f, DType::kFloat32, static_cast<int64_t>(P * n), 1.0f,
-                 stream_);
-      k::reduce_blocks(device_, f, P, n, n, ElemType::kF32, f, stream_);
-      k::convert(device_, f, DType::kFloat32, w, wire_dtype_, numel_, 1.0f, stream_);
-      k::convert(device_, w, wire_dtype_, grad_.data, dtype_, numel_, 1.0f, stream_);
+      k::sum_widened(device_, all, wire_dtype_, P, n, n, nullptr, grad_.data, dtype_, stream_);
       phase_ = 2;
       return std::nullopt;
     }

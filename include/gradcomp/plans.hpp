@@ -127,9 +127,7 @@ class CastAllreducePlan : public GradientPlan {
   std::optional<Collective> next() override;
   std::string name() const override;
   CastRoute route() const { return route_; }
-  size_t workspace_bytes() const override {
-    return wire_.capacity() + chunks_.capacity() + wide_.capacity();
-  }
+  size_t workspace_bytes() const override { return wire_.capacity() + chunks_.capacity(); }
 
  private:
   std::optional<Collective> next_reduce_scatter();
@@ -138,8 +136,7 @@ class CastAllreducePlan : public GradientPlan {
   CastRoute route_;
   Buffer wire_;
   Buffer chunks_;  ///< kReduceScatter: the P received chunks, then the own reduced chunk;
-                   ///< kGather: the P buffers
-  Buffer wide_;    ///< kReduceScatter, kGather: the P chunks (buffers) in fp32
+                   ///< kGather: the P buffers (summed widened in one pass, never stored in fp32)
 };
 
 /// What a plan computes over a bucket of P equal chunks (chunk r: elements [r n/P, (r+1) n/P)).

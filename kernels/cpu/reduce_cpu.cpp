@@ -67,9 +67,8 @@ __attribute__((target("avx,f16c"))) void to_half_f16c_range(const void* src, boo
 
 void to_half_f16c(const void* src, bool src_half, uint16_t* d, int64_t n, float div) {
   const int64_t n8 = n / 8 * 8;
-  for_groups_of_8(n8, [&](int64_t lo, int64_t hi) {
-    to_half_f16c_range(src, src_half, d, lo, hi, div);
-  });
+  for_groups_of_8(
+      n8, [&](int64_t lo, int64_t hi) { to_half_f16c_range(src, src_half, d, lo, hi, div); });
   for (int64_t j = n8; j < n; ++j)
     d[j] = float_to_half(scaled(src_half ? F16Load::load(src, j) : F32Load::load(src, j), div));
 }
@@ -124,10 +123,56 @@ __attribute__((target("avx,f16c"))) void reduce_half_f16c_range(const uint16_t* 
 
 void reduce_half_f16c(const uint16_t* b, size_t nb, int64_t n, size_t stride, uint16_t* d) {
   const int64_t n8 = n / 8 * 8;
-  for_groups_of_8(n8, [&](int64_t lo, int64_t hi) {
-    reduce_half_f16c_range(b, nb, stride, d, lo, hi);
-  });
+  for_groups_of_8(
+      n8, [&](int64_t lo, int64_t hi) { reduce_half_f16c_range(b, nb, stride, d, lo, hi); });
   for (int64_t j = n8; j < n; ++j) reduce_half_scalar(b, nb, stride, d, j);
+}
+#endif
+
+/// Element i of sum_widened: the widened sum rounded once, to wire_out and (cast) to out.
+inline void sum_widened_one(const uint16_t* b, bool bf, size_t nb, size_t stride,
+                            uint16_t* wire_out, void* out, DType out_t, int64_t i) {
+  const uint16_t w = sum_widened_at(b, bf, nb, stride, i);
+  if (wire_out) wire_out[i] = w;
+  if (out) {
+    const float v = half_value(w, bf);
+    if (out_t == (bf ? DType::kBFloat16 : DType::kFloat16))
+      static_cast<uint16_t*>(out)[i] = w;  // the wire type itself: its bits (NaN payloads too)
+    else if (out_t == DType::kFloat32)
+      static_cast<float*>(out)[i] = v;
+    else
+      static_cast<uint16_t*>(out)[i] =
+          out_t == DType::kFloat16 ? float_to_half(v) : float_to_bf16(v);
+  }
+}
+
+#ifdef GC_HAVE_F16C_PATH
+/// sum_widened of fp16 blocks for i in [lo, hi) (a multiple of 8 apart), 8 lanes at a time: the
+/// same IEEE fp32 additions in rank order and the same round to nearest even as the scalar twin;
+/// a group whose sum is NaN is redone by the scalar code (the instruction and float_to_half keep
+/// different NaN payloads), and bf16 outputs are narrowed by the scalar cast.
+__attribute__((target("avx,f16c"))) void sum_widened_f16c_range(const uint16_t* b, size_t nb,
+                                                                size_t stride, uint16_t* wire_out,
+                                                                void* out, DType out_t, int64_t lo,
+                                                                int64_t hi) {
+  for (int64_t i = lo; i < hi; i += 8) {
+    __m256 acc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    for (size_t r = 1; r < nb; ++r)
+      acc = _mm256_add_ps(
+          acc,
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + r * stride + i))));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) || out_t == DType::kBFloat16) {
+      for (int64_t j = i; j < i + 8; ++j)
+        sum_widened_one(b, false, nb, stride, wire_out, out, out_t, j);
+      continue;
+    }
+    const __m128i h = _mm256_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (wire_out) _mm_storeu_si128(reinterpret_cast<__m128i*>(wire_out + i), h);
+    if (out_t == DType::kFloat32 && out)
+      _mm256_storeu_ps(static_cast<float*>(out) + i, _mm256_cvtph_ps(h));
+    else if (out)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), h);
+  }
 }
 #endif
 
@@ -169,6 +214,24 @@ void convert_from(const void* src, void* dst, DType dt, int64_t n, float div) {
 }
 
 }  // namespace
+
+void sum_widened(const uint16_t* b, DType wire, size_t nb, size_t count, size_t stride,
+                 uint16_t* wire_out, void* out, DType out_t) {
+  if (count == 0 || nb == 0) return;
+  const auto n = static_cast<int64_t>(count);
+  const bool bf = wire == DType::kBFloat16;
+  int64_t done = 0;
+#ifdef GC_HAVE_F16C_PATH
+  if (!bf && have_f16c()) {
+    done = n / 8 * 8;
+    for_groups_of_8(done, [&](int64_t lo, int64_t hi) {
+      sum_widened_f16c_range(b, nb, stride, wire_out, out, out_t, lo, hi);
+    });
+  }
+#endif
+#pragma omp parallel for schedule(static) if (n - done > (1 << 15))
+  for (int64_t i = done; i < n; ++i) sum_widened_one(b, bf, nb, stride, wire_out, out, out_t, i);
+}
 
 void reduce_blocks(const void* blocks, size_t nb, size_t count, size_t stride, ElemType t,
                    void* dst) {

@@ -61,7 +61,35 @@ __global__ void convert_saturating_kernel(const float* src, uint16_t* dst, DType
   }
 }
 
+/// The twin of cpu::sum_widened: one thread per element, the ranks in order.
+__global__ void sum_widened_kernel(const uint16_t* __restrict__ b, bool bf, size_t nb, int64_t n,
+                                   size_t stride, uint16_t* wire_out, void* out, DType out_t) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint16_t w = sum_widened_at(b, bf, nb, stride, i);
+    if (wire_out) wire_out[i] = w;
+    if (out) {
+      const float v = half_value(w, bf);
+      if (out_t == (bf ? DType::kBFloat16 : DType::kFloat16))
+        static_cast<uint16_t*>(out)[i] = w;  // the wire type itself: its bits
+      else if (out_t == DType::kFloat32)
+        static_cast<float*>(out)[i] = v;
+      else
+        static_cast<uint16_t*>(out)[i] = out_t == DType::kFloat16 ? float_to_half(v) : float_to_bf16(v);
+    }
+  }
+}
+
 }  // namespace
+
+void sum_widened(const uint16_t* blocks, DType wire, size_t nb, size_t count, size_t stride,
+                 uint16_t* wire_out, void* out, DType out_t, void* stream) {
+  if (count == 0 || nb == 0) return;
+  const auto n = static_cast<int64_t>(count);
+  sum_widened_kernel<<<blocks_for(n), kThreads, 0, cuda_detail::as_stream(stream)>>>(
+      blocks, wire == DType::kBFloat16, nb, n, stride, wire_out, out, out_t);
+  GC_CUDA_CHECK_LAUNCH();
+}
 
 void reduce_blocks(const void* blocks, size_t nb, size_t count, size_t stride, ElemType t,
                    void* dst, void* stream) {

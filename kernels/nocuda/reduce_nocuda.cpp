@@ -15,4 +15,8 @@ void convert_saturating(const float*, void*, DType, int64_t, void*) {
   throw_not_built_with_cuda("cast of a CUDA tensor");
 }
 
+void sum_widened(const uint16_t*, DType, size_t, size_t, size_t, uint16_t*, void*, DType, void*) {
+  throw_not_built_with_cuda("rank-ordered sum of CUDA buffers");
+}
+
 }  // namespace gradcomp::kernels::cuda

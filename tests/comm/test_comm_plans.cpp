@@ -10,11 +10,15 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
+#include <vector>
 
 #include "comm_reference.hpp"
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
+#include "gradcomp/runtime.hpp"
+#include "gradcomp/workspace.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "kernels/reduce_math.h"
 
@@ -191,8 +195,7 @@ TEST(CommPlans, CastReduceScatterAndGatherMatchReference) {
               P, n, 2,
               [&](int) {
                 return std::make_unique<gc::CastAllreducePlan>(n, gc::DType::kFloat32, wire, P,
-                                                               gc::Device::kCPU, 0, nullptr,
-                                                               route);
+                                                               gc::Device::kCPU, 0, nullptr, route);
               },
               [&](const auto& in) { return gc::test::ref_cast_rs(in, wire); });
 }
@@ -977,4 +980,124 @@ TEST(CommPlans, TheAgreedStepSizesTheCollectives) {
     for (int s = 3; s < 6; ++s) run.step(n, s);
     EXPECT_EQ(run.log[0].count, gc::topk_count(0.01, n) + slots);
   }
+}
+
+// The cast plans' one-pass sum of what every rank sent (kernels::cpu::sum_widened): bitwise the
+// composition it replaced (widen every block to fp32, reduce_blocks in rank order, round to the
+// wire type, cast to the gradient's dtype) and a scalar reference written here, for fp16 and bf16
+// wires, fp32/fp16/bf16 outputs, 1-5 blocks and sizes 0, 1, odd, around the 8-lane groups and
+// large; values that are normal, subnormal, signed zeros, large enough that the sum overflows
+// the wire type, Inf and NaN.
+TEST(SumWidened, MatchesTheWidenSumNarrowCompositionBitwise) {
+  namespace k = gc::kernels;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const gc::DType wire : {gc::DType::kFloat16, gc::DType::kBFloat16}) {
+    const bool bf = wire == gc::DType::kBFloat16;
+    auto narrow = [&](float v) { return bf ? gc::float_to_bf16(v) : gc::float_to_half(v); };
+    auto widen = [&](uint16_t h) { return bf ? gc::bf16_to_float(h) : gc::half_to_float(h); };
+    for (const size_t P : {size_t{1}, size_t{2}, size_t{3}, size_t{4}, size_t{5}})
+      for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9},
+                              int64_t{1000}, int64_t{100003}}) {
+        SCOPED_TRACE(::testing::Message() << (bf ? "bf16" : "fp16") << " P " << P << " n " << n);
+        const size_t stride = static_cast<size_t>(n) + 3;  // blocks not back to back
+        std::vector<uint16_t> blocks(P * stride + 1, 0);
+        for (size_t r = 0; r < P; ++r)
+          for (int64_t i = 0; i < n; ++i) {
+            float v = nd(rng);
+            switch (i % 11) {
+              case 3:
+                v *= 60000.0f;
+                break;  // sums past fp16's 65504
+              case 5:
+                v = (r % 2) ? -0.0f : 0.0f;
+                break;
+              case 7:
+                v *= 1e-6f;
+                break;  // fp16 subnormals
+              case 9:
+                if (r == P - 1 && i % 3 == 0) v = INFINITY;
+                break;
+              case 10:
+                if (r == 0 && i % 4 == 0) v = NAN;
+                break;
+              default:
+                break;
+            }
+            blocks[r * stride + static_cast<size_t>(i)] = narrow(v);
+          }
+        // the scalar reference and the composition the plans used before
+        std::vector<uint16_t> ref(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) {
+          float acc = widen(blocks[static_cast<size_t>(i)]);
+          for (size_t r = 1; r < P; ++r) acc += widen(blocks[r * stride + static_cast<size_t>(i)]);
+          ref[static_cast<size_t>(i)] = narrow(acc);
+        }
+        std::vector<float> wide(P * stride);
+        k::cpu::convert(blocks.data(), wire, wide.data(), gc::DType::kFloat32,
+                        static_cast<int64_t>(P * stride), 1.0f);
+        k::cpu::reduce_blocks(wide.data(), P, static_cast<size_t>(n), stride, gc::ElemType::kF32,
+                              wide.data());
+        std::vector<uint16_t> old_wire(static_cast<size_t>(n));
+        k::cpu::convert(wide.data(), gc::DType::kFloat32, old_wire.data(), wire, n, 1.0f);
+        ASSERT_EQ(0, std::memcmp(ref.data(), old_wire.data(), ref.size() * 2));
+
+        std::vector<uint16_t> got_wire(static_cast<size_t>(n), 0xdead);
+        for (const gc::DType out_t :
+             {gc::DType::kFloat32, gc::DType::kFloat16, gc::DType::kBFloat16}) {
+          std::vector<uint8_t> got(static_cast<size_t>(n) * gc::dtype_size(out_t) + 1, 0xab);
+          std::vector<uint8_t> old(got.size(), 0xab);
+          k::cpu::sum_widened(blocks.data(), wire, P, static_cast<size_t>(n), stride,
+                              got_wire.data(), got.data(), out_t);
+          EXPECT_EQ(0, std::memcmp(got_wire.data(), ref.data(), ref.size() * 2));
+          k::cpu::convert(old_wire.data(), wire, old.data(), out_t, n, 1.0f);
+          EXPECT_EQ(got, old) << gc::dtype_name(out_t);
+        }
+        // in place: the sum over block 0 itself, as the reduce-scatter route does
+        auto in_place = blocks;
+        k::cpu::sum_widened(in_place.data(), wire, P, static_cast<size_t>(n), stride,
+                            in_place.data(), nullptr, wire);
+        EXPECT_EQ(0, std::memcmp(in_place.data(), ref.data(), ref.size() * 2));
+        EXPECT_TRUE(std::equal(in_place.begin() + static_cast<long>(stride), in_place.end(),
+                               blocks.begin() + static_cast<long>(stride)));
+      }
+  }
+}
+
+// The CUDA twin gives the CPU bits (skipped without a CUDA device).
+TEST(SumWidened, CudaTwinGivesTheCpuBits) {
+  if (gc::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  namespace k = gc::kernels;
+  const size_t P = 4;
+  for (const gc::DType wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+    for (const int64_t n : {int64_t{1}, int64_t{1000}, int64_t{100003}})
+      for (const gc::DType out_t :
+           {gc::DType::kFloat32, gc::DType::kFloat16, gc::DType::kBFloat16}) {
+        SCOPED_TRACE(::testing::Message()
+                     << gc::dtype_name(wire) << " n " << n << " out " << gc::dtype_name(out_t));
+        const auto un = static_cast<size_t>(n);
+        std::vector<uint16_t> blocks(P * un);
+        for (size_t r = 0; r < P; ++r) {
+          const auto v = rank_input(n, static_cast<int>(r), 7);
+          for (size_t i = 0; i < un; ++i)
+            blocks[r * un + i] = wire == gc::DType::kFloat16 ? gc::float_to_half(v[i] * 3e4f)
+                                                             : gc::float_to_bf16(v[i]);
+        }
+        const size_t ob = un * gc::dtype_size(out_t);
+        std::vector<uint16_t> want_wire(un), got_wire(un);
+        std::vector<uint8_t> want(ob), got(ob);
+        k::cpu::sum_widened(blocks.data(), wire, P, un, un, want_wire.data(), want.data(), out_t);
+        gc::Buffer b(gc::Device::kCUDA), w(gc::Device::kCUDA), o(gc::Device::kCUDA);
+        auto* db = b.get<uint16_t>(P * un);
+        gc::device_copy(db, gc::Device::kCUDA, blocks.data(), gc::Device::kCPU, P * un * 2,
+                        nullptr);
+        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, un, w.get<uint16_t>(un),
+                       o.get<uint8_t>(ob), out_t, nullptr);
+        gc::device_copy(got_wire.data(), gc::Device::kCPU, w.data(), gc::Device::kCUDA, un * 2,
+                        nullptr);
+        gc::device_copy(got.data(), gc::Device::kCPU, o.data(), gc::Device::kCUDA, ob, nullptr);
+        gc::cuda::stream_synchronize(nullptr);
+        EXPECT_EQ(got_wire, want_wire);
+        EXPECT_EQ(got, want);
+      }
 }
