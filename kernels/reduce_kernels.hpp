@@ -30,9 +30,10 @@ void convert_saturating(const float* src, void* dst, DType dt, int64_t n);
 /// + float(b1[i])) + ...) + float(b_{nb-1}[i])). Written to wire_out[i] when wire_out is not null
 /// (it may alias block 0, not the others) and, cast to dtype out_t (the wire type: w's bits), to
 /// out[i] when out is not null (out may alias block 0 when out_t is 2 bytes wide). The bits of
-/// convert (widen to fp32)
-/// + reduce_blocks (kF32) + convert (to the wire type) + convert (to out_t), in one pass over
-/// the blocks that never stores them widened: the cast plans' sum of what every rank sent.
+/// convert (widen to fp32) + reduce_blocks (kF32) + convert (to the wire type) + convert (to
+/// out_t), in one pass over the blocks that never stores them widened: the cast plans' sum of
+/// what every rank sent. A NaN sum's sign and payload follow the backend's fp32 addition (x86 and
+/// CUDA differ there, as the other kernels' NaNs do); every other value is the same on both.
 void sum_widened(const uint16_t* blocks, DType wire, size_t nb, size_t count, size_t stride,
                  uint16_t* wire_out, void* out, DType out_t);
 }  // namespace cpu

@@ -34,7 +34,7 @@ struct StateKind {
 struct Family {
   const char* name;
   /// The plans carry state between steps (checkpointed with the model); a test checks this
-  /// against what an empty plan of the family says (BucketPlan::stateful).
+  /// against what a plan of the family says (BucketPlan::stateful).
   bool stateful = false;
   /// The plan reads the bucket's tensor shapes (BucketSpec::shapes): callers that know them
   /// pass them only to these families.
@@ -43,8 +43,8 @@ struct Family {
   PlanOptions (*defaults)() = nullptr;
   /// The allreduce plan for bucket `b` from the parsed options.
   std::unique_ptr<BucketPlan> (*build)(const BucketSpec& b, const Options& o) = nullptr;
-  /// The shard forms (sharded training); nullptr where the family has none. shard_defaults is
-  /// called only for a form in `shard_forms`.
+  /// The shard forms (sharded training): empty, and the two functions null, where the family has
+  /// none. shard_defaults is called only for a form in `shard_forms`.
   std::vector<PlanForm> shard_forms;
   PlanOptions (*shard_defaults)(PlanForm form) = nullptr;
   std::unique_ptr<BucketPlan> (*build_shard)(const BucketSpec& b, PlanForm form,

@@ -84,7 +84,7 @@ C sparsify_config(const Options& o, uint32_t tensor_id) {
 /// sum).
 PlanOptions shard_defaults_from(PlanOptions allreduce_defaults, PlanForm form);
 
-/// Top-k's codec configuration (validated) from parsed options (plans/family_topk.cpp).
+/// Top-k's codec configuration (validated) from parsed options (plans/family_sparsify.cpp).
 TopKConfig topk_config_of(const Options& o, uint32_t tensor_id);
 
 }  // namespace gradcomp::detail

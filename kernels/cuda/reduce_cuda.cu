@@ -20,7 +20,8 @@ template <class T>
 struct AddInt { __device__ T operator()(T a, T b) const { return static_cast<T>(a + b); } };
 
 template <class T, class Add>
-__global__ void reduce_kernel(const T* __restrict__ b, size_t nb, int64_t n, size_t stride, T* d) {
+// (no __restrict__: d may alias block 0, each element read before its thread writes it)
+__global__ void reduce_kernel(const T* b, size_t nb, int64_t n, size_t stride, T* d) {
   Add add;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -61,8 +62,9 @@ __global__ void convert_saturating_kernel(const float* src, uint16_t* dst, DType
   }
 }
 
-/// The twin of cpu::sum_widened: one thread per element, the ranks in order.
-__global__ void sum_widened_kernel(const uint16_t* __restrict__ b, bool bf, size_t nb, int64_t n,
+/// The twin of cpu::sum_widened: one thread per element, the ranks in order (no __restrict__:
+/// wire_out and out may alias block 0).
+__global__ void sum_widened_kernel(const uint16_t* b, bool bf, size_t nb, int64_t n,
                                    size_t stride, uint16_t* wire_out, void* out, DType out_t) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {

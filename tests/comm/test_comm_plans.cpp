@@ -1025,6 +1025,14 @@ TEST(SumWidened, MatchesTheWidenSumNarrowCompositionBitwise) {
                 break;
             }
             blocks[r * stride + static_cast<size_t>(i)] = narrow(v);
+            if (i % 13 == 12 && r == (static_cast<size_t>(i) / 13) % P) {
+              // NaNs with payloads, signed, and signalling ones, written as raw bits: the F16C
+              // path hands any group with a NaN to the scalar twin, whose payloads must be the
+              // composition's
+              static const uint16_t f16[] = {0x7e01, 0xfe55, 0x7c01, 0xfc3f};
+              static const uint16_t b16[] = {0x7fc1, 0xff81, 0x7f81, 0xffa5};
+              blocks[r * stride + static_cast<size_t>(i)] = (bf ? b16 : f16)[(i / 13) % 4];
+            }
           }
         // the scalar reference and the composition the plans used before
         std::vector<uint16_t> ref(static_cast<size_t>(n));
@@ -1040,7 +1048,7 @@ TEST(SumWidened, MatchesTheWidenSumNarrowCompositionBitwise) {
                               wide.data());
         std::vector<uint16_t> old_wire(static_cast<size_t>(n));
         k::cpu::convert(wide.data(), gc::DType::kFloat32, old_wire.data(), wire, n, 1.0f);
-        ASSERT_EQ(0, std::memcmp(ref.data(), old_wire.data(), ref.size() * 2));
+        ASSERT_EQ(ref, old_wire);
 
         std::vector<uint16_t> got_wire(static_cast<size_t>(n), 0xdead);
         for (const gc::DType out_t :
@@ -1049,17 +1057,27 @@ TEST(SumWidened, MatchesTheWidenSumNarrowCompositionBitwise) {
           std::vector<uint8_t> old(got.size(), 0xab);
           k::cpu::sum_widened(blocks.data(), wire, P, static_cast<size_t>(n), stride,
                               got_wire.data(), got.data(), out_t);
-          EXPECT_EQ(0, std::memcmp(got_wire.data(), ref.data(), ref.size() * 2));
+          EXPECT_EQ(got_wire, ref);
           k::cpu::convert(old_wire.data(), wire, old.data(), out_t, n, 1.0f);
           EXPECT_EQ(got, old) << gc::dtype_name(out_t);
         }
-        // in place: the sum over block 0 itself, as the reduce-scatter route does
+        // in place: the sum over block 0 itself, as the reduce-scatter route does (wire_out), and
+        // the output in either 2-byte type over block 0 (out)
         auto in_place = blocks;
         k::cpu::sum_widened(in_place.data(), wire, P, static_cast<size_t>(n), stride,
                             in_place.data(), nullptr, wire);
-        EXPECT_EQ(0, std::memcmp(in_place.data(), ref.data(), ref.size() * 2));
+        EXPECT_TRUE(std::equal(ref.begin(), ref.end(), in_place.begin()));
         EXPECT_TRUE(std::equal(in_place.begin() + static_cast<long>(stride), in_place.end(),
                                blocks.begin() + static_cast<long>(stride)));
+        for (const gc::DType out_t : {gc::DType::kFloat16, gc::DType::kBFloat16}) {
+          auto over = blocks;
+          std::vector<uint16_t> want(static_cast<size_t>(n));
+          k::cpu::convert(old_wire.data(), wire, want.data(), out_t, n, 1.0f);
+          k::cpu::sum_widened(over.data(), wire, P, static_cast<size_t>(n), stride, nullptr,
+                              over.data(), out_t);
+          EXPECT_TRUE(std::equal(want.begin(), want.end(), over.begin()))
+              << "out over block 0, " << gc::dtype_name(out_t);
+        }
       }
   }
 }
@@ -1076,28 +1094,38 @@ TEST(SumWidened, CudaTwinGivesTheCpuBits) {
         SCOPED_TRACE(::testing::Message()
                      << gc::dtype_name(wire) << " n " << n << " out " << gc::dtype_name(out_t));
         const auto un = static_cast<size_t>(n);
-        std::vector<uint16_t> blocks(P * un);
+        // same-signed values, some past fp16's range: sums that overflow to Inf but are never
+        // NaN (a NaN's sign and payload follow each backend's fp32 addition)
+        const size_t stride = un + 5;
+        std::vector<uint16_t> blocks(P * stride, 0);
         for (size_t r = 0; r < P; ++r) {
           const auto v = rank_input(n, static_cast<int>(r), 7);
           for (size_t i = 0; i < un; ++i)
-            blocks[r * un + i] = wire == gc::DType::kFloat16 ? gc::float_to_half(v[i] * 3e4f)
-                                                             : gc::float_to_bf16(v[i]);
+            blocks[r * stride + i] = wire == gc::DType::kFloat16
+                                         ? gc::float_to_half(std::fabs(v[i]) * 3e4f)
+                                         : gc::float_to_bf16(std::fabs(v[i]));
         }
         const size_t ob = un * gc::dtype_size(out_t);
-        std::vector<uint16_t> want_wire(un), got_wire(un);
+        std::vector<uint16_t> want_wire(un), got_wire(un), got_in_place(P * stride);
         std::vector<uint8_t> want(ob), got(ob);
-        k::cpu::sum_widened(blocks.data(), wire, P, un, un, want_wire.data(), want.data(), out_t);
+        k::cpu::sum_widened(blocks.data(), wire, P, un, stride, want_wire.data(), want.data(),
+                            out_t);
         gc::Buffer b(gc::Device::kCUDA), w(gc::Device::kCUDA), o(gc::Device::kCUDA);
-        auto* db = b.get<uint16_t>(P * un);
-        gc::device_copy(db, gc::Device::kCUDA, blocks.data(), gc::Device::kCPU, P * un * 2,
+        auto* db = b.get<uint16_t>(P * stride);
+        gc::device_copy(db, gc::Device::kCUDA, blocks.data(), gc::Device::kCPU, P * stride * 2,
                         nullptr);
-        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, un, w.get<uint16_t>(un),
+        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, stride, w.get<uint16_t>(un),
                        o.get<uint8_t>(ob), out_t, nullptr);
+        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, stride, db, nullptr, wire, nullptr);
         gc::device_copy(got_wire.data(), gc::Device::kCPU, w.data(), gc::Device::kCUDA, un * 2,
                         nullptr);
         gc::device_copy(got.data(), gc::Device::kCPU, o.data(), gc::Device::kCUDA, ob, nullptr);
+        gc::device_copy(got_in_place.data(), gc::Device::kCPU, db, gc::Device::kCUDA,
+                        P * stride * 2, nullptr);
         gc::cuda::stream_synchronize(nullptr);
         EXPECT_EQ(got_wire, want_wire);
         EXPECT_EQ(got, want);
+        EXPECT_TRUE(std::equal(want_wire.begin(), want_wire.end(), got_in_place.begin()))
+            << "in place over block 0";
       }
 }
