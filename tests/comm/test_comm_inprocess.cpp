@@ -8,11 +8,14 @@
 // runs on CUDA buffers and must give the CPU's bits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "comm_reference.hpp"
 #include "gradcomp/comm.hpp"
@@ -20,6 +23,8 @@
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
+#include "gradcomp/workspace.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace gc = gradcomp;
 using gc::ElemType;
@@ -385,4 +390,54 @@ TEST(InProcessComm, HierarchicalPlanOnCudaBuffersGivesTheCpuResult) {
       ASSERT_EQ(std::memcmp(got[r].data(), got[0].data(), bytes), 0) << "rank " << r;
     }
   }
+}
+
+// The cast plans' one-pass sum (kernels::sum_widened): the CUDA twin gives the CPU bits
+// (skipped without a CUDA device; the CPU twin against the composition it replaced is in
+// test_comm_plans.cpp). Here because this suite carries the cuda label the GPU check runs.
+TEST(SumWidened, CudaTwinGivesTheCpuBits) {
+  if (gc::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  namespace k = gc::kernels;
+  const size_t P = 4;
+  for (const gc::DType wire : {gc::DType::kFloat16, gc::DType::kBFloat16})
+    for (const int64_t n : {int64_t{1}, int64_t{1000}, int64_t{100003}})
+      for (const gc::DType out_t :
+           {gc::DType::kFloat32, gc::DType::kFloat16, gc::DType::kBFloat16}) {
+        SCOPED_TRACE(::testing::Message()
+                     << gc::dtype_name(wire) << " n " << n << " out " << gc::dtype_name(out_t));
+        const auto un = static_cast<size_t>(n);
+        // same-signed values, some past fp16's range: sums that overflow to Inf but are never
+        // NaN (a NaN's sign and payload follow each backend's fp32 addition)
+        const size_t stride = un + 5;
+        std::vector<uint16_t> blocks(P * stride, 0);
+        for (size_t r = 0; r < P; ++r) {
+          const auto v = gc::test::rank_input(n, static_cast<int>(r), 7);
+          for (size_t i = 0; i < un; ++i)
+            blocks[r * stride + i] = wire == gc::DType::kFloat16
+                                         ? gc::float_to_half(std::fabs(v[i]) * 3e4f)
+                                         : gc::float_to_bf16(std::fabs(v[i]));
+        }
+        const size_t ob = un * gc::dtype_size(out_t);
+        std::vector<uint16_t> want_wire(un), got_wire(un), got_in_place(P * stride);
+        std::vector<uint8_t> want(ob), got(ob);
+        k::cpu::sum_widened(blocks.data(), wire, P, un, stride, want_wire.data(), want.data(),
+                            out_t);
+        gc::Buffer b(gc::Device::kCUDA), w(gc::Device::kCUDA), o(gc::Device::kCUDA);
+        auto* db = b.get<uint16_t>(P * stride);
+        gc::device_copy(db, gc::Device::kCUDA, blocks.data(), gc::Device::kCPU, P * stride * 2,
+                        nullptr);
+        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, stride, w.get<uint16_t>(un),
+                       o.get<uint8_t>(ob), out_t, nullptr);
+        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, stride, db, nullptr, wire, nullptr);
+        gc::device_copy(got_wire.data(), gc::Device::kCPU, w.data(), gc::Device::kCUDA, un * 2,
+                        nullptr);
+        gc::device_copy(got.data(), gc::Device::kCPU, o.data(), gc::Device::kCUDA, ob, nullptr);
+        gc::device_copy(got_in_place.data(), gc::Device::kCPU, db, gc::Device::kCUDA,
+                        P * stride * 2, nullptr);
+        gc::cuda::stream_synchronize(nullptr);
+        EXPECT_EQ(got_wire, want_wire);
+        EXPECT_EQ(got, want);
+        EXPECT_TRUE(std::equal(want_wire.begin(), want_wire.end(), got_in_place.begin()))
+            << "in place over block 0";
+      }
 }
