@@ -34,8 +34,19 @@ GC_HD uint16_t sum_widened_at(const uint16_t* b, bool bf, size_t nb, size_t stri
   return bf ? float_to_bf16(acc) : float_to_half(acc);
 }
 
-/// The fp32 value of a half-precision w (fp16, or bf16 when bf): exact.
-GC_HD float half_value(uint16_t w, bool bf) { return bf ? bf16_to_float(w) : half_to_float(w); }
+/// Stores the widened sum w (fp16, or bf16 when bf) as element i of out in dtype out_t: the
+/// wire type itself as its bits (NaN payloads too), fp32 exactly, the other half type rounded.
+GC_HD void store_widened(uint16_t w, bool bf, void* out, DType out_t, int64_t i) {
+  if (out_t == (bf ? DType::kBFloat16 : DType::kFloat16)) {
+    static_cast<uint16_t*>(out)[i] = w;
+    return;
+  }
+  const float v = bf ? bf16_to_float(w) : half_to_float(w);
+  if (out_t == DType::kFloat32)
+    static_cast<float*>(out)[i] = v;
+  else
+    static_cast<uint16_t*>(out)[i] = out_t == DType::kFloat16 ? float_to_half(v) : float_to_bf16(v);
+}
 
 /// The averaging cast: value / divisor computed in fp32, then rounded to the destination type.
 GC_HD float scaled(float x, float divisor) { return divisor == 1.0f ? x : x / divisor; }

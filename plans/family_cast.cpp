@@ -37,27 +37,17 @@ std::unique_ptr<BucketPlan> cast_plan(const BucketSpec& b, const Options& o, DTy
 
 PlanOptions cast_defaults() { return {{"route", std::string("auto")}}; }
 
-Family cast_family(const char* name, DType wire) {
+template <DType Wire>
+Family cast_family(const char* name) {
   Family f;
   f.name = name;
   f.defaults = cast_defaults;
+  f.build = [](const BucketSpec& b, const Options& o) { return cast_plan(b, o, Wire); };
   f.shard_forms = {PlanForm::kReduceScatter, PlanForm::kAllgather};
   f.shard_defaults = [](PlanForm form) { return shard_defaults_from(cast_defaults(), form); };
-  if (wire == DType::kFloat16) {
-    f.build = [](const BucketSpec& b, const Options& o) {
-      return cast_plan(b, o, DType::kFloat16);
-    };
-    f.build_shard = [](const BucketSpec& b, PlanForm form, const Options& o) {
-      return shard_cast(b, form, o, DType::kFloat16);
-    };
-  } else {
-    f.build = [](const BucketSpec& b, const Options& o) {
-      return cast_plan(b, o, DType::kBFloat16);
-    };
-    f.build_shard = [](const BucketSpec& b, PlanForm form, const Options& o) {
-      return shard_cast(b, form, o, DType::kBFloat16);
-    };
-  }
+  f.build_shard = [](const BucketSpec& b, PlanForm form, const Options& o) {
+    return shard_cast(b, form, o, Wire);
+  };
   return f;
 }
 
@@ -83,12 +73,12 @@ const Family& allreduce_family() {
 }
 
 const Family& fp16_family() {
-  static const Family f = cast_family("fp16", DType::kFloat16);
+  static const Family f = cast_family<DType::kFloat16>("fp16");
   return f;
 }
 
 const Family& bf16_family() {
-  static const Family f = cast_family("bf16", DType::kBFloat16);
+  static const Family f = cast_family<DType::kBFloat16>("bf16");
   return f;
 }
 

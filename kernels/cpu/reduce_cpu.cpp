@@ -134,16 +134,7 @@ inline void sum_widened_one(const uint16_t* b, bool bf, size_t nb, size_t stride
                             uint16_t* wire_out, void* out, DType out_t, int64_t i) {
   const uint16_t w = sum_widened_at(b, bf, nb, stride, i);
   if (wire_out) wire_out[i] = w;
-  if (out) {
-    const float v = half_value(w, bf);
-    if (out_t == (bf ? DType::kBFloat16 : DType::kFloat16))
-      static_cast<uint16_t*>(out)[i] = w;  // the wire type itself: its bits (NaN payloads too)
-    else if (out_t == DType::kFloat32)
-      static_cast<float*>(out)[i] = v;
-    else
-      static_cast<uint16_t*>(out)[i] =
-          out_t == DType::kFloat16 ? float_to_half(v) : float_to_bf16(v);
-  }
+  if (out) store_widened(w, bf, out, out_t, i);
 }
 
 #ifdef GC_HAVE_F16C_PATH
