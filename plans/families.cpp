@@ -11,8 +11,8 @@ namespace detail {
 
 const std::vector<const Family*>& families() {
   static const std::vector<const Family*> all = {
-      &allreduce_family(), &fp16_family(),   &bf16_family(),  &topk_family(),
-      &randomk_family(),   &onebit_family(), &quant_family(), &powersgd_family()};
+      &allreduce_family(), &fp16_family(),  &bf16_family(),     &topk_family(), &randomk_family(),
+      &onebit_family(),    &quant_family(), &powersgd_family(), &fp8_family()};
   return all;
 }
 
@@ -73,6 +73,12 @@ std::vector<FamilyTraits> family_traits() {
     t.uses_shapes = f->uses_shapes;
     t.shard_forms = f->shard_forms;
     for (const auto& s : f->states) t.state_kinds.emplace_back(s.kind);
+    t.summary = f->summary;
+    for (const auto& d : f->option_docs) {
+      FamilyTraits::Doc doc{d.option, d.form, d.meaning, {}};
+      for (const char* v : d.values) doc.values.emplace_back(v);
+      t.option_docs.push_back(std::move(doc));
+    }
     out.push_back(std::move(t));
   }
   return out;

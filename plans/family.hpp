@@ -30,9 +30,26 @@ struct StateKind {
   std::vector<uint8_t> (*reshard)(const RankStateList& states, int world, int rank);
 };
 
+/// What an option means, for the options reference (docs/OPTIONS.md, written by
+/// scripts/gen_options_doc.py): kept beside the option table so that a family brings its own.
+/// `form`: "" for every table of the family, else the shard form ("reduce_scatter" /
+/// "allgather") whose table it describes; `values`: an option's accepted names, each of which the
+/// meaning names.
+struct OptionDoc {
+  const char* option;
+  const char* form;
+  const char* meaning;
+  std::vector<const char*> values;
+};
+
 /// A compressor family, registered once.
 struct Family {
   const char* name;
+  /// One line for the options reference: what the family is. Empty: the reference's own line.
+  const char* summary = "";
+  /// Meanings of its options, for the options reference (families registered before these
+  /// existed keep theirs in scripts/gen_options_doc.py).
+  std::vector<OptionDoc> option_docs;
   /// The plans carry state between steps (checkpointed with the model); a test checks this
   /// against what a plan of the family says (BucketPlan::stateful).
   bool stateful = false;
@@ -72,6 +89,7 @@ const Family& randomk_family();
 const Family& onebit_family();
 const Family& quant_family();
 const Family& powersgd_family();
+const Family& fp8_family();
 
 /// The reduce-scatter states of sharded training (kind `kind`, one per rank), checked whole: the
 /// fields every such state starts with (numel, world, rank, in rank order), the family's own

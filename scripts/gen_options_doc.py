@@ -11,9 +11,10 @@
   (``options.pop("name", default)``).
 
 Only the one-line meanings are written here, in MEANINGS (C++ options) and PY_OPTIONS (Python
-entry points). The generator refuses (exit status 2, naming each) an option that has no meaning,
-a meaning for an option that no longer exists, and an enum option whose meaning does not name
-every accepted value, so that the reference cannot silently fall behind the code.
+entry points), except for a family whose descriptor carries its own (``summary`` and
+``option_docs`` in ``_C.families()``). The generator refuses (exit status 2, naming each) an
+option that has no meaning, a meaning for an option that no longer exists, and an enum option
+whose meaning does not name every accepted value, so that the reference cannot silently fall behind the code.
 
     python scripts/gen_options_doc.py           # rewrites docs/OPTIONS.md
     python scripts/gen_options_doc.py --check   # exit 1 with a diff when docs/OPTIONS.md is stale
@@ -475,6 +476,17 @@ def collect() -> Model:
         enum = getattr(_C, enum_name, None)
         if enum is not None:
             m.enums[enum_name] = list(enum.__members__)
+    # a family registered with its own lines (its C++ descriptor's summary and option_docs)
+    # brings them here: a new family needs no edit of this file
+    for fam in _C.families():
+        if fam.get("summary"):
+            FAMILIES.setdefault(fam["name"], fam["summary"])
+        for d in fam.get("option_docs", ()):
+            scope = fam["name"] + (f"/{d['form']}" if d["form"] else "")
+            MEANINGS.setdefault((scope, d["option"]), d["meaning"])
+            if d["values"]:
+                m.enums[f"{scope}.{d['option']}"] = list(d["values"])
+                ENUMS.setdefault((scope, d["option"]), (f"{scope}.{d['option']}", ()))
 
     hook = _merge(_parameters(_entry.hook), _popped(_entry.hook),
                   _parameters(_hook.GradcompState.__init__),

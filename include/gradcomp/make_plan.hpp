@@ -52,8 +52,8 @@ struct BucketSpec {
   std::string backend;
 };
 
-/// The families make_plan() knows, in a fixed order: "allreduce", "fp16", "bf16", "topk",
-/// "randomk", "onebit", "quant", "powersgd".
+/// The families make_plan() knows, in the registry's fixed order (plans/families.cpp, where a
+/// family is added): "allreduce", "fp16", "bf16", "topk", ...
 std::vector<std::string> plan_names();
 
 /// What a caller needs to know about a family without building a plan, read from the one
@@ -64,6 +64,14 @@ struct FamilyTraits {
   bool uses_shapes = false;  ///< its plans read BucketSpec::shapes (PowerSGD, random-k)
   std::vector<PlanForm> shard_forms;     ///< reduce_scatter / allgather forms (make_shard_plan)
   std::vector<std::string> state_kinds;  ///< the state_dict() kinds its plans write
+  /// What an option means (the family's own entries for the options reference): `form` "" for
+  /// every table, else "reduce_scatter" / "allgather"; `values`: the accepted names.
+  struct Doc {
+    std::string option, form, meaning;
+    std::vector<std::string> values;
+  };
+  std::string summary;  ///< one line: what the family is ("" where the reference has its own)
+  std::vector<Doc> option_docs;
 };
 /// Every family's traits, in plan_names() order.
 std::vector<FamilyTraits> family_traits();

@@ -213,13 +213,27 @@ void bind_plans(nb::module_& m) {
           for (const auto& k : t.state_kinds) kinds.append(k);
           d["shard_forms"] = forms;
           d["state_kinds"] = kinds;
+          d["summary"] = t.summary;
+          nb::list docs;
+          for (const auto& o : t.option_docs) {
+            nb::dict od;
+            od["option"] = o.option;
+            od["form"] = o.form;
+            od["meaning"] = o.meaning;
+            nb::list values;
+            for (const auto& v : o.values) values.append(v);
+            od["values"] = values;
+            docs.append(od);
+          }
+          d["option_docs"] = docs;
           out.append(d);
         }
         return out;
       },
       "Every compressor family's traits, in plan_names() order, as dicts: name, stateful, "
       "uses_shapes (its plans read the bucket's tensor shapes), shard_forms ('reduce_scatter', "
-      "'allgather': make_shard_plan) and state_kinds (the kinds of state_dict() its plans write). "
+      "'allgather': make_shard_plan), state_kinds (the kinds of state_dict() its plans write), "
+      "summary and option_docs (the family's own lines for the options reference). "
       "Read from the one registry make_plan builds from.");
   m.def(
       "plan_defaults",

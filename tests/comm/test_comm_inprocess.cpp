@@ -24,6 +24,7 @@
 #include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/fp8_kernels.hpp"
 #include "kernels/reduce_kernels.hpp"
 
 namespace gc = gradcomp;
@@ -440,4 +441,89 @@ TEST(SumWidened, CudaTwinGivesTheCpuBits) {
         EXPECT_TRUE(std::equal(want_wire.begin(), want_wire.end(), got_in_place.begin()))
             << "in place over block 0";
       }
+}
+
+TEST(Fp8Blocks, CudaTwinGivesTheCpuBits) {
+  // the fp8 family's encode and rank-ordered sum on a GPU against the CPU twin: records (scales
+  // and codes) and sums bitwise; a block with an Inf has a NaN scale on both, whose NaN's bits
+  // follow each backend (so NaNs compare as NaNs)
+  if (gc::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  namespace k = gc::kernels;
+  const auto same = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, bool floats) {
+    if (!floats) return a == b;
+    for (size_t i = 0; i + 4 <= a.size(); i += 4) {
+      float x, y;
+      std::memcpy(&x, &a[i], 4);
+      std::memcpy(&y, &b[i], 4);
+      if (!(std::isnan(x) && std::isnan(y)) && std::memcmp(&x, &y, 4) != 0) return false;
+    }
+    return a.size() == b.size();
+  };
+  const int P = 3;
+  for (const bool e5m2 : {false, true})
+    for (const int block : {32, 256, 4096})
+      for (const int64_t n : {int64_t{1}, int64_t{1000}, int64_t{100003}})
+        for (const gc::DType t : {gc::DType::kFloat32, gc::DType::kFloat16, gc::DType::kBFloat16}) {
+          SCOPED_TRACE(::testing::Message() << "e5m2 " << e5m2 << " block " << block << " n " << n
+                                            << " " << gc::dtype_name(t));
+          const size_t un = static_cast<size_t>(n), ts = gc::dtype_size(t);
+          const int64_t nb = (n + block - 1) / block;
+          const size_t rb = k::fp8_record_bytes(block), bytes = static_cast<size_t>(nb) * rb;
+          std::vector<uint8_t> x(P * un * ts), want(P * bytes), got(P * bytes);
+          for (int r = 0; r < P; ++r) {
+            auto v = gc::test::rank_input(n, r, 3);
+            if (r == 1 && n > 500) v[500] = INFINITY;
+            for (size_t i = 0; i < un; ++i) k::fp8_store(&x[r * un * ts], t, int64_t(i), v[i]);
+          }
+          for (int r = 0; r < P; ++r)
+            k::fp8_encode_blocks(gc::Device::kCPU, &x[r * un * ts], t, n, nb, block, e5m2,
+                                 &want[r * bytes], nullptr);
+          gc::Buffer dx(gc::Device::kCUDA), dr(gc::Device::kCUDA), dsum(gc::Device::kCUDA),
+              dout(gc::Device::kCUDA);
+          auto* px = dx.get<uint8_t>(x.size());
+          auto* pr = dr.get<uint8_t>(got.size());
+          gc::device_copy(px, gc::Device::kCUDA, x.data(), gc::Device::kCPU, x.size(), nullptr);
+          for (int r = 0; r < P; ++r)
+            k::fp8_encode_blocks(gc::Device::kCUDA, px + r * un * ts, t, n, nb, block, e5m2,
+                                 pr + r * bytes, nullptr);
+          gc::device_copy(got.data(), gc::Device::kCPU, pr, gc::Device::kCUDA, got.size(), nullptr);
+          gc::cuda::stream_synchronize(nullptr);
+          ASSERT_TRUE(same(got, want, false)) << "records";
+          // the sum, encoded again and written in t, from the same records
+          std::vector<uint8_t> want_rec(bytes), got_rec(bytes), want_out(un * ts), got_out(un * ts);
+          k::fp8_sum_blocks(gc::Device::kCPU, want.data(), P, bytes, nb, block, e5m2, float(P),
+                            want_rec.data(), want_out.data(), t, n, nullptr);
+          k::fp8_sum_blocks(gc::Device::kCUDA, pr, P, bytes, nb, block, e5m2, float(P),
+                            dsum.get<uint8_t>(bytes), dout.get<uint8_t>(un * ts), t, n, nullptr);
+          gc::device_copy(got_rec.data(), gc::Device::kCPU, dsum.data(), gc::Device::kCUDA, bytes,
+                          nullptr);
+          gc::device_copy(got_out.data(), gc::Device::kCPU, dout.data(), gc::Device::kCUDA, un * ts,
+                          nullptr);
+          gc::cuda::stream_synchronize(nullptr);
+          for (size_t i = 0; i < un; ++i) {  // in t, NaN-aware
+            const auto value = [&](const std::vector<uint8_t>& v) {
+              uint16_t h;
+              float f;
+              if (t == gc::DType::kFloat32) {
+                std::memcpy(&f, &v[i * 4], 4);
+                return f;
+              }
+              std::memcpy(&h, &v[i * 2], 2);
+              return t == gc::DType::kFloat16 ? gc::half_to_float(h) : gc::bf16_to_float(h);
+            };
+            const float w = value(want_out), g = value(got_out);
+            ASSERT_TRUE((std::isnan(w) && std::isnan(g)) ||
+                        std::memcmp(&want_out[i * ts], &got_out[i * ts], ts) == 0)
+                << "sum element " << i;
+          }
+          for (int64_t b = 0; b < nb; ++b) {  // scales as floats (NaN-aware), codes as bytes
+            const size_t o = static_cast<size_t>(b) * rb;
+            EXPECT_TRUE(same({want_rec.begin() + o, want_rec.begin() + o + 4},
+                             {got_rec.begin() + o, got_rec.begin() + o + 4}, true))
+                << "scale " << b;
+            EXPECT_TRUE(std::equal(want_rec.begin() + o + 4, want_rec.begin() + o + rb,
+                                   got_rec.begin() + o + 4))
+                << "codes of block " << b;
+          }
+        }
 }

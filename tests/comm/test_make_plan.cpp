@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,11 @@ TEST(MakePlan, EveryFamilyMatchesThePlanBuiltByHand) {
   const int P = 3;
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{20011}}) {
     for (const std::string& name : gc::plan_names()) {
+      // the families with a public plan class to build by hand; a family whose plan is private
+      // to its file (fp8 onwards) is checked against its reference by the conformance suite
+      static const std::set<std::string> public_classes = {
+          "allreduce", "fp16", "bf16", "topk", "randomk", "onebit", "quant", "powersgd"};
+      if (public_classes.count(name) == 0) continue;
       SCOPED_TRACE(name + " n=" + std::to_string(n));
       Plans by_name, by_hand;
       for (int r = 0; r < P; ++r) {

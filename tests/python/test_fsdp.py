@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import gradcomp.torch as gt
+from gradcomp import _C
 from ddp_util import make_data, run
 from fsdp_util import HAVE_FSDP2, local_grads, local_params, needs_fsdp2, sharded_net
 
@@ -191,3 +192,29 @@ def _compressed(rank, world):
 @needs_fsdp2
 def test_quantized_gradients_and_weights_checkpoint_and_refusals():
     run(_compressed, 3)
+
+
+def _every_family(rank, world):
+    # every registered family with a shard form (a new one included, with its defaults): its
+    # gradients near FSDP2's own, the same gathered weights on every rank, training going on
+    x, y = make_data(rank, 1, batch=64)[0]
+    forms = {f["name"]: f["shard_forms"] for f in _C.families()}
+    for name in _C.shard_plan_names():
+        gathers = "allgather" in forms[name]
+        ref, ours = sharded_net(), sharded_net()
+        gt.compress_fsdp(ours, grads=name, params=name if gathers else None)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        torch.nn.functional.mse_loss(ours(x), y).backward()
+        for a, b in zip(local_grads(ref), local_grads(ours)):
+            assert torch.isfinite(b).all(), name
+            if name != "topk":  # top-k sends 1% of each chunk: not near the full gradient
+                assert (a - b).norm() <= 0.5 * a.norm(), (name, float((a - b).norm() / a.norm()))
+        for f in (p.full_tensor() for p in ours.parameters()):
+            g = [torch.empty_like(f) for _ in range(world)]
+            dist.all_gather(g, f)
+            assert all(torch.equal(g[0], h) for h in g), name
+
+
+@needs_fsdp2
+def test_every_shard_family_through_fsdp2():
+    run(_every_family, 2)

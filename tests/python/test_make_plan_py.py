@@ -224,8 +224,9 @@ def test_every_shard_plan_from_python_at_world_size_one():
             elif name == "quant":  # half a quantisation step of the block's largest value
                 step = 1.0 / (2 ** (opts["bits"] - 1) - 1)
                 assert err.max() <= 0.5 * step * 1.0001, (form, err.max())
-            else:
-                assert err.max() <= tol[name], (name, form, err.max())
+            else:  # a family without a bound here (the C++ conformance suite checks it
+                # against its reference): one rank's average still resembles the input
+                assert err.max() <= tol.get(name, 0.25), (name, form, err.max())
             st = p.state_dict()
             assert (len(st) > 0) == p.stateful
             if p.stateful:

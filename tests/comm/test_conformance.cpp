@@ -1,0 +1,440 @@
+// SPDX-License-Identifier: Apache-2.0
+// What every family promises, checked for every registered family by name (family_traits(): a
+// family added to the registry is covered without a line here): on 1-4 ranks and buckets of 0, 1,
+// odd and large sizes, in every form it has, every rank ends with the same bits and finite values
+// from finite gradients; one rank's NaN reaches every rank at that position (a stateless family
+// carries it, a stateful one skips the step, which fills the bucket with NaN); unknown options are
+// refused; a stateful family's checkpoint, loaded into fresh plans, continues bitwise.
+//
+// Where a family has an independent reference, its result is compared with it (`references`
+// below): the fp8 family's is a brute-force encoder over the formats' 256 codes, written from the
+// OCP 8-bit float definitions without the library's bit manipulation.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm_reference.hpp"
+#include "gradcomp/make_plan.hpp"
+#include "gradcomp/plan.hpp"
+#include "kernels/fp8_kernels.hpp"
+
+namespace gc = gradcomp;
+using gc::test::rank_input;
+
+namespace {
+
+using Plans = std::vector<std::unique_ptr<gc::BucketPlan>>;
+using Buckets = std::vector<std::vector<float>>;
+
+gc::BucketSpec spec(int64_t n, int P, int r) {
+  gc::BucketSpec b;
+  b.numel = n;
+  b.world = P;
+  b.rank = r;
+  return b;
+}
+
+Plans make(const std::string& name, int64_t n, int P, gc::PlanForm form,
+           const gc::PlanOptions& o = {}) {
+  Plans p;
+  for (int r = 0; r < P; ++r)
+    p.push_back(form == gc::PlanForm::kAllreduce
+                    ? gc::make_plan(name, spec(n, P, r), o)
+                    : gc::make_shard_plan(name, spec(n, P, r), form, o));
+  return p;
+}
+
+void step(Plans& p, Buckets& g) {
+  std::vector<gc::Plan*> raw;
+  for (size_t r = 0; r < p.size(); ++r) {
+    p[r]->begin(gc::TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
+    raw.push_back(p[r].get());
+  }
+  gc::run_plans_in_process(raw);
+}
+
+Buckets inputs(int64_t n, int P, int64_t s) {
+  Buckets g;
+  for (int r = 0; r < P; ++r) g.push_back(rank_input(n, r, s));
+  return g;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b, size_t from, size_t to) {
+  return to <= from || std::memcmp(a.data() + from, b.data() + from, (to - from) * 4) == 0;
+}
+
+// ---- fp8: the independent reference --------------------------------------------------------
+/// The value of code c by the format's definition, in double.
+double fp8_ref_value(int c, bool e5m2) {
+  const int M = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7, emax = e5m2 ? 31 : 15;
+  const int e = (c >> M) & emax, m = c & ((1 << M) - 1);
+  const double sign = (c & 0x80) ? -1.0 : 1.0;
+  if (e5m2 && e == 31) return m ? std::nan("") : sign * HUGE_VAL;
+  if (!e5m2 && e == 15 && m == 7) return std::nan("");
+  return sign *
+         (e == 0 ? std::ldexp(m, 1 - bias - M) : std::ldexp(1.0 + m / double(1 << M), e - bias));
+}
+
+/// The code nearest x among the finite codes of x's sign (ties: the even code), by search.
+int fp8_ref_code(float x, bool e5m2) {
+  const int sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(static_cast<double>(x));
+  const int largest = e5m2 ? 0x7b : 0x7e;
+  if (a >= fp8_ref_value(largest, e5m2)) return sign | largest;  // saturation
+  static const auto table = [](bool f) {  // the non-negative codes' values, computed once
+    std::vector<double> t(128);
+    for (int c = 0; c < 128; ++c) t[c] = fp8_ref_value(c, f);
+    return t;
+  };
+  static const std::vector<double> values[2] = {table(false), table(true)};
+  int best = -1;
+  double dist = HUGE_VAL;
+  for (int c = 0; c < 128; ++c) {
+    const double v = values[e5m2][c];
+    if (!std::isfinite(v)) continue;
+    const double d = std::fabs(v - a);
+    if (d < dist || (d == dist && (c & 1) == 0)) {
+      best = c;
+      dist = d;
+    }
+  }
+  return sign | best;
+}
+
+/// A block's values after encoding and decoding (the reference of one record).
+void fp8_ref_block(const float* x, int B, bool e5m2, float* out) {
+  float amax = 0;
+  bool finite = true;
+  for (int j = 0; j < B; ++j) {
+    if (!std::isfinite(x[j]))
+      finite = false;
+    else
+      amax = std::max(amax, std::fabs(x[j]));
+  }
+  const float s = finite ? amax / static_cast<float>(fp8_ref_value(e5m2 ? 0x7b : 0x7e, e5m2))
+                         : std::numeric_limits<float>::quiet_NaN();
+  for (int j = 0; j < B; ++j) {
+    const int c = s > 0 ? fp8_ref_code(x[j] / s, e5m2) : 0;
+    out[j] = static_cast<float>(fp8_ref_value(c, e5m2)) * s;
+  }
+}
+
+/// Each rank's n values in blocks of B (zero-padded to `blocks` blocks), encoded and decoded.
+Buckets fp8_ref_decoded(const Buckets& in, size_t first, size_t n, size_t blocks, int B,
+                        bool e5m2) {
+  Buckets out;
+  for (const auto& v : in) {
+    std::vector<float> x(blocks * B, 0.0f), d(blocks * B);
+    std::copy(v.begin() + first, v.begin() + first + n, x.begin());
+    for (size_t b = 0; b < blocks; ++b) fp8_ref_block(&x[b * B], B, e5m2, &d[b * B]);
+    out.push_back(d);
+  }
+  return out;
+}
+
+std::vector<float> rank_ordered(const Buckets& d, float divisor) {
+  std::vector<float> s(d[0].size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    float acc = d[0][i];
+    for (size_t r = 1; r < d.size(); ++r) acc = acc + d[r][i];
+    s[i] = acc / divisor;
+  }
+  return s;
+}
+
+/// What every rank's bucket holds after the fp8 plan of `form` (reduce-scatter: rank r's chunk r).
+Buckets fp8_reference(const Buckets& in, gc::PlanForm form, const gc::PlanOptions& o) {
+  const bool e5m2 = std::get<std::string>(o.at("format")) == "e5m2";
+  const int B = static_cast<int>(std::get<int64_t>(o.at("block_size")));
+  const size_t P = in.size(), n = in[0].size();
+  const auto blocks = [&](size_t m) { return (m + B - 1) / B; };
+  Buckets out = in;
+  if (form == gc::PlanForm::kAllreduce) {
+    const std::string route = std::get<std::string>(o.at("route"));
+    if (route == "gather" || (route == "auto" && P <= 2)) {
+      const auto s = rank_ordered(fp8_ref_decoded(in, 0, n, blocks(n), B, e5m2), float(P));
+      for (auto& v : out) std::copy(s.begin(), s.begin() + n, v.begin());
+      return out;
+    }
+    const size_t cb = (blocks(n) + P - 1) / P, c = cb * B;
+    const auto avg = rank_ordered(fp8_ref_decoded(in, 0, n, cb * P, B, e5m2), float(P));
+    const auto again = fp8_ref_decoded({avg}, 0, c * P, cb * P, B, e5m2)[0];
+    for (auto& v : out) std::copy(again.begin(), again.begin() + n, v.begin());
+    (void)c;
+    return out;
+  }
+  const size_t c = n / P;
+  for (size_t r = 0; r < P; ++r) {
+    Buckets chunk;
+    for (const auto& v : in)
+      chunk.push_back(std::vector<float>(v.begin() + r * c, v.begin() + (r + 1) * c));
+    if (form == gc::PlanForm::kReduceScatter) {
+      const bool average = std::get<bool>(o.at("average"));
+      const auto s =
+          rank_ordered(fp8_ref_decoded(chunk, 0, c, blocks(c), B, e5m2), average ? float(P) : 1.0f);
+      std::copy(s.begin(), s.begin() + c, out[r].begin() + r * c);
+    } else {
+      const auto d = fp8_ref_decoded({in[r]}, r * c, c, blocks(c), B, e5m2)[0];
+      for (auto& v : out) std::copy(d.begin(), d.begin() + c, v.begin() + r * c);
+    }
+  }
+  return out;
+}
+
+/// Families with an independent reference: every rank's expected bucket (for a reduce-scatter,
+/// only chunk r of rank r is compared).
+using Reference = std::function<Buckets(const Buckets&, gc::PlanForm, const gc::PlanOptions&)>;
+const std::map<std::string, Reference>& references() {
+  static const std::map<std::string, Reference> r = {{"fp8", fp8_reference}};
+  return r;
+}
+
+std::vector<gc::PlanForm> forms_of(const gc::FamilyTraits& t) {
+  std::vector<gc::PlanForm> f = {gc::PlanForm::kAllreduce};
+  for (const gc::PlanForm s : t.shard_forms) f.push_back(s);
+  return f;
+}
+
+gc::PlanOptions defaults_of(const std::string& name, gc::PlanForm form) {
+  return form == gc::PlanForm::kAllreduce ? gc::plan_defaults(name)
+                                          : gc::shard_plan_defaults(name, form);
+}
+
+/// The part of rank r's bucket a form defines: the whole bucket, or chunk r for a reduce-scatter.
+std::pair<size_t, size_t> defined(gc::PlanForm form, size_t n, size_t P, size_t r) {
+  if (form != gc::PlanForm::kReduceScatter) return {0, n};
+  return {r * (n / P), (r + 1) * (n / P)};
+}
+
+std::string form_name(gc::PlanForm f) { return std::string(gc::enum_name(f)); }
+
+}  // namespace
+
+TEST(Conformance, EveryFamilyEveryFormEverySizeAgreesAcrossRanks) {
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t))
+      for (const int P : {1, 2, 3, 4})
+        for (const int64_t base :
+             {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{25001}}) {
+          // a shard form's bucket is P equal chunks
+          const int64_t n = form == gc::PlanForm::kAllreduce ? base : base * P;
+          SCOPED_TRACE(t.name + " " + form_name(form) + " P=" + std::to_string(P) +
+                       " n=" + std::to_string(n));
+          auto plans = make(t.name, n, P, form);
+          const auto o = defaults_of(t.name, form);
+          for (int64_t s = 0; s < 3; ++s) {
+            auto g = inputs(n, P, s);
+            const auto in = g;
+            step(plans, g);
+            const auto un = static_cast<size_t>(n);
+            for (int r = 0; r < P; ++r) {
+              const auto [lo, hi] = defined(form, un, P, r);
+              for (size_t i = lo; i < hi; ++i)
+                ASSERT_TRUE(std::isfinite(g[r][i])) << "rank " << r << " element " << i;
+              if (form != gc::PlanForm::kReduceScatter)
+                ASSERT_TRUE(same_bits(g[r], g[0], 0, un)) << "rank " << r << " step " << s;
+            }
+            const auto ref = references().find(t.name);
+            if (ref == references().end()) continue;
+            const auto want = ref->second(in, form, o);
+            for (int r = 0; r < P; ++r) {
+              const auto [lo, hi] = defined(form, un, P, r);
+              ASSERT_TRUE(same_bits(g[r], want[r], lo, hi))
+                  << "rank " << r << " step " << s << " differs from the reference";
+            }
+          }
+        }
+}
+
+TEST(Conformance, OneRanksNaNReachesEveryRank) {
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t)) {
+      if (form == gc::PlanForm::kAllgather) continue;  // parameters are gathered, not summed
+      const int P = 3;
+      const int64_t n = 3 * 700;
+      SCOPED_TRACE(t.name + " " + form_name(form));
+      auto plans = make(t.name, n, P, form);
+      for (int64_t s = 0; s < 2; ++s) {  // a clean step first: state to keep
+        auto g = inputs(n, P, s);
+        const size_t bad = 2 * 700 + 11;  // in rank 2's chunk: its owner in a reduce-scatter
+        if (s == 1) g[1][bad] = std::numeric_limits<float>::quiet_NaN();
+        step(plans, g);
+        for (int r = 0; r < P; ++r) {
+          const auto [lo, hi] = defined(form, static_cast<size_t>(n), P, r);
+          if (s == 1 && bad >= lo && bad < hi) EXPECT_TRUE(std::isnan(g[r][bad])) << "rank " << r;
+          if (form != gc::PlanForm::kReduceScatter)
+            EXPECT_TRUE(same_bits(g[r], g[0], 0, static_cast<size_t>(n))) << "rank " << r;
+        }
+      }
+    }
+}
+
+TEST(Conformance, UnknownOptionsAreRefusedNamingThem) {
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t)) {
+      SCOPED_TRACE(t.name + " " + form_name(form));
+      try {
+        make(t.name, 8, 2, form, {{"no_such_option", true}});
+        ADD_FAILURE() << "accepted an unknown option";
+      } catch (const gc::InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("no_such_option"), std::string::npos) << e.what();
+      }
+    }
+}
+
+TEST(Conformance, CheckpointsContinueBitwise) {
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t)) {
+      const int P = 2;
+      const int64_t n = 2 * 3001;
+      SCOPED_TRACE(t.name + " " + form_name(form));
+      auto plans = make(t.name, n, P, form);
+      for (int64_t s = 0; s < 3; ++s) {
+        auto g = inputs(n, P, s);
+        step(plans, g);
+      }
+      auto fresh = make(t.name, n, P, form);
+      for (int r = 0; r < P; ++r) {
+        const auto st = plans[r]->state_dict();
+        EXPECT_EQ(st.empty(), !plans[r]->stateful());
+        if (!st.empty()) fresh[r]->load_state_dict(st.data(), st.size());
+      }
+      auto a = inputs(n, P, 3), b = a;
+      step(plans, a);
+      step(fresh, b);
+      for (int r = 0; r < P; ++r)
+        EXPECT_TRUE(same_bits(a[r], b[r], 0, static_cast<size_t>(n))) << "rank " << r;
+    }
+}
+
+// ---- fp8's codes against the definition ------------------------------------------------------
+TEST(Fp8Codes, EveryCodeDecodesToItsDefinitionAndBack) {
+  namespace k = gc::kernels;
+  for (const bool e5m2 : {false, true})
+    for (int c = 0; c < 256; ++c) {
+      const double want = fp8_ref_value(c, e5m2);
+      const float got = k::fp8_decode(static_cast<uint8_t>(c), e5m2);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got)) << c;
+        continue;
+      }
+      EXPECT_EQ(static_cast<double>(got), want) << "code " << c << " e5m2 " << e5m2;
+      EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << c;
+      if (std::isfinite(want)) EXPECT_EQ(k::fp8_encode(got, e5m2), c) << "code " << c;
+    }
+}
+
+TEST(Fp8Codes, EncodeIsTheNearestCodeTiesToEven) {
+  namespace k = gc::kernels;
+  for (const bool e5m2 : {false, true}) {
+    std::vector<float> xs = {0.0f,
+                             -0.0f,
+                             1e-30f,
+                             -1e-30f,
+                             1e30f,
+                             -1e30f,
+                             std::numeric_limits<float>::denorm_min(),
+                             std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity()};
+    // every midpoint between neighbouring codes (the ties), and a hair either side
+    for (int c = 0; c < 127; ++c) {
+      const double a = fp8_ref_value(c, e5m2), b = fp8_ref_value(c + 1, e5m2);
+      if (!std::isfinite(a) || !std::isfinite(b)) continue;
+      const auto mid = static_cast<float>((a + b) / 2);
+      for (const float m : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f)}) {
+        xs.push_back(m);
+        xs.push_back(-m);
+      }
+    }
+    // and a log-uniform spread from below the smallest subnormal to past the largest value
+    for (int i = 0; i < 20000; ++i) {
+      const float x = std::ldexp(1.0f + (i % 97) / 97.0f, -30 + (i * 53) % 50);
+      xs.push_back(i % 2 ? -x : x);
+    }
+    for (const float x : xs) {
+      const int want =
+          std::isinf(x) ? ((x < 0 ? 0x80 : 0) | (e5m2 ? 0x7b : 0x7e)) : fp8_ref_code(x, e5m2);
+      ASSERT_EQ(k::fp8_encode(x, e5m2), want) << "x " << x << " e5m2 " << e5m2;
+    }
+    EXPECT_TRUE(std::isnan(k::fp8_decode(k::fp8_encode(std::nanf(""), e5m2), e5m2)));
+  }
+}
+
+TEST(Fp8Plan, EveryFormatBlockAndRouteMatchesTheReference) {
+  for (const std::string fmt : {"e4m3", "e5m2"})
+    for (const int64_t block : {int64_t{32}, int64_t{256}, int64_t{4096}})
+      for (const std::string route : {"reduce_scatter", "gather"})
+        for (const int P : {2, 3})
+          for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{33}, int64_t{10007}}) {
+            SCOPED_TRACE(fmt + " block " + std::to_string(block) + " " + route +
+                         " P=" + std::to_string(P) + " n=" + std::to_string(n));
+            const gc::PlanOptions o = {{"format", fmt}, {"block_size", block}, {"route", route}};
+            auto plans = make("fp8", n, P, gc::PlanForm::kAllreduce, o);
+            auto g = inputs(n, P, 5);
+            const auto want = fp8_reference(g, gc::PlanForm::kAllreduce, o);
+            step(plans, g);
+            for (int r = 0; r < P; ++r)
+              ASSERT_TRUE(same_bits(g[r], want[r], 0, static_cast<size_t>(n))) << "rank " << r;
+          }
+}
+
+TEST(Fp8Plan, ANonFiniteValueMakesItsWholeBlockNaNOnEveryRank) {
+  const int P = 3;
+  const int64_t n = 1000;
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    auto plans = make("fp8", n, P, gc::PlanForm::kAllreduce, {{"block_size", int64_t{64}}});
+    auto g = inputs(n, P, 1);
+    g[2][130] = bad;  // block 2: elements [128, 192)
+    step(plans, g);
+    for (int r = 0; r < P; ++r)
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(std::isnan(g[r][i]), i >= 128 && i < 192) << "rank " << r << " element " << i;
+  }
+}
+
+TEST(Fp8Plan, RefusesWhatItCannotDo) {
+  const auto refused = [](const gc::PlanOptions& o, const char* says) {
+    try {
+      gc::make_plan("fp8", spec(100, 2, 0), o);
+      ADD_FAILURE() << "accepted";
+    } catch (const gc::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused({{"format", std::string("e3m4")}}, "format must be");
+  refused({{"block_size", int64_t{48}}}, "block_size must be");
+  refused({{"block_size", int64_t{8192}}}, "block_size must be");
+  refused({{"route", std::string("allreduce")}}, "no allreduce route");
+  EXPECT_THROW(gc::make_shard_plan("fp8", spec(101, 2, 0), gc::PlanForm::kAllgather, {}),
+               gc::InvalidArgument);  // not P equal chunks
+}
+
+TEST(Fp8Plan, SendsAQuarterOfFp32sBytesAndAScalePerBlock) {
+  const int P = 4;
+  const int64_t n = 1 << 20;
+  for (const std::string route : {"reduce_scatter", "gather"}) {
+    auto plans = make("fp8", n, P, gc::PlanForm::kAllreduce, {{"route", route}});
+    auto g = inputs(n, P, 0);
+    std::vector<gc::Plan*> raw;
+    for (int r = 0; r < P; ++r) {
+      plans[r]->begin(gc::TensorView::cpu(g[r].data(), n));
+      raw.push_back(plans[r].get());
+    }
+    size_t sent = 0;  // bytes rank 0 puts on its link (an all-to-all or allgather block each)
+    for (const auto& c : gc::run_plans_in_process(raw))
+      sent += c.count * gc::elem_size(c.type) * (P - 1);
+    const double record = 256 + 4;  // the default block: 256 codes and an fp32 scale
+    const double per_value = record / 256;
+    const double want =
+        route == "gather" ? n * per_value * (P - 1) : 2.0 * n * per_value * (P - 1) / P;
+    EXPECT_NEAR(double(sent), want, 2 * record * P) << route;
+  }
+}
