@@ -10,6 +10,11 @@
 // move (read 2 P n, write 4 n: the same figure for both, so their bandwidths compare as their
 // speeds); frac_of_copy = that bandwidth (fastest iteration) / the bandwidth of a plain memory
 // copy of n floats measured by this binary in the same run.
+//
+// The fp8 family's two kernels on the same sizes (blocks of 256 values, e4m3): BM_fp8_encode
+// (read the fp32 gradient, write a record per block: 4 n read, n + n / 64 written) and
+// BM_fp8_sum, the gather route's local work (read the P ranks' records, sum in rank order, write
+// the fp32 gradient: P (n + n / 64) read, 4 n written), each as a fraction of the copy bandwidth.
 #include <benchmark/benchmark.h>
 
 #include <string>
@@ -17,6 +22,7 @@
 
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
+#include "kernels/fp8_kernels.hpp"
 #include "kernels/reduce_kernels.hpp"
 
 using namespace gradcomp;
@@ -83,6 +89,64 @@ void BM_cast_sum_composition(benchmark::State& st) {
   set_counters(st, 2.0 * P * n + 4.0 * n, n, timer.seconds(), it, 0);
 }
 
+constexpr int kFp8Block = 256;
+
+std::vector<uint8_t> fp8_records(int64_t n, int P) {
+  const std::vector<float>& g = gradcomp::bench::normal_data(n);
+  const int64_t nb = (n + kFp8Block - 1) / kFp8Block;
+  const size_t bytes = static_cast<size_t>(nb) * kernels::fp8_record_bytes(kFp8Block);
+  std::vector<uint8_t> all(bytes * static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p)
+    kernels::cpu::fp8_encode_blocks(g.data(), DType::kFloat32, n, nb, kFp8Block, false,
+                                    all.data() + static_cast<size_t>(p) * bytes);
+  return all;
+}
+
+void BM_fp8_encode(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const std::vector<float>& g = gradcomp::bench::normal_data(n);
+  const int64_t nb = (n + kFp8Block - 1) / kFp8Block;
+  std::vector<uint8_t> rec(static_cast<size_t>(nb) * kernels::fp8_record_bytes(kFp8Block));
+  auto step = [&] {
+    kernels::cpu::fp8_encode_blocks(g.data(), DType::kFloat32, n, nb, kFp8Block, false, rec.data());
+  };
+  step();  // warm-up: pages touched
+  LoopTimer timer;
+  IterTimer it;
+  for (auto _ : st) {
+    it.start();
+    step();
+    benchmark::DoNotOptimize(rec.data());
+    it.stop();
+  }
+  st.SetLabel("fp8 e4m3 encode, blocks of 256, fp32 gradient");
+  set_counters(st, 4.0 * n + static_cast<double>(rec.size()), n, timer.seconds(), it, 0);
+}
+
+void BM_fp8_sum(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const int P = static_cast<int>(st.range(1));
+  const auto all = fp8_records(n, P);
+  const size_t bytes = all.size() / static_cast<size_t>(P);
+  const int64_t nb = (n + kFp8Block - 1) / kFp8Block;
+  std::vector<float> grad(static_cast<size_t>(n));
+  auto step = [&] {
+    kernels::cpu::fp8_sum_blocks(all.data(), P, bytes, nb, kFp8Block, false, float(P), nullptr,
+                                 grad.data(), DType::kFloat32, n);
+  };
+  step();  // warm-up: pages touched
+  LoopTimer timer;
+  IterTimer it;
+  for (auto _ : st) {
+    it.start();
+    step();
+    benchmark::DoNotOptimize(grad.data());
+    it.stop();
+  }
+  st.SetLabel("fp8 e4m3 records of P = " + std::to_string(P) + " ranks summed, fp32 gradient");
+  set_counters(st, static_cast<double>(all.size()) + 4.0 * n, n, timer.seconds(), it, 0);
+}
+
 }  // namespace
 
 // 824,000: about the experiments' CNN (824k parameters), what the 4-rank gather route sums per
@@ -92,6 +156,16 @@ BENCHMARK(BM_cast_sum_composition)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_cast_sum)
+    ->ArgsProduct({{824000, 1 << 22}, {4}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+BENCHMARK(BM_fp8_encode)
+    ->Args({824000})
+    ->Args({1 << 22})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_fp8_sum)
     ->ArgsProduct({{824000, 1 << 22}, {4}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

@@ -74,6 +74,7 @@ std::vector<FamilyTraits> family_traits() {
     t.shard_forms = f->shard_forms;
     for (const auto& s : f->states) t.state_kinds.emplace_back(s.kind);
     t.summary = f->summary;
+    for (const auto& [spelling, option] : f->aliases) t.aliases.emplace_back(spelling, option);
     for (const auto& d : f->option_docs) {
       FamilyTraits::Doc doc{d.option, d.form, d.meaning, {}};
       for (const char* v : d.values) doc.values.emplace_back(v);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradcomp/make_plan.hpp"
@@ -47,6 +48,9 @@ struct Family {
   const char* name;
   /// One line for the options reference: what the family is. Empty: the reference's own line.
   const char* summary = "";
+  /// Other spellings accepted for its options, {spelling, option} (a name users know from
+  /// elsewhere, or an older one): either may be given, not both.
+  std::vector<std::pair<const char*, const char*>> aliases;
   /// Meanings of its options, for the options reference (families registered before these
   /// existed keep theirs in scripts/gen_options_doc.py).
   std::vector<OptionDoc> option_docs;

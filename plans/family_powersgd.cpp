@@ -54,6 +54,8 @@ const Family& powersgd_family() {
   static const Family f = [] {
     Family p;
     p.name = "powersgd";
+    // torch's PowerSGD hook says use_error_feedback; every other family says error_feedback
+    p.aliases = {{"error_feedback", "use_error_feedback"}};
     p.stateful = true;
     p.uses_shapes = true;  // the matrices to approximate
     p.defaults = powersgd_defaults;

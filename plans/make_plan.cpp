@@ -28,7 +28,8 @@ void refuse_plan_only(const char* family, const PlanOptions& given) {
 }
 
 detail::Options options_of(const std::string& name, const PlanOptions& given) {
-  return detail::Options(name, detail::family(name).defaults(), given);
+  const detail::Family& f = detail::family(name);
+  return detail::Options(name, f.defaults(), given, f.aliases);
 }
 
 }  // namespace
@@ -107,7 +108,7 @@ std::unique_ptr<BucketPlan> make_hierarchical_plan(const std::string& name, cons
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& b,
                                       const PlanOptions& options) {
   const detail::Family& f = detail::family(name);
-  const detail::Options o(name, f.defaults(), options);
+  const detail::Options o(name, f.defaults(), options, f.aliases);
   const OnNonFinite policy = o.on_nonfinite();
   auto plan = f.build(b, o);
   plan->set_on_nonfinite(policy);
@@ -144,7 +145,7 @@ PlanOptions shard_plan_defaults(const std::string& name, PlanForm form) {
 std::unique_ptr<BucketPlan> make_shard_plan(const std::string& name, const BucketSpec& b,
                                             PlanForm form, const PlanOptions& options) {
   const detail::Family& f = family_with_form(name, form);
-  const detail::Options o(name, f.shard_defaults(form), options);
+  const detail::Options o(name, f.shard_defaults(form), options, f.aliases);
   auto plan = f.build_shard(b, form, o);
   if (o.has("on_nonfinite")) plan->set_on_nonfinite(o.on_nonfinite());
   return plan;

@@ -22,8 +22,27 @@ const char* option_type_name(const PlanOption& v) {
   }
 }
 
-Options::Options(const std::string& family, PlanOptions defaults, const PlanOptions& given)
+namespace {
+/// `given` with every alias renamed to its option; both spellings of one option is an error.
+PlanOptions canonical(const std::string& family, const PlanOptions& given,
+                      const std::vector<std::pair<const char*, const char*>>& aliases) {
+  PlanOptions out = given;
+  for (const auto& [spelling, option] : aliases) {
+    auto it = out.find(spelling);
+    if (it == out.end()) continue;
+    GC_CHECK_ARG(out.count(option) == 0, "invalid options for compressor '", family, "': '",
+                 spelling, "' and '", option, "' are two spellings of one option; give one");
+    out.emplace(option, it->second);
+    out.erase(spelling);
+  }
+  return out;
+}
+}  // namespace
+
+Options::Options(const std::string& family, PlanOptions defaults, const PlanOptions& given_as,
+                 const std::vector<std::pair<const char*, const char*>>& aliases)
     : family_(family), values_(std::move(defaults)) {
+  const PlanOptions given = canonical(family, given_as, aliases);
   std::vector<std::string> unknown;
   for (const auto& [k, v] : given) {
     auto it = values_.find(k);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradcomp/error.hpp"
@@ -22,7 +23,10 @@ const char* option_type_name(const PlanOption& v);
 /// it and the known ones.
 class Options {
  public:
-  Options(const std::string& family, PlanOptions defaults, const PlanOptions& given);
+  /// `aliases`: other spellings of options, {spelling, option}: given under either name (not
+  /// both), an option is read under its own.
+  Options(const std::string& family, PlanOptions defaults, const PlanOptions& given,
+          const std::vector<std::pair<const char*, const char*>>& aliases = {});
   bool has(const char* k) const { return values_.count(k) != 0; }
   bool flag(const char* k) const { return std::get<bool>(values_.at(k)); }
   int64_t integer(const char* k) const { return std::get<int64_t>(values_.at(k)); }

@@ -389,6 +389,8 @@ class Model:
     # api -> [(parameter, default)] (REQUIRED for none)
     python: Dict[str, List[Tuple[str, Any]]] = field(default_factory=dict)
     context: Dict[str, str] = field(default_factory=dict)  # fills "{name}" in the meanings
+    # family -> option -> the other spellings make_plan accepts for it
+    aliases: Dict[str, Dict[str, List[str]]] = field(default_factory=dict)
 
 
 class OptionsDocError(ValueError):
@@ -479,6 +481,8 @@ def collect() -> Model:
     # a family registered with its own lines (its C++ descriptor's summary and option_docs)
     # brings them here: a new family needs no edit of this file
     for fam in _C.families():
+        for spelling, option in fam.get("aliases", {}).items():
+            m.aliases.setdefault(fam["name"], {}).setdefault(option, []).append(spelling)
         if fam.get("summary"):
             FAMILIES.setdefault(fam["name"], fam["summary"])
         for d in fam.get("option_docs", ()):
@@ -586,8 +590,10 @@ class _Renderer:
                 self.problems.append(f"{where}: option {opt!r} has a default of type "
                                      f"{type(default).__name__}, which no PlanOption holds")
                 kind = ("?", "?")
+            also = self.m.aliases.get(scopes[-1], {}).get(opt, [])
+            note = "".join(f" Also accepted as `{a}`." for a in also)
             rows.append(f"| `{opt}` | {kind[0]} | {_literal(default)} | "
-                        f"{self.meaning(scopes, opt, where)} |")
+                        f"{self.meaning(scopes, opt, where)}{note} |")
         return rows + [""]
 
     def py_table(self, api: str) -> List[str]:

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -71,6 +72,8 @@ struct FamilyTraits {
     std::vector<std::string> values;
   };
   std::string summary;  ///< one line: what the family is ("" where the reference has its own)
+  /// Other spellings make_plan accepts for its options: {spelling, option}.
+  std::vector<std::pair<std::string, std::string>> aliases;
   std::vector<Doc> option_docs;
 };
 /// Every family's traits, in plan_names() order.

@@ -214,6 +214,9 @@ void bind_plans(nb::module_& m) {
           d["shard_forms"] = forms;
           d["state_kinds"] = kinds;
           d["summary"] = t.summary;
+          nb::dict aliases;
+          for (const auto& [spelling, option] : t.aliases) aliases[spelling.c_str()] = option;
+          d["aliases"] = aliases;
           nb::list docs;
           for (const auto& o : t.option_docs) {
             nb::dict od;
@@ -233,7 +236,8 @@ void bind_plans(nb::module_& m) {
       "Every compressor family's traits, in plan_names() order, as dicts: name, stateful, "
       "uses_shapes (its plans read the bucket's tensor shapes), shard_forms ('reduce_scatter', "
       "'allgather': make_shard_plan), state_kinds (the kinds of state_dict() its plans write), "
-      "summary and option_docs (the family's own lines for the options reference). "
+      "aliases (other accepted spellings of its options: {spelling: option}), summary and "
+      "option_docs (the family's own lines for the options reference). "
       "Read from the one registry make_plan builds from.");
   m.def(
       "plan_defaults",

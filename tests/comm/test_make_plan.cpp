@@ -143,6 +143,27 @@ TEST(MakePlan, DefaultsComeFromTheConfigurationStructs) {
   }
 }
 
+TEST(MakePlan, AnOptionsOtherSpellingIsTheOptionAndNotBoth) {
+  // PowerSGD's use_error_feedback (torch's name) is also accepted as error_feedback, every other
+  // family's name for it: the same plan either way, refused when both are given
+  const gc::BucketSpec b = spec(1000, 1, 0);
+  const auto a = gc::make_plan("powersgd", b, {{"use_error_feedback", false}});
+  const auto c = gc::make_plan("powersgd", b, {{"error_feedback", false}});
+  const auto d = gc::make_plan("powersgd", b, {});
+  EXPECT_EQ(a->state_dict(), c->state_dict());
+  EXPECT_NE(a->state_dict(), d->state_dict());  // the option took effect: no error buffer kept
+  const std::string both = message_of([&] {
+    gc::make_plan("powersgd", b, {{"use_error_feedback", true}, {"error_feedback", true}});
+  });
+  EXPECT_NE(both.find("two spellings of one option"), std::string::npos) << both;
+  for (const auto& t : gc::family_traits())
+    for (const auto& [spelling, option] : t.aliases) {
+      const auto defaults = gc::plan_defaults(t.name);
+      EXPECT_EQ(defaults.count(option), 1u) << t.name << ": " << spelling << " names no option";
+      EXPECT_EQ(defaults.count(spelling), 0u) << t.name << ": " << spelling << " is an option";
+    }
+}
+
 TEST(MakePlan, RefusesUnknownNamesOptionsTypesAndValues) {
   const auto b = spec(64, 2, 0);
   EXPECT_NE(message_of([&] { gc::make_plan("top-k", b); }).find("unknown compressor 'top-k'"),
