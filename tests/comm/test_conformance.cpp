@@ -4,7 +4,9 @@
 // odd and large sizes, in every form it has, every rank ends with the same bits and finite values
 // from finite gradients; one rank's NaN reaches every rank at that position (a stateless family
 // carries it, a stateful one skips the step, which fills the bucket with NaN); unknown options are
-// refused; a stateful family's checkpoint, loaded into fresh plans, continues bitwise.
+// refused; a stateful family's checkpoint, loaded into fresh plans, continues bitwise, a corrupt
+// one is refused and changes nothing, and resharding keeps as many ranks bitwise and moves (or
+// refuses, with a reason) another number.
 //
 // Where a family has an independent reference, its result is compared with it (`references`
 // below): the fp8 family's is a brute-force encoder over the formats' 256 codes, written from the
@@ -313,6 +315,77 @@ TEST(Conformance, CheckpointsContinueBitwise) {
       for (int r = 0; r < P; ++r)
         EXPECT_TRUE(same_bits(a[r], b[r], 0, static_cast<size_t>(n))) << "rank " << r;
     }
+}
+
+TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
+  int checked = 0;
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t)) {
+      const int P = 2;
+      const int64_t n = 2 * 1001;
+      SCOPED_TRACE(t.name + " " + form_name(form));
+      auto plans = make(t.name, n, P, form);
+      auto g = inputs(n, P, 0);
+      step(plans, g);
+      const auto good = plans[0]->state_dict();
+      if (good.empty()) continue;             // nothing to corrupt
+      auto other = make(t.name, n, P, form);  // at step 0: what a refused load must leave
+      const auto before = other[0]->state_dict();
+      for (const size_t at : {size_t{0}, good.size() / 2, good.size() - 1}) {
+        auto bad = good;
+        bad[at] ^= 0x10;
+        EXPECT_THROW(other[0]->load_state_dict(bad.data(), bad.size()), gc::InvalidArgument)
+            << "byte " << at;
+        EXPECT_EQ(other[0]->state_dict(), before) << "byte " << at;
+      }
+      EXPECT_THROW(other[0]->load_state_dict(good.data(), good.size() - 3), gc::InvalidArgument);
+      EXPECT_EQ(other[0]->state_dict(), before);
+      other[0]->load_state_dict(good.data(), good.size());  // the intact one loads
+      EXPECT_EQ(other[0]->state_dict(), good);
+      ++checked;
+    }
+  EXPECT_GE(checked, 5) << "the stateful families' forms were not all reached";
+}
+
+TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
+  // reshard_state on as many ranks gives each rank its own bytes; on another world size it gives
+  // states that load into that many ranks' plans and train on in step, or refuses with a reason
+  int moved_forms = 0;
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t)) {
+      const int P = 2;
+      const int64_t n = 6 * 500;  // P equal chunks for 2 and 3 ranks
+      SCOPED_TRACE(t.name + " " + form_name(form));
+      auto plans = make(t.name, n, P, form);
+      for (int64_t s = 0; s < 3; ++s) {
+        auto g = inputs(n, P, s);
+        step(plans, g);
+      }
+      std::vector<std::vector<uint8_t>> states;
+      for (auto& p : plans) states.push_back(p->state_dict());
+      if (states[0].empty()) continue;  // stateless: nothing to reshard
+      for (int r = 0; r < P; ++r) EXPECT_EQ(gc::reshard_state(states, P, r), states[r]);
+      const int Q = 3;
+      std::vector<std::vector<uint8_t>> moved;
+      try {
+        for (int r = 0; r < Q; ++r) moved.push_back(gc::reshard_state(states, Q, r));
+      } catch (const gc::InvalidArgument& e) {
+        EXPECT_FALSE(std::string(e.what()).empty());
+        continue;  // refused with a reason (a sharded job's state belongs to its world size)
+      }
+      auto resumed = make(t.name, n, Q, form);
+      for (int r = 0; r < Q; ++r) resumed[r]->load_state_dict(moved[r].data(), moved[r].size());
+      auto g = inputs(n, Q, 3);
+      step(resumed, g);
+      for (int r = 0; r < Q; ++r) {
+        const auto [lo, hi] = defined(form, static_cast<size_t>(n), Q, r);
+        for (size_t i = lo; i < hi; ++i) ASSERT_TRUE(std::isfinite(g[r][i])) << r << " " << i;
+        if (form != gc::PlanForm::kReduceScatter)
+          EXPECT_TRUE(same_bits(g[r], g[0], 0, static_cast<size_t>(n))) << "rank " << r;
+      }
+      ++moved_forms;
+    }
+  EXPECT_GE(moved_forms, 5) << "every stateful family's allreduce state moves to 3 ranks";
 }
 
 // ---- fp8's codes against the definition ------------------------------------------------------
