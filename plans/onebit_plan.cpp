@@ -17,6 +17,7 @@
 #include "plans/envelope.hpp"
 #include "plans/family.hpp"
 #include "plans/options_hash.hpp"
+#include "plans/state_schema.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {
@@ -405,101 +406,76 @@ void OneBitAllreducePlan::undo_state() {
   --step_;
 }
 
+namespace {
+// The 1-bit plan's state, declared once (plans/state_schema.hpp). Worker errors and momenta add to
+// the average with weight 1/P: every rank of a resharded job gets their mean (the sum over ranks
+// / P is kept). The server errors are already in the average's units, one chunk per rank: laid
+// end to end they are one vector over the bucket (rotated per global block, so the same
+// coordinates for any world size), and the new job's rank q takes its chunk of it, exactly.
+const detail::StateSchema& onebit_schema() {
+  using detail::FieldRole;
+  using detail::FieldType;
+  static const detail::StateSchema s{
+      "onebit-allreduce",
+      {{"numel", FieldRole::kNumel},
+       {"world", FieldRole::kWorld},
+       {"rank", FieldRole::kRank},
+       {"scaling", FieldRole::kOption, FieldType::kU8},
+       {"error_feedback", FieldRole::kOption, FieldType::kU8},
+       {"chunk_size", FieldRole::kOption, FieldType::kI64},
+       {"has_momentum", FieldRole::kOption, FieldType::kU8},
+       {"rotate", FieldRole::kOption, FieldType::kU8},
+       {"step", FieldRole::kStep},
+       {"worker_error", FieldRole::kMean},
+       {"server_error", FieldRole::kChunk},
+       {"momentum", FieldRole::kMean, FieldType::kI64,
+        [](const detail::StateScalars& v) { return v.at("has_momentum") != 0; }}},
+      [](const detail::StateScalars& v, int world) {
+        return 32 * chunk_words(v.at("numel"), world, v.at("chunk_size"));
+      },
+      [](const detail::StateScalars& v) {
+        const int64_t c = v.at("chunk_size");
+        GC_CHECK_ARG(c >= 0 && c % 32 == 0 && c <= (int64_t{1} << 24),
+                     "state_dict: bad chunk_size ", c);
+      }};
+  return s;
+}
+}  // namespace
+
+std::map<std::string, int64_t> OneBitAllreducePlan::state_scalars() const {
+  return {{"numel", numel_},
+          {"world", world_},
+          {"rank", rank_},
+          {"scaling", static_cast<int64_t>(cfg_.scaling)},
+          {"error_feedback", cfg_.error_feedback},
+          {"chunk_size", cfg_.chunk_size},
+          {"has_momentum", cfg_.momentum > 0.0},
+          {"rotate", cfg_.rotate},
+          {"step", step_}};
+}
+
 std::vector<uint8_t> OneBitAllreducePlan::state_dict() const {
-  detail::StateWriter w("onebit-allreduce");
-  w.put<int64_t>(numel_);
-  w.put<int32_t>(world_);
-  w.put<int32_t>(rank_);
-  w.put<uint8_t>(static_cast<uint8_t>(cfg_.scaling));
-  w.put<uint8_t>(cfg_.error_feedback);
-  w.put<int64_t>(cfg_.chunk_size);
-  w.put<uint8_t>(cfg_.momentum > 0.0);
-  w.put<uint8_t>(cfg_.rotate);
-  w.put<int64_t>(step_);
-  w.put_array(impl_->we_in(), device_, numel_ * sizeof(float), impl_->stream);
-  w.put_array(impl_->se_in(), device_, chunk_elems() * sizeof(float), impl_->stream);
-  if (cfg_.momentum > 0.0)
-    w.put_array(impl_->u_in(), device_, numel_ * sizeof(float), impl_->stream);
-  return w.take();
+  std::vector<const void*> arrays = {impl_->we_in(), impl_->se_in()};
+  if (cfg_.momentum > 0.0) arrays.push_back(impl_->u_in());
+  return detail::write_state(onebit_schema(), state_scalars(), arrays, device_, impl_->stream);
 }
 
 void OneBitAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(phase_ == 0, "onebit-allreduce: load_state_dict() during a step");
-  detail::StateReader r(data, nbytes, "onebit-allreduce");
-  r.expect<int64_t>("numel", numel_);
-  r.expect<int32_t>("world", world_);
-  r.expect<int32_t>("rank", rank_);
-  r.expect<uint8_t>("scaling", static_cast<uint8_t>(cfg_.scaling));
-  r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
-  r.expect<int64_t>("chunk_size", cfg_.chunk_size);
-  r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
-  r.expect<uint8_t>("rotate", cfg_.rotate);
-  const auto step = r.get_step();
-  const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
-  const uint64_t sb = static_cast<uint64_t>(chunk_elems()) * sizeof(float);
-  const uint8_t* we = r.finite_array("worker_error", wb);
-  const uint8_t* se = r.finite_array("server_error", sb);
-  const uint8_t* u = cfg_.momentum > 0.0 ? r.finite_array("momentum", wb) : nullptr;
-  r.finish();
-  if (u) device_copy(impl_->u_in(), device_, u, Device::kCPU, wb, impl_->stream);
-  device_copy(impl_->we_in(), device_, we, Device::kCPU, wb, impl_->stream);
-  device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
-  step_ = step;
+  const auto loaded = detail::read_state(onebit_schema(), data, nbytes, state_scalars());
+  const size_t wb = static_cast<size_t>(numel_) * sizeof(float);
+  if (cfg_.momentum > 0.0)
+    device_copy(impl_->u_in(), device_, loaded.arrays[2], Device::kCPU, wb, impl_->stream);
+  device_copy(impl_->we_in(), device_, loaded.arrays[0], Device::kCPU, wb, impl_->stream);
+  device_copy(impl_->se_in(), device_, loaded.arrays[1], Device::kCPU,
+              static_cast<size_t>(chunk_elems()) * sizeof(float), impl_->stream);
+  step_ = loaded.step;
   start_step();
 }
 
-// The 1-bit plan's state (state_dict above). Worker errors and momenta add to the average with
-// weight 1/P: every rank of the new job gets their mean (the sum over ranks / P is kept). The
-// server errors are already in the average's units, one chunk per rank: laid end to end they are
-// one vector over the bucket (rotated per global block, so the same coordinates for any world
-// size), and the new job's rank q takes its chunk of it, exactly.
 std::vector<uint8_t> detail::reshard_onebit_state(const std::vector<std::vector<uint8_t>>& states,
                                                   int world, int rank) {
-  RankStates rs(states, "onebit-allreduce");
-  const int P = static_cast<int>(rs.size());
-  const auto numel = rs.same<int64_t>("numel");
-  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "state_dict: numel ", numel,
-               " out of range");
-  const auto saved_world = rs.same<int32_t>("world");
-  GC_CHECK_ARG(saved_world == P, "state_dict: the states were saved by a job of ", saved_world,
-               " ranks, ", P, " were given (one per rank, in rank order)");
-  for (int r = 0; r < P; ++r) {
-    const auto got = rs[static_cast<size_t>(r)].get<int32_t>("rank");
-    GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
-                 " (give one state per rank, in rank order)");
-  }
-  const auto scaling = rs.same<uint8_t>("scaling");
-  const auto ef = rs.same<uint8_t>("error_feedback");
-  const auto chunk_size = rs.same<int64_t>("chunk_size");
-  GC_CHECK_ARG(chunk_size >= 0 && chunk_size % 32 == 0 && chunk_size <= (int64_t{1} << 24),
-               "state_dict: bad chunk_size ", chunk_size);
-  const auto has_u = rs.same<uint8_t>("has_momentum");
-  const auto rotate = rs.same<uint8_t>("rotate");
-  const auto step = rs.same<int64_t>("step");
-  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
-               " out of range");
-  const std::vector<float> we = rs.mean("worker_error", numel);
-  const int64_t ce = 32 * chunk_words(numel, P, chunk_size);
-  const auto se = rs.arrays("server_error", static_cast<uint64_t>(ce) * sizeof(float));
-  std::vector<float> u;
-  if (has_u) u = rs.mean("momentum", numel);
-  rs.finish();
-  const int64_t ce2 = 32 * chunk_words(numel, world, chunk_size);
-  const std::vector<float> se2 = rechunk_server_error(se, ce, ce2, rank);
-  StateWriter w("onebit-allreduce");
-  w.put<int64_t>(numel);
-  w.put<int32_t>(world);
-  w.put<int32_t>(rank);
-  w.put<uint8_t>(scaling);
-  w.put<uint8_t>(ef);
-  w.put<int64_t>(chunk_size);
-  w.put<uint8_t>(has_u);
-  w.put<uint8_t>(rotate);
-  w.put<int64_t>(step);
-  w.put_floats(we);
-  w.put_floats(se2);
-  if (has_u) w.put_floats(u);
-  return w.take();
+  return reshard_by_schema(onebit_schema(), states, world, rank);
 }
 
 }  // namespace gradcomp

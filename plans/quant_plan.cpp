@@ -15,6 +15,7 @@
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "plans/family.hpp"
+#include "plans/state_schema.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {
@@ -489,130 +490,90 @@ void QuantAllreducePlan::undo_state() {
 }
 
 namespace {
-const char* quant_state_kind(PlanForm f) {
-  return f == PlanForm::kAllreduce ? "quant-allreduce" : "quant-reduce-scatter";
+// The quant plan's state, declared once (plans/state_schema.hpp): the options it was built with,
+// the step, each rank's worker error (the ranks' mean when resharded) and, in the allreduce form,
+// the server error of the rank's chunk (cut anew for another world size, as the 1-bit plan's).
+QuantConfig config_of(const detail::StateScalars& v) {
+  QuantConfig c;
+  c.bits = static_cast<int>(v.at("bits"));
+  c.block_size = v.at("block_size");
+  c.rounding = static_cast<QuantRounding>(v.at("rounding"));
+  c.scale = static_cast<QuantScale>(v.at("scale"));
+  c.scale_dtype = static_cast<DType>(v.at("scale_dtype"));
+  return c;
+}
+
+const detail::StateSchema& quant_schema(PlanForm form) {
+  using detail::FieldRole;
+  using detail::FieldType;
+  static const auto fields = [](bool server) {
+    std::vector<detail::StateField> f = {{"numel", FieldRole::kNumel},
+                                         {"world", FieldRole::kWorld},
+                                         {"rank", FieldRole::kRank},
+                                         {"bits", FieldRole::kOption, FieldType::kU8},
+                                         {"block_size", FieldRole::kOption, FieldType::kI64},
+                                         {"rounding", FieldRole::kOption, FieldType::kU8},
+                                         {"scale", FieldRole::kOption, FieldType::kU8},
+                                         {"scale_dtype", FieldRole::kOption, FieldType::kU8},
+                                         {"error_feedback", FieldRole::kOption, FieldType::kU8},
+                                         {"rotate", FieldRole::kOption, FieldType::kU8},
+                                         {"seed", FieldRole::kOption, FieldType::kU64},
+                                         {"step", FieldRole::kStep},
+                                         {"worker_error", FieldRole::kMean}};
+    if (server) f.push_back({"server_error", FieldRole::kChunk});
+    return f;
+  };
+  static const detail::StateSchema allreduce{
+      "quant-allreduce", fields(true),
+      [](const detail::StateScalars& v, int world) {
+        return detail::two_phase_chunk_elems(v.at("numel"), world, v.at("block_size"));
+      },
+      [](const detail::StateScalars& v) { config_of(v).validate(); }};
+  // the reduce-scatter form's state belongs to its world size: resharded by
+  // check_shard_states (plans/family_quant.cpp), which refuses another one
+  static const detail::StateSchema reduce_scatter{"quant-reduce-scatter", fields(false)};
+  return form == PlanForm::kAllreduce ? allreduce : reduce_scatter;
 }
 }  // namespace
+
+detail::StateScalars QuantAllreducePlan::state_scalars() const {
+  return {{"numel", numel_},
+          {"world", world_},
+          {"rank", rank_},
+          {"bits", cfg_.bits},
+          {"block_size", cfg_.block_size},
+          {"rounding", static_cast<int64_t>(cfg_.rounding)},
+          {"scale", static_cast<int64_t>(cfg_.scale)},
+          {"scale_dtype", static_cast<int64_t>(cfg_.scale_dtype)},
+          {"error_feedback", cfg_.error_feedback},
+          {"rotate", cfg_.rotate},
+          {"seed", static_cast<int64_t>(cfg_.seed)},
+          {"step", step_}};
+}
 
 std::vector<uint8_t> QuantAllreducePlan::state_dict() const {
   if (form_ == PlanForm::kAllgather) return {};
-  detail::StateWriter w(quant_state_kind(form_));
-  w.put<int64_t>(numel_);
-  w.put<int32_t>(world_);
-  w.put<int32_t>(rank_);
-  w.put<uint8_t>(static_cast<uint8_t>(cfg_.bits));
-  w.put<int64_t>(cfg_.block_size);
-  w.put<uint8_t>(static_cast<uint8_t>(cfg_.rounding));
-  w.put<uint8_t>(static_cast<uint8_t>(cfg_.scale));
-  w.put<uint8_t>(static_cast<uint8_t>(cfg_.scale_dtype));
-  w.put<uint8_t>(cfg_.error_feedback);
-  w.put<uint8_t>(cfg_.rotate);
-  w.put<uint64_t>(cfg_.seed);
-  w.put<int64_t>(step_);
-  w.put_array(impl_->we_in(), device_, numel_ * sizeof(float), impl_->stream);
-  if (form_ == PlanForm::kAllreduce)
-    w.put_array(impl_->se_in(), device_, chunk_elems_ * sizeof(float), impl_->stream);
-  return w.take();
+  std::vector<const void*> arrays = {impl_->we_in()};
+  if (form_ == PlanForm::kAllreduce) arrays.push_back(impl_->se_in());
+  return detail::write_state(quant_schema(form_), state_scalars(), arrays, device_, impl_->stream);
 }
-
-namespace {
-/// The fields of a quant state before the step, checked against a plan's (or, in reshard, read).
-struct QuantStateHead {
-  int64_t numel;
-  int32_t world, rank;
-  uint8_t bits;
-  int64_t block;
-  uint8_t rounding, scale, scale_dtype, ef, rotate;
-  uint64_t seed;
-};
-}  // namespace
 
 void QuantAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(phase_ == 0, "quant: load_state_dict() during a step");
   if (form_ == PlanForm::kAllgather) return BucketPlan::load_state_dict(data, nbytes);
-  detail::StateReader r(data, nbytes, quant_state_kind(form_));
-  r.expect<int64_t>("numel", numel_);
-  r.expect<int32_t>("world", world_);
-  r.expect<int32_t>("rank", rank_);
-  r.expect<uint8_t>("bits", static_cast<uint8_t>(cfg_.bits));
-  r.expect<int64_t>("block_size", cfg_.block_size);
-  r.expect<uint8_t>("rounding", static_cast<uint8_t>(cfg_.rounding));
-  r.expect<uint8_t>("scale", static_cast<uint8_t>(cfg_.scale));
-  r.expect<uint8_t>("scale_dtype", static_cast<uint8_t>(cfg_.scale_dtype));
-  r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
-  r.expect<uint8_t>("rotate", cfg_.rotate);
-  r.expect<uint64_t>("seed", cfg_.seed);
-  const auto step = r.get_step();
-  const uint64_t wb = static_cast<uint64_t>(numel_) * sizeof(float);
-  const uint64_t sb =
-      form_ == PlanForm::kAllreduce ? static_cast<uint64_t>(chunk_elems_) * sizeof(float) : 0;
-  const uint8_t* we = r.finite_array("worker_error", wb);
-  const uint8_t* se = sb ? r.finite_array("server_error", sb) : nullptr;
-  r.finish();
-  device_copy(impl_->we_in(), device_, we, Device::kCPU, wb, impl_->stream);
-  if (sb) device_copy(impl_->se_in(), device_, se, Device::kCPU, sb, impl_->stream);
-  step_ = step;
+  const auto loaded = detail::read_state(quant_schema(form_), data, nbytes, state_scalars());
+  device_copy(impl_->we_in(), device_, loaded.arrays[0], Device::kCPU,
+              static_cast<size_t>(numel_) * sizeof(float), impl_->stream);
+  if (form_ == PlanForm::kAllreduce)
+    device_copy(impl_->se_in(), device_, loaded.arrays[1], Device::kCPU,
+                static_cast<size_t>(chunk_elems_) * sizeof(float), impl_->stream);
+  step_ = loaded.step;
   start_step();
 }
 
-// The quant plan's state (state_dict above), resharded as the 1-bit plan's: worker errors add to
-// the average with weight 1/P (every new rank gets their mean), server errors are re-chunked.
 std::vector<uint8_t> detail::reshard_quant_state(const std::vector<std::vector<uint8_t>>& states,
                                                  int world, int rank) {
-  RankStates rs(states, "quant-allreduce");
-  const int P = static_cast<int>(rs.size());
-  QuantStateHead h{};
-  h.numel = rs.same<int64_t>("numel");
-  GC_CHECK_ARG(h.numel >= 0 && h.numel <= (int64_t{1} << 40), "state_dict: numel ", h.numel,
-               " out of range");
-  h.world = rs.same<int32_t>("world");
-  GC_CHECK_ARG(h.world == P, "state_dict: the states were saved by a job of ", h.world, " ranks, ",
-               P, " were given (one per rank, in rank order)");
-  for (int r = 0; r < P; ++r) {
-    const auto got = rs[static_cast<size_t>(r)].get<int32_t>("rank");
-    GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
-                 " (give one state per rank, in rank order)");
-  }
-  QuantConfig cfg;
-  h.bits = rs.same<uint8_t>("bits");
-  h.block = rs.same<int64_t>("block_size");
-  h.rounding = rs.same<uint8_t>("rounding");
-  h.scale = rs.same<uint8_t>("scale");
-  h.scale_dtype = rs.same<uint8_t>("scale_dtype");
-  cfg.bits = h.bits;
-  cfg.block_size = h.block;
-  cfg.rounding = static_cast<QuantRounding>(h.rounding);
-  cfg.scale = static_cast<QuantScale>(h.scale);
-  cfg.scale_dtype = static_cast<DType>(h.scale_dtype);
-  cfg.validate();  // a corrupt option is refused before it sizes anything
-  h.ef = rs.same<uint8_t>("error_feedback");
-  h.rotate = rs.same<uint8_t>("rotate");
-  h.seed = rs.same<uint64_t>("seed");
-  const auto step = rs.same<int64_t>("step");
-  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
-               " out of range");
-  const std::vector<float> we = rs.mean("worker_error", h.numel);
-  const int64_t ce = two_phase_chunk_elems(h.numel, P, h.block);
-  const auto se = rs.arrays("server_error", static_cast<uint64_t>(ce) * sizeof(float));
-  rs.finish();
-  const std::vector<float> se2 =
-      rechunk_server_error(se, ce, two_phase_chunk_elems(h.numel, world, h.block), rank);
-  StateWriter w("quant-allreduce");
-  w.put<int64_t>(h.numel);
-  w.put<int32_t>(world);
-  w.put<int32_t>(rank);
-  w.put<uint8_t>(h.bits);
-  w.put<int64_t>(h.block);
-  w.put<uint8_t>(h.rounding);
-  w.put<uint8_t>(h.scale);
-  w.put<uint8_t>(h.scale_dtype);
-  w.put<uint8_t>(h.ef);
-  w.put<uint8_t>(h.rotate);
-  w.put<uint64_t>(h.seed);
-  w.put<int64_t>(step);
-  w.put_floats(we);
-  w.put_floats(se2);
-  return w.take();
+  return reshard_by_schema(quant_schema(PlanForm::kAllreduce), states, world, rank);
 }
 
 }  // namespace gradcomp

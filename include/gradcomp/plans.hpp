@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -545,6 +546,8 @@ class OneBitAllreducePlan : public BucketPlan {
   void check_envelopes();
   uint32_t options_hash_ = 0;  ///< what every rank's blocks depend on (step envelope)
   void undo_state() override;
+  /// The state's scalar fields (plans/state_schema.hpp) of this plan.
+  std::map<std::string, int64_t> state_scalars() const;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   OneBitConfig cfg_;
@@ -644,6 +647,8 @@ class QuantAllreducePlan : public BucketPlan {
 
  private:
   void undo_state() override;
+  /// The state's scalar fields (plans/state_schema.hpp) of this plan.
+  std::map<std::string, int64_t> state_scalars() const;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   QuantConfig cfg_;

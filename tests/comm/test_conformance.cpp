@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "comm_reference.hpp"
+#include "core/state_io.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plan.hpp"
 #include "kernels/fp8_kernels.hpp"
@@ -386,6 +387,59 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
       ++moved_forms;
     }
   EXPECT_GE(moved_forms, 5) << "every stateful family's allreduce state moves to 3 ranks";
+}
+
+TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {
+  // the 1-bit and quant states are written from a declared schema (plans/state_schema.hpp); read
+  // here field by field in the order and widths their checkpoints have always had, so states
+  // saved before stay loadable and a reordered schema fails this
+  const int P = 2;
+  const int64_t n = 1000;
+  for (const bool momentum : {false, true}) {
+    auto plans =
+        make("onebit", n, P, gc::PlanForm::kAllreduce, {{"momentum", momentum ? 0.9 : 0.0}});
+    auto g = inputs(n, P, 0);
+    step(plans, g);
+    const auto st = plans[1]->state_dict();
+    gc::detail::StateReader r(st.data(), st.size(), "onebit-allreduce");
+    EXPECT_EQ(r.get<int64_t>("numel"), n);
+    EXPECT_EQ(r.get<int32_t>("world"), P);
+    EXPECT_EQ(r.get<int32_t>("rank"), 1);
+    r.get<uint8_t>("scaling");
+    EXPECT_EQ(r.get<uint8_t>("error_feedback"), 1);
+    EXPECT_EQ(r.get<int64_t>("chunk_size"), 128);
+    EXPECT_EQ(r.get<uint8_t>("has_momentum"), momentum ? 1 : 0);
+    EXPECT_EQ(r.get<uint8_t>("rotate"), 1);
+    EXPECT_EQ(r.get_step(), 1);
+    r.finite_array("worker_error", n * 4);
+    r.finite_array("server_error", 512 * 4);  // 1000 over 2 ranks in blocks of 128: 4 blocks
+    if (momentum) r.finite_array("momentum", n * 4);
+    r.finish();
+  }
+  for (const gc::PlanForm form : {gc::PlanForm::kAllreduce, gc::PlanForm::kReduceScatter}) {
+    auto plans = make("quant", n, P, form);
+    auto g = inputs(n, P, 0);
+    step(plans, g);
+    const auto st = plans[1]->state_dict();
+    const bool ar = form == gc::PlanForm::kAllreduce;
+    gc::detail::StateReader r(st.data(), st.size(),
+                              ar ? "quant-allreduce" : "quant-reduce-scatter");
+    EXPECT_EQ(r.get<int64_t>("numel"), n);
+    EXPECT_EQ(r.get<int32_t>("world"), P);
+    EXPECT_EQ(r.get<int32_t>("rank"), 1);
+    EXPECT_EQ(r.get<uint8_t>("bits"), 4);
+    EXPECT_EQ(r.get<int64_t>("block_size"), 128);
+    r.get<uint8_t>("rounding");
+    r.get<uint8_t>("scale");
+    r.get<uint8_t>("scale_dtype");
+    r.get<uint8_t>("error_feedback");
+    r.get<uint8_t>("rotate");
+    r.get<uint64_t>("seed");
+    EXPECT_EQ(r.get_step(), 1);
+    r.finite_array("worker_error", n * 4);
+    if (ar) r.finite_array("server_error", 512 * 4);
+    r.finish();
+  }
 }
 
 // ---- fp8's codes against the definition ------------------------------------------------------

@@ -1,0 +1,194 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "plans/state_schema.hpp"
+
+#include <limits>
+
+#include "core/state_io.hpp"
+#include "gradcomp/error.hpp"
+#include "plans/two_phase.hpp"
+
+namespace gradcomp::detail {
+namespace {
+
+bool is_array(const StateField& f) {
+  return f.role == FieldRole::kMean || f.role == FieldRole::kChunk;
+}
+
+bool present(const StateField& f, const StateScalars& s) {
+  return is_array(f) && (f.present == nullptr || f.present(s));
+}
+
+FieldType type_of(const StateField& f) {
+  switch (f.role) {
+    case FieldRole::kWorld:
+    case FieldRole::kRank:
+      return FieldType::kI32;
+    case FieldRole::kOption:
+      return f.type;
+    default:
+      return FieldType::kI64;
+  }
+}
+
+void put(StateWriter& w, FieldType t, int64_t v) {
+  switch (t) {
+    case FieldType::kU8:
+      w.put<uint8_t>(static_cast<uint8_t>(v));
+      return;
+    case FieldType::kI32:
+      w.put<int32_t>(static_cast<int32_t>(v));
+      return;
+    case FieldType::kI64:
+      w.put<int64_t>(v);
+      return;
+    case FieldType::kU64:
+      w.put<uint64_t>(static_cast<uint64_t>(v));
+      return;
+  }
+}
+
+/// Reads a scalar and checks it equals `want` (the reader's own message names the field).
+void expect(StateReader& r, const char* name, FieldType t, int64_t want) {
+  switch (t) {
+    case FieldType::kU8:
+      return r.expect<uint8_t>(name, static_cast<uint8_t>(want));
+    case FieldType::kI32:
+      return r.expect<int32_t>(name, static_cast<int32_t>(want));
+    case FieldType::kI64:
+      return r.expect<int64_t>(name, want);
+    case FieldType::kU64:
+      return r.expect<uint64_t>(name, static_cast<uint64_t>(want));
+  }
+}
+
+/// A scalar every rank must hold alike.
+int64_t same(RankStates& rs, const char* name, FieldType t) {
+  switch (t) {
+    case FieldType::kU8:
+      return rs.same<uint8_t>(name);
+    case FieldType::kI32:
+      return rs.same<int32_t>(name);
+    case FieldType::kI64:
+      return rs.same<int64_t>(name);
+    case FieldType::kU64:
+      return static_cast<int64_t>(rs.same<uint64_t>(name));
+  }
+  return 0;
+}
+
+int64_t elems(const StateSchema& s, const StateField& f, const StateScalars& v, int world) {
+  if (f.role == FieldRole::kMean) return v.at("numel");
+  GC_CHECK_ARG(s.chunk_elems != nullptr, "state schema '", s.kind, "': no chunk size for '", f.name,
+               "'");
+  return s.chunk_elems(v, world);
+}
+
+}  // namespace
+
+std::vector<uint8_t> write_state(const StateSchema& schema, const StateScalars& scalars,
+                                 const std::vector<const void*>& arrays, Device device,
+                                 void* stream) {
+  StateWriter w(schema.kind);
+  const int world = static_cast<int>(scalars.at("world"));
+  size_t next = 0;
+  for (const StateField& f : schema.fields) {
+    if (!is_array(f)) {
+      put(w, type_of(f), scalars.at(f.name));
+    } else if (present(f, scalars)) {
+      GC_CHECK(next < arrays.size(), "state schema '", schema.kind, "': no data for '", f.name,
+               "'");
+      const auto bytes = static_cast<uint64_t>(elems(schema, f, scalars, world)) * sizeof(float);
+      w.put_array(arrays[next++], device, bytes, stream);
+    }
+  }
+  GC_CHECK(next == arrays.size(), "state schema '", schema.kind, "': ", arrays.size() - next,
+           " arrays more than its fields");
+  return w.take();
+}
+
+LoadedState read_state(const StateSchema& schema, const uint8_t* data, size_t nbytes,
+                       const StateScalars& expected) {
+  StateReader r(data, nbytes, schema.kind);
+  LoadedState out;
+  const int world = static_cast<int>(expected.at("world"));
+  for (const StateField& f : schema.fields) {
+    if (f.role == FieldRole::kStep) {
+      out.step = r.get_step();
+    } else if (!is_array(f)) {
+      expect(r, f.name, type_of(f), expected.at(f.name));
+    } else if (present(f, expected)) {
+      const auto bytes = static_cast<uint64_t>(elems(schema, f, expected, world)) * sizeof(float);
+      out.arrays.push_back(r.finite_array(f.name, bytes));
+    }
+  }
+  r.finish();
+  return out;
+}
+
+std::vector<uint8_t> reshard_by_schema(const StateSchema& schema, const RankStateList& states,
+                                       int world, int rank) {
+  RankStates rs(states, schema.kind);
+  const int P = static_cast<int>(rs.size());
+  StateScalars v;
+  std::vector<std::vector<float>> arrays;
+  bool validated = false;
+  for (const StateField& f : schema.fields) {
+    switch (f.role) {
+      case FieldRole::kNumel: {
+        const auto numel = rs.same<int64_t>(f.name);
+        GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "state_dict: numel ", numel,
+                     " out of range");
+        v[f.name] = numel;
+        break;
+      }
+      case FieldRole::kWorld: {
+        const auto saved = rs.same<int32_t>(f.name);
+        GC_CHECK_ARG(saved == P, "state_dict: the states were saved by a job of ", saved,
+                     " ranks, ", P, " were given (one per rank, in rank order)");
+        v[f.name] = saved;
+        break;
+      }
+      case FieldRole::kRank:
+        for (int r = 0; r < P; ++r) {
+          const auto got = rs[static_cast<size_t>(r)].get<int32_t>(f.name);
+          GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
+                       " (give one state per rank, in rank order)");
+        }
+        break;
+      case FieldRole::kOption:
+        v[f.name] = same(rs, f.name, f.type);
+        break;
+      case FieldRole::kStep: {
+        const auto step = rs.same<int64_t>(f.name);
+        GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ",
+                     step, " out of range");
+        v[f.name] = step;
+        break;
+      }
+      case FieldRole::kMean:
+      case FieldRole::kChunk: {
+        if (!validated && schema.validate != nullptr) schema.validate(v);  // before any sizing
+        validated = true;
+        if (!present(f, v)) break;
+        if (f.role == FieldRole::kMean) {
+          arrays.push_back(rs.mean(f.name, v.at("numel")));
+        } else {
+          const int64_t ce = schema.chunk_elems(v, P);
+          const auto chunks = rs.arrays(f.name, static_cast<uint64_t>(ce) * sizeof(float));
+          arrays.push_back(rechunk_server_error(chunks, ce, schema.chunk_elems(v, world), rank));
+        }
+        break;
+      }
+    }
+  }
+  rs.finish();
+  for (const StateField& f : schema.fields) {
+    if (f.role == FieldRole::kWorld) v[f.name] = world;
+    if (f.role == FieldRole::kRank) v[f.name] = rank;
+  }
+  std::vector<const void*> ptrs;
+  for (const auto& a : arrays) ptrs.push_back(a.data());
+  return write_state(schema, v, ptrs, Device::kCPU, nullptr);
+}
+
+}  // namespace gradcomp::detail
