@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "gradcomp/detail/macros.hpp"
 #include "gradcomp/detail/numeric.hpp"
@@ -76,18 +77,33 @@ GC_HD float fp8_scale(float amax, bool finite, bool e5m2) {
   return finite ? amax / fp8_max(e5m2) : bits_float(0x7fc00000u);
 }
 
-/// The code of x in a block of scale s: code 0 where the scale is 0 (an all-zero block) or NaN.
+/// The code of x in a block of scale s: code 0 where the scale is 0 or NaN. The scale is 0 for
+/// an all-zero block, and also where the largest magnitude is below about 6e-43 (its quotient by
+/// the largest value underflows fp32): such a block decodes to zeros.
 GC_HD uint8_t fp8_code_of(float x, float s, bool e5m2) {
   return s > 0.0f ? fp8_encode(x / s, e5m2) : uint8_t{0};
 }
 
-/// The value of code c in a block of scale s.
-GC_HD float fp8_value_of(uint8_t c, float s, bool e5m2) { return fp8_decode(c, e5m2) * s; }
-
-/// The scale of a record.
-GC_HD float fp8_record_scale(const uint8_t* record) {
-  return *reinterpret_cast<const float*>(record);
+/// The value of code c in a block of scale s: one rounded product. On a GPU it is spelled
+/// __fmul_rn, because nvcc would otherwise fuse it with the sum it feeds (acc + value) into one
+/// FMA, rounding once where the CPU rounds twice.
+GC_HD float fp8_value_of(uint8_t c, float s, bool e5m2) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(fp8_decode(c, e5m2), s);
+#else
+  return fp8_decode(c, e5m2) * s;
+#endif
 }
+
+/// The scale of a record (its first 4 bytes).
+GC_HD float fp8_record_scale(const uint8_t* record) {
+  float s;
+  memcpy(&s, record, sizeof s);
+  return s;
+}
+
+/// Writes the scale of a record.
+GC_HD void fp8_set_record_scale(uint8_t* record, float s) { memcpy(record, &s, sizeof s); }
 
 /// Writes v as element i of out in dtype t (fp32, fp16 or bf16, rounded to nearest even).
 GC_HD void fp8_store(void* out, DType t, int64_t i, float v) {

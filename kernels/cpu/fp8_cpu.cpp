@@ -32,7 +32,7 @@ void encode_record(const float* v, int block, bool e5m2, uint8_t* record) {
     }
   }
   const float s = fp8_scale(amax, finite, e5m2);
-  *reinterpret_cast<float*>(record) = s;
+  fp8_set_record_scale(record, s);
   uint8_t* codes = record + 4;
   for (int j = 0; j < block; ++j) codes[j] = fp8_code_of(v[j], s, e5m2);
 }

@@ -45,7 +45,7 @@ __global__ void encode_kernel(const void* x, int64_t n, int64_t nblocks, int blo
       fold(first + j < n ? Load::load(x, first + j) : 0.0f, amax, finite);
     const float s = warp_scale(amax, finite, e5m2);
     uint8_t* rec = records + static_cast<size_t>(b) * rb;
-    if (lane == 0) *reinterpret_cast<float*>(rec) = s;
+    if (lane == 0) fp8_set_record_scale(rec, s);
     for (int j = lane; j < block; j += 32)
       rec[4 + j] = fp8_code_of(first + j < n ? Load::load(x, first + j) : 0.0f, s, e5m2);
   }
@@ -80,7 +80,7 @@ __global__ void sum_kernel(const uint8_t* records, int nranks, size_t rank_strid
     if (records_out == nullptr) continue;  // the same for every lane of the warp
     const float s = warp_scale(amax, finite, e5m2);
     uint8_t* dst = records_out + static_cast<size_t>(b) * rb;
-    if (lane == 0) *reinterpret_cast<float*>(dst) = s;
+    if (lane == 0) fp8_set_record_scale(dst, s);
     for (int j = lane; j < block; j += 32)
       dst[4 + j] = fp8_code_of(summed(rec0, nranks, rank_stride, j, e5m2, divisor), s, e5m2);
   }

@@ -24,10 +24,12 @@
 #include <vector>
 
 #include "comm_reference.hpp"
+#include "core/crc32c.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plan.hpp"
 #include "kernels/fp8_kernels.hpp"
+#include "plans/family.hpp"
 
 namespace gc = gradcomp;
 using gc::test::rank_input;
@@ -341,6 +343,24 @@ TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
       }
       EXPECT_THROW(other[0]->load_state_dict(good.data(), good.size() - 3), gc::InvalidArgument);
       EXPECT_EQ(other[0]->state_dict(), before);
+      // past the checksum: the last fp32 of the last array made NaN, or the last 4 bytes cut,
+      // each with a checksum that matches, so the fields themselves must be checked
+      const auto resealed = [](std::vector<uint8_t> v) {
+        const uint32_t crc = gc::detail::crc32c(v.data(), v.size() - 4);
+        std::memcpy(v.data() + v.size() - 4, &crc, 4);
+        return v;
+      };
+      auto nan = good;
+      const float q = std::numeric_limits<float>::quiet_NaN();
+      std::memcpy(nan.data() + nan.size() - 8, &q, 4);
+      nan = resealed(nan);
+      EXPECT_THROW(other[0]->load_state_dict(nan.data(), nan.size()), gc::InvalidArgument);
+      EXPECT_EQ(other[0]->state_dict(), before);
+      auto cut = good;
+      cut.erase(cut.end() - 8, cut.end() - 4);
+      cut = resealed(cut);
+      EXPECT_THROW(other[0]->load_state_dict(cut.data(), cut.size()), gc::InvalidArgument);
+      EXPECT_EQ(other[0]->state_dict(), before);
       other[0]->load_state_dict(good.data(), good.size());  // the intact one loads
       EXPECT_EQ(other[0]->state_dict(), good);
       ++checked;
@@ -351,7 +371,7 @@ TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
 TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
   // reshard_state on as many ranks gives each rank its own bytes; on another world size it gives
   // states that load into that many ranks' plans and train on in step, or refuses with a reason
-  int moved_forms = 0;
+  int moved_forms = 0, rewritten = 0;
   for (const auto& t : gc::family_traits())
     for (const gc::PlanForm form : forms_of(t)) {
       const int P = 2;
@@ -366,6 +386,21 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
       for (auto& p : plans) states.push_back(p->state_dict());
       if (states[0].empty()) continue;  // stateless: nothing to reshard
       for (int r = 0; r < P; ++r) EXPECT_EQ(gc::reshard_state(states, P, r), states[r]);
+      {  // the family's own resharding (reshard_state hands back a rank's own bytes on as many
+         // ranks without calling it) from one rank to one: its parse and rewrite lose nothing
+        auto one = make(t.name, n, 1, form);
+        auto g1 = inputs(n, 1, 0);
+        step(one, g1);
+        const auto st = one[0]->state_dict();
+        const std::string kind = gc::detail::StateReader(st.data(), st.size()).kind();
+        const auto* k = gc::detail::state_kind(kind);
+        ASSERT_NE(k, nullptr) << kind;
+        const auto again = k->reshard({st}, 1, 0);  // {}: "the caller's own bytes" (allowed)
+        if (!again.empty()) {
+          EXPECT_EQ(again, st) << kind;
+          ++rewritten;
+        }
+      }
       const int Q = 3;
       std::vector<std::vector<uint8_t>> moved;
       try {
@@ -387,6 +422,7 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
       ++moved_forms;
     }
   EXPECT_GE(moved_forms, 5) << "every stateful family's allreduce state moves to 3 ranks";
+  EXPECT_GE(rewritten, 5) << "every allreduce state's resharding rewrites a state";
 }
 
 TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {

@@ -34,7 +34,8 @@ HOOKS = {
 # family not listed: no more than plain)
 # (random-k: 6,792 elements over 308 sampled + 648 whole = 7.1x)
 MIN_FACTOR = {"allreduce": 1.0, "fp16": 2.0, "topk": 4.0, "randomk": 5.0, "onebit": 8.0,
-              "quant": 5.0, "powersgd": 3.0}
+              "quant": 5.0, "powersgd": 3.0, "bf16": 2.0,
+              "fp8": 3.5}  # a byte per value and 4 per block of 256, small buckets padded
 STEPS = 50
 
 
