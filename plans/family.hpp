@@ -109,5 +109,6 @@ std::vector<uint8_t> check_shard_states(const RankStateList& states, int world,
 // beside their states in compressors/).
 std::vector<uint8_t> reshard_onebit_state(const RankStateList& states, int world, int rank);
 std::vector<uint8_t> reshard_quant_state(const RankStateList& states, int world, int rank);
+std::vector<uint8_t> reshard_quant_shard_state(const RankStateList& states, int world, int rank);
 
 }  // namespace gradcomp::detail

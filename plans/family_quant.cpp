@@ -57,23 +57,6 @@ PlanOptions quant_shard_defaults(PlanForm form) {
   return o;
 }
 
-std::vector<uint8_t> quant_shard_reshard(const RankStateList& states, int world, int) {
-  return check_shard_states(states, world, "quant-reduce-scatter", "worker_error",
-                            [](RankStates& rs, int64_t, int64_t) {
-                              QuantConfig c;
-                              c.bits = rs.same<uint8_t>("bits");
-                              c.block_size = rs.same<int64_t>("block_size");
-                              c.rounding = static_cast<QuantRounding>(rs.same<uint8_t>("rounding"));
-                              c.scale = static_cast<QuantScale>(rs.same<uint8_t>("scale"));
-                              c.scale_dtype = static_cast<DType>(rs.same<uint8_t>("scale_dtype"));
-                              c.validate();
-                              (void)rs.same<uint8_t>("error_feedback");
-                              GC_CHECK_ARG(rs.same<uint8_t>("rotate") == 0,
-                                           "state_dict: a reduce-scatter state with rotate");
-                              (void)rs.same<uint64_t>("seed");
-                            });
-}
-
 }  // namespace
 
 const Family& quant_family() {
@@ -97,7 +80,7 @@ const Family& quant_family() {
                                                   b.stream, form, average);
     };
     q.states = {{"quant-allreduce", reshard_quant_state},
-                {"quant-reduce-scatter", quant_shard_reshard}};
+                {"quant-reduce-scatter", reshard_quant_shard_state}};
     return q;
   }();
   return f;

@@ -529,9 +529,17 @@ const detail::StateSchema& quant_schema(PlanForm form) {
         return detail::two_phase_chunk_elems(v.at("numel"), world, v.at("block_size"));
       },
       [](const detail::StateScalars& v) { config_of(v).validate(); }};
-  // the reduce-scatter form's state belongs to its world size: resharded by
-  // check_shard_states (plans/family_quant.cpp), which refuses another one
-  static const detail::StateSchema reduce_scatter{"quant-reduce-scatter", fields(false)};
+  // the reduce-scatter form's state belongs to its world size (FSDP pads each parameter to it)
+  static const detail::StateSchema reduce_scatter{
+      "quant-reduce-scatter", fields(false), nullptr,
+      [](const detail::StateScalars& v) {
+        const int64_t numel = v.at("numel"), P = v.at("world");
+        GC_CHECK_ARG(numel % P == 0, "state_dict: numel ", numel, " is not a bucket of ", P,
+                     " equal chunks");
+        config_of(v).validate();
+        GC_CHECK_ARG(v.at("rotate") == 0, "state_dict: a reduce-scatter state with rotate");
+      },
+      true};
   return form == PlanForm::kAllreduce ? allreduce : reduce_scatter;
 }
 }  // namespace
@@ -574,6 +582,11 @@ void QuantAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
 std::vector<uint8_t> detail::reshard_quant_state(const std::vector<std::vector<uint8_t>>& states,
                                                  int world, int rank) {
   return reshard_by_schema(quant_schema(PlanForm::kAllreduce), states, world, rank);
+}
+
+std::vector<uint8_t> detail::reshard_quant_shard_state(const RankStateList& states, int world,
+                                                       int rank) {
+  return reshard_by_schema(quant_schema(PlanForm::kReduceScatter), states, world, rank);
 }
 
 }  // namespace gradcomp

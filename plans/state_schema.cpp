@@ -170,7 +170,9 @@ std::vector<uint8_t> reshard_by_schema(const StateSchema& schema, const RankStat
         if (!validated && schema.validate != nullptr) schema.validate(v);  // before any sizing
         validated = true;
         if (!present(f, v)) break;
-        if (f.role == FieldRole::kMean) {
+        if (schema.belongs_to_world) {  // checked, not moved
+          (void)rs.arrays(f.name, static_cast<uint64_t>(elems(schema, f, v, P)) * sizeof(float));
+        } else if (f.role == FieldRole::kMean) {
           arrays.push_back(rs.mean(f.name, v.at("numel")));
         } else {
           const int64_t ce = schema.chunk_elems(v, P);
@@ -182,6 +184,12 @@ std::vector<uint8_t> reshard_by_schema(const StateSchema& schema, const RankStat
     }
   }
   rs.finish();
+  if (schema.belongs_to_world) {
+    GC_CHECK_ARG(world == P, "reshard_state: a reduce-scatter state (sharded training) belongs ",
+                 "to its world size (", P, " ranks) and cannot be resharded to ", world,
+                 "; resume on as many ranks, or start the error feedback afresh");
+    return {};
+  }
   for (const StateField& f : schema.fields) {
     if (f.role == FieldRole::kWorld) v[f.name] = world;
     if (f.role == FieldRole::kRank) v[f.name] = rank;

@@ -62,6 +62,10 @@ struct StateSchema {
   /// Refuses settings that could not have been saved (before they size anything when
   /// resharding a checkpoint from disk); nullptr: none to check.
   void (*validate)(const StateScalars& s) = nullptr;
+  /// The state belongs to its world size (a sharded job pads its buckets to it): resharding
+  /// checks the states whole and refuses another world size; on as many ranks the caller hands
+  /// each rank its own bytes back.
+  bool belongs_to_world = false;
 };
 
 /// The state: `scalars` holds every scalar field (numel, world, rank, step and the options) and

@@ -351,8 +351,12 @@ TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
         return v;
       };
       auto nan = good;
+      ASSERT_GE(nan.size(), 16u);
       const float q = std::numeric_limits<float>::quiet_NaN();
-      std::memcpy(nan.data() + nan.size() - 8, &q, 4);
+      uint32_t qbits;
+      std::memcpy(&qbits, &q, 4);
+      for (size_t b = 0; b < 4; ++b)  // little-endian, as states are written
+        nan.at(nan.size() - 8 + b) = static_cast<uint8_t>(qbits >> (8 * b));
       nan = resealed(nan);
       EXPECT_THROW(other[0]->load_state_dict(nan.data(), nan.size()), gc::InvalidArgument);
       EXPECT_EQ(other[0]->state_dict(), before);
