@@ -41,25 +41,34 @@ std::vector<uint16_t> half_buffers(int64_t n, int P) {
   return all;
 }
 
+/// Runs `step` once to touch its pages, then times it every iteration (`out`: what it writes,
+/// kept from being optimized away), and sets the counters for `bytes` moved per call.
+template <class Step>
+void time_steps(benchmark::State& st, Step step, const void* out, double bytes, int64_t n) {
+  step();
+  LoopTimer timer;
+  IterTimer it;
+  for (auto _ : st) {
+    it.start();
+    step();
+    benchmark::DoNotOptimize(out);
+    it.stop();
+  }
+  set_counters(st, bytes, n, timer.seconds(), it, 0);
+}
+
 void BM_cast_sum(benchmark::State& st) {
   const int64_t n = st.range(0);
   const int P = static_cast<int>(st.range(1));
   const auto un = static_cast<size_t>(n);
   const auto all = half_buffers(n, P);
   std::vector<float> grad(un);
-  kernels::cpu::sum_widened(all.data(), DType::kFloat16, P, un, un, nullptr, grad.data(),
-                            DType::kFloat32);  // warm-up: pages touched
-  LoopTimer timer;
-  IterTimer it;
-  for (auto _ : st) {
-    it.start();
+  auto step = [&] {
     kernels::cpu::sum_widened(all.data(), DType::kFloat16, P, un, un, nullptr, grad.data(),
                               DType::kFloat32);
-    benchmark::DoNotOptimize(grad.data());
-    it.stop();
-  }
+  };
   st.SetLabel("fp16 wire, fp32 gradient, P = " + std::to_string(P) + ", one pass");
-  set_counters(st, 2.0 * P * n + 4.0 * n, n, timer.seconds(), it, 0);
+  time_steps(st, step, grad.data(), 2.0 * P * n + 4.0 * n, n);
 }
 
 void BM_cast_sum_composition(benchmark::State& st) {
@@ -76,17 +85,8 @@ void BM_cast_sum_composition(benchmark::State& st) {
     kernels::cpu::convert(wide.data(), DType::kFloat32, w.data(), DType::kFloat16, n, 1.0f);
     kernels::cpu::convert(w.data(), DType::kFloat16, grad.data(), DType::kFloat32, n, 1.0f);
   };
-  step();  // warm-up: pages touched
-  LoopTimer timer;
-  IterTimer it;
-  for (auto _ : st) {
-    it.start();
-    step();
-    benchmark::DoNotOptimize(grad.data());
-    it.stop();
-  }
   st.SetLabel("fp16 wire, fp32 gradient, P = " + std::to_string(P) + ", four passes (baseline)");
-  set_counters(st, 2.0 * P * n + 4.0 * n, n, timer.seconds(), it, 0);
+  time_steps(st, step, grad.data(), 2.0 * P * n + 4.0 * n, n);
 }
 
 constexpr int kFp8Block = 256;
@@ -110,17 +110,8 @@ void BM_fp8_encode(benchmark::State& st) {
   auto step = [&] {
     kernels::cpu::fp8_encode_blocks(g.data(), DType::kFloat32, n, nb, kFp8Block, false, rec.data());
   };
-  step();  // warm-up: pages touched
-  LoopTimer timer;
-  IterTimer it;
-  for (auto _ : st) {
-    it.start();
-    step();
-    benchmark::DoNotOptimize(rec.data());
-    it.stop();
-  }
   st.SetLabel("fp8 e4m3 encode, blocks of 256, fp32 gradient");
-  set_counters(st, 4.0 * n + static_cast<double>(rec.size()), n, timer.seconds(), it, 0);
+  time_steps(st, step, rec.data(), 4.0 * n + static_cast<double>(rec.size()), n);
 }
 
 void BM_fp8_sum(benchmark::State& st) {
@@ -134,17 +125,8 @@ void BM_fp8_sum(benchmark::State& st) {
     kernels::cpu::fp8_sum_blocks(all.data(), P, bytes, nb, kFp8Block, false, float(P), nullptr,
                                  grad.data(), DType::kFloat32, n);
   };
-  step();  // warm-up: pages touched
-  LoopTimer timer;
-  IterTimer it;
-  for (auto _ : st) {
-    it.start();
-    step();
-    benchmark::DoNotOptimize(grad.data());
-    it.stop();
-  }
   st.SetLabel("fp8 e4m3 records of P = " + std::to_string(P) + " ranks summed, fp32 gradient");
-  set_counters(st, static_cast<double>(all.size()) + 4.0 * n, n, timer.seconds(), it, 0);
+  time_steps(st, step, grad.data(), static_cast<double>(all.size()) + 4.0 * n, n);
 }
 
 }  // namespace
