@@ -105,16 +105,6 @@ GC_HD float fp8_record_scale(const uint8_t* record) {
 /// Writes the scale of a record.
 GC_HD void fp8_set_record_scale(uint8_t* record, float s) { memcpy(record, &s, sizeof s); }
 
-/// Writes v as element i of out in dtype t (fp32, fp16 or bf16, rounded to nearest even).
-GC_HD void fp8_store(void* out, DType t, int64_t i, float v) {
-  if (t == DType::kFloat32)
-    static_cast<float*>(out)[i] = v;
-  else if (t == DType::kFloat16)
-    static_cast<uint16_t*>(out)[i] = float_to_half(v);
-  else
-    static_cast<uint16_t*>(out)[i] = float_to_bf16(v);
-}
-
 // ---- entry points (kernels/entry.hpp) ----
 
 /// Encodes x (n elements of dtype t: fp32, fp16 or bf16) into `nblocks` records of `block` values

@@ -110,13 +110,7 @@ GC_HD void psgd_mgs_coefficients(const float* s, const float* orig, int r, int j
 /// fp16's / bf16's range saturates to its largest finite value, reduce_math.h, so that a finite
 /// average never turns into Inf; the error then keeps the excess).
 GC_HD void psgd_store(void* p, int64_t i, DType t, float x) {
-  x = saturate_for(x, t);
-  if (t == DType::kFloat32)
-    static_cast<float*>(p)[i] = x;
-  else if (t == DType::kFloat16)
-    static_cast<uint16_t*>(p)[i] = float_to_half(x);
-  else
-    static_cast<uint16_t*>(p)[i] = float_to_bf16(x);
+  store_float(p, t, i, saturate_for(x, t));
 }
 
 /// Loads element i of an fp32/fp16/bf16 array as float.

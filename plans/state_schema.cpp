@@ -30,50 +30,33 @@ FieldType type_of(const StateField& f) {
   }
 }
 
-void put(StateWriter& w, FieldType t, int64_t v) {
+/// f(T{}) with the C++ type a scalar field is stored as.
+template <class F>
+auto with_type(FieldType t, F&& f) {
   switch (t) {
     case FieldType::kU8:
-      w.put<uint8_t>(static_cast<uint8_t>(v));
-      return;
+      return f(uint8_t{});
     case FieldType::kI32:
-      w.put<int32_t>(static_cast<int32_t>(v));
-      return;
+      return f(int32_t{});
     case FieldType::kI64:
-      w.put<int64_t>(v);
-      return;
-    case FieldType::kU64:
-      w.put<uint64_t>(static_cast<uint64_t>(v));
-      return;
+      return f(int64_t{});
+    default:
+      return f(uint64_t{});
   }
+}
+
+void put(StateWriter& w, FieldType t, int64_t v) {
+  with_type(t, [&](auto z) { w.put<decltype(z)>(static_cast<decltype(z)>(v)); });
 }
 
 /// Reads a scalar and checks it equals `want` (the reader's own message names the field).
 void expect(StateReader& r, const char* name, FieldType t, int64_t want) {
-  switch (t) {
-    case FieldType::kU8:
-      return r.expect<uint8_t>(name, static_cast<uint8_t>(want));
-    case FieldType::kI32:
-      return r.expect<int32_t>(name, static_cast<int32_t>(want));
-    case FieldType::kI64:
-      return r.expect<int64_t>(name, want);
-    case FieldType::kU64:
-      return r.expect<uint64_t>(name, static_cast<uint64_t>(want));
-  }
+  with_type(t, [&](auto z) { r.expect<decltype(z)>(name, static_cast<decltype(z)>(want)); });
 }
 
 /// A scalar every rank must hold alike.
 int64_t same(RankStates& rs, const char* name, FieldType t) {
-  switch (t) {
-    case FieldType::kU8:
-      return rs.same<uint8_t>(name);
-    case FieldType::kI32:
-      return rs.same<int32_t>(name);
-    case FieldType::kI64:
-      return rs.same<int64_t>(name);
-    case FieldType::kU64:
-      return static_cast<int64_t>(rs.same<uint64_t>(name));
-  }
-  return 0;
+  return with_type(t, [&](auto z) { return static_cast<int64_t>(rs.same<decltype(z)>(name)); });
 }
 
 int64_t elems(const StateSchema& s, const StateField& f, const StateScalars& v, int world) {

@@ -8,16 +8,11 @@
 #include <vector>
 
 #include "gradcomp/detail/numeric.hpp"
+#include "kernels/cpu/threads.hpp"
 #include "kernels/fp8_kernels.hpp"
 
 namespace gradcomp::kernels::cpu {
 namespace {
-
-int fp8_threads(int64_t work) {
-  const int64_t per = int64_t{1} << 15;  // below ~32K elements a thread, threads do not pay
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
-}
 
 /// The 256 codes' values of a format, computed once by fp8_decode (exact: a table lookup gives
 /// the bits the CUDA twin computes, without the decode's branches per value).
@@ -57,7 +52,7 @@ void fp8_encode_blocks(const void* x, DType t, int64_t n, int64_t nblocks, int b
   const size_t rb = fp8_record_bytes(block);
   with_loader(t, [&](auto L) {
     using Load = decltype(L);
-#pragma omp parallel num_threads(fp8_threads(nblocks* block))
+#pragma omp parallel num_threads(threads_for(nblocks* block))
     {
       std::vector<float> v(static_cast<size_t>(block));
 #pragma omp for schedule(static)
@@ -76,7 +71,7 @@ void fp8_sum_blocks(const uint8_t* records, int nranks, size_t rank_stride, int6
                     DType out_t, int64_t n_out) {
   const size_t rb = fp8_record_bytes(block);
   const float* table = decode_table(e5m2);
-#pragma omp parallel num_threads(fp8_threads(nblocks* block* nranks))
+#pragma omp parallel num_threads(threads_for(nblocks* block* nranks))
   {
     std::vector<float> v(static_cast<size_t>(block));
 #pragma omp for schedule(static)
@@ -98,7 +93,8 @@ void fp8_sum_blocks(const uint8_t* records, int nranks, size_t rank_stride, int6
       if (out != nullptr) {
         const int64_t first = b * block;
         const int64_t m = std::min<int64_t>(block, n_out - first);
-        for (int64_t j = 0; j < m; ++j) fp8_store(out, out_t, first + j, v[static_cast<size_t>(j)]);
+        for (int64_t j = 0; j < m; ++j)
+          store_float(out, out_t, first + j, v[static_cast<size_t>(j)]);
       }
     }
   }

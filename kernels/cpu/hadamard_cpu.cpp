@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/threads.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
@@ -22,12 +23,6 @@ namespace cpu {
 namespace {
 
 using namespace onebit;
-
-inline int threads_for(int64_t work) {
-  const int64_t per = int64_t{1} << 15;  // below ~32K elements per thread, threads do not pay
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
-}
 
 }  // namespace
 

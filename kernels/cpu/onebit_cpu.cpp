@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/cpu/simd.hpp"
+#include "kernels/cpu/threads.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
@@ -51,12 +52,6 @@ using namespace onebit;
 constexpr int64_t kGroup = int64_t{1} << 16;  // elements per partial sum of the flat reductions
 constexpr int64_t kLaneBlock = 1024;          // fp32 lane sums are folded into double this often
 constexpr int64_t kTile = 1024;               // columns per work item of the column reduction
-
-inline int threads_for(int64_t work) {
-  const int64_t per = int64_t{1} << 15;  // below ~32K elements per thread, threads do not pay
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
-}
 
 template <class Load>
 inline float xval(const void* g, const float* e, int64_t i) {

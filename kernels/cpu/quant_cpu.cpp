@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/simd.hpp"
+#include "kernels/cpu/threads.hpp"
 #include "kernels/quant_kernels.hpp"
 #include "kernels/quant_math.h"
 
@@ -22,12 +23,6 @@ namespace {
 using namespace quant;
 
 constexpr int64_t kMaxBlock = 8192;
-
-inline int threads_for(int64_t work) {
-  const int64_t per = int64_t{1} << 15;  // below ~32K elements per thread, threads do not pay
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / per)));
-}
 
 inline void store_scale(uint8_t* area, int64_t slot, uint32_t v, bool half) {
   if (half) {

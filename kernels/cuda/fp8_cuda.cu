@@ -74,7 +74,7 @@ __global__ void sum_kernel(const uint8_t* records, int nranks, size_t rank_strid
     bool finite = true;
     for (int j = lane; j < block; j += 32) {
       const float v = summed(rec0, nranks, rank_stride, j, e5m2, divisor);
-      if (out != nullptr && first + j < n_out) fp8_store(out, out_t, first + j, v);
+      if (out != nullptr && first + j < n_out) store_float(out, out_t, first + j, v);
       fold(v, amax, finite);
     }
     if (records_out == nullptr) continue;  // the same for every lane of the warp

@@ -43,13 +43,7 @@ template <class Load>
 __global__ void convert_kernel(const void* src, void* dst, DType dt, int64_t n, float div) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float v = scaled(Load::load(src, i), div);
-    if (dt == DType::kFloat32)
-      static_cast<float*>(dst)[i] = v;
-    else if (dt == DType::kFloat16)
-      static_cast<uint16_t*>(dst)[i] = float_to_half(v);
-    else
-      static_cast<uint16_t*>(dst)[i] = float_to_bf16(v);
+    store_float(dst, dt, i, scaled(Load::load(src, i), div));
   }
 }
 

@@ -473,7 +473,7 @@ TEST(Fp8Blocks, CudaTwinGivesTheCpuBits) {
           for (int r = 0; r < P; ++r) {
             auto v = gc::test::rank_input(n, r, 3);
             if (r == 1 && n > 500) v[500] = INFINITY;
-            for (size_t i = 0; i < un; ++i) k::fp8_store(&x[r * un * ts], t, int64_t(i), v[i]);
+            for (size_t i = 0; i < un; ++i) gc::store_float(&x[r * un * ts], t, int64_t(i), v[i]);
           }
           for (int r = 0; r < P; ++r)
             k::fp8_encode_blocks(gc::Device::kCPU, &x[r * un * ts], t, n, nb, block, e5m2,

@@ -107,6 +107,17 @@ struct BF16Load {
   }
 };
 
+/// Stores v as element i of an fp32 / fp16 / bf16 array (rounded to nearest even): the loaders'
+/// inverse.
+GC_HD void store_float(void* p, DType t, int64_t i, float v) {
+  if (t == DType::kFloat32)
+    static_cast<float*>(p)[i] = v;
+  else if (t == DType::kFloat16)
+    static_cast<uint16_t*>(p)[i] = float_to_half(v);
+  else
+    static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+}
+
 /// Calls f(Loader{}) with the loader of storage dtype t (F32Load, F16Load or BF16Load): the one
 /// place where a kernel's dtype switch is written (host code; the loaders themselves run anywhere).
 ///
