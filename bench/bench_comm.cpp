@@ -27,10 +27,15 @@
 #include <vector>
 
 #include "gradcomp/comm.hpp"
-#include "model_shapes.hpp"
 #include "gradcomp/onebit.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "model_shapes.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/onebit_plan.hpp"
+#include "plans/powersgd_plan.hpp"
+#include "plans/quant_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 
@@ -63,7 +68,7 @@ struct BenchPlan {
   virtual void begin(float* g, int64_t n) = 0;
 };
 
-/// A plan of plans.hpp (in place).
+/// A bucket plan (in place).
 struct GradientBench : BenchPlan {
   explicit GradientBench(std::unique_ptr<gc::GradientPlan> p) : p_(std::move(p)) {}
   gc::Plan& plan() override { return *p_; }
@@ -87,8 +92,8 @@ struct OneBitBench : BenchPlan {
   std::vector<float> out_;
 };
 
-using gradcomp::bench::Shapes;
 using gradcomp::bench::resnet50;
+using gradcomp::bench::Shapes;
 
 /// n elements laid out as ResNet-50's tensors (repeated if n is larger): every tensor that fits
 /// whole, then the rest R as an R / 2048 x 2048 matrix (a shortened fc layer) and a 1-D tail of
@@ -115,7 +120,7 @@ struct QuantBench : BenchPlan {
   QuantBench(const gc::QuantConfig& cfg, int64_t n, int P, int rank) : p_(cfg, n, P, rank) {}
   gc::Plan& plan() override { return p_; }
   void begin(float* g, int64_t n) override { p_.begin(gc::TensorView::cpu(g, n)); }
-  gc::QuantAllreducePlan p_;
+  gc::QuantPlan p_;
 };
 
 /// PowerSGD over the layout above, in place.
@@ -306,11 +311,10 @@ int main(int argc, char** argv) {
     // truncate) the same output file while rank 0 writes it.
     std::vector<char*> args(argv, argv + argc);
     if (x.comm->rank() != 0)
-      args.erase(std::remove_if(args.begin() + 1, args.end(),
-                                [](const char* a) {
-                                  return std::strncmp(a, "--benchmark_out", 15) == 0;
-                                }),
-                 args.end());
+      args.erase(
+          std::remove_if(args.begin() + 1, args.end(),
+                         [](const char* a) { return std::strncmp(a, "--benchmark_out", 15) == 0; }),
+          args.end());
     int nargs = static_cast<int>(args.size());
     args.push_back(nullptr);
     benchmark::Initialize(&nargs, args.data());

@@ -25,6 +25,7 @@
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
 #include "kernels/onebit_kernels.hpp"
+#include "plans/onebit_plan.hpp"
 
 using namespace gradcomp;
 using gradcomp::bench::IterTimer;

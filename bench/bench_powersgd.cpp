@@ -34,10 +34,10 @@
 #include <string>
 #include <vector>
 
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "kernels/powersgd_kernels.hpp"
 #include "model_shapes.hpp"
+#include "plans/powersgd_plan.hpp"
 
 namespace {
 

@@ -15,6 +15,7 @@
 #include "bench_common.hpp"
 #include "gradcomp/gradcomp.hpp"
 #include "kernels/quant_kernels.hpp"
+#include "plans/quant_plan.hpp"
 
 using namespace gradcomp;
 using gradcomp::bench::IterTimer;
@@ -98,10 +99,10 @@ void BM_quant_plan_p4(benchmark::State& st) {
   QuantConfig c;
   c.bits = static_cast<int>(st.range(1));
   const int P = 4;
-  std::vector<std::unique_ptr<QuantAllreducePlan>> plans;
+  std::vector<std::unique_ptr<QuantPlan>> plans;
   std::vector<Plan*> ps;
   for (int r = 0; r < P; ++r) {
-    plans.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r));
+    plans.push_back(std::make_unique<QuantPlan>(c, n, P, r));
     ps.push_back(plans.back().get());
   }
   std::vector<std::vector<float>> g(P, gradcomp::bench::normal_data(n));

@@ -236,8 +236,8 @@ def bench_topk_ef(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]
 
 # ---- 3. onebit -----------------------------------------------------------------------------------
 def bench_onebit(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -> None:
-    """OneBitCompressor.encode of g (n x 1) with error feedback: "column_means" (the class's
-    default, 1-bit SGD) and "sign_l2" (the scaled sign the DDP hook uses by default; the hook
+    """OneBitCompressor.encode of g (n x 1) with error feedback: "column_means" (1-bit
+    SGD) and "sign_l2" (the scaled sign the DDP hook uses, and the class's default; the hook
     also has one scale per 128 elements, as chunk=128 here, and rotates blocks, which this class
     does not). Bytes per encode = read g (4n) + read error (4n) + write error (4n) + the payload
     (packed bits n/8, scales, header: Payload.nbytes); GB/s = bytes / t. "torch ref" is a

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // fp16/bf16 cast allreduce plan: one allreduce in the wire type, or all-to-all + rank-ordered
 // fp32 sum + allgather (CastRoute).
+#include "plans/cast_plan.hpp"
+
 #include <algorithm>
 #include <cstring>
 
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "kernels/reduce_kernels.hpp"
 
 namespace gradcomp {

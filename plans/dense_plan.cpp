@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Plain allreduce plan: rank-ordered sum in the gradient's dtype, then / world.
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/cast_plan.hpp"
 
 namespace gradcomp {
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The dense families: plain allreduce, and the fp16 / bf16 casts (a wire type, fp32 sums).
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
+#include "plans/cast_plan.hpp"
 #include "plans/family.hpp"
 #include "plans/options.hpp"
 

@@ -11,9 +11,9 @@
 #include <string>
 
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "kernels/fp8_kernels.hpp"
 #include "plans/family.hpp"
+#include "plans/gradient_plan.hpp"
 #include "plans/options.hpp"
 
 namespace gradcomp::detail {

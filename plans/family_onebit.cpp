@@ -2,8 +2,8 @@
 // The 1-bit family (sign compression with worker and server error feedback).
 #include "gradcomp/error.hpp"
 #include "gradcomp/onebit.hpp"
-#include "gradcomp/plans.hpp"
 #include "plans/family.hpp"
+#include "plans/onebit_plan.hpp"
 #include "plans/options.hpp"
 
 namespace gradcomp::detail {
@@ -45,6 +45,8 @@ const Family& onebit_family() {
     o.defaults = onebit_defaults;
     o.build = onebit_plan;
     o.states = {{"onebit-allreduce", reshard_onebit_state}};
+    // OneBitConfig and the per-tensor codec's keyword called the elements per scale chunk_size
+    o.aliases = {{"chunk_size", "block_size"}};
     return o;
   }();
   return f;

@@ -4,10 +4,10 @@
 
 #include "compressors/powersgd_impl.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "plans/family.hpp"
 #include "plans/options.hpp"
+#include "plans/powersgd_plan.hpp"
 
 namespace gradcomp::detail {
 namespace {

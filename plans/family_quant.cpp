@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The multi-bit family (2 / 4 / 8-bit block quantization): the allreduce plan and both shard
-// forms (QuantAllreducePlan runs all three).
+// forms (QuantPlan runs all three).
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/quant.hpp"
 #include "plans/family.hpp"
 #include "plans/options.hpp"
+#include "plans/quant_plan.hpp"
 
 namespace gradcomp::detail {
 namespace {
@@ -66,18 +66,17 @@ const Family& quant_family() {
     q.stateful = true;
     q.defaults = quant_defaults;
     q.build = [](const BucketSpec& b, const Options& o) -> std::unique_ptr<BucketPlan> {
-      return std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel, b.world,
-                                                  b.rank, b.dtype, b.device, b.device_index,
-                                                  b.stream);
+      return std::make_unique<QuantPlan>(quant_config_of(o, b.bucket_id), b.numel, b.world, b.rank,
+                                         b.dtype, b.device, b.device_index, b.stream);
     };
     q.shard_forms = {PlanForm::kReduceScatter, PlanForm::kAllgather};
     q.shard_defaults = quant_shard_defaults;
     q.build_shard = [](const BucketSpec& b, PlanForm form,
                        const Options& o) -> std::unique_ptr<BucketPlan> {
       const bool average = form == PlanForm::kReduceScatter ? o.flag("average") : true;
-      return std::make_unique<QuantAllreducePlan>(quant_config_of(o, b.bucket_id), b.numel, b.world,
-                                                  b.rank, b.dtype, b.device, b.device_index,
-                                                  b.stream, form, average);
+      return std::make_unique<QuantPlan>(quant_config_of(o, b.bucket_id), b.numel, b.world, b.rank,
+                                         b.dtype, b.device, b.device_index, b.stream, form,
+                                         average);
     };
     q.states = {{"quant-allreduce", reshard_quant_state},
                 {"quant-reduce-scatter", reshard_quant_shard_state}};

@@ -3,10 +3,11 @@
 #include "compressors/sparsify_state.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/topk.hpp"
 #include "plans/family.hpp"
 #include "plans/options.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gradcomp::detail {
 

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The shared part of the flat-bucket plans (GradientPlan): binding a step's gradient, checks,
 // collectives on the plan's device and stream.
+#include "plans/gradient_plan.hpp"
+
 #include <algorithm>
 
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
 

@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// The two-level allreduce (HierarchicalPlan, gradcomp/plans.hpp): a full-precision reduce-scatter
-// inside the node, any family's plan across nodes on each shard, an allgather inside the node.
+// The two-level allreduce (HierarchicalPlan, plans/hierarchical_plan.hpp): a full-precision
+// reduce-scatter inside the node, any family's plan across nodes on each shard, an allgather inside
+// the node.
+#include "plans/hierarchical_plan.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cstring>
 
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/workspace.hpp"
 #include "kernels/reduce_kernels.hpp"

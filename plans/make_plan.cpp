@@ -12,6 +12,7 @@
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
 #include "plans/family.hpp"
+#include "plans/hierarchical_plan.hpp"
 #include "plans/options.hpp"
 #include "plans/options_hash.hpp"
 
@@ -45,6 +46,28 @@ RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id) {
                "option 'dense_below' belongs to the randomk plan (it needs the bucket's tensor "
                "shapes), not to the per-tensor codec (set RandomKConfig::segments in C++)");
   auto c = detail::sparsify_config<RandomKConfig>(options_of("randomk", options), tensor_id);
+  c.validate();
+  return c;
+}
+
+OneBitConfig onebit_config(const PlanOptions& options, uint32_t tensor_id) {
+  refuse_plan_only("onebit", options);
+  const detail::Options o = options_of("onebit", options);
+  // The plan's rotation and momentum live in its two-phase buffers; a codec has neither.
+  GC_CHECK_ARG(options.count("rotate") == 0 || !o.flag("rotate"),
+               "option 'rotate' belongs to the onebit plan (the bucket "
+               "allreduce), not to the per-tensor codec (pass rotate=False or leave it out)");
+  GC_CHECK_ARG(o.real("momentum") == 0.0,
+               "option 'momentum' belongs to the onebit plan (the "
+               "bucket allreduce), not to the per-tensor codec (apply the optimizer's momentum)");
+  OneBitConfig c;
+  c.scaling = o.pick<OneBitScaling>("scaling");
+  const bool block_given = options.count("block_size") != 0 || options.count("chunk_size") != 0;
+  c.chunk_size =
+      c.scaling == OneBitScaling::kColumnMeans && !block_given ? 0 : o.integer("block_size");
+  c.error_feedback = o.flag("error_feedback");
+  c.check_finite = o.flag("check_finite");
+  c.tensor_id = tensor_id;
   c.validate();
   return c;
 }

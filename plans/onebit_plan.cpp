@@ -2,6 +2,8 @@
 // 1-bit Adam's two-phase compressed allreduce plan (OneBitAllreducePlan, gradcomp/onebit.hpp):
 // worker compression and all-to-all of the chunks, server averaging and compression, allgather.
 // Local work goes through kernels/dispatch.hpp; the collectives are only asked for.
+#include "plans/onebit_plan.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +11,6 @@
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/onebit.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/onebit_math.h"

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// One PowerSGD step on a bucket as a plan (PowerSGDPlan, gradcomp/plans.hpp): compress
+// One PowerSGD step on a bucket as a plan (PowerSGDPlan, plans/powersgd_plan.hpp): compress
 // (M, P = M Q), allreduce P, orthogonalize, Q = M^T P, allreduce Q, reconstruct. The CPU runs the
 // fused phases of kernels/powersgd_kernels.hpp; CUDA runs them group by group (cuBLAS / cuSOLVER).
+#include "plans/powersgd_plan.hpp"  // PowerSGDPlan
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compressors/powersgd_impl.hpp"
-#include "gradcomp/plans.hpp"  // PowerSGDPlan
 #include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/scan_kernels.hpp"

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// The multi-bit two-phase allreduce (QuantAllreducePlan, gradcomp/plans.hpp): worker quantization
+// The multi-bit two-phase allreduce (QuantPlan, plans/quant_plan.hpp): worker quantization
 // and all-to-all of the chunks, server averaging and quantization, allgather. Local work goes
 // through kernels/dispatch.hpp; the collectives are only asked for.
+#include "plans/quant_plan.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,7 +12,6 @@
 #include "compressors/checks.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/detail/numeric.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/quant.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
@@ -62,7 +63,7 @@ int log2_of(int64_t v) {
 
 }  // namespace
 
-struct QuantAllreducePlan::Impl {
+struct QuantPlan::Impl {
   Impl(Device dev, void* s)
       : we{Buffer(dev, s), Buffer(dev, s)},
         se{Buffer(dev, s), Buffer(dev, s)},
@@ -97,9 +98,8 @@ struct QuantAllreducePlan::Impl {
   float* se_out() { return static_cast<float*>(se[1 - cur].data()); }
 };
 
-QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
-                                       DType grad_dtype, Device device, int device_index,
-                                       void* stream, PlanForm form, bool average)
+QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank, DType grad_dtype,
+                     Device device, int device_index, void* stream, PlanForm form, bool average)
     : cfg_(cfg),
       form_(form),
       average_(average),
@@ -114,8 +114,7 @@ QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, in
   GC_CHECK_ARG(world >= 1 && world <= (1 << 20), "world size must be in [1, 2^20], got ", world);
   GC_CHECK_ARG(rank >= 0 && rank < world, "rank ", rank, " is outside [0, ", world, ")");
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "quant: unsupported gradient dtype");
-  if (device == Device::kCUDA && !built_with_cuda())
-    throw_not_built_with_cuda("QuantAllreducePlan on CUDA");
+  if (device == Device::kCUDA && !built_with_cuda()) throw_not_built_with_cuda("QuantPlan on CUDA");
   GC_CHECK_ARG(static_cast<uint8_t>(form) <= 2, "quant: unknown plan form ", int(form));
   if (form == PlanForm::kAllreduce) {
     chunk_elems_ = detail::two_phase_chunk_elems(numel, world, cfg_.block_size);
@@ -165,18 +164,18 @@ QuantAllreducePlan::QuantAllreducePlan(const QuantConfig& cfg, int64_t numel, in
   s.avg.get<float>(ce + 1);
 }
 
-QuantAllreducePlan::~QuantAllreducePlan() = default;
+QuantPlan::~QuantPlan() = default;
 
-std::string QuantAllreducePlan::name() const {
+std::string QuantPlan::name() const {
   return form_ == PlanForm::kAllreduce       ? "quant"
          : form_ == PlanForm::kReduceScatter ? "quant_rs"
                                              : "quant_ag";
 }
 
-const float* QuantAllreducePlan::worker_error() const { return impl_->we_in(); }
-const float* QuantAllreducePlan::server_error() const { return impl_->se_in(); }
+const float* QuantPlan::worker_error() const { return impl_->we_in(); }
+const float* QuantPlan::server_error() const { return impl_->se_in(); }
 
-void QuantAllreducePlan::begin(const TensorView& grad) {
+void QuantPlan::begin(const TensorView& grad) {
   Impl& s = *impl_;
   GC_CHECK_ARG(phase_ == 0, "quant rank ", rank_,
                ": begin() called while a step is in progress (run next() until it returns "
@@ -217,7 +216,7 @@ void QuantAllreducePlan::begin(const TensorView& grad) {
   }
 }
 
-std::optional<Collective> QuantAllreducePlan::next() {
+std::optional<Collective> QuantPlan::next() {
   Impl& s = *impl_;
   const size_t P = static_cast<size_t>(world_), B = block_bytes_;
   const int64_t CE = chunk_elems_;
@@ -385,7 +384,7 @@ std::optional<Collective> QuantAllreducePlan::next() {
         }
       }
       if (form_ == PlanForm::kReduceScatter) {
-        // every server saw every rank's header: the flags agree across ranks (see plans.hpp)
+        // every server saw every rank's header: the flags agree across ranks (see quant_plan.hpp)
         phase_ = 0;
         GC_CHECK_ARG(!(flags & ChunkHeader::kMismatch), "quant tensor ", cfg_.tensor_id, " rank ",
                      rank_, ": ", s.mismatch,
@@ -484,7 +483,7 @@ std::optional<Collective> QuantAllreducePlan::next() {
   return std::nullopt;
 }
 
-void QuantAllreducePlan::undo_state() {
+void QuantPlan::undo_state() {
   if (cfg_.error_feedback) impl_->cur = 1 - impl_->cur;  // [1 - cur] still holds the prior state
   --step_;
 }
@@ -544,7 +543,7 @@ const detail::StateSchema& quant_schema(PlanForm form) {
 }
 }  // namespace
 
-detail::StateScalars QuantAllreducePlan::state_scalars() const {
+detail::StateScalars QuantPlan::state_scalars() const {
   return {{"numel", numel_},
           {"world", world_},
           {"rank", rank_},
@@ -559,14 +558,14 @@ detail::StateScalars QuantAllreducePlan::state_scalars() const {
           {"step", step_}};
 }
 
-std::vector<uint8_t> QuantAllreducePlan::state_dict() const {
+std::vector<uint8_t> QuantPlan::state_dict() const {
   if (form_ == PlanForm::kAllgather) return {};
   std::vector<const void*> arrays = {impl_->we_in()};
   if (form_ == PlanForm::kAllreduce) arrays.push_back(impl_->se_in());
   return detail::write_state(quant_schema(form_), state_scalars(), arrays, device_, impl_->stream);
 }
 
-void QuantAllreducePlan::load_state_dict(const uint8_t* data, size_t nbytes) {
+void QuantPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   GC_CHECK_ARG(phase_ == 0, "quant: load_state_dict() during a step");
   if (form_ == PlanForm::kAllgather) return BucketPlan::load_state_dict(data, nbytes);
   const auto loaded = detail::read_state(quant_schema(form_), data, nbytes, state_scalars());

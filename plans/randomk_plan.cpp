@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // Random-k allreduce plan: shared indices, so the values alone are summed.
+#include "plans/randomk_plan.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "plans/envelope.hpp"

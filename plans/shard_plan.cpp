@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The reduce-scatter and allgather forms of the plain and cast plans (ShardCastPlan,
-// gradcomp/plans.hpp): what sharded data parallelism (FSDP2, ZeRO) runs instead of an allreduce.
+// plans/cast_plan.hpp): what sharded data parallelism (FSDP2, ZeRO) runs instead of an allreduce.
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/cast_plan.hpp"
 
 namespace gradcomp {
 

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Top-k / DGC allreduce plan: encode, size exchange (or padding to the step's bound), then the
 // sparse allgather or the densified allreduce chosen by the cost model.
+#include "plans/topk_plan.hpp"
+
 #include <algorithm>
 #include <cstring>
 
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "kernels/topk_kernels.hpp"

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The reduce-scatter form of top-k (TopKReduceScatterPlan, gradcomp/plans.hpp): per destination
+// The reduce-scatter form of top-k (TopKReduceScatterPlan, plans/topk_plan.hpp): per destination
 // chunk, the k largest magnitudes of residual + gradient, one all-to-all of equal parts, a
 // rank-ordered fp32 scatter-add on the chunk's owner.
 #include <cstring>
@@ -8,10 +8,10 @@
 
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/topk.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gradcomp {
 

@@ -15,9 +15,11 @@
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/topk.hpp"
+#include "plans/onebit_plan.hpp"
+#include "plans/powersgd_plan.hpp"
+#include "plans/quant_plan.hpp"
 
 namespace gradcomp::test {
 
@@ -118,7 +120,7 @@ class QuantPlanSubject : public StateSubject {
     c.check_finite = check_finite;
     return c;
   }
-  QuantAllreducePlan plan_;
+  QuantPlan plan_;
 };
 
 // A reduce-scatter plan of sharded training (make_shard_plan), one rank. The quant form refuses

@@ -8,7 +8,7 @@
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/plan.hpp"
-#include "gradcomp/plans.hpp"
+#include "gradcomp/plan_config.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/quant.hpp"
 #include "gradcomp/rng.hpp"

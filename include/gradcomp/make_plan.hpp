@@ -19,9 +19,10 @@
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/plan.hpp"
-#include "gradcomp/plans.hpp"
+#include "gradcomp/plan_config.hpp"
 #include "gradcomp/quant.hpp"
 #include "gradcomp/select.hpp"
+#include "gradcomp/topk.hpp"
 
 namespace gradcomp {
 
@@ -61,8 +62,8 @@ std::vector<std::string> plan_names();
 /// registry the factory uses (so a list kept elsewhere cannot drift from it).
 struct FamilyTraits {
   std::string name;
-  bool stateful = false;     ///< plan_is_stateful(name)
-  bool uses_shapes = false;  ///< its plans read BucketSpec::shapes (PowerSGD, random-k)
+  bool stateful = false;                 ///< plan_is_stateful(name)
+  bool uses_shapes = false;              ///< its plans read BucketSpec::shapes (PowerSGD, random-k)
   std::vector<PlanForm> shard_forms;     ///< reduce_scatter / allgather forms (make_shard_plan)
   std::vector<std::string> state_kinds;  ///< the state_dict() kinds its plans write
   /// What an option means (the family's own entries for the options reference): `form` "" for
@@ -97,8 +98,8 @@ bool plan_is_stateful(const std::string& name);
 std::unique_ptr<BucketPlan> make_plan(const std::string& name, const BucketSpec& bucket,
                                       const PlanOptions& options = {});
 
-/// Builds family `name`'s two-level plan (HierarchicalPlan, gradcomp/plans.hpp) for a job of
-/// bucket.world ranks in nodes of `per_node` ranks, node-major (bucket.rank / per_node is the
+/// Builds family `name`'s two-level plan (HierarchicalPlan, plans/hierarchical_plan.hpp) for a job
+/// of bucket.world ranks in nodes of `per_node` ranks, node-major (bucket.rank / per_node is the
 /// node): a full-precision reduce-scatter inside the node, the family's plan across the nodes on
 /// each shard (built by make_plan for the shard, world / per_node ranks, the options given; its
 /// shapes cut by HierarchicalPlan::shard_shapes and its RNG keyed by the bucket and the shard),
@@ -117,11 +118,18 @@ std::unique_ptr<BucketPlan> make_hierarchical_plan(const std::string& name,
 /// as make_plan for unknown options, wrong types and invalid values.
 TopKConfig topk_config(const PlanOptions& options, uint32_t tensor_id = 0);
 RandomKConfig randomk_config(const PlanOptions& options, uint32_t tensor_id = 0);
+/// The same for the per-tensor 1-bit codec (OneBitCompressor): the onebit plan's table, so the
+/// codec's defaults are the plan's (scaled sign with an L2 scale per block of 128). `scaling`
+/// "column_means" (1-bit SGD's per-column means, which the plan refuses: its groups are a
+/// matrix's columns) takes block_size 0, the default when block_size is not given. The plan's
+/// rotation and momentum are refused when asked for (rotate true, momentum non-zero), as are the
+/// options the plan alone has.
+OneBitConfig onebit_config(const PlanOptions& options, uint32_t tensor_id = 0);
 
 /// The families with a reduce-scatter and an allgather form (PlanForm), for sharded data
 /// parallelism (FSDP2, ZeRO): "allreduce" (plain: the wire is the bucket's dtype), "fp16",
 /// "bf16" (ShardCastPlan: fp32 sums in rank order), "topk" (TopKReduceScatterPlan; no allgather
-/// form) and "quant" (QuantAllreducePlan's forms).
+/// form) and "quant" (QuantPlan's forms).
 std::vector<std::string> shard_plan_names();
 /// The options of a shard plan with their defaults: the family's (plan_defaults) without those
 /// that only the allreduce has (the cast route, quant's rotate), plus "average" (reduce-scatter:

@@ -144,8 +144,8 @@ class OneBitCompressor : public Compressor {
   CompressionStats stats_;
 };
 
-// The 1-bit two-phase allreduce plan (OneBitAllreducePlan) is declared with the other bucket
-// plans in gradcomp/plans.hpp.
+// The 1-bit two-phase allreduce plan (OneBitAllreducePlan) is private to the library
+// (plans/onebit_plan.hpp): make_plan("onebit", ...) builds it.
 
 }  // namespace gradcomp
 

@@ -73,9 +73,8 @@ class Plan {
 /// With check_finite off nothing is checked: a NaN/Inf enters the state and stays there.
 enum class OnNonFinite : uint8_t { kSkip = 0, kRaise = 1 };
 
-/// A plan over one gradient bucket that knows the bucket's size (every plan of plans.hpp, the
-/// 1-bit and PowerSGD plans), so that a rank that passes a different bucket is reported by
-/// run_plan() with both sizes.
+/// A plan over one gradient bucket that knows the bucket's size (every plan make_plan() builds), so
+/// that a rank that passes a different bucket is reported by run_plan() with both sizes.
 ///
 /// Example:  int64_t n = plan.bucket_numel();  // any Plan: -1 when it has no bucket
 class BucketPlan : public Plan {

@@ -154,7 +154,7 @@ class PowerSGDState {
   std::unique_ptr<Impl> impl_;
 };
 
-// The PowerSGD bucket plan (PowerSGDPlan) is declared with the other bucket plans in
-// gradcomp/plans.hpp.
+// The PowerSGD bucket plan (PowerSGDPlan) is private to the library (plans/powersgd_plan.hpp):
+// make_plan("powersgd", ...) builds it.
 
 }  // namespace gradcomp

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Multi-bit quantization (2, 4 or 8 bits per value) with per-block scales: the step between the
 // 1-bit plan (about 26x fewer bytes than fp32, lossy enough to need rotation) and an fp16 cast
-// (2x). Used by QuantAllreducePlan (gradcomp/plans.hpp), the two-phase compressed allreduce of
+// (2x). Used by QuantPlan (plans/quant_plan.hpp), the two-phase compressed allreduce of
 // the 1-bit plan with a b-bit codec.
 //
 // Blocks. The values are cut into blocks of `block_size` elements (a power of two in [32, 8192]);

@@ -49,7 +49,7 @@ enum class CollectiveKind : uint8_t {
 };
 
 /// Which ranks a collective runs among. Flat plans use the whole group (kWorld); a hierarchical
-/// plan (HierarchicalPlan, gradcomp/plans.hpp) runs its full-precision reduce-scatter and
+/// plan (HierarchicalPlan, plans/hierarchical_plan.hpp) runs its full-precision reduce-scatter and
 /// allgather among the ranks of one node (kNode) and its compressed allreduce among the ranks of
 /// equal local rank on every node (kCross). A driver runs each on the matching communicator.
 enum class Scope : uint8_t { kWorld = 0, kNode = 1, kCross = 2 };

@@ -26,7 +26,7 @@ from gradcomp._C import (  # noqa: F401
     PlanForm,
     PowerSGDPlan,
     PowerSGDState,
-    QuantAllreducePlan,
+    QuantPlan,
     QuantRounding,
     QuantScale,
     RandomKAllreducePlan,
@@ -57,6 +57,9 @@ from gradcomp._C import (  # noqa: F401
 
 from gradcomp import dropcompute  # noqa: E402,F401  (the DropCompute and QSR analytics)
 
+# The multi-bit plan's class was named for one of its three forms; the old name stays importable.
+QuantAllreducePlan = QuantPlan
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -66,6 +69,6 @@ __all__ = [
     "RandomKCompressor", "TopKAllreducePlan", "TopKCompressor", "built_with_cuda", "cpu_threads",
     "cuda_device_count", "families", "make_plan", "plan_defaults", "plan_is_stateful", "plan_names",
     "reshard_state", "set_cpu_threads", "settle_step", "topk_indices", "dropcompute",
-    "PlanForm", "QuantAllreducePlan", "QuantRounding", "QuantScale", "ShardCastPlan",
+    "PlanForm", "QuantPlan", "QuantAllreducePlan", "QuantRounding", "QuantScale", "ShardCastPlan",
     "make_shard_plan", "quant_bits_per_value", "shard_plan_defaults", "shard_plan_names",
 ]

@@ -3,34 +3,34 @@
 #include <nanobind/stl/vector.h>
 
 #include "common.hpp"
+#include "plans/onebit_plan.hpp"
+#include "plans/powersgd_plan.hpp"
 
 namespace gradcomp::py {
 namespace {
 
-
 void bind(nb::module_& m) {
   nb::class_<OneBitCompressor> onebit(
-      m, "OneBitCompressor", "1-bit SGD / scaled sign with error feedback for one tensor.");
+      m, "OneBitCompressor",
+      "1-bit SGD / scaled sign with error feedback for one tensor viewed as rows x cols. Keyword "
+      "options: the onebit plan's (gradcomp.plan_defaults('onebit')), with the same names, "
+      "types and defaults: scaling 'sign_l2' with block_size 128 (chunk_size is accepted for "
+      "block_size), error_feedback, check_finite. scaling='column_means' (1-bit SGD's per-column "
+      "means; the plan refuses it) takes block_size 0, its default then. The plan's rotate and "
+      "momentum, and its route options, are refused.");
   onebit.def(
       "__init__",
-      [](OneBitCompressor* self, int64_t rows, int64_t cols, const std::string& scaling,
-         bool error_feedback, int64_t chunk_size, bool check_finite, uint32_t tensor_id,
+      [](OneBitCompressor* self, int64_t rows, int64_t cols, uint32_t tensor_id,
          const std::string& grad_dtype, const std::string& device, int device_index,
-         uintptr_t stream) {
-        OneBitConfig c;
-        c.scaling = parse_enum<OneBitScaling>(scaling);
-        c.error_feedback = error_feedback;
-        c.chunk_size = chunk_size;
-        c.check_finite = check_finite;
-        c.tensor_id = tensor_id;
+         uintptr_t stream, const nb::kwargs& kw) {
+        const OneBitConfig c = onebit_config(to_options("onebit", kw), tensor_id);
         new (self) OneBitCompressor(c, rows, cols, parse_enum<DType>(grad_dtype),
                                     parse_enum<Device>(device), device_index,
                                     reinterpret_cast<void*>(stream));
       },
-      nb::arg("rows"), nb::arg("cols") = 1, nb::kw_only(), nb::arg("scaling") = "column_means",
-      nb::arg("error_feedback") = true, nb::arg("chunk_size") = 0, nb::arg("check_finite") = true,
-      nb::arg("tensor_id") = 0, nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu",
-      nb::arg("device_index") = 0, nb::arg("stream") = 0);
+      nb::arg("rows"), nb::arg("cols") = 1, nb::kw_only(), nb::arg("tensor_id") = 0,
+      nb::arg("grad_dtype") = "float32", nb::arg("device") = "cpu", nb::arg("device_index") = 0,
+      nb::arg("stream") = 0, nb::arg("kwargs"));
   def_compressor_methods(onebit);
 
   nb::class_<OneBitAllreducePlan, BucketPlan>(

@@ -1,10 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// The compressed-allreduce plans of plans.hpp, for the Python driver (gradcomp.torch).
+// The bucket plans (make_plan.hpp and the plan classes of plans/), for the Python driver
+// (gradcomp.torch).
 #include <nanobind/stl/unique_ptr.h>
 
 #include <variant>
 
 #include "common.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gradcomp::py {
 namespace {
@@ -29,8 +33,9 @@ BucketSpec bucket_spec(int64_t numel, const std::string& dtype, int world, int r
   return b;
 }
 
-/// Binds an enum with its canonical option names (EnumNames, gradcomp/types.hpp) as members, marked (with the
-/// enum's `what`) so that make_plan and the hooks take a member wherever its enum's name is taken.
+/// Binds an enum with its canonical option names (EnumNames, gradcomp/types.hpp) as members, marked
+/// (with the enum's `what`) so that make_plan and the hooks take a member wherever its enum's name
+/// is taken.
 template <class E>
 void option_enum(nb::module_& m, const char* py_name, const char* doc) {
   nb::enum_<E> e(m, py_name, doc);

@@ -1,31 +1,32 @@
 // SPDX-License-Identifier: Apache-2.0
 // The multi-bit family's plan, for the Python driver's hooks and for standalone use.
 #include "common.hpp"
+#include "plans/quant_plan.hpp"
 
 namespace gradcomp::py {
 namespace {
 
 void bind(nb::module_& m) {
-  nb::class_<QuantAllreducePlan, BucketPlan>(
-      m, "QuantAllreducePlan",
+  nb::class_<QuantPlan, BucketPlan>(
+      m, "QuantPlan",
       "Multi-bit (2/4/8) two-phase compressed allreduce (one rank); built by "
       "make_plan('quant', ...).")
-      .def_prop_ro("step", &QuantAllreducePlan::step)
-      .def_prop_ro("bytes_sent", &QuantAllreducePlan::bytes_sent)
-      .def_prop_ro("chunk_elems", &QuantAllreducePlan::chunk_elems)
-      .def_prop_ro("bits", [](const QuantAllreducePlan& p) { return p.config().bits; })
-      .def_prop_ro("block_size", [](const QuantAllreducePlan& p) { return p.config().block_size; })
-      .def_prop_ro("rotate", [](const QuantAllreducePlan& p) { return p.config().rotate; })
+      .def_prop_ro("step", &QuantPlan::step)
+      .def_prop_ro("bytes_sent", &QuantPlan::bytes_sent)
+      .def_prop_ro("chunk_elems", &QuantPlan::chunk_elems)
+      .def_prop_ro("bits", [](const QuantPlan& p) { return p.config().bits; })
+      .def_prop_ro("block_size", [](const QuantPlan& p) { return p.config().block_size; })
+      .def_prop_ro("rotate", [](const QuantPlan& p) { return p.config().rotate; })
       .def(
           "worker_error",
-          [](const QuantAllreducePlan& p) {
+          [](const QuantPlan& p) {
             return host_copy(p.worker_error(), p.worker_error_elems(), p.device());
           },
           "A copy (NumPy, fp32) of the worker error-feedback memory, for diagnostics (empty for "
           "the allgather form).")
       .def(
           "server_error",
-          [](const QuantAllreducePlan& p) {
+          [](const QuantPlan& p) {
             return host_copy(p.server_error(), p.server_error_elems(), p.device());
           },
           "A copy (NumPy, fp32) of this rank's server error (chunk_elems floats; empty for the "

@@ -11,8 +11,11 @@
 
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/onebit.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
+#include "gradcomp/topk.hpp"
+#include "plans/gradient_plan.hpp"
+#include "plans/onebit_plan.hpp"
+#include "plans/powersgd_plan.hpp"
 #include "test_util.hpp"
 
 namespace gradcomp::test {
@@ -161,7 +164,7 @@ struct RankPlan {
   int64_t numel() { return plan().numel(); }
 };
 
-/// Any plan of plans.hpp (averages in place).
+/// Any bucket plan (averages in place).
 struct GradientRankPlan : RankPlan {
   explicit GradientRankPlan(std::unique_ptr<GradientPlan> p, Device dev = Device::kCPU)
       : p_(std::move(p)), dev_(dev) {}

@@ -21,11 +21,13 @@
 #include "gradcomp/comm.hpp"
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/make_plan.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/workspace.hpp"
 #include "kernels/fp8_kernels.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 using gc::ElemType;

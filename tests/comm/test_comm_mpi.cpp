@@ -15,8 +15,10 @@
 #include "comm_reference.hpp"
 #include "gradcomp/comm.hpp"
 #include "gradcomp/make_plan.hpp"
-#include "gradcomp/plans.hpp"
 #include "mpi_main.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 using gc::test::rank_input;
@@ -102,7 +104,7 @@ void check_rank_plans(const RankFactory& make, int steps, const StepCheck& check
 
 using Factory = std::function<std::unique_ptr<gc::GradientPlan>(int rank)>;
 
-/// check_rank_plans for a plan of plans.hpp with an independent reference `ref` (all ranks'
+/// check_rank_plans for a bucket plan with an independent reference `ref` (all ranks'
 /// inputs -> expected average), compared bitwise.
 template <class Ref>
 void check_against_reference(const Factory& make, int64_t n, int steps, Ref&& ref) {

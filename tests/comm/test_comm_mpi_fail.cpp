@@ -10,14 +10,14 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "gradcomp/comm.hpp"
 #include "gradcomp/error.hpp"
-#include "gradcomp/plans.hpp"
+#include "plans/cast_plan.hpp"
 
 namespace gc = gradcomp;
 

@@ -12,9 +12,11 @@
 
 #include "comm_reference.hpp"
 #include "gradcomp/comm.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "mpi_main.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 

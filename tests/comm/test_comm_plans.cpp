@@ -16,11 +16,13 @@
 #include "comm_reference.hpp"
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/make_plan.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/runtime.hpp"
 #include "gradcomp/workspace.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "kernels/reduce_math.h"
+#include "plans/cast_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 using gc::test::rank_input;

@@ -14,6 +14,7 @@
 #include "gradcomp/comm.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/hierarchical_plan.hpp"
 #include "test_util.hpp"
 
 namespace gradcomp {

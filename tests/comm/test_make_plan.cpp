@@ -18,6 +18,12 @@
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/straggler.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/onebit_plan.hpp"
+#include "plans/powersgd_plan.hpp"
+#include "plans/quant_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 using gc::test::rank_input;
@@ -110,7 +116,7 @@ TEST(MakePlan, EveryFamilyMatchesThePlanBuiltByHand) {
         } else if (name == "quant") {  // QuantConfig{}'s defaults are the plan's
           gc::QuantConfig c;
           c.tensor_id = 3;
-          by_hand.push_back(std::make_unique<gc::QuantAllreducePlan>(c, n, P, r));
+          by_hand.push_back(std::make_unique<gc::QuantPlan>(c, n, P, r));
         } else {
           gc::PowerSGDConfig c;
           c.rank = 2;
@@ -254,6 +260,55 @@ TEST(MakePlan, CodecConfigsAreThePlansConfigs) {
   EXPECT_THROW(gc::topk_config({{"ratio", 0.0}}), gc::InvalidArgument);
   EXPECT_THROW(gc::randomk_config({{"method", std::string("exact")}}), gc::InvalidArgument);
   EXPECT_THROW(gc::randomk_config({{"seed", int64_t{-1}}}), gc::InvalidArgument);
+}
+
+TEST(MakePlan, OneBitCodecConfigIsThePlansConfig) {
+  // The per-tensor 1-bit codec reads the plan's table: the same scaling, block and error
+  // settings by default and as given, without the plan's rotation and momentum
+  gc::BucketSpec b;
+  b.numel = 1000;
+  for (const gc::PlanOptions& given :
+       {gc::PlanOptions{}, gc::PlanOptions{{"scaling", std::string("sign_l1")},
+                                           {"block_size", int64_t{64}},
+                                           {"error_feedback", false},
+                                           {"check_finite", false}}}) {
+    const gc::OneBitConfig c = gc::onebit_config(given, 5);
+    gc::PlanOptions plan_given = given;
+    plan_given["rotate"] = false;
+    auto plan = gc::make_plan("onebit", b, plan_given);
+    const gc::OneBitConfig& pc = dynamic_cast<gc::OneBitAllreducePlan&>(*plan).config();
+    EXPECT_EQ(c.scaling, pc.scaling);
+    EXPECT_EQ(c.chunk_size, pc.chunk_size);
+    EXPECT_EQ(c.error_feedback, pc.error_feedback);
+    EXPECT_EQ(c.check_finite, pc.check_finite);
+    EXPECT_EQ(c.tensor_id, 5u);
+    EXPECT_FALSE(c.rotate);
+    EXPECT_EQ(c.momentum, 0.0);
+  }
+  const gc::OneBitConfig d = gc::onebit_config({});
+  EXPECT_EQ(d.scaling, gc::OneBitScaling::kSignL2);
+  EXPECT_EQ(d.chunk_size, 128);
+  // the codec's old keyword for the block
+  EXPECT_EQ(gc::onebit_config({{"chunk_size", int64_t{256}}}).chunk_size, 256);
+  EXPECT_THROW(gc::onebit_config({{"chunk_size", int64_t{256}}, {"block_size", int64_t{256}}}),
+               gc::InvalidArgument);
+  // column means: its groups are the columns, so no block unless one is asked for (refused)
+  const gc::OneBitConfig cm = gc::onebit_config({{"scaling", std::string("column_means")}});
+  EXPECT_EQ(cm.scaling, gc::OneBitScaling::kColumnMeans);
+  EXPECT_EQ(cm.chunk_size, 0);
+  EXPECT_THROW(
+      gc::onebit_config({{"scaling", std::string("column_means")}, {"block_size", int64_t{128}}}),
+      gc::InvalidArgument);
+  // the plan refuses column means with a reason
+  EXPECT_THROW(gc::make_plan("onebit", b, {{"scaling", std::string("column_means")}}),
+               gc::InvalidArgument);
+  // what only the plan has
+  EXPECT_NO_THROW(gc::onebit_config({{"rotate", false}, {"momentum", 0.0}}));
+  EXPECT_THROW(gc::onebit_config({{"rotate", true}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::onebit_config({{"momentum", 0.9}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::onebit_config({{"on_nonfinite", std::string("raise")}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::onebit_config({{"bogus", 1.0}}), gc::InvalidArgument);
+  EXPECT_THROW(gc::onebit_config({{"block_size", int64_t{33}}}), gc::InvalidArgument);
 }
 
 TEST(MakePlan, CastRouteAutoFollowsTheBackend) {

@@ -19,6 +19,7 @@
 #include "gradcomp/plan.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "plan_variant.hpp"
+#include "plans/powersgd_plan.hpp"
 #include "test_util.hpp"
 
 namespace gc = gradcomp;

@@ -19,9 +19,12 @@
 #include "gradcomp/error.hpp"
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plan.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "plan_variant.hpp"
+#include "plans/onebit_plan.hpp"
+#include "plans/powersgd_plan.hpp"
+#include "plans/randomk_plan.hpp"
+#include "plans/topk_plan.hpp"
 
 namespace gc = gradcomp;
 

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "gradcomp/onebit.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/topk.hpp"
+#include "plans/quant_plan.hpp"
 
 namespace gradcomp::fuzz {
 
@@ -72,7 +72,7 @@ inline QuantConfig quant_config() {
 /// One step of rank 0 of the multi-bit target's plan, its peer's chunks taken from `in` (two
 /// chunks of block_bytes(), zero-padded); the averaged gradient lands in g. InvalidArgument when
 /// the plan refuses a chunk.
-inline void quant_step_with_peer(QuantAllreducePlan& plan, const uint8_t* in, size_t size,
+inline void quant_step_with_peer(QuantPlan& plan, const uint8_t* in, size_t size,
                                  std::vector<float>& g);
 
 /// A deterministic gradient of n finite values with a spread of magnitudes and both signs.
@@ -119,7 +119,7 @@ inline int64_t changed(const std::vector<float>& dense) {
   return c;
 }
 
-inline void quant_step_with_peer(QuantAllreducePlan& plan, const uint8_t* in, size_t size,
+inline void quant_step_with_peer(QuantPlan& plan, const uint8_t* in, size_t size,
                                  std::vector<float>& g) {
   const size_t B = plan.block_bytes();
   std::vector<uint8_t> peer(2 * B, 0);

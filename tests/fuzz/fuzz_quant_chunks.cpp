@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: what a multi-bit plan does with the chunks a peer sends it. Rank 0 of a
-// 2-rank QuantAllreducePlan (fuzz_common.hpp, quant_config) takes a step whose peer chunks are
+// 2-rank QuantPlan (fuzz_common.hpp, quant_config) takes a step whose peer chunks are
 // the input: the worker chunk it receives in the all-to-all (first block_bytes() bytes) and the
 // averaged chunk of the allgather (the next ones; short input is zero-padded, as a driver always
 // delivers whole chunks). Properties: the step either fails with InvalidArgument and leaves the
@@ -13,12 +13,13 @@
 
 #include "fuzz_common.hpp"
 #include "gradcomp/error.hpp"
+#include "plans/quant_plan.hpp"
 
 using namespace gradcomp;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   constexpr int64_t n = fuzz::kNumel;
-  QuantAllreducePlan plan(fuzz::quant_config(), n, 2, 0);
+  QuantPlan plan(fuzz::quant_config(), n, 2, 0);
   const std::vector<uint8_t> before = plan.state_dict();
   std::vector<float> g;
   try {
@@ -34,7 +35,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   for (float v : g) fuzz::require(std::isfinite(v), "an accepted step averaged to Inf / NaN");
   const std::vector<uint8_t> after = plan.state_dict();
-  QuantAllreducePlan check(fuzz::quant_config(), n, 2, 0);
+  QuantPlan check(fuzz::quant_config(), n, 2, 0);
   try {
     check.load_state_dict(after.data(), after.size());
   } catch (const InvalidArgument&) {

@@ -20,6 +20,7 @@
 
 #include "fuzz_common.hpp"
 #include "gradcomp/error.hpp"
+#include "plans/quant_plan.hpp"
 #include "state_subjects.hpp"
 
 using namespace gradcomp;
@@ -32,10 +33,14 @@ using Seeds = std::map<std::string, Bytes>;  // seed name -> bytes
 
 const char* coding_name(uint8_t c) {
   switch (IndexCoding(c)) {
-    case IndexCoding::kNone: return "none";
-    case IndexCoding::kRaw32: return "raw32";
-    case IndexCoding::kDeltaVarint: return "varint";
-    case IndexCoding::kBitmap: return "bitmap";
+    case IndexCoding::kNone:
+      return "none";
+    case IndexCoding::kRaw32:
+      return "raw32";
+    case IndexCoding::kDeltaVarint:
+      return "varint";
+    case IndexCoding::kBitmap:
+      return "bitmap";
   }
   return "unknown";
 }
@@ -49,9 +54,9 @@ Seeds topk_seeds() {
     DType dtype;
   };
   // densities that give each index coding (raw32 for a few, varint, bitmap when dense)
-  for (auto c : {Case{0.001, DType::kFloat32}, Case{0.01, DType::kFloat32},
-                 Case{0.05, DType::kFloat16}, Case{0.3, DType::kBFloat16},
-                 Case{1.0, DType::kFloat32}}) {
+  for (auto c :
+       {Case{0.001, DType::kFloat32}, Case{0.01, DType::kFloat32}, Case{0.05, DType::kFloat16},
+        Case{0.3, DType::kBFloat16}, Case{1.0, DType::kFloat32}}) {
     TopKCompressor comp(fuzz::topk_config(c.ratio, c.dtype), fuzz::kNumel);
     Payload p;
     auto g = fuzz::gradient(fuzz::kNumel, 1);
@@ -105,7 +110,7 @@ Seeds quant_chunk_seeds() {
   Seeds s;
   for (bool bad : {false, true}) {
     constexpr int64_t n = fuzz::kNumel;
-    QuantAllreducePlan p0(fuzz::quant_config(), n, 2, 0), p1(fuzz::quant_config(), n, 2, 1);
+    QuantPlan p0(fuzz::quant_config(), n, 2, 0), p1(fuzz::quant_config(), n, 2, 1);
     auto g0 = fuzz::gradient(n, 1), g1 = fuzz::gradient(n, 2);
     if (bad) g1[500] = std::numeric_limits<float>::quiet_NaN();
     p0.begin(TensorView::cpu(g0.data(), n));
@@ -157,8 +162,8 @@ std::map<std::string, Seeds> all_seeds() {
   t["fuzz_topk_decode"] = topk_seeds();
   t["fuzz_randomk_decode"] = randomk_seeds();
   t["fuzz_onebit_decode"] = onebit_seeds();
-  for (const auto* src : {&t["fuzz_topk_decode"], &t["fuzz_randomk_decode"],
-                          &t["fuzz_onebit_decode"]})
+  for (const auto* src :
+       {&t["fuzz_topk_decode"], &t["fuzz_randomk_decode"], &t["fuzz_onebit_decode"]})
     for (const auto& [name, b] : *src) t["fuzz_wire"][name] = b;
   t["fuzz_quant_chunks"] = quant_chunk_seeds();
   for (const auto& kind : test::state_kinds()) t[state_target(kind)] = state_seeds(kind);
@@ -182,7 +187,7 @@ void accept(const std::string& target, const Bytes& b) {
     c.decode_add(in.data(), in.size,
                  TensorView::cpu(dense.data(), {fuzz::kOneBitRows, fuzz::kOneBitCols}));
   } else if (target == "fuzz_quant_chunks") {
-    QuantAllreducePlan plan(fuzz::quant_config(), fuzz::kNumel, 2, 0);
+    QuantPlan plan(fuzz::quant_config(), fuzz::kNumel, 2, 0);
     std::vector<float> g;
     fuzz::quant_step_with_peer(plan, b.data(), b.size(), g);
   } else {

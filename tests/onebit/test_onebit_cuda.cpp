@@ -16,6 +16,7 @@
 #include "gradcomp/gradcomp.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "onebit/onebit_ref.hpp"
+#include "plans/onebit_plan.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;

@@ -14,6 +14,7 @@
 #include "gradcomp/gradcomp.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
+#include "plans/onebit_plan.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;

@@ -18,9 +18,10 @@
 #include <tuple>
 #include <vector>
 
-#include "gradcomp/gradcomp.hpp"
 #include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/gradcomp.hpp"
 #include "onebit/onebit_ref.hpp"
+#include "plans/onebit_plan.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;

@@ -9,10 +9,10 @@
 #include <cstring>
 #include <vector>
 
-#include "gradcomp/plans.hpp"
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/rng.hpp"
 #include "kernels/powersgd_math.h"
+#include "plans/powersgd_plan.hpp"
 #include "test_util.hpp"
 
 namespace gradcomp::test {

@@ -8,6 +8,7 @@
 #include "gradcomp/detail/numeric.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/powersgd_kernels.hpp"
+#include "plans/powersgd_plan.hpp"
 #include "psgd_test_util.hpp"
 
 namespace gradcomp::test {

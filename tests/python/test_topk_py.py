@@ -157,7 +157,7 @@ def test_onebit_compressor_binding_round_trip():
 
     n = 1000
     x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
-    c = _C.OneBitCompressor(n, 1, scaling="sign_l1")
+    c = _C.OneBitCompressor(n, 1, scaling="sign_l1", block_size=0)
     p = gradcomp.Payload()
     c.encode(x, p)
     out = np.zeros(n, np.float32)
@@ -166,8 +166,54 @@ def test_onebit_compressor_binding_round_trip():
     np.testing.assert_allclose(out, np.where(x >= 0, scale, -scale), rtol=1e-5)
     assert c.step == 1 and c.numel == n
     assert c.last_stats["payload_bytes"] == p.nbytes
-    c2 = _C.OneBitCompressor(n, 1, scaling="sign_l1")
+    c2 = _C.OneBitCompressor(n, 1, scaling="sign_l1", block_size=0)
     c2.load_state_dict(c.state_dict())
     assert c2.step == 1
     with pytest.raises(ValueError, match="scaling"):
         _C.OneBitCompressor(n, 1, scaling="sign_l3")
+
+
+def test_onebit_codec_reads_the_plans_options():
+    """The per-tensor codec and the onebit plan share one option table: the codec's defaults are
+    the plan's (an L2 scale per block of 128), column means is a scaling the codec takes (block 0),
+    and what only the plan does is refused."""
+    from gradcomp import _C
+
+    rows, cols = 50, 20
+    n = rows * cols
+    x = np.random.default_rng(4).standard_normal(n).astype(np.float32)
+    x[:128] *= 100.0  # one loud block: a per-block scale keeps the others' magnitude
+
+    def decoded(**kw):
+        c = _C.OneBitCompressor(rows, cols, **kw)
+        p = gradcomp.Payload()
+        c.encode(x.reshape(rows, cols), p)
+        out = np.zeros((rows, cols), np.float32)
+        c.decode_add(p.array(), out)
+        return out.reshape(n), p.nbytes
+
+    default, nb = decoded()
+    explicit, nb2 = decoded(scaling="sign_l2", block_size=128)
+    np.testing.assert_array_equal(default, explicit)
+    assert nb == nb2
+    old_spelling, _ = decoded(scaling="sign_l2", chunk_size=128)
+    np.testing.assert_array_equal(default, old_spelling)
+    # every block of 128 has its own L2 scale: sqrt(mean(x_b^2)) (the last block is partial)
+    for s in range(0, n, 128):
+        blk = x[s:s + 128]
+        scale = np.sqrt(np.mean(blk.astype(np.float64) ** 2))
+        np.testing.assert_allclose(np.abs(default[s:s + 128]), scale, rtol=1e-5)
+    assert _C.plan_defaults("onebit")["scaling"] == "sign_l2"
+    assert _C.plan_defaults("onebit")["block_size"] == 128
+    # column means: per column, the mean of the non-negative and of the negative entries
+    cm, _ = decoded(scaling="column_means")
+    m = x.reshape(rows, cols)
+    want = np.where(m >= 0, [m[:, j][m[:, j] >= 0].mean() for j in range(cols)],
+                    [m[:, j][m[:, j] < 0].mean() for j in range(cols)])
+    np.testing.assert_allclose(cm.reshape(rows, cols), want, rtol=1e-5)
+    for bad, match in [({"scaling": "column_means", "block_size": 128}, "column"),
+                       ({"rotate": True}, "rotate"), ({"momentum": 0.9}, "momentum"),
+                       ({"on_nonfinite": "raise"}, "on_nonfinite"), ({"bogus": 1}, "bogus"),
+                       ({"block_size": 128, "chunk_size": 128}, "chunk_size")]:
+        with pytest.raises(ValueError, match=match):
+            _C.OneBitCompressor(rows, cols, **bad)

@@ -13,6 +13,7 @@
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/gradcomp.hpp"
 #include "kernels/quant_kernels.hpp"
+#include "plans/quant_plan.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;
@@ -157,16 +158,16 @@ TEST(QuantCuda, PlanMatchesTheCpuPlanBitwise) {
         c.bits = bits;
         c.rotate = rotate;
         const int dev = gradcomp::cuda::current_device();
-        std::vector<std::unique_ptr<QuantAllreducePlan>> cp, gp;
+        std::vector<std::unique_ptr<QuantPlan>> cp, gp;
         for (int r = 0; r < P; ++r) {
-          cp.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r, dt));
-          gp.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r, dt, Device::kCUDA, dev));
+          cp.push_back(std::make_unique<QuantPlan>(c, n, P, r, dt));
+          gp.push_back(std::make_unique<QuantPlan>(c, n, P, r, dt, Device::kCUDA, dev));
         }
         const size_t es = dtype_size(dt);
         for (int step = 0; step < 3; ++step) {
           std::vector<std::vector<uint8_t>> h(P);
           std::vector<std::unique_ptr<DevBuf>> d;
-          std::vector<QuantAllreducePlan*> gps;
+          std::vector<QuantPlan*> gps;
           std::vector<Plan*> cps;
           for (int r = 0; r < P; ++r) {
             h[r] = gradient_bytes(n, dt, 10 * step + r);

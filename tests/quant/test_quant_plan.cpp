@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// The multi-bit plan (QuantAllreducePlan) against a scalar reference of the whole two-phase
-// algorithm written from the documented contract (gradcomp/quant.hpp, plans.hpp), for every
-// bits x rounding x scale x scale dtype x rotation option, sizes 0, 1, odd, block +- 1 and large,
-// 1-4 ranks, fp32/fp16/bf16 gradients; then the state contract: consensus, error-feedback mass,
-// skipped and raising steps, ranks at different steps, checkpoints and resharding. Then the
+// The multi-bit plan (QuantPlan) against a scalar reference of the whole two-phase
+// algorithm written from the documented contract (gradcomp/quant.hpp, plans/quant_plan.hpp), for
+// every bits x rounding x scale x scale dtype x rotation option, sizes 0, 1, odd, block +- 1 and
+// large, 1-4 ranks, fp32/fp16/bf16 gradients; then the state contract: consensus, error-feedback
+// mass, skipped and raising steps, ranks at different steps, checkpoints and resharding. Then the
 // sharded forms (reduce-scatter, allgather) of the quant plan and of the plain and cast plans
 // (ShardCastPlan) against scalar references, and their state.
 #include <gtest/gtest.h>
@@ -18,11 +18,13 @@
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/make_plan.hpp"
-#include "gradcomp/plans.hpp"
 #include "gradcomp/quant.hpp"
 #include "gradcomp/rng.hpp"
 #include "gradcomp/topk.hpp"
 #include "kernels/onebit_kernels.hpp"
+#include "plans/cast_plan.hpp"
+#include "plans/quant_plan.hpp"
+#include "plans/topk_plan.hpp"
 #include "test_util.hpp"
 
 namespace gradcomp {
@@ -158,15 +160,14 @@ std::vector<float> ref_step(const Ref& R, RefRanks& st, const std::vector<std::v
 }
 
 // ---------------------------------------------------------------- helpers
-std::vector<std::unique_ptr<QuantAllreducePlan>> make_ranks(const QuantConfig& c, int64_t n, int P,
-                                                            DType t = DType::kFloat32) {
-  std::vector<std::unique_ptr<QuantAllreducePlan>> v;
-  for (int r = 0; r < P; ++r) v.push_back(std::make_unique<QuantAllreducePlan>(c, n, P, r, t));
+std::vector<std::unique_ptr<QuantPlan>> make_ranks(const QuantConfig& c, int64_t n, int P,
+                                                   DType t = DType::kFloat32) {
+  std::vector<std::unique_ptr<QuantPlan>> v;
+  for (int r = 0; r < P; ++r) v.push_back(std::make_unique<QuantPlan>(c, n, P, r, t));
   return v;
 }
 
-void run(std::vector<std::unique_ptr<QuantAllreducePlan>>& plans,
-         std::vector<std::vector<float>>& g) {
+void run(std::vector<std::unique_ptr<QuantPlan>>& plans, std::vector<std::vector<float>>& g) {
   std::vector<Plan*> ps;
   for (size_t r = 0; r < plans.size(); ++r) {
     plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
@@ -486,7 +487,7 @@ TEST(QuantPlan, WireBytesPerValue) {
   const int64_t n = 1 << 20;
   for (int bits : {2, 4, 8}) {
     c.bits = bits;
-    QuantAllreducePlan p(c, n, 4, 0);
+    QuantPlan p(c, n, 4, 0);
     const double per_value = 8.0 * p.block_bytes() * 4 / n;  // 4 chunks cover the bucket
     EXPECT_NEAR(per_value, quant_bits_per_value(c), 0.01) << bits;
     EXPECT_NEAR(quant_bits_per_value(c), bits + 0.25, 1e-12);
@@ -587,7 +588,7 @@ TEST(QuantPlan, RanksAtDifferentStepsFailOnEveryRankAndChangeNothing) {
   // options that differ across ranks: the same, from the headers
   QuantConfig c8 = c;
   c8.bits = 8;
-  QuantAllreducePlan a(c, n, 2, 0), b(c8, n, 2, 1);
+  QuantPlan a(c, n, 2, 0), b(c8, n, 2, 1);
   std::vector<float> ga = normal(n, 1), gb = normal(n, 2);
   a.begin(TensorView::cpu(ga.data(), n));
   b.begin(TensorView::cpu(gb.data(), n));
@@ -617,7 +618,7 @@ TEST(QuantPlan, CheckpointRoundTripAndRefusals) {
   EXPECT_THROW(fresh[1]->load_state_dict(s0.data(), s0.size()), InvalidArgument);
   QuantConfig c2 = c;
   c2.bits = 2;
-  QuantAllreducePlan other(c2, n, 2, 0);
+  QuantPlan other(c2, n, 2, 0);
   EXPECT_THROW(other.load_state_dict(s0.data(), s0.size()), InvalidArgument);
   EXPECT_EQ(fresh[0]->state_dict(), before);
 }
@@ -659,7 +660,7 @@ TEST(QuantPlan, MakePlanOptions) {
   b.numel = 1000;
   b.world = 2;
   auto p = make_plan("quant", b, {{"bits", int64_t{8}}, {"scale", std::string("asymmetric")}});
-  auto* q = dynamic_cast<QuantAllreducePlan*>(p.get());
+  auto* q = dynamic_cast<QuantPlan*>(p.get());
   ASSERT_NE(q, nullptr);
   EXPECT_EQ(q->config().bits, 8);
   EXPECT_EQ(q->config().scale, QuantScale::kAsymmetric);
@@ -828,7 +829,7 @@ TEST(QuantShard, NonFiniteSkipsEveryRankAndCheckpointsRoundTrip) {
     for (int64_t i = r * c; i < (r + 1) * c; ++i) ASSERT_EQ(a[r][i], b[r][i]);
   QuantConfig q;
   q.bits = 4;
-  QuantAllreducePlan whole(q, n, P, 0);
+  QuantPlan whole(q, n, P, 0);
   EXPECT_THROW(whole.load_state_dict(st[0].data(), st[0].size()), InvalidArgument);
   EXPECT_THROW(reshard_state(st, 2, 0), InvalidArgument);
   EXPECT_EQ(reshard_state(st, P, 1), st[1]);
@@ -1005,9 +1006,9 @@ TEST(ShardPlans, OptionsAndRefusals) {
       InvalidArgument);
   auto rs = make_shard_plan("quant", b, PlanForm::kReduceScatter);
   auto ag = make_shard_plan("quant", b, PlanForm::kAllgather);
-  EXPECT_EQ(dynamic_cast<QuantAllreducePlan&>(*rs).worker_error_elems(), 12);
-  EXPECT_EQ(dynamic_cast<QuantAllreducePlan&>(*rs).server_error_elems(), 0);
-  EXPECT_EQ(dynamic_cast<QuantAllreducePlan&>(*ag).worker_error_elems(), 0);
+  EXPECT_EQ(dynamic_cast<QuantPlan&>(*rs).worker_error_elems(), 12);
+  EXPECT_EQ(dynamic_cast<QuantPlan&>(*rs).server_error_elems(), 0);
+  EXPECT_EQ(dynamic_cast<QuantPlan&>(*ag).worker_error_elems(), 0);
   EXPECT_THROW(make_shard_plan("bf16", b, PlanForm::kAllgather, {{"average", true}}),
                InvalidArgument);
   const auto d = shard_plan_defaults("quant", PlanForm::kAllgather);
@@ -1020,9 +1021,9 @@ TEST(ShardPlans, OptionsAndRefusals) {
   EXPECT_EQ(make_shard_plan("bf16", b, PlanForm::kAllgather)->name(), "ag_bf16");
   // a C++ caller's QuantConfig: the allgather refuses error feedback and rotation
   QuantConfig q;
-  EXPECT_THROW(QuantAllreducePlan(q, 12, 4, 0, DType::kFloat32, Device::kCPU, 0, nullptr,
-                                  PlanForm::kAllgather),
-               InvalidArgument);
+  EXPECT_THROW(
+      QuantPlan(q, 12, 4, 0, DType::kFloat32, Device::kCPU, 0, nullptr, PlanForm::kAllgather),
+      InvalidArgument);
 }
 
 }  // namespace
