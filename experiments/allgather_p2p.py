@@ -4,7 +4,7 @@ isend / irecv pairs all in flight at once (gradcomp.torch._driver's choice on gl
 loopback, without and with the latency group's one-way latency per round. Writes a markdown
 table with the run's context.
 
-    .venv-torch2/bin/python experiments/allgather_p2p.py --out experiments/results/<folder>/allgather_p2p.md
+    .venv-torch2/bin/python -m experiments.allgather_p2p --out experiments/results/<folder>/allgather_p2p.md
 """
 import argparse
 import datetime
@@ -25,7 +25,7 @@ SIZES = (64, 1024, 16384, 262144, 4194304)
 def _worker(rank, world, port, lat, reps, q):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from gradcomp.experiments import latency
+    from experiments import latency
     from gradcomp.torch import _driver
 
     backend = "gloo"
@@ -88,7 +88,7 @@ def main():
                 f"average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}.\n")
         f.write(f"- Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`\n")
         f.write("- Each rank one thread; the latency (one way, per message round) from "
-                "gradcomp.experiments.latency; time = the slowest rank's median over the "
+                "experiments.latency; time = the slowest rank's median over the "
                 "repetitions (9 without latency, 3 with), both ways interleaved.\n\n")
         f.write("| ranks | one-way latency ms | bytes per rank | ring ms | pairs ms | ring / pairs |\n")
         f.write("|---|---|---|---|---|---|\n")

@@ -2,12 +2,12 @@
 """Is ``hook("auto")`` ever slower than plain DDP? A sweep over link rate x added round-trip
 latency x model x world size, each setting one interleaved run of every method.
 
-Each setting is one run of ``experiments/ddp_hooks_bench.py --set sweep`` (plain DDP, its
+Each setting is one run of ``python -m experiments.ddp_hooks_bench --set sweep`` (plain DDP, its
 compute floor, PyTorch's fp16 and PowerSGD hooks, auto with its defaults, every compressing
 family of ours at its documented defaults), every rank in its own network namespace with links
 of the setting's rate (tbf) and the latency added by the ``gloo_latency`` process group (one-way
 latency = RTT / 2 per message round of each collective; this kernel has no netem:
-gradcomp.experiments.latency, checked against the alpha-beta model in
+experiments.latency, checked against the alpha-beta model in
 experiments/results/latency_check_2026-11-28). Plain DDP and PyTorch's hooks go through the same
 group, so every method pays the same latency per round.
 
@@ -16,8 +16,8 @@ run again; a setting that fails is recorded (``failed.jsonl``) and retried by th
 invocation; no new setting starts once ``--budget-min`` is spent, and each is bounded by
 ``--setting-timeout``. ``--report`` writes the table and heatmaps from what is there.
 
-    sudo .venv-torch2/bin/python experiments/auto_sweep.py --out experiments/results/auto_sweep
-    .venv-torch2/bin/python experiments/auto_sweep.py --report experiments/results/auto_sweep
+    sudo .venv-torch2/bin/python -m experiments.auto_sweep --out experiments/results/auto_sweep
+    .venv-torch2/bin/python -m experiments.auto_sweep --report experiments/results/auto_sweep
 
 Needs root (namespaces) and torch 2.x (the latency group).
 """
@@ -37,7 +37,6 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-BENCH = os.path.join(HERE, "ddp_hooks_bench.py")
 
 RATES = ("100mbit", "1gbit", "10gbit", "40gbit")
 RTTS_MS = (0.1, 5.0, 50.0)
@@ -79,8 +78,9 @@ def _rate_bits(rate: str) -> float:
 
 
 def bench_command(s: Dict[str, Any], a) -> List[str]:
-    cmd = [sys.executable, BENCH, "--set", "sweep", "--model", s["model"],
-           "--world", str(s["world"]), "--netns", s["rate"], "--delay", f"{s['rtt_ms'] / 2:g}ms",
+    cmd = [sys.executable, "-m", "experiments.ddp_hooks_bench", "--set", "sweep",
+           "--model", s["model"], "--world", str(s["world"]), "--netns", s["rate"],
+           "--delay", f"{s['rtt_ms'] / 2:g}ms",
            "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--batch", str(a.batch), "--bucket-cap-mb", "25",
            "--timeout", str(a.setting_timeout)]
@@ -198,7 +198,7 @@ def report(folder: str) -> str:
                  f"(UTC), commits {', '.join(commits)}, torch {metas[0]['torch']}, "
                  f"{metas[0]['cpus']}-core VM; 1-minute load average during the runs: "
                  f"{min(m['load_min'] for m in metas):.2f} to {max(m['load_max'] for m in metas):.2f}.")
-    lines.append(f"- Command: `sudo .venv-torch2/bin/python experiments/auto_sweep.py --out "
+    lines.append(f"- Command: `sudo .venv-torch2/bin/python -m experiments.auto_sweep --out "
                  f"{os.path.relpath(folder, ROOT)}`; each setting's file names its exact bench "
                  f"command (`meta.command`).")
     lines.append("- Speeds: steps/s = 1 / (median over rounds of each round's median step time), "

@@ -23,9 +23,9 @@ Bytes per step = bytes handed to collectives by one rank per step (not ring traf
 
 Usage::
 
-    python experiments/ddp_hooks_bench.py                 # writes experiments/results/ddp_hooks_cpu_<date>.*
-    python experiments/ddp_hooks_bench.py --quick         # a short smoke run, nothing written
-    python experiments/ddp_hooks_bench.py --only ours-powersgd-r1,torch-powersgd-r1 --profile
+    python -m experiments.ddp_hooks_bench                 # writes experiments/results/ddp_hooks_cpu_<date>.*
+    python -m experiments.ddp_hooks_bench --quick         # a short smoke run, nothing written
+    python -m experiments.ddp_hooks_bench --only ours-powersgd-r1,torch-powersgd-r1 --profile
 """
 import argparse
 import csv
@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradcomp.experiments import baselines
-from gradcomp.experiments.launch import free_port  # noqa: E402
+from experiments import baselines
+from experiments.launch import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -148,7 +148,7 @@ def _make_net(args):
     entropy on random labels: a step's cost does not depend on the pixels)."""
     if args.model == "mlp":
         return Net(args.width, args.layers)
-    from gradcomp.experiments.train import make_model
+    from experiments.train import make_model
     return make_model(args.model)
 
 
@@ -186,9 +186,9 @@ def _worker(rank, world, init, args, out):
     torch.set_num_threads(1)
     if isinstance(init, int):
         init = f"tcp://127.0.0.1:{init}"
-    from gradcomp.experiments import latency
+    from experiments import latency
 
-    # --delay: gloo with that one-way latency per message round (gradcomp.experiments.latency)
+    # --delay: gloo with that one-way latency per message round (experiments.latency)
     backend = latency.backend_for(args.delay, per_node=args.per_node)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
@@ -361,10 +361,10 @@ def _table(rows):
 
 
 def _run_in_namespaces(args):
-    """Starts every rank inside its own namespace (gradcomp.experiments.netem), rank 0 at
+    """Starts every rank inside its own namespace (experiments.netem), rank 0 at
     10.77.0.1; bounded by --timeout; the namespaces are removed whatever happens."""
     import tempfile
-    from gradcomp.experiments import netem
+    from experiments import netem
     result = os.path.join(tempfile.mkdtemp(), "rows.json")
     passthrough = [a for a in sys.argv[1:]]
     i = 0
@@ -377,8 +377,9 @@ def _run_in_namespaces(args):
             i += 1
     netem.run_in_namespaces(
         args.world, args.netns,
-        lambda r: [sys.executable, os.path.abspath(__file__), *passthrough, "--_rank", str(r),
-                   "--_init", f"tcp://{netem.RANK0_ADDR}:29517", "--_result", result],
+        lambda r: [sys.executable, "-m", "experiments.ddp_hooks_bench", *passthrough,
+                   "--_rank", str(r), "--_init", f"tcp://{netem.RANK0_ADDR}:29517",
+                   "--_result", result],
         timeout=args.timeout, per_node=args.per_node)
     with open(result) as f:
         return json.load(f)
@@ -414,11 +415,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
     ap.add_argument("--netns", default="", metavar="RATE",
                     help="root: every rank in its own network namespace, links limited to RATE "
-                         "(tc syntax, e.g. 1gbit, 10gbit) both ways (gradcomp.experiments.netem); "
+                         "(tc syntax, e.g. 1gbit, 10gbit) both ways (experiments.netem); "
                          "default: all ranks on loopback")
     ap.add_argument("--delay", default="",
                     help="one-way latency added to every collective per message round (e.g. "
-                         "5ms; gradcomp.experiments.latency, torch 2.x); with --per-node, not "
+                         "5ms; experiments.latency, torch 2.x); with --per-node, not "
                          "to groups inside one node")
     ap.add_argument("--per-node", type=int, default=1,
                     help="ranks per node: with --netns, a two-level cluster (a namespace per node, "
@@ -472,7 +473,7 @@ def main():
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "commit": _git("rev-parse", "--short", "HEAD"),
                 "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-                "command": "python experiments/ddp_hooks_bench.py " + " ".join(sys.argv[1:]),
+                "command": "python -m experiments.ddp_hooks_bench " + " ".join(sys.argv[1:]),
                 "torch": torch.__version__, "cpus": os.cpu_count(), "wall_s": wall,
                 "load_before": load_before[0], "load_min": min(load),
                 "load_mean": statistics.mean(load), "load_max": max(load)}
@@ -545,7 +546,7 @@ def main():
                 "Between nodes: the wire bytes of a hierarchical plan's (-hier) cross-node "
                 "collectives, measured; its inside-node reduce-scatter and allgather stay on the "
                 "node.\n")
-        f.write(f"- Command: `python experiments/ddp_hooks_bench.py {' '.join(sys.argv[1:])}`\n\n")
+        f.write(f"- Command: `python -m experiments.ddp_hooks_bench {' '.join(sys.argv[1:])}`\n\n")
         f.write("| " + " | ".join(table[0]) + " |\n")
         f.write("|" + "---|" * len(table[0]) + "\n")
         for r in table[1:]:

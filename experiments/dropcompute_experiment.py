@@ -14,7 +14,7 @@ per second of the baseline), and beside it three predictions at the chosen tau:
                  compute overhead, 4 workers, many steps; the same stop model as the run),
   pred_analytic  Eq. 4-6 with the trace's mean/stddev and measured serial time.
 
-    python3 experiments/dropcompute_experiment.py [--steps 60] [--warmup 20] [--out results.csv]
+    python3 -m experiments.dropcompute_experiment [--steps 60] [--warmup 20] [--out results.csv]
 Target: S_eff within 20% of the analytic prediction and >= 1.1x at the chosen tau.
 The default delay (6 ms + min(exp(N(ln 2, 2^2)), 80) ms; about 0.13 s per step) keeps the fixed
 per-micro-batch overheads of a loaded 2-core machine small next to the injected variance; with
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp import dropcompute as dcm
-from gradcomp.experiments.launch import free_port
+from experiments.launch import free_port
 from gradcomp.torch.dropcompute import DropCompute
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Checks the latency emulation (gradcomp.experiments.latency) against the alpha-beta model.
+"""Checks the latency emulation (experiments.latency) against the alpha-beta model.
 
 For each added one-way latency L (and optionally over links of one rate, in network namespaces:
 --netns RATE, root): a ping-pong of one float between ranks 0 and 1, and an allreduce of every
@@ -9,9 +9,9 @@ a - a(L=0) against rounds("allreduce", P) * L, the ping-pong against 2 L + its L
 against B(L=0) (the latency must not change the bandwidth term). Writes a JSON of every timing
 and a markdown table.
 
-    .venv-torch2/bin/python experiments/latency_check.py --world 2 --latencies 0,0.005,0.05 \
+    .venv-torch2/bin/python -m experiments.latency_check --world 2 --latencies 0,0.005,0.05 \
         --out experiments/results/latency_check_<date>
-    sudo .venv-torch2/bin/python experiments/latency_check.py --netns 1gbit ...
+    sudo .venv-torch2/bin/python -m experiments.latency_check --netns 1gbit ...
 """
 import argparse
 import datetime
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradcomp.experiments import latency, netem
-from gradcomp.experiments.launch import exit_rank, free_port, start_ranks
+from experiments import latency, netem
+from experiments.launch import exit_rank, free_port, start_ranks
 
 
 def _measure(rank, world, init, lat, sizes, reps, out):
@@ -77,7 +77,7 @@ def _fit(xs, ys):
 def run_one(world, lat, sizes, reps, netns, timeout, tmp):
     out = os.path.join(tmp, f"lat-{lat}.json")
     if netns:
-        cmd = lambda r: [sys.executable, os.path.abspath(__file__), "--_rank", str(r),  # noqa
+        cmd = lambda r: [sys.executable, "-m", "experiments.latency_check", "--_rank", str(r),  # noqa
                          "--world", str(world), "--_lat", str(lat), "--_init",
                          f"tcp://{netem.RANK0_ADDR}:29517", "--_out", out, "--reps", str(reps),
                          "--sizes", ",".join(map(str, sizes))]

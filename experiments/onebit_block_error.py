@@ -2,7 +2,7 @@
 """How much of a gradient block one sign and one scale keep, with and without the 1-bit plan's
 randomized Hadamard rotation.
 
-Trains the Fashion-MNIST CNN of gradcomp.experiments.fashion_mnist on one process (SGD lr 0.05,
+Trains the Fashion-MNIST CNN of experiments.fashion_mnist on one process (SGD lr 0.05,
 momentum 0.9, batch 32) and at a few steps cuts the flattened gradient g and the momentum u
 (DDP's bucket order: last layer first) into blocks of 128 elements. For each it prints the
 fraction of the energy the sign with the L1 scale loses, 1 - sum_b |x_b|_1^2 / (S |x|_2^2)
@@ -11,14 +11,14 @@ block by H D / sqrt(S) as the plan does (D: fixed random signs; here from torch'
 fraction does not depend on which signs), plus the median per-block alpha = |x_b|_1^2 /
 (S |x_b|_2^2).
 
-    .venv/bin/python experiments/onebit_block_error.py [--steps 300] [--block 128]
+    .venv/bin/python -m experiments.onebit_block_error [--steps 300] [--block 128]
 """
 import argparse
 
 import numpy as np
 import torch
 
-from gradcomp.experiments.fashion_mnist import load_split, make_model
+from experiments.fashion_mnist import load_split, make_model
 
 
 def hadamard(S: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The 1-bit hook's local work per step with and without the block rotation, one rank, one
 thread, no link (a 1-rank gloo group on loopback): the issue-12 MLP (6 x Linear(1024, 1024), 25 MB
-buckets), 15 steps, median of steps 5-14 of state.history. Usage: python
-experiments/onebit_rotation_local.py (port 29611 must be free)."""
+buckets), 15 steps, median of steps 5-14 of state.history. Usage (from the clone's root):
+python -m experiments.onebit_rotation_local (port 29611 must be free)."""
 import os
 import statistics
 os.environ["OMP_NUM_THREADS"] = "1"

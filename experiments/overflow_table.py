@@ -10,7 +10,7 @@ onebit and powersgd with their defaults, the same with check_finite=False, and P
 powerSGD_hook (PowerSGDState(process_group=None, matrix_approximation_rank=2,
 start_powerSGD_iter=2)).
 
-    python experiments/overflow_table.py --out experiments/results/overflow_<date>.md
+    python -m experiments.overflow_table --out experiments/results/overflow_<date>.md
 
 Writes a markdown table with the date, commit, command, torch version and machine load.
 """
@@ -25,7 +25,7 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
-from gradcomp.experiments.launch import free_port
+from experiments.launch import free_port
 
 STEPS, BAD = 12, 6
 
@@ -140,7 +140,7 @@ def main():
         f.write("# A loss-scaler overflow on one rank, per DDP hook\n\n")
         f.write(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n")
         f.write(f"- commit: {commit}{' (with uncommitted changes)' if dirty else ''}\n")
-        f.write(f"- command: `python experiments/overflow_table.py --out {args.out}`\n")
+        f.write(f"- command: `python -m experiments.overflow_table --out {args.out}`\n")
         f.write(f"- torch {torch.__version__}, 2 gloo ranks on 127.0.0.1, "
                 f"load average before the run {load[0]:.2f}\n")
         f.write(f"- setup: MLP 32-256-256-8, {STEPS} steps, rank 1's loss x Inf at step {BAD}; a "

@@ -3,9 +3,9 @@
 """PNG plots of the DropCompute paper's Figure 1 (throughput vs workers) and Figure 3 (S_eff and
 completion rate vs tau), simulated vs analytical, from the CSV of bench/dropcompute_sim.
 
-    python3 experiments/plot_dropcompute.py                       # runs build/bench/dropcompute_sim
-    python3 experiments/plot_dropcompute.py --scale s.csv --tau t.csv --outdir build/bench
-    python3 experiments/plot_dropcompute.py --sim-args "--dist normal --stddev 0.3"
+    python3 -m experiments.plot_dropcompute                       # runs build/bench/dropcompute_sim
+    python3 -m experiments.plot_dropcompute --scale s.csv --tau t.csv --outdir build/bench
+    python3 -m experiments.plot_dropcompute --sim-args "--dist normal --stddev 0.3"
 
 Writes dropcompute_fig1_scale.png and dropcompute_fig3_tau.png (matplotlib, Agg backend).
 """

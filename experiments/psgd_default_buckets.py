@@ -8,8 +8,8 @@ seconds. Hooks: ``torch`` (PyTorch's powerSGD_hook, registered as its documentat
 waited inside the hook) and ``ours`` (gradcomp.torch's powersgd hook). The ranks are killed when
 the timeout passes.
 
-    python experiments/psgd_default_buckets.py --hook torch --timeout 120
-    python experiments/psgd_default_buckets.py --hook ours
+    python -m experiments.psgd_default_buckets --hook torch --timeout 120
+    python -m experiments.psgd_default_buckets --hook ours
 
 Prints one line: torch version, hook, world, parameters, outcome (completed / hung / failed) and
 seconds; the exit status is 0 when the run completed, 1 when it hung or failed. PyTorch's hook
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from gradcomp.experiments.launch import free_port
+from experiments.launch import free_port
 
 
 
@@ -38,7 +38,7 @@ def _rank(rank, world, port, hook, width, layers, steps, rank_r):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    from gradcomp.experiments.models import relu_mlp
+    from experiments.models import relu_mlp
 
     torch.manual_seed(0)
     model = DDP(relu_mlp(width, layers))  # DDP's default bucket_cap_mb (25)

@@ -3,8 +3,8 @@
 question whether 4-bit `quant` trains worse than 2 and 8 bits (SGD lr 0.05, momentum 0.9 in the
 optimizer, 32 samples per rank and step, the full training and test sets).
 
-Usage: python experiments/quant_bits_screen.py CONFIGS SEEDS STEPS WORLD
-  CONFIGS  comma-separated configurations of gradcomp.experiments (plain, quant4, quant8, ...)
+Usage: python -m experiments.quant_bits_screen CONFIGS SEEDS STEPS WORLD
+  CONFIGS  comma-separated configurations of experiments.fashion_mnist (plain, quant4, quant8, ...)
   SEEDS    comma-separated seeds
   STEPS    steps per run (0: one epoch)
   WORLD    gloo ranks on this machine
@@ -12,7 +12,7 @@ Prints one line per run: configuration, seed, test accuracy (%), last logged los
 import sys
 import time
 
-from gradcomp.experiments import fashion_mnist as fm
+from experiments import fashion_mnist as fm
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ taken, the values are averaged), so one process fed the mean gradient of 4 x 32 
 the 4-rank run in expectation; it is 4x cheaper, so variants can be compared quickly. Not the
 product: gradcomp's hook is what fashion_mnist.py measures.
 
-    python experiments/randomk_dense_sim.py '{"variant": "rk", "dense_small": 10000}'
+    python -m experiments.randomk_dense_sim '{"variant": "rk", "dense_small": 10000}'
 
 variant: "plain" (SGD with momentum), "rk" (momentum correction in the compressor, plain SGD),
 "rko" (error-feedback random-k under the optimizer's momentum); ratio; seed; dense_small
@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from gradcomp.experiments.fashion_mnist import _evaluate, load_split, make_model
+from experiments.fashion_mnist import _evaluate, load_split, make_model
 
 
 def run(variant, mask="all", ratio=0.01, seed=0, lr=0.05, m=0.9, steps=468, batch=128,

@@ -2,7 +2,7 @@
 """DiLoCo side by side: torchft's implementation and gradcomp's QSRAverager(outer="nesterov"),
 on the same workload, seeds, data order and initial weights.
 
-Workload: the Fashion-MNIST CNN of the training experiment (gradcomp.experiments.train.make_model),
+Workload: the Fashion-MNIST CNN of the training experiment (experiments.train.make_model),
 W replicas (one process each), 32 images per replica per step, the inner optimizer SGD (lr 0.05,
 momentum 0.9) or AdamW (lr 1e-3, weight decay 0.05), both at a constant rate, and the outer
 optimizer SGD with Nesterov momentum 0.9, lr 0.7, every H steps. Each run records its final test
@@ -17,7 +17,7 @@ build of torch; the comparison runs on the CPU with gloo). Its quantized outer a
 (``should_quantize=True``) runs on CUDA only (triton); on a CPU it fails inside its manager and
 every round is discarded, so only its float32 form is compared here.
 
-    PYTHONPATH=python_bindings <venv with torchft>/bin/python experiments/torchft_compare.py \\
+    PYTHONPATH=python_bindings <venv with torchft>/bin/python -m experiments.torchft_compare \\
         --world 4 --out experiments/results/<dir>
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 
 def _data(rank: int, world: int, steps: int, seed: int):
-    from gradcomp.experiments.data import load_split
+    from experiments.data import load_split
     xtr, ytr = load_split("train")
     xte, yte = load_split("test")
     rng = np.random.default_rng(seed)
@@ -68,7 +68,7 @@ def _train(model, opt, xtr, ytr, idx, after_step=None) -> float:
 
 
 def _worker(rank: int, cfg: dict, port: int, lighthouse: str, out: str) -> None:
-    from gradcomp.experiments.train import _evaluate, make_model
+    from experiments.train import _evaluate, make_model
     torch.set_num_threads(1)
     world, steps = cfg["world"], cfg["steps"]
     xtr, ytr, xte, yte, idx = _data(rank, world, steps, cfg["seed"])
@@ -121,7 +121,7 @@ def _run(cfg: dict, out: str) -> dict:
         from torchft.coordination import LighthouseServer
         server = LighthouseServer(bind="127.0.0.1:0", min_replicas=cfg["world"])
         lighthouse = server.address()
-    from gradcomp.experiments.launch import free_port
+    from experiments.launch import free_port
     port = free_port()
     t0 = time.time()
     mp.start_processes(_worker, args=(cfg, port, lighthouse, out), nprocs=cfg["world"],

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Runs the 4-rank comm benchmark (bench_comm) with every rank in its own network namespace
-# (python_bindings/gradcomp/experiments/netns.sh: veth links to a bridge, every link limited to
-# RATE, default 1gbit, in both directions with tc tbf). OpenMPI runs over TCP on those links
-# only (btl tcp,self; btl/oob_tcp_if_include 10.77.0.0/24); mpirun starts the remote daemons
-# through an rsh agent that enters the namespace of the "host" (ip netns exec). Only addresses
-# 10.77.0.1-4, inside namespaces this script creates, are used; everything is removed on exit.
+# (experiments/netns.sh: veth links to a bridge, every link limited to RATE, default 1gbit, in
+# both directions with tc tbf). OpenMPI runs over TCP on those links only (btl tcp,self;
+# btl/oob_tcp_if_include 10.77.0.0/24); mpirun starts the remote daemons through an rsh agent
+# that enters the namespace of the "host" (ip netns exec). Only addresses 10.77.0.1-4, inside
+# namespaces this script creates, are used; everything is removed on exit.
 #
 # Usage (root):  experiments/netem/run.sh [build_dir]      env: RATE, NP (<= 8), GC_BENCH_NUMEL,
 #                                                    GC_BENCH_ITERS
 # No added latency: this machine's kernel has no netem, and the latency emulation of the
-# experiments lives in a torch process group (gradcomp/experiments/latency.py), which MPI does
+# experiments lives in a torch process group (experiments/latency.py), which MPI does
 # not use.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,12 +25,12 @@ PFX="gcn$$"            # namespace prefix, unique per run
 TMP=$(mktemp -d)
 cleanup() {
   set +e
-  python_bindings/gradcomp/experiments/netns.sh down "$PFX" "$NP"
+  experiments/netns.sh down "$PFX" "$NP"
   rm -rf "$TMP"
 }
 trap cleanup EXIT INT TERM
 
-python_bindings/gradcomp/experiments/netns.sh up "$PFX" "$NP" "$RATE"
+experiments/netns.sh up "$PFX" "$NP" "$RATE"
 : > "$TMP/hosts"
 for ((i = 0; i < NP; i++)); do echo "10.77.0.$((i + 1)) slots=1" >> "$TMP/hosts"; done
 

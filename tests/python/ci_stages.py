@@ -105,6 +105,9 @@ STAGES = {
     "test_training_accuracy.py": (_NEWEST_ONLY, "Fashion-MNIST/ViT accuracy against plain DDP: "
                                                 "minutes of training through entry points the "
                                                 "other files reach"),
+    "test_wheel_contents.py": (_NEWEST_ONLY, "what the wheel ships (pyproject, the package's "
+                                             "files and imports, the installed package): no "
+                                             "torch, no extension call"),
 }
 
 

@@ -3,10 +3,21 @@
 stage NAME (newest, oldest, asan); with GRADCOMP_CI_FULL=1 every stage collects every file, and
 without --ci-stage nothing is left out. ``--ci-shard=I/N`` narrows that to shard I of N
 (ci_stages.shard), so that N processes can share a stage. The run's header names the stage and each file it leaves
-out, and a test file that ci_stages.py does not name stops the run."""
+out, and a test file that ci_stages.py does not name stops the run.
+
+The experiments are not in the wheel, which ships the library: they are the clone's top-level
+package ``experiments``, which the tests import (ddp_util's rank launcher comes from it too) while
+gradcomp is the installed one, so the clone's root goes on sys.path here (the ranks forked from
+multiprocessing's server are handed this sys.path)."""
+import sys
+
 import pytest
 
 import ci_stages
+
+ROOT = ci_stages.HERE.parent.parent
+if (ROOT / "experiments" / "__init__.py").is_file() and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 def pytest_addoption(parser):

@@ -3,13 +3,20 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
+# The rank launcher is the experiments' (the clone's top-level package `experiments`, not in the
+# wheel): its root on sys.path for the scripts that import this module outside pytest
+# (hung_peer.py), as conftest.py puts it there for the tests.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 # (free_port, rank_context, start_ranks: for the tests that start ranks themselves)
-from gradcomp.experiments.launch import (  # noqa: F401
+from experiments.launch import (  # noqa: E402,F401
     exit_rank, free_port, rank_context, start_ranks)
 
 
@@ -38,7 +45,7 @@ def run(fn, world, *args):
     """Runs fn(rank, world, *args) in `world` new processes; raises if any rank fails.
 
     The ranks are forked from multiprocessing's fork server, which imports torch once
-    (gradcomp.experiments.launch.start_ranks, which the experiments use too): starting a fresh
+    (experiments.launch.start_ranks, which the experiments use too): starting a fresh
     interpreter that imports torch for every rank (mp.spawn) was most of these tests' time. Each
     rank still imports gradcomp and the test module itself; the server is started from the test
     process with its environment and output (pytest's capture), and forks only, so no rank

@@ -9,8 +9,9 @@
 - the asan stage covers the binding: (1) every file that imports gradcomp._C itself or restores
   C++ state from bytes (names load_state_dict, reshard_state or settle_step) is in it, and (2)
   every entry point of gradcomp._C that any test file reaches, by name in the file or in the
-  gradcomp modules it imports (transitively), is reached by a file of the asan stage. The entry
-  points are read from the built extension, so a new binding is counted as soon as it exists."""
+  gradcomp and experiments modules it imports (transitively), is reached by a file of the asan
+  stage. The entry points are read from the built extension, so a new binding is counted as soon
+  as it exists."""
 import ast
 import os
 import re
@@ -24,6 +25,9 @@ import ci_stages
 
 ROOT = ci_stages.HERE.parent.parent
 PKG = ROOT / "python_bindings" / "gradcomp"
+# the packages whose modules a test file's imports are followed into: the library, and the
+# experiments (the clone's top-level package, which the tests import too)
+PACKAGES = {"gradcomp": PKG, "experiments": ROOT / "experiments"}
 STATE_ENTRY_POINTS = {"load_state_dict", "reshard_state", "settle_step"}
 
 
@@ -168,11 +172,12 @@ def _names(tree):
 
 
 def _module_file(dotted: str):
-    """python_bindings/gradcomp/... for a gradcomp module name, or None."""
+    """python_bindings/gradcomp/... for a gradcomp module name, experiments/... for one of the
+    experiments, or None."""
     parts = dotted.split(".")
-    if parts[0] != "gradcomp":
+    if parts[0] not in PACKAGES:
         return None
-    base = PKG.joinpath(*parts[1:])
+    base = PACKAGES[parts[0]].joinpath(*parts[1:])
     for p in (base / "__init__.py", base.with_suffix(".py")):
         if p.is_file():
             return p
@@ -180,12 +185,13 @@ def _module_file(dotted: str):
 
 
 def _imports(path: Path, tree):
-    """The gradcomp modules and local test helpers that `path` imports or runs (python -m
-    gradcomp.x, a helper script by file name): paths."""
+    """The gradcomp and experiments modules and local test helpers that `path` imports or runs
+    (python -m gradcomp.x, a helper script by file name): paths."""
     here = path.parent
-    # the package a module of gradcomp is in (for relative imports): gradcomp/torch/_hook.py
-    # and gradcomp/torch/__init__.py are both in gradcomp.torch
-    package = list(path.relative_to(PKG.parent).parts[:-1]) if PKG in path.parents else None
+    # the package a module of gradcomp (or of the experiments) is in, for relative imports:
+    # gradcomp/torch/_hook.py and gradcomp/torch/__init__.py are both in gradcomp.torch
+    package = next(([top] + list(path.relative_to(folder).parts[:-1])
+                    for top, folder in PACKAGES.items() if folder in path.parents), None)
     found = set()
 
     def add_module(dotted):
@@ -214,7 +220,7 @@ def _imports(path: Path, tree):
                 add_module(f"{mod}.{a.name}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             s = node.value
-            if re.fullmatch(r"gradcomp(\.\w+)*", s):
+            if re.fullmatch(r"(gradcomp|experiments)(\.\w+)*", s):
                 add_module(s)
             elif s.endswith(".py") and (here / s).is_file() and (here / s) != path:
                 found.add(here / s)

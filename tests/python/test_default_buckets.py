@@ -30,7 +30,7 @@ def _rank(rank, world, port, compressor, opts):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradcomp.torch as gt
-    from gradcomp.experiments.models import relu_mlp
+    from experiments.models import relu_mlp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

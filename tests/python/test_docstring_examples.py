@@ -16,12 +16,15 @@ import pytest
 import gradcomp
 from gradcomp import _C
 
-PY_MODULES = ["gradcomp", "gradcomp.dropcompute", "gradcomp.bench", "gradcomp.experiments.netem",
-              "gradcomp.experiments.fashion_mnist"]
+# (the experiments, the clone's top-level package, name gradcomp paths too: a stale one, such as
+# the gradcomp.experiments they were once part of, fails here)
+PY_MODULES = ["gradcomp", "gradcomp.dropcompute", "gradcomp.bench", "gradcomp.scale",
+              "experiments.netem", "experiments.fashion_mnist", "experiments.data",
+              "experiments.report", "experiments.launch", "experiments.latency"]
 TORCH_MODULES = ["gradcomp.torch", "gradcomp.torch._families", "gradcomp.torch.qsr",
                  "gradcomp.torch.onebit_adam",
                  "gradcomp.torch.dropcompute",
-                 "gradcomp.experiments.baselines"]
+                 "experiments.baselines", "experiments.train", "experiments.models"]
 
 
 def _docs():

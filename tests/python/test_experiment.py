@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradcomp.experiments import baselines  # noqa: E402
-from gradcomp.experiments import fashion_mnist as fm  # noqa: E402
+from experiments import baselines  # noqa: E402
+from experiments import fashion_mnist as fm  # noqa: E402
 
 
 def test_config_parsing_and_flags():
@@ -65,7 +65,7 @@ def test_adamw_schedule_and_the_hooks_momentum():
     """AdamW: linear warm-up to the full rate, cosine decay to 0 at the last step, decoupled
     weight decay; SGD keeps its constant rate; a hook's momentum (an SGD scheme) is refused with
     AdamW, naming what to use instead."""
-    from gradcomp.experiments.train import make_optimizer
+    from experiments.train import make_optimizer
 
     p = [torch.nn.Parameter(torch.ones(3))]
     args = dict(config="plain", lr=1e-3, optimizer="adamw", weight_decay=0.05, warmup_steps=10)
@@ -316,13 +316,9 @@ def test_a_failing_configuration_is_recorded_and_the_others_still_run(tmp_path):
 
 
 def _sweep_module():
-    import importlib.util
+    from experiments import auto_sweep
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "auto_sweep.py")
-    spec = importlib.util.spec_from_file_location("auto_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return auto_sweep
 
 
 def _sweep_run(rounds_ms, choices=None):

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The latency emulation of the experiments (gradcomp.experiments.latency): gloo wrapped in a
+"""The latency emulation of the experiments (experiments.latency): gloo wrapped in a
 process group that holds each collective back for one one-way latency per message round. On
 torch 2.x: collectives give gloo's results, in order, each late by its rounds x the latency (not
 less, and not much more); plain DDP, PyTorch's fp16 hook and a gradcomp hook train through it
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from ddp_util import exit_rank, free_port, start_ranks  # noqa: E402
-from gradcomp.experiments import latency  # noqa: E402
+from experiments import latency  # noqa: E402
 
 TORCH2 = int(torch.__version__.split(".")[0]) >= 2
 needs_torch2 = pytest.mark.skipif(not TORCH2, reason="Python process groups need torch 2.x "

@@ -36,7 +36,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ci_stages  # noqa: E402  (tests/python: GRADCOMP_CI_FULL)
-from gradcomp.experiments import fashion_mnist as fm  # noqa: E402
+from experiments import fashion_mnist as fm  # noqa: E402
 
 STEPS = 300
 # FSDP2 (torch 2.x), 4-bit gradients and int8 weights against FSDP2's own collectives, this

@@ -130,7 +130,7 @@ def make_optimizer(params, args: Dict[str, Any], hook_momentum: bool, total_step
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 DGC_WARMUP_STEPS = 10
 
-# name -> (gradcomp hook, PyTorch baseline (gradcomp.experiments.baselines) or None for plain
+# name -> (gradcomp hook, PyTorch baseline (experiments.baselines) or None for plain
 # DDP; hook options; whether the hook applies the momentum, i.e. dgc_optimizer: plain SGD)
 CONFIGS: Dict[str, Tuple[Optional[str], Dict[str, Any], bool]] = {
     "plain": (None, {}, False),
@@ -319,7 +319,7 @@ def train_rank(rank: int, world: int, args: Dict[str, Any], out_path: str) -> No
     total_steps = max_steps or steps_per_epoch * int(args.get("epochs", 1))
     freeze = None  # 1-bit Adam's freeze step
     state = None
-    from gradcomp.experiments import baselines
+    from . import baselines
 
     if fsdp or local:
         pass
@@ -593,7 +593,7 @@ def rank_entry(rank, world, init, args, out_path):
         init = f"tcp://127.0.0.1:{init}"
     from . import latency
 
-    # --delay: gloo with that one-way latency per message round (gradcomp.experiments.latency)
+    # --delay: gloo with that one-way latency per message round (experiments.latency)
     backend = latency.backend_for(args.get("delay", ""), per_node=int(args.get("per_node", 1)))
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=float(args.get("timeout", 1800))))
@@ -608,9 +608,9 @@ def run_config(args: Dict[str, Any], world: int = 4, netns: str = "",
                delay: str = "") -> Dict[str, Any]:
     """Trains one configuration on `world` gloo ranks in fresh processes; returns rank 0's
     result (accuracy, loss log, training time, bytes per step). With `netns` (root) every rank
-    runs in its own network namespace with links of that rate (gradcomp.experiments.netem);
+    runs in its own network namespace with links of that rate (experiments.netem);
     else all ranks talk over loopback. With `delay` ("5ms": one-way), every collective pays
-    that latency per message round (gradcomp.experiments.latency; torch 2.x)."""
+    that latency per message round (experiments.latency; torch 2.x)."""
     config_flags(args["config"])  # reject a bad suffix before starting anything
     parse_config(args["config"])
     if delay:
@@ -622,12 +622,12 @@ def run_config(args: Dict[str, Any], world: int = 4, netns: str = "",
     os.close(fd)
     try:
         if netns:
-            from gradcomp.experiments import netem
+            from . import netem
 
             blob = json.dumps(args)
             netem.run_in_namespaces(
                 world, netns,
-                lambda r: [sys.executable, "-m", "gradcomp.experiments.fashion_mnist",
+                lambda r: [sys.executable, "-m", "experiments.fashion_mnist",
                            "--_rank", str(r), "--world", str(world),
                            "--_init", f"tcp://{netem.RANK0_ADDR}:29517", "--_args", blob,
                            "--_result", out_path],

@@ -7,7 +7,7 @@ Data: Debian's ``dataset-fashion-mnist`` package (IDX files under
 
 Run (4 ranks, one epoch, every configuration, two seeds)::
 
-    python -m gradcomp.experiments.fashion_mnist --configs plain,onebit --seeds 0,1
+    python -m experiments.fashion_mnist --configs plain,onebit --seeds 0,1
 
 Each configuration runs in fresh processes with the same seed, initial weights and data order;
 rank r trains on shard r of each epoch's permutation (``batch`` samples per rank per step).
@@ -69,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "syntax: 1gbit, 10gbit); default: loopback")
     ap.add_argument("--delay", default="",
                     help="one-way latency added to every collective per message round (e.g. "
-                         "5ms; gradcomp.experiments.latency, torch 2.x)")
+                         "5ms; experiments.latency, torch 2.x)")
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds: bound on each configuration's run (and the gloo timeout)")
     ap.add_argument("--target", type=float, default=0.0,
@@ -109,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config_flags(cfg)
     load_split("test")  # fail early with the package hint
     if a.netns and not a.from_results:  # with --from-results, --netns only labels old runs
-        from gradcomp.experiments import netem
+        from . import netem
 
         netem.require_root()
     link = f"links of {a.netns} (network namespaces)" if a.netns else "loopback"
@@ -171,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         meta = dict(date=datetime.date.today().isoformat(),
                     commit=commit,
-                    torch=torch.__version__, command="python -m gradcomp.experiments.fashion_mnist "
+                    torch=torch.__version__, command="python -m experiments.fashion_mnist "
                     + " ".join(sys.argv[1:] if argv is None else argv),
                     load_before=load_before, load_after=os.getloadavg()[0],
                     wall_s=time.time() - t_start, model=a.model, world=a.world,

@@ -4,7 +4,7 @@
 # 10.77.0.(i+1)/24 on interface gce<i>, all joined by veth links to a bridge in namespace PFXsw,
 # every link limited to RATE in both directions (tc tbf). Latency is not added here: this
 # machine's kernel has no netem, so the ranks add it in their process group
-# (gradcomp/experiments/latency.py), where every method pays it alike.
+# (experiments/latency.py), where every method pays it alike.
 # Only addresses inside the namespaces made here are used.
 #
 #   netns.sh up PFX NP RATE             (root)

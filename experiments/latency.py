@@ -2,7 +2,7 @@
 """Link latency for the emulated clusters, where the kernel has no netem.
 
 This machine's kernel offers only the tbf and htb qdiscs (``tc qdisc add ... netem`` fails with
-"qdisc kind is unknown"), so the namespaces of :mod:`gradcomp.experiments.netem` can limit a
+"qdisc kind is unknown"), so the namespaces of :mod:`experiments.netem` can limit a
 link's rate but cannot delay its packets. The latency is added one level up instead, where every
 method sees it alike: a process group backend, ``gloo_latency``, that wraps gloo and holds each
 collective back for the link's one-way latency once per sequential message round of the

@@ -5,7 +5,7 @@ interface ``gce<r>``. The namespaces are made by ``netns.sh`` beside this module
 whatever happens. Used by the Fashion-MNIST experiment and by experiments/ddp_hooks_bench.py (both
 ``--netns RATE``) and, for MPI, by experiments/netem/run.sh.
 
-    python -m gradcomp.experiments.netem up PFX NP RATE   # what netns.sh does
+    python -m experiments.netem up PFX NP RATE   # what netns.sh does
 """
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns.sh")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "netns.sh")
+# the clone's root, where the package `experiments` is found: the ranks' commands run
+# `python -m experiments.<name>`, which must resolve whatever directory the run started in
+ROOT = os.path.dirname(HERE)
 RANK0_ADDR = "10.77.0.1"
 
 
@@ -28,10 +32,12 @@ def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], L
                       timeout: float, env: Optional[dict] = None,
                       per_node: int = 1) -> None:
     """Starts ``command_for_rank(r)`` for r < world, each inside its own namespace with links of
-    ``rate`` (tc syntax: 1gbit, 10gbit); waits for all of them, at most ``timeout`` seconds in
-    all. Raises RuntimeError when a rank fails or the time runs out (the remaining ranks are
-    killed). The namespaces are removed in every case. The links have no added latency (this
-    kernel has no netem): the ranks add it in their process group (gradcomp.experiments.latency).
+    ``rate`` (tc syntax: 1gbit, 10gbit) and the clone's root first on PYTHONPATH (so that
+    ``python -m experiments.<name>`` finds this package); waits for all of them, at most
+    ``timeout`` seconds in all. Raises RuntimeError when a rank fails or the time runs out (the
+    remaining ranks are killed). The namespaces are removed in every case. The links have no
+    added latency (this kernel has no netem): the ranks add it in their process group
+    (experiments.latency).
 
     ``per_node`` > 1 emulates a two-level cluster: world / per_node namespaces (nodes), ranks
     r // per_node = node (node-major, as torchrun numbers them) sharing their node's namespace
@@ -50,6 +56,8 @@ def run_in_namespaces(world: int, rate: str, command_for_rank: Callable[[int], L
             node = r // per_node
             e = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=f"gce{node}",
                      OMP_NUM_THREADS="1")
+            e["PYTHONPATH"] = os.pathsep.join([ROOT, e["PYTHONPATH"]]) if e.get("PYTHONPATH") \
+                else ROOT
             if per_node > 1:
                 e.update(LOCAL_RANK=str(r % per_node), LOCAL_WORLD_SIZE=str(per_node))
             procs.append(subprocess.Popen(["ip", "netns", "exec", f"{pfx}{node}",
