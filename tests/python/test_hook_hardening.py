@@ -302,3 +302,69 @@ def _subgroup(rank, world):
 
 def test_hook_on_a_subgroup():
     run(_subgroup, 3)
+
+
+# ---- the bucket-transform hook point (what 1-bit Adam's optimizer plugs into) ------------------
+class _Scale(gt.BucketTransform):
+    """Doubles every gradient before the compressor reads it; refuses the steps in `refuse`."""
+
+    def __init__(self, refuse=()):
+        self.checked, self.transformed, self.refuse = [], 0, set(refuse)
+
+    def check_step(self, iteration):
+        self.checked.append(iteration)
+        if iteration in self.refuse:
+            self.refuse.discard(iteration)  # once: the retried step goes through
+            raise ValueError(f"transform refuses step {iteration}")
+
+    def before_compress(self, bucket):
+        self.transformed += 1
+        for g in bucket.gradients():
+            g.mul_(2)
+
+
+def _bucket_transform(rank, world):
+    data = make_data(rank, 3)
+
+    def run_steps(transform, start_iter=0, steps=1):
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state, hook = gt.hook("allreduce", start_iter=start_iter)
+        state.bucket_transform = transform
+        model.register_comm_hook(state, hook)
+        for x, y in data[:steps]:
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        return [p.grad.clone() for p in model.parameters()], model
+
+    plain, _ = run_steps(None)
+    t = _Scale()
+    doubled, _ = run_steps(t)
+    # x2 is exact in fp32 and commutes with the rank-ordered sum's rounding: bitwise twice the
+    # average
+    assert all(torch.equal(2 * a, b) for a, b in zip(plain, doubled))
+    assert t.transformed >= 1 and t.checked and set(t.checked) == {0}
+    # the warm-up's plain allreduce is checked, never transformed
+    w = _Scale()
+    warm, _ = run_steps(w, start_iter=2, steps=2)
+    assert w.transformed == 0 and sorted(set(w.checked)) == [0, 1]
+    # a refusal on one rank fails the step on every rank, and the next step trains
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook("fp16", start_iter=0)
+    state.bucket_transform = _Scale(refuse={0} if rank == 1 else ())
+    model.register_comm_hook(state, hook)
+    x, y = data[0]
+    with pytest.raises(ValueError, match="refuses step 0" if rank == 1 else r"rank\(s\) \[1\]"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert state.iter == 0
+    for x, y in data[1:]:
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert state.iter == 2
+    assert params_equal_across_ranks(model)
+
+
+def test_bucket_transform_changes_what_is_compressed_and_can_refuse_a_step():
+    run(_bucket_transform, 2)

@@ -38,7 +38,7 @@ from ._auto import AutoState  # noqa: F401
 from ._driver import run_sync  # noqa: F401
 from ._entry import hook  # noqa: F401
 from ._families import COMPRESSORS  # noqa: F401
-from ._hook import GradcompState, dgc_optimizer  # noqa: F401
+from ._hook import BucketTransform, GradcompState, dgc_optimizer  # noqa: F401
 from ._reshard import gather_state_dict  # noqa: F401
 from ._stats import format_timeline, timeline  # noqa: F401
 from .dropcompute import CudaEventClock, DropCompute  # noqa: F401
@@ -46,6 +46,6 @@ from .fsdp import FSDPCompression, compress_fsdp  # noqa: F401
 from .onebit_adam import OneBitAdam  # noqa: F401
 from .qsr import QSRAverager, diloco  # noqa: F401
 
-__all__ = ["hook", "GradcompState", "AutoState", "dgc_optimizer", "timeline", "format_timeline",
+__all__ = ["hook", "GradcompState", "BucketTransform", "AutoState", "dgc_optimizer", "timeline", "format_timeline",
            "gather_state_dict", "COMPRESSORS", "DropCompute", "CudaEventClock", "QSRAverager",
            "diloco", "OneBitAdam", "compress_fsdp", "FSDPCompression"]

@@ -60,5 +60,5 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
                          **options), auto_hook
     state = GradcompState(compressor, process_group, start_iter, log_every, model, timeout,
                           pipeline, **options)
-    state._adam = adam  # compressed steps divide the gradients by its frozen denominators
+    state.bucket_transform = adam  # compressed steps divide the gradients by its frozen denominators
     return state, _hook

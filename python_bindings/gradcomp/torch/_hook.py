@@ -26,6 +26,30 @@ from ._stats import TIMELINE_RUNS, HookStats
 log = logging.getLogger("gradcomp")
 
 
+class BucketTransform:
+    """The one point where something outside the hook changes a bucket before it is compressed
+    (1-bit Adam's optimizer divides the gradients by its frozen denominators there). Set
+    ``state.bucket_transform`` to an object with these two methods (this class documents them; any
+    object that has them will do):
+
+    - ``check_step(iteration)``: once per step (at its first bucket), the warm-up's included,
+      before anything is sent; raising ValueError refuses the step on every rank
+      (``loss.backward()`` raises it: this rank's error here, a ValueError naming this rank on
+      the others). The verdicts travel in one small allgather per step.
+    - ``before_compress(bucket)``: on the steps the compressor runs (not the warm-up's plain
+      allreduce), with DDP's ``GradBucket``, before the plan reads it; change the gradients in
+      place (``bucket.gradients()``).
+
+    The hook knows nothing else of it: it is not saved with the hook's state (the object keeps
+    its own), and it must do the same on every rank."""
+
+    def check_step(self, iteration: int) -> None:
+        pass
+
+    def before_compress(self, bucket) -> None:
+        pass
+
+
 class GradcompState:
     """State of a gradcomp DDP hook: options, per-bucket plans, iteration, statistics.
 
@@ -69,8 +93,9 @@ class GradcompState:
         self.iter = 0  # steps applied (a skipped or failed step does not count)
         self._calls = 0  # steps the hook saw, skipped ones included: the index of history
         self._owner = None  # the state that settles steps (hook("auto") for its candidates)
-        self._adam = None  # 1-bit Adam's optimizer (hook("onebit", adam=...)): its
-        # check_hook_step and precondition_bucket are all the hook asks of it
+        # An object that changes each bucket before its plan reads it (see BucketTransform;
+        # hook("onebit", adam=opt) sets 1-bit Adam's optimizer here); None: buckets go as they are
+        self.bucket_transform: Optional[BucketTransform] = None
         self._agreed = False  # whether the ranks' first step agreed (see _agree_first_step)
         # [iteration, start_iter] as the ranks last agreed on them, advanced with every applied
         # step; None before the first check. A load into the running job does not move it: the
@@ -537,14 +562,16 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
         err = _sparse_error(bucket)
         if err is not None:
             raise err
-        if state._owner is None:  # (hook("auto") checks for its candidates)
-            _agree_first_step(state, buf, first_bucket=rec.calls == 1)
-        warmup = state._warmup(it)
-        if state._adam is not None:
+        transform = state.bucket_transform
+        if transform is not None:
             # (keys the bucket's parameters first: they are keyed at first sight, which a
             # refused first step must not skip, or a later restore would find other keys)
             state.table.layout(bucket)
-            state._adam.check_hook_step(it)
+        if state._owner is None:  # (hook("auto") checks for its candidates)
+            _agree_first_step(state, buf, first_bucket=rec.calls == 1)
+        warmup = state._warmup(it)
+        if transform is not None and rec.calls == 1:
+            _check_transform(state, transform, buf, it)
         if warmup:
             state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
             fam = COMPRESSORS["allreduce"]
@@ -552,8 +579,8 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
             plan = fam.make({}, bucket, state.world, idx, state.process_group, state.per_node)
         else:
             fam = COMPRESSORS[state.compressor]
-            if state._adam is not None:  # 1-bit Adam: the plan averages m / d
-                state._adam.precondition_bucket(bucket)
+            if transform is not None:  # (1-bit Adam: the plan then averages m / d)
+                transform.before_compress(bucket)
             view, b, permuted = state._resolve(bucket)
             plan = b.plan
             b.steps += 1
@@ -594,6 +621,33 @@ def _fail_after_backward(error: Exception, buf) -> torch.futures.Future:
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
+
+
+def _check_transform(state, transform, buf, it: int) -> None:
+    """The bucket transform's check_step, once per step (at its first bucket), agreed: every
+    rank's verdict travels in one allgather of a flag on the hook's group, so a refusal on one
+    rank (an optimizer state loaded there alone) fails the step on every rank with a ValueError
+    before any bucket is sent, instead of leaving the others waiting for its collectives."""
+    refusal = None
+    try:
+        transform.check_step(it)
+    except ValueError as e:
+        refusal = e
+    if not (dist.is_available() and dist.is_initialized()):
+        if refusal is not None:
+            raise refusal
+        return
+    worker = state._worker or state._make_worker()
+    group = worker.group.world if isinstance(worker.group, Topology) else worker.group
+    mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int64, device=buf.device)
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, mine, group=group)
+    if refusal is not None:
+        raise refusal
+    refused = [r for r, g in enumerate(got) if int(g.item())]
+    if refused:
+        raise ValueError(f"gradcomp hook: the bucket transform of rank(s) {refused} refused "
+                         f"step {it} (the error there says why); no rank ran the step")
 
 
 def _agree_first_step(state, buf, first_bucket: bool = True) -> None:

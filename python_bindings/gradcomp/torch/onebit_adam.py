@@ -147,8 +147,9 @@ class OneBitAdam(torch.optim.Optimizer):
                     p.add_(g, alpha=corr * (1.0 - b1))
         return loss
 
-    def check_hook_step(self, hook_iter: int) -> None:
-        """The hook and its optimizer must be at the same step: the hook sends the frozen,
+    def check_step(self, hook_iter: int) -> None:
+        """(BucketTransform.check_step: hook(adam=opt) makes the optimizer the hook's bucket
+        transform.) The hook and its optimizer must be at the same step: the hook sends the frozen,
         preconditioned momentum from freeze_step on, and the optimizer applies it as such only from
         its own freeze_step on. A model and hook state from after the freeze loaded beside an
         optimizer state from before it (or the other way) would have the optimizer take the
@@ -165,9 +166,9 @@ class OneBitAdam(torch.optim.Optimizer):
                 f"different points of training (load the model, the optimizer and the hook "
                 f"from the same checkpoint)")
 
-    def precondition_bucket(self, bucket) -> None:
+    def before_compress(self, bucket) -> None:
         """Divides the bucket's gradients by the optimizer's frozen denominators, in place (the hook
-        calls it on compressed steps, before its plan reads the bucket)."""
+        calls it on compressed steps, before its plan reads the bucket: BucketTransform)."""
         with torch.no_grad():
             for p, g in zip(bucket.parameters(), bucket.gradients()):
                 g.mul_(self.inverse_denominator(p))
