@@ -237,9 +237,8 @@ def bench_topk_ef(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]
 # ---- 3. onebit -----------------------------------------------------------------------------------
 def bench_onebit(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -> None:
     """OneBitCompressor.encode of g (n x 1) with error feedback: "column_means" (1-bit
-    SGD) and "sign_l2" (the scaled sign the DDP hook uses, and the class's default; the hook
-    also has one scale per 128 elements, as chunk=128 here, and rotates blocks, which this class
-    does not). Bytes per encode = read g (4n) + read error (4n) + write error (4n) + the payload
+    SGD) and "sign_l2" with one scale for the tensor and with one per 128 elements (chunk=128:
+    the class's default and the DDP hook's, which also rotates blocks, as this class does not). Bytes per encode = read g (4n) + read error (4n) + write error (4n) + the payload
     (packed bits n/8, scales, header: Payload.nbytes); GB/s = bytes / t. "torch ref" is a
     hand-written unfused scaled sign in PyTorch on the same data (x = g + e, s = ||x||_2 /
     sqrt(n), bits packed 8 per byte, e = x - s sign(x)), the same bytes counted: speedup is

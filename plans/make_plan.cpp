@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // make_plan() and its kin: every family is looked up in the registry (plans/family.hpp), which
 // holds its option table, its plans and its state kinds. Only the per-tensor codec configurations
-// (topk_config, randomk_config) name their family here.
+// (topk_config, randomk_config, onebit_config) name their family here.
 #include "gradcomp/make_plan.hpp"
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The 1-bit family: 1-bit SGD (Seide et al. 2014, column-wise reconstruction values), scaled sign
 // (EF-SignSGD, ||x||_1 / n) and the L2 form of 1-bit Adam (||x||_2 / sqrt(n)), all with error
-// feedback, bit-packed, on CPU and CUDA; and 1-bit Adam's two-phase compressed allreduce as a
-// Plan.
+// feedback, bit-packed, on CPU and CUDA (the two-phase compressed allreduce of 1-bit Adam is a
+// plan built by make_plan("onebit", ...)).
 //
 // Matrix view and "column". A tensor of shape [d0, d1, ...] (row-major, contiguous) is viewed as
 // a matrix of rows = d0 and cols = numel / d0 (TensorView::rows() / cols()). Element (r, c) is
@@ -56,6 +56,9 @@ enum class OneBitScaling : uint8_t {
   kSignL2 = 2,       ///< scaled sign: +-||x||_2 / sqrt(n) per tensor or chunk (1-bit Adam)
 };
 
+/// OneBitConfig{} is 1-bit SGD's codec (column means, no blocks); the plans and the Python codec
+/// take the onebit family's defaults instead (scaled sign, an L2 scale per block of 128):
+/// onebit_config({}) in make_plan.hpp gives them.
 struct OneBitConfig {
   OneBitScaling scaling = OneBitScaling::kColumnMeans;
   bool error_feedback = true;  ///< keep e = x - decode(encode(x)); off for ablations

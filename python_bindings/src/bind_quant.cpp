@@ -9,8 +9,9 @@ namespace {
 void bind(nb::module_& m) {
   nb::class_<QuantPlan, BucketPlan>(
       m, "QuantPlan",
-      "Multi-bit (2/4/8) two-phase compressed allreduce (one rank); built by "
-      "make_plan('quant', ...).")
+      "Multi-bit (2/4/8) plan (one rank): the two-phase compressed allreduce (make_plan('quant', "
+      "...)) or its reduce-scatter / allgather form (make_shard_plan('quant', ...)); `form` says "
+      "which.")
       .def_prop_ro("step", &QuantPlan::step)
       .def_prop_ro("bytes_sent", &QuantPlan::bytes_sent)
       .def_prop_ro("chunk_elems", &QuantPlan::chunk_elems)

@@ -53,6 +53,11 @@ def test_kernels_and_codecs_do_not_reach_up():
         bad += [(path, inc) for inc in _includes(path) if inc not in KERNEL_OK]
     for path in _files("compressors", (".hpp", ".cpp")):
         bad += [(path, inc) for inc in _includes(path) if inc in ("comm", "make_plan", "plan_config")]
+    # the plan classes' private headers sit above the codecs and kernels too
+    for folder in ("kernels", "compressors"):
+        for path in _files(folder, (".hpp", ".h", ".cpp", ".cu", ".cuh")):
+            with open(path) as f:
+                bad += [(path, q) for q in re.findall(r'#include "(plans/[^"]+)"', f.read())]
     assert not bad, f"kernels or codecs including headers above their layer: {bad}"
 
 

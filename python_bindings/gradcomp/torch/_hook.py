@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ._buckets import BucketTable, _as_int, _Bucket, _CompositePlan
 from ._compat import group_ranks, group_timeout
-from ._driver import PlanStats, Topology
+from ._driver import PlanStats, Topology, _all_gather_p2p, _p2p_allgather
 from ._worker import AfterBackward, Worker
 from ._families import COMPRESSORS
 from ._reshard import is_gathered, local_state_dict, whole_or_none
@@ -33,15 +33,16 @@ class BucketTransform:
     object that has them will do):
 
     - ``check_step(iteration)``: once per step (at its first bucket), the warm-up's included,
-      before anything is sent; raising ValueError refuses the step on every rank
-      (``loss.backward()`` raises it: this rank's error here, a ValueError naming this rank on
-      the others). The verdicts travel in one small allgather per step.
+      before anything is sent; raising refuses the step on every rank, every bucket of it
+      (``loss.backward()`` raises this rank's error here, a ValueError naming the refusing ranks
+      on the others). The verdicts travel in one small allgather per step.
     - ``before_compress(bucket)``: on the steps the compressor runs (not the warm-up's plain
       allreduce), with DDP's ``GradBucket``, before the plan reads it; change the gradients in
       place (``bucket.gradients()``).
 
     The hook knows nothing else of it: it is not saved with the hook's state (the object keeps
-    its own), and it must do the same on every rank."""
+    its own), and every rank must set one (the first step's agreement refuses a job where only
+    some do). ``hook("auto")`` takes none."""
 
     def check_step(self, iteration: int) -> None:
         pass
@@ -371,7 +372,8 @@ class _Step:
     """One training step of a hook: its buckets settle in any order (the worker's, the native
     allreduce's callbacks, an error at once), and the last one to settle closes the step."""
 
-    __slots__ = ("calls", "settled", "last_called", "bad", "kept", "unchecked", "samples")
+    __slots__ = ("calls", "settled", "last_called", "bad", "kept", "unchecked", "samples",
+                 "refusal")
 
     def __init__(self) -> None:
         self.calls = self.settled = 0
@@ -379,6 +381,7 @@ class _Step:
         self.kept: list = []  # plans whose step was kept (taken back if the step turns out bad)
         self.unchecked: list = []  # averaged buckets nothing checked (native allreduce)
         self.samples: list = []  # hook("auto")'s timing samples, filed when the step is applied
+        self.refusal = None  # the bucket transform's agreed refusal: every bucket of the step fails
 
 
 class _Steps:
@@ -570,8 +573,11 @@ def _hook_on(state: "GradcompState", bucket, buf, on_done) -> torch.futures.Futu
         if state._owner is None:  # (hook("auto") checks for its candidates)
             _agree_first_step(state, buf, first_bucket=rec.calls == 1)
         warmup = state._warmup(it)
-        if transform is not None and rec.calls == 1:
-            _check_transform(state, transform, buf, it)
+        if transform is not None:
+            if rec.calls == 1:
+                rec.refusal = _check_transform(state, transform, buf, it)
+            if rec.refusal is not None:  # (the same verdict on every rank: no bucket is sent)
+                raise rec.refusal
         if warmup:
             state.table.layout(bucket)  # parameters keyed in the order DDP first shows them
             fam = COMPRESSORS["allreduce"]
@@ -623,31 +629,40 @@ def _fail_after_backward(error: Exception, buf) -> torch.futures.Future:
     return fut
 
 
-def _check_transform(state, transform, buf, it: int) -> None:
+def _check_transform(state, transform, buf, it: int) -> Optional[Exception]:
     """The bucket transform's check_step, once per step (at its first bucket), agreed: every
     rank's verdict travels in one allgather of a flag on the hook's group, so a refusal on one
-    rank (an optimizer state loaded there alone) fails the step on every rank with a ValueError
-    before any bucket is sent, instead of leaving the others waiting for its collectives."""
+    rank (an optimizer state loaded there alone) fails the step on every rank before any bucket
+    is sent, instead of leaving the others waiting for its collectives. Returns what every bucket
+    of the step raises (this rank's own error, or a ValueError naming the ranks that refused), or
+    None. Any exception counts as a refusal: one that skipped the allgather would hang the peers.
+    The flag goes as point-to-point pairs on gloo (one latency, not a ring's P - 1); on CUDA
+    (NCCL) reading it back waits for the device once per step."""
     refusal = None
     try:
         transform.check_step(it)
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 (raised below, after the peers learned of it)
         refusal = e
     if not (dist.is_available() and dist.is_initialized()):
-        if refusal is not None:
-            raise refusal
-        return
+        return refusal
     worker = state._worker or state._make_worker()
     group = worker.group.world if isinstance(worker.group, Topology) else worker.group
-    mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int64, device=buf.device)
-    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, mine, group=group)
+    world = dist.get_world_size(group)
+    mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int64)
+    if not _p2p_allgather(mine, group):
+        mine = mine.to(buf.device)
+    got = torch.empty(world, dtype=torch.int64, device=mine.device)
+    if _p2p_allgather(mine, group):
+        _all_gather_p2p(got, mine, world, group).wait()
+    else:
+        dist.all_gather(list(got.chunk(world)), mine, group=group)
     if refusal is not None:
-        raise refusal
-    refused = [r for r, g in enumerate(got) if int(g.item())]
+        return refusal
+    refused = [r for r, f in enumerate(got.tolist()) if f]
     if refused:
-        raise ValueError(f"gradcomp hook: the bucket transform of rank(s) {refused} refused "
-                         f"step {it} (the error there says why); no rank ran the step")
+        return ValueError(f"gradcomp hook: the bucket transform of rank(s) {refused} refused "
+                          f"step {it} (the error there says why); no rank ran the step")
+    return None
 
 
 def _agree_first_step(state, buf, first_bucket: bool = True) -> None:
@@ -676,8 +691,10 @@ def _agree_first_step(state, buf, first_bucket: bool = True) -> None:
         return
     worker = state._worker or state._make_worker()
     group = worker.group.world if isinstance(worker.group, Topology) else worker.group
+    # (a bucket transform on some ranks only would have them alone agree on its verdicts)
     digest = zlib.crc32(repr((state.compressor, sorted(state.options.items(), key=str),
-                              getattr(state, "per_node", 0))).encode())
+                              getattr(state, "per_node", 0),
+                              getattr(state, "bucket_transform", None) is not None)).encode())
     mine = torch.tensor([state.iter, state.start_iter, digest], dtype=torch.int64,
                         device=buf.device)
     world = dist.get_world_size(group)

@@ -153,7 +153,7 @@ class OneBitAdam(torch.optim.Optimizer):
         preconditioned momentum from freeze_step on, and the optimizer applies it as such only from
         its own freeze_step on. A model and hook state from after the freeze loaded beside an
         optimizer state from before it (or the other way) would have the optimizer take the
-        preconditioned momentum for a gradient (seen: the loss at 5e8 five steps later). Each bucket
+        preconditioned momentum for a gradient (seen: the loss at 5e8 five steps later). Each step
         compares the optimizer's step count (the largest over its parameters: one that had no
         gradient in some step, unused in that forward, counts fewer) with the hook's iteration; a
         mismatch is a ValueError naming both. (Before the optimizer's first step there is nothing to
