@@ -75,7 +75,17 @@ OneBitConfig onebit_config(const PlanOptions& options, uint32_t tensor_id) {
 namespace {
 /// A hash of the family and every option as given (a default left out and the same default
 /// spelled out hash differently: ranks must build their plans the same way, which the hooks do).
-uint64_t hash_of(const std::string& name, const PlanOptions& options) {
+/// Another accepted spelling of an option hashes as the option (the saved state of a plan built
+/// with chunk_size=64 loads into one built with block_size=64).
+uint64_t hash_of(const std::string& name, const PlanOptions& given) {
+  PlanOptions options;
+  const detail::Family& f = detail::family(name);
+  for (const auto& [key, value] : given) {
+    std::string k = key;
+    for (const auto& [spelling, option] : f.aliases)
+      if (key == spelling) k = option;
+    options[k] = value;  // (both spellings at once were refused when the plan was built)
+  }
   detail::OptionsHash h;
   h.add_all(name).add(uint8_t{0});
   for (const auto& [key, value] : options) {

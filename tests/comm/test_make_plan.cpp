@@ -311,6 +311,18 @@ TEST(MakePlan, OneBitCodecConfigIsThePlansConfig) {
   EXPECT_THROW(gc::onebit_config({{"block_size", int64_t{33}}}), gc::InvalidArgument);
 }
 
+TEST(MakePlan, AnotherSpellingOfAnOptionIsThatOption) {
+  // the two-level plan's state carries a hash of its options: a state saved by a plan built with
+  // one spelling loads into one built with the other, and not into one with another value
+  const gc::BucketSpec b = spec(256, 4, 0);
+  auto saved = gc::make_hierarchical_plan("onebit", b, 2, {{"chunk_size", int64_t{64}}});
+  const std::vector<uint8_t> sd = saved->state_dict();
+  auto same = gc::make_hierarchical_plan("onebit", b, 2, {{"block_size", int64_t{64}}});
+  EXPECT_NO_THROW(same->load_state_dict(sd.data(), sd.size()));
+  auto other = gc::make_hierarchical_plan("onebit", b, 2, {{"block_size", int64_t{32}}});
+  EXPECT_THROW(other->load_state_dict(sd.data(), sd.size()), gc::InvalidArgument);
+}
+
 TEST(MakePlan, CastRouteAutoFollowsTheBackend) {
   auto route_of = [](const char* backend, int world = 3) {
     gc::BucketSpec b = spec(64, world, 0);

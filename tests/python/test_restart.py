@@ -218,6 +218,17 @@ def test_a_checkpoint_loads_only_with_the_options_it_was_made_with():
     q = gt.hook("quant", bits=2)[0].state_dict()
     with pytest.raises(ValueError, match="bits=2"):
         gt.hook("quant")[0].load_state_dict(q)
+    # another accepted spelling of an option is that option (saved, compared and digested so)
+    for name, spelling, option, value in (("onebit", "chunk_size", "block_size", 64),
+                                          ("powersgd", "error_feedback", "use_error_feedback",
+                                           False)):
+        old = gt.hook(name, **{spelling: value})[0]
+        assert old.options == {option: value}
+        new = gt.hook(name, **{option: value})[0]
+        new.load_state_dict(old.state_dict())
+        old.load_state_dict(new.state_dict())
+        with pytest.raises(ValueError, match=option):
+            gt.hook(name)[0].load_state_dict(old.state_dict())
 
 
 # ---- bounded statistics -------------------------------------------------------------------------

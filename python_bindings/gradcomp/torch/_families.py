@@ -48,6 +48,18 @@ class _Family:
         # its plans read the bucket's tensor shapes (PowerSGD's matrices, random-k's dense_below)
         self.uses_shapes: bool = traits["uses_shapes"]
         self.defaults: Dict[str, Any] = _C.plan_defaults(self.name)
+        self.aliases: Dict[str, str] = dict(traits["aliases"])  # {other spelling: option}
+
+    def canonical(self, opts: Dict[str, Any]) -> Dict[str, Any]:
+        """The options with every other accepted spelling renamed to the option it spells, so
+        that what is saved, compared and digested does not depend on the spelling (a checkpoint
+        saved with chunk_size=64 loads into a hook built with block_size=64). Both spellings
+        given are left as they are: validate() refuses them, naming both."""
+        out = dict(opts)
+        for spelling, option in self.aliases.items():
+            if spelling in out and option not in out:
+                out[option] = out.pop(spelling)
+        return out
 
     def validate(self, opts: Dict[str, Any], world: int = 1, group=None,
                  per_node: int = 0) -> None:

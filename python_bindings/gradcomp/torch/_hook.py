@@ -86,7 +86,7 @@ class GradcompState:
         # after backward, as an optimizer-side compressed allreduce would); for measurements
         self.overlap = overlap
         self.compressor = compressor
-        self.options = dict(options)
+        self.options = fam.canonical(options)
         self.process_group = process_group
         self.start_iter = ((2 if fam.stateful else 0) if start_iter is None
                            else _as_int(start_iter, "start_iter", 0))
@@ -304,8 +304,8 @@ class GradcompState:
             return
         if not isinstance(saved, dict):
             raise ValueError(f"state_dict['options'] must be a dict, got {type(saved).__name__}")
-        defaults = COMPRESSORS[self.compressor].defaults
-        mine, theirs = {**defaults, **self.options}, {**defaults, **saved}
+        fam = COMPRESSORS[self.compressor]
+        mine, theirs = {**fam.defaults, **self.options}, {**fam.defaults, **fam.canonical(saved)}
         diff = [k for k in sorted(set(mine) | set(theirs), key=str)
                 if k not in self._OPERATIONAL and mine.get(k) != theirs.get(k)]
         if diff:
@@ -646,6 +646,9 @@ def _check_transform(state, transform, buf, it: int) -> Optional[Exception]:
     if not (dist.is_available() and dist.is_initialized()):
         return refusal
     worker = state._worker or state._make_worker()
+    if worker._failed is not None:  # (its group is unusable: the agreement would wait it out)
+        return RuntimeError(f"gradcomp: an earlier collective of this hook failed, its process "
+                            f"group is unusable: {worker._failed}")
     group = worker.group.world if isinstance(worker.group, Topology) else worker.group
     world = dist.get_world_size(group)
     mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int64)
