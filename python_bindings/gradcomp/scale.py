@@ -23,11 +23,12 @@ The model (every term is printed with the table):
 - A hierarchical plan: all-to-all (reduce-scatter) and allgather of the bucket at full precision
   over the L ranks of a node, then the family over N ranks on a shard of n / L elements, the L
   shards of a node sharing its link.
-- Wire sizes per family (per element of the gradient, fp32 gradients): allreduce 4 bytes, fp16
-  2, top-k ratio x 8 (index and fp32 value), random-k ratio x 4 (an allreduce of the values),
-  1-bit 1/8 + 4/128 (the sign and an fp32 scale per 128-element block; two phases:
-  all-to-all then allgather), quant b bits: b/8 + 4/128, PowerSGD rank r: (rows + cols) r 4 per
-  matrix and 4 per element of vectors (two allreduces, P and Q).
+- Wire sizes per family: read from the plans themselves (plan_traffic: a dry run of each
+  family's plan on simulated ranks at two bucket sizes and two world sizes, fitted per
+  collective; headers, scales and padding included, fp32 gradients, NCCL's routes), so every
+  registered family is in the model without a formula; PowerSGD alone by formula, rank r:
+  (rows + cols) r 4 bytes per matrix and 4 per element of vectors (two allreduces, P and Q),
+  since its traffic follows the model's matrix shapes.
 - Local work: seconds per element of each family's compression (``--local``: measured here from
   the hooks, or GPU estimates from HBM bandwidth, see GPU_LOCAL), paid on n elements flat and
   n / L plus the full-precision reduce-scatter (one pass over the bucket) hierarchical.
@@ -159,22 +160,81 @@ def _alltoall(G, m, beta, alpha):
     return 0.0 if G <= 1 else (G - 1) * alpha + (G - 1) / G * m / beta
 
 
-def collectives(f: Family, mats: Sequence[Tuple[int, int]], vec: int, shard: int = 1):
+# The traffic of every family but PowerSGD is read from its plans: a dry run of the plan's steps on
+# simulated ranks in this process (gradcomp._C.dry_run), at two bucket sizes and two world sizes,
+# fits each collective's bytes per rank as a + b n + (c + d n) / G (an allreduce, an allgather's
+# own part: a chunk of 1/G of the bucket or a fixed-size payload) or a + b n + (c + d n) G (an
+# all-to-all's P parts: the bucket plus a header per destination), which the four probes give
+# exactly. So a new family, a header or a padding rule enters the model without a formula here.
+# The backend is NCCL's (the cast plans' route then is one allreduce in the wire type).
+PROBE_NUMEL = 16384  # elements of the smaller probe bucket (the larger: twice)
+PROBE_WORLDS = (4, 8)
+_WIRE_CACHE: Dict[Tuple, List[Tuple[str, Tuple[float, float, float, float]]]] = {}
+
+
+def _plan_options(f: Family) -> dict:
+    if f.name in ("topk", "randomk"):
+        return {"ratio": f.ratio}
+    if f.name == "quant":
+        return {"bits": f.bits}
+    return {}
+
+
+def plan_traffic(f: Family) -> List[Tuple[str, Tuple[float, float, float, float]]]:
+    """(kind, (a, b, c, d)) for each collective of one step of family f's plan, fitted from dry
+    runs (see PROBE_NUMEL): bytes per rank = a + b n + (c + d n) / G, or times G for an
+    all-to-all (whose bytes are all P parts a rank sends)."""
+    key = (f.name, f.ratio, f.bits)
+    if key in _WIRE_CACHE:
+        return _WIRE_CACHE[key]
+    from gradcomp import _C
+
+    runs = {}
+    for n in (PROBE_NUMEL, 2 * PROBE_NUMEL):
+        for G in PROBE_WORLDS:
+            runs[n, G] = [(c["kind"], float(c["send_bytes"]))
+                          for c in _C.dry_run(f.name, n, G, options=_plan_options(f),
+                                              backend="nccl")]
+    kinds = [[k for k, _ in r] for r in runs.values()]
+    if any(k != kinds[0] for k in kinds):
+        raise ValueError(f"{f.label}: the plan's collectives differ between probe sizes "
+                         f"({kinds}): its traffic is not affine in the bucket size")
+    n1, n2 = PROBE_NUMEL, 2 * PROBE_NUMEL
+    g1, g2 = PROBE_WORLDS
+    out = []
+    for i, kind in enumerate(kinds[0]):
+        m = {nG: runs[nG][i][1] for nG in runs}
+        # u = 1 / G (or G for an all-to-all): bytes = (a + c u) + (b + d u) n
+        u1, u2 = ((g1, g2) if kind == "all-to-all" else (1 / g1, 1 / g2))
+        slope1 = (m[n2, g1] - m[n1, g1]) / (n2 - n1)  # b + d u1
+        slope2 = (m[n2, g2] - m[n1, g2]) / (n2 - n1)  # b + d u2
+        d = (slope1 - slope2) / (u1 - u2)
+        b = slope1 - d * u1
+        icpt1, icpt2 = m[n1, g1] - slope1 * n1, m[n1, g2] - slope2 * n1  # a + c u
+        c = (icpt1 - icpt2) / (u1 - u2)
+        a = icpt1 - c * u1
+        out.append((kind, (a, b, c, d)))
+    _WIRE_CACHE[key] = out
+    return out
+
+
+def wire_bytes(kind: str, coef: Tuple[float, float, float, float], n: float, G: int) -> float:
+    """Bytes per rank of one fitted collective (plan_traffic) for a bucket of n elements on G
+    ranks."""
+    a, b, c, d = coef
+    u = G if kind == "all-to-all" else 1 / max(G, 1)
+    return max(0.0, a + b * n + (c + d * n) * u)
+
+
+def collectives(f: Family, mats: Sequence[Tuple[int, int]], vec: int, shard: int = 1,
+                world: int = 8):
     """The collectives of one step of family f on the model (every matrix cut into `shard`
-    row blocks, as the hierarchical plan's shards cut them): a list of (kind, bytes per rank)."""
+    row blocks, as the hierarchical plan's shards cut them) among `world` ranks: a list of
+    (kind, bytes per rank), read from the plans (plan_traffic) but for PowerSGD's."""
     n = sum(r * c for r, c in mats) + vec
     nl = n / shard
-    if f.name == "allreduce":
-        return [("allreduce", 4 * nl)]
-    if f.name == "fp16":
-        return [("allreduce", 2 * nl)]
-    if f.name == "topk":
-        return [("allgather", 8 * f.ratio * nl)]
-    if f.name == "randomk":
-        return [("allreduce", 4 * f.ratio * nl)]
-    if f.name in ("onebit", "quant"):
-        per = (1 if f.name == "onebit" else f.bits) / 8 + 4 / 128
-        return [("all-to-all", per * nl), ("allgather_chunks", per * nl)]
+    if f.name != "powersgd":
+        return [(kind, wire_bytes(kind, coef, nl, world)) for kind, coef in plan_traffic(f)]
     if f.name == "powersgd":
         # a shard holds rows / shard of each matrix and all its columns: P shrinks, Q does not
         p = sum(r / shard * f.rank for r, c in mats)
@@ -198,12 +258,8 @@ def comm_time(kind: str, m: float, G: int, c: Cluster, hier: bool) -> float:
             return _allgather(G, m * share, bx, c.alpha_cross)
         if kind == "all-to-all":
             return _alltoall(G, m * share, bx, c.alpha_cross)
-        if kind == "allgather_chunks":  # each rank's chunk of 1/G of m, to every rank
-            return _allgather(G, m * share / G, bx, c.alpha_cross)
         raise ValueError(kind)
     if N == 1:  # one node: everything inside it
-        if kind == "allgather_chunks":
-            return _allgather(P, m / P, bi, c.alpha_intra)
         return {"allreduce": _allreduce, "allgather": _allgather,
                 "all-to-all": _alltoall}[kind](P, m, bi, c.alpha_intra)
     # flat over nodes: the node link carries a ring's crossing traffic or the L ranks' off-node
@@ -213,9 +269,6 @@ def comm_time(kind: str, m: float, G: int, c: Cluster, hier: bool) -> float:
         steps = 2 * (P - 1)
     elif kind == "allgather":
         cross, intra = (P - 1) * m, (P - 1) * m
-        steps = P - 1
-    elif kind == "allgather_chunks":
-        cross, intra = (P - 1) * m / P, (P - 1) * m / P
         steps = P - 1
     elif kind == "all-to-all":
         cross, intra = L * (P - L) / P * m, (P - 1) / P * m
@@ -235,7 +288,7 @@ def step_time(f: Family, model: str, c: Cluster, hier: bool, compute_s: float,
     out = {"compute": compute_s, "local": 0.0, "intra": 0.0, "cross": 0.0}
     if not hier:
         out["local"] = local_s_per_elem.get(f.name, 0.0) * n
-        for kind, m in collectives(f, mats, vec):
+        for kind, m in collectives(f, mats, vec, world=c.world):
             out["cross"] += comm_time(kind, m, c.world, c, hier=False)
     else:
         bi = c.intra_gbps * 1e9 / 8
@@ -244,7 +297,7 @@ def step_time(f: Family, model: str, c: Cluster, hier: bool, compute_s: float,
         out["intra"] = (_alltoall(L, 4 * n, bi, c.alpha_intra)
                         + _allgather(L, 4 * n / L, bi, c.alpha_intra))
         if N > 1:
-            for kind, m in collectives(f, mats, vec, shard=L):
+            for kind, m in collectives(f, mats, vec, shard=L, world=N):
                 out["cross"] += comm_time(kind, m, N, c, hier=True)
     out["total"] = sum(out.values())
     return out
@@ -436,7 +489,7 @@ def calibrate(runs: Dict[Tuple[int, int], Dict[str, dict]], shapes, base_world: 
         flat_local = local.get("allreduce", 0.0) * floor[key] * n / L
         hier_pass = max(0.0, (float(r["hook_local_ms"]) / 1e3 - flat_local) / n / floor[key])
         cross = sum(comm_time(k, m, P // L, c, hier=True)
-                    for k, m in collectives(Family("allreduce"), mats, vec, shard=L))
+                    for k, m in collectives(Family("allreduce"), mats, vec, shard=L, world=P // L))
         intra = float(r["median_ms"]) / 1e3 - floor[key] - float(r["hook_local_ms"]) / 1e3 - cross
         moved = (L - 1) / L * 4 * n + (L - 1) * 4 * n / L  # all-to-all + allgather per rank
         intra_gbps = 8 * moved / max(intra, 1e-9) / 1e9

@@ -3,6 +3,7 @@
 // (gradcomp.torch).
 #include <nanobind/stl/unique_ptr.h>
 
+#include <random>
 #include <variant>
 
 #include "common.hpp"
@@ -252,6 +253,65 @@ void bind_plans(nb::module_& m) {
         return d;
       },
       nb::arg("name"), "Every option of a compressor with its default.");
+  m.def(
+      "dry_run",
+      [](const std::string& name, int64_t numel, int world, nb::dict options, int steps,
+         uint64_t seed, const std::string& backend) {
+        GC_CHECK_ARG(world >= 1 && world <= 4096, "dry_run: world must be in [1, 4096], got ",
+                     world);
+        GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 26) / world,
+                     "dry_run: numel x world must stay below 2^26 elements, got ", numel, " x ",
+                     world);
+        GC_CHECK_ARG(steps >= 1 && steps <= 100, "dry_run: steps must be in [1, 100], got ", steps);
+        const PlanOptions opts = to_options(name, options);
+        std::vector<Collective> last;
+        {
+          nb::gil_scoped_release unlocked;
+          std::vector<std::unique_ptr<BucketPlan>> plans;
+          std::vector<Plan*> ranks;
+          for (int r = 0; r < world; ++r) {
+            BucketSpec b = bucket_spec(numel, "float32", world, r, "cpu", 0, 0, 0);
+            b.backend = backend;
+            plans.push_back(make_plan(name, b, opts));
+            ranks.push_back(plans.back().get());
+          }
+          // every rank its own normal gradient (what the payload sizes of the sparsifiers and
+          // the cost model's choices depend on), the same on every call with the same seed
+          std::mt19937_64 rng(seed);
+          std::normal_distribution<float> normal(0.0f, 1.0f);
+          std::vector<std::vector<float>> grads(static_cast<size_t>(world),
+                                                std::vector<float>(static_cast<size_t>(numel)));
+          for (int s = 0; s < steps; ++s) {
+            for (int r = 0; r < world; ++r) {
+              for (float& v : grads[r]) v = normal(rng);
+              plans[r]->begin(TensorView::cpu(grads[r].data(), numel));
+            }
+            last = run_plans_in_process(ranks);
+          }
+        }
+        nb::list out;  // (the collectives' buffers died with the plans: only their sizes leave)
+        for (const Collective& c : last) {
+          nb::dict d;
+          d["kind"] = std::string(collective_name(c.kind));
+          d["type"] = std::string(elem_type_name(c.type));
+          d["count"] = c.count;
+          d["send_bytes"] = c.send_bytes();
+          d["scope"] = std::string(scope_name(c.scope));
+          d["tag"] = c.tag;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("name"), nb::arg("numel"), nb::arg("world"), nb::kw_only(),
+      nb::arg("options") = nb::dict(), nb::arg("steps") = 3, nb::arg("seed") = 0,
+      nb::arg("backend") = "",
+      "Runs `steps` steps of compressor `name`'s plan on `world` simulated ranks in this process "
+      "(float32 CPU buckets of numel elements, every rank a normal gradient of its own) and "
+      "returns the collectives of the last step as rank 0 issued them: dicts of kind, type, "
+      "count, send_bytes (what one rank sends into the collective: the whole buffer of an "
+      "allreduce, its own part of an allgather, all P parts of an all-to-all), scope and tag. "
+      "backend: as make_plan's (the cast plans' route='auto' follows it). What the scale model "
+      "reads a family's traffic from. numel x world < 2^26.");
   m.def("plan_is_stateful", &plan_is_stateful, nb::arg("name"),
         "Whether the compressor's plans carry state between steps.");
 

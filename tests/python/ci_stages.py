@@ -97,7 +97,8 @@ STAGES = {
                                             "dependence, no extension"),
     "test_experiment.py": (_NEWEST_ONLY, "the experiment's machinery, tiny runs; library code "
                                          "paths are the other files'"),
-    "test_scale_model.py": (_NEWEST_ONLY, "the scale model: pure Python arithmetic"),
+    "test_scale_model.py": (_NEWEST_ASAN, "the scale model: its traffic from dry runs of every "
+                                          "family's plans in the extension"),
     "test_doc_links.py": (_NEWEST_ONLY, "the documents' relative links and anchors: no torch"),
     "test_options_doc.py": (_NEWEST_ONLY, "docs/OPTIONS.md against its generator: the option "
                                           "tables and signatures it reads are the same on every "

@@ -36,8 +36,10 @@ def test_hierarchy_cuts_top_k_cross_bytes_by_the_node_size():
     flat = scale.step_time(f, "mlp", c, False, 0.0, local, shapes=shapes)
     hier = scale.step_time(f, "mlp", c, True, 0.0, local, shapes=shapes)
     # flat: a ring allgather of P payloads crosses each node link; hierarchical: N payloads of
-    # 1/L the size from each of L ranks: (N-1)/(P-1) of the bytes
-    assert math.isclose(hier["cross"] / flat["cross"], 7 / 63, rel_tol=1e-9)
+    # 1/L the size from each of L ranks: (N-1)/(P-1) of the bytes (the payload's header, read
+    # from the plan, does not shrink with the shard: a little more)
+    ratio = hier["cross"] / flat["cross"]
+    assert 7 / 63 < ratio < 7 / 63 * 1.01
     # a plain ring allreduce crosses with the same bytes either way
     a = scale.Family("allreduce")
     fa = scale.step_time(a, "mlp", c, False, 0.0, local, shapes=shapes)["cross"]
@@ -103,3 +105,36 @@ def test_the_command_writes_a_table_and_a_plot(tmp_path, capsys):
     assert os.path.getsize(png) > 10_000
     with pytest.raises(SystemExit):
         scale.main(["--world", "12", "--per-node", "8"])
+
+
+def test_the_traffic_is_the_plans_own():
+    """What the model sends per family is read from a dry run of the plans (two bucket sizes x
+    two world sizes, fitted): it predicts a dry run at another size and world size within the
+    two-phase plans' chunk rounding, for every family in the model and for fp8, which has no
+    formula here."""
+    from gradcomp import _C
+
+    n, G = 100_003, 12
+    for f in scale.DEFAULT_FAMILIES[:-1] + [scale.Family("fp8"), scale.Family("randomk", ratio=0.01)]:
+        measured = _C.dry_run(f.name, n, G, options=scale._plan_options(f), backend="nccl")
+        predicted = scale.collectives(f, [], n, world=G)
+        assert [c["kind"] for c in measured] == [k for k, _ in predicted], f.label
+        for c, (_, m) in zip(measured, predicted):
+            assert math.isclose(m, c["send_bytes"], rel_tol=0.03), (f.label, c, m)
+    # a family's bytes: top-k 1% sends 8 bytes per kept element and a header, fp16 2 per element
+    (kind, m), = scale.collectives(scale.Family("topk", ratio=0.01), [], 10**7, world=64)
+    assert kind == "allgather" and 8 * 10**5 < m < 8 * 10**5 + 1024
+    (kind, m), = scale.collectives(scale.Family("fp16"), [], 10**7, world=64)
+    assert kind == "allreduce" and m == 2 * 10**7
+
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    (("topk", 10, 0), {}, "world"), (("topk", -1, 2), {}, "numel"),
+    (("topk", 1 << 25, 4), {}, "2\\^26"), (("bogus", 10, 2), {}, "bogus"),
+    (("topk", 10, 2), {"options": {"ratio": 2.0}}, "ratio"), (("topk", 10, 2), {"steps": 0}, "steps")])
+def test_a_bad_dry_run_is_refused(args, kw, match):
+    from gradcomp import _C
+
+    with pytest.raises(ValueError, match=match):
+        _C.dry_run(*args, **kw)
