@@ -235,13 +235,11 @@ def collectives(f: Family, mats: Sequence[Tuple[int, int]], vec: int, shard: int
     nl = n / shard
     if f.name != "powersgd":
         return [(kind, wire_bytes(kind, coef, nl, world)) for kind, coef in plan_traffic(f)]
-    if f.name == "powersgd":
-        # a shard holds rows / shard of each matrix and all its columns: P shrinks, Q does not
-        p = sum(r / shard * f.rank for r, c in mats)
-        q = sum(c * f.rank for r, c in mats)
-        small = vec / shard
-        return [("allreduce", 4 * (p + small)), ("allreduce", 4 * q)]
-    raise ValueError(f"unknown family {f.name!r}")
+    # a shard holds rows / shard of each matrix and all its columns: P shrinks, Q does not
+    p = sum(r / shard * f.rank for r, c in mats)
+    q = sum(c * f.rank for r, c in mats)
+    small = vec / shard
+    return [("allreduce", 4 * (p + small)), ("allreduce", 4 * q)]
 
 
 def comm_time(kind: str, m: float, G: int, c: Cluster, hier: bool) -> float:

@@ -652,10 +652,11 @@ def _check_transform(state, transform, buf, it: int) -> Optional[Exception]:
     group = worker.group.world if isinstance(worker.group, Topology) else worker.group
     world = dist.get_world_size(group)
     mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int64)
-    if not _p2p_allgather(mine, group):
+    pairs = _p2p_allgather(mine, group)
+    if not pairs:
         mine = mine.to(buf.device)
     got = torch.empty(world, dtype=torch.int64, device=mine.device)
-    if _p2p_allgather(mine, group):
+    if pairs:
         _all_gather_p2p(got, mine, world, group).wait()
     else:
         dist.all_gather(list(got.chunk(world)), mine, group=group)
