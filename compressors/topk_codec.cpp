@@ -67,6 +67,36 @@ void SparsifyConfig::validate() const {
 void TopKConfig::validate() const {
   SparsifyConfig::validate();
   select.validate();
+  GC_CHECK_ARG(value_bits == 0 || value_bits == 2 || value_bits == 4 || value_bits == 8,
+               "value_bits must be 0 (values as value_dtype), 2, 4 or 8, got ", value_bits);
+  GC_CHECK_ARG(value_block >= 32 && value_block <= 8192 && (value_block & (value_block - 1)) == 0,
+               "value_block must be a power of two in [32, 8192], got ", value_block);
+  GC_CHECK_ARG(value_bits == 0 || value_dtype == DType::kFloat32,
+               "value_bits codes the values itself: value_dtype must stay float32 with it, got ",
+               dtype_name(value_dtype));
+}
+
+namespace {
+/// The coded values' layout (value_bits > 0): the multi-bit codec's chunk of `count` values,
+/// asymmetric grid, fp32 scales (fp16 scales would saturate values beyond 65504, which scaled or
+/// accumulated gradients reach).
+k::QuantGeom value_geom(const TopKConfig& cfg, int64_t count) {
+  k::QuantGeom g;
+  g.n = count;
+  g.bits = cfg.value_bits;
+  g.block = cfg.value_block;
+  g.asym = true;
+  g.half = false;
+  return g;
+}
+}  // namespace
+
+uint64_t topk_payload_bound(const TopKConfig& cfg, int64_t count, int64_t n) {
+  if (cfg.value_bits == 0) return sparse_payload_bound(count, n, cfg.value_dtype);
+  const uint64_t no_values = sparse_payload_bound(count, n, DType::kFloat32) -
+                             PayloadHeader::align(static_cast<uint64_t>(count) * 4);
+  return no_values +
+         PayloadHeader::align(static_cast<uint64_t>(value_geom(cfg, count).body_bytes()));
 }
 
 double SparsifyConfig::local_clip_norm(int world) const {
@@ -115,9 +145,18 @@ int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, 
 // ------------------------------------------------------------------------------------------------
 struct TopKCompressor::Impl {
   Impl(const SparsifyConfig& cfg, int64_t n, Device dev, void* s)
-      : dgc(cfg, n, dev, s), idx(dev, s), host_idx(Device::kCPU), ws(dev), stream(s) {}
+      : dgc(cfg, n, dev, s),
+        idx(dev, s),
+        host_idx(Device::kCPU),
+        vals(dev, s),
+        err(dev, s),
+        qws(dev),
+        ws(dev),
+        stream(s) {}
   SparsifyState dgc;
   Buffer idx, host_idx;
+  Buffer vals, err;  ///< value_bits: the k values before coding / after decoding, their error
+  k::QuantWorkspace qws;
   k::SelectWorkspace ws;
   void* stream;
   int device_index = 0;
@@ -143,7 +182,7 @@ TopKCompressor::~TopKCompressor() = default;
 const float* TopKCompressor::residual() const { return impl_->dgc.v(); }
 
 uint64_t TopKCompressor::payload_bound(int64_t step) const {
-  return sparse_payload_bound(topk_count(cfg_.ratio_at(step), numel_), numel_, cfg_.value_dtype);
+  return topk_payload_bound(cfg_, topk_count(cfg_.ratio_at(step), numel_), numel_);
 }
 const float* TopKCompressor::momentum_buffer() const { return impl_->dgc.u(); }
 
@@ -194,14 +233,31 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   }
   h.index_coding = static_cast<uint8_t>(coding);
   h.section_bytes[0] = ibytes;
-  h.section_bytes[1] = static_cast<uint64_t>(c) * dtype_size(cfg_.value_dtype);
+  const bool coded = cfg_.value_bits > 0;
+  const k::QuantGeom geo = value_geom(cfg_, c);
+  // coded values: no values section, the codec's body (scales, codes) as the extra section
+  h.section_bytes[1] = coded ? 0 : static_cast<uint64_t>(c) * dtype_size(cfg_.value_dtype);
+  h.section_bytes[2] = coded ? static_cast<uint64_t>(geo.body_bytes()) : 0;
   out.bytes.resize(h.total_bytes(), false);
   uint8_t* base = static_cast<uint8_t*>(out.bytes.data());
-  void* values = base + h.section_offset(1);
+  void* values = coded ? static_cast<void*>(s.vals.get<float>(static_cast<size_t>(c) + 1))
+                       : static_cast<void*>(base + h.section_offset(1));
   if (direct)
     k::dispatch::gather({device_, s.stream}, v, idx, c, values, cfg_.value_dtype);
   else
-    s.dgc.take(idx, c, values);
+    s.dgc.take(idx, c, values);  // (fp32 values when coded: the residual there becomes 0)
+  if (coded && c > 0) {
+    // With error feedback what the codes lose goes back into the residual at its element:
+    // v[idx[j]] = 0 + (x_j - decode(code_j)), exactly the residual of an fp32 send plus the
+    // coding error.
+    const bool keep = cfg_.error_feedback && !direct;
+    float* e = keep ? s.err.get<float>(static_cast<size_t>(c)) : nullptr;
+    k::dispatch::quant_compress({device_, s.stream}, values, DType::kFloat32, nullptr, e, geo,
+                                k::QuantRng{}, /*check_finite=*/false, base + h.section_offset(2));
+    if (keep)
+      k::dispatch::scatter_add({device_, s.stream}, idx, e, DType::kFloat32, c, 1.0f,
+                               s.dgc.work_v());
+  }
   if (cuda) {
     if (coding == IndexCoding::kBitmap)
       k::cuda::indices_to_bitmap(idx, c, n, base + h.section_offset(0), s.stream);
@@ -241,21 +297,43 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
                    " elements, the output has ", numel_);
   GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload is for tensor ", h.tensor_id,
                    ", this compressor is tensor ", cfg_.tensor_id);
-  GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
-                   "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
-                   dtype_size(DType(h.value_dtype)));
-  GC_CHECK_PAYLOAD(h.section_bytes[2] == 0, "unexpected extra section of ", h.section_bytes[2],
-                   " bytes in a sparse payload");
+  const bool coded = cfg_.value_bits > 0;
+  const int64_t c = static_cast<int64_t>(h.count);
+  const k::QuantGeom geo = value_geom(cfg_, c);
+  if (coded) {
+    // (the coding is this compressor's configuration, the same on every rank: a payload coded
+    // otherwise has another body size, or fails the plan's options check first)
+    GC_CHECK_PAYLOAD(h.value_dtype == uint8_t(DType::kFloat32) && h.section_bytes[1] == 0,
+                     "expected coded values (value_bits ", cfg_.value_bits,
+                     "), got a values section of ", h.section_bytes[1], " bytes");
+    GC_CHECK_PAYLOAD(h.section_bytes[2] == static_cast<uint64_t>(geo.body_bytes()),
+                     "coded values section has ", h.section_bytes[2], " bytes, expected ",
+                     geo.body_bytes(), " for ", h.count, " values at ", cfg_.value_bits,
+                     " bits in blocks of ", cfg_.value_block);
+  } else {
+    GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
+                     "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
+                     dtype_size(DType(h.value_dtype)));
+    GC_CHECK_PAYLOAD(h.section_bytes[2] == 0, "unexpected extra section of ", h.section_bytes[2],
+                     " bytes in a sparse payload");
+  }
   if (h.count == 0) return;
   const auto* base = static_cast<const uint8_t*>(payload);
   const uint8_t* isec = base + h.section_offset(0);
   const void* values = base + h.section_offset(1);
+  DType vt = DType(h.value_dtype);
+  if (coded) {  // the k values decoded (fp32, in index order), then added as fp32 values
+    float* vals = s.vals.get<float>(h.count);
+    const uint8_t* body = base + h.section_offset(2);
+    k::dispatch::quant_decode_average({device_, s.stream}, &body, 1, geo, 1.0f, vals, s.qws);
+    values = vals;
+    vt = DType::kFloat32;
+  }
   const IndexCoding coding = IndexCoding(h.index_coding);
-  const int64_t c = static_cast<int64_t>(h.count);
   if (device_ == Device::kCPU) {
     uint32_t* idx = s.idx.get<uint32_t>(h.count);
     decode_indices(isec, h.section_bytes[0], coding, h.count, h.numel, idx);  // validates
-    k::cpu::scatter_add(idx, values, DType(h.value_dtype), c, scale, dense.as<float>());
+    k::cpu::scatter_add(idx, values, vt, c, scale, dense.as<float>());
     return;
   }
   uint32_t* idx = s.idx.get<uint32_t>(h.count);
@@ -288,7 +366,7 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
       GC_CHECK_PAYLOAD(false, "index coding ", int(h.index_coding),
                        " is not valid for sparse payloads");
   }
-  k::cuda::scatter_add(use, values, DType(h.value_dtype), c, scale, dense.as<float>(), s.stream);
+  k::cuda::scatter_add(use, values, vt, c, scale, dense.as<float>(), s.stream);
 }
 
 std::vector<uint8_t> TopKCompressor::state_dict() const {

@@ -15,6 +15,11 @@ TopKConfig topk_config_of(const Options& o, uint32_t tensor_id) {
   auto c = sparsify_config<TopKConfig>(o, tensor_id);
   c.select.method = o.pick<SelectMethod>("method");
   c.select.sample_rate = o.real("sample_rate");
+  const int64_t bits = o.integer("value_bits");
+  GC_CHECK_ARG(bits == 0 || bits == 2 || bits == 4 || bits == 8,
+               "value_bits must be 0 (values as value_dtype), 2, 4 or 8, got ", bits);
+  c.value_bits = static_cast<int>(bits);
+  c.value_block = o.integer("value_block");
   c.validate();
   return c;
 }
@@ -27,6 +32,8 @@ PlanOptions topk_defaults() {
   PlanOptions o = sparsify_defaults(d);
   o["method"] = std::string(enum_name(d.select.method));
   o["sample_rate"] = d.select.sample_rate;
+  o["value_bits"] = static_cast<int64_t>(d.value_bits);
+  o["value_block"] = d.value_block;
   o["route"] = std::string(enum_name(p.route));
   o["exchange"] = std::string(enum_name(p.exchange));
   o["latency_s"] = p.cost.latency_s;
@@ -120,6 +127,21 @@ const Family& topk_family() {
     t.build = topk_plan;
     t.shard_forms = {PlanForm::kReduceScatter};
     t.missing_form_reason = "parameters are not sparse";
+    t.option_docs = {
+        {"value_bits",
+         "",
+         "0 sends the selected values as `value_dtype`; 2, 4 or 8 codes each as that many bits "
+         "on a per-block grid of 2^bits levels from the block's smallest to its largest value "
+         "(the multi-bit family's codec, two fp32 scales per block), rounded to nearest; with "
+         "error feedback the rounding error stays in the residual (SparseLoCo: top-k at 2 bits). "
+         "Needs `value_dtype` float32. The allreduce only.",
+         {}},
+        {"value_block",
+         "",
+         "Coded values per block (pair of scales) with `value_bits`: a power of two in [32, "
+         "8192]; 8 bytes more per block.",
+         {}},
+    };
     t.shard_defaults = topk_shard_defaults;
     t.build_shard = topk_shard_plan;
     t.states = {{"topk", [](const RankStateList& s, int,

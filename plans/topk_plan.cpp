@@ -38,7 +38,7 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   // min(raw, bitmap)), so that no step allocates.
   double ratio = cfg.ratio;
   for (double r : cfg.warmup_ratios) ratio = std::max(ratio, r);
-  const uint64_t most = sparse_payload_bound(topk_count(ratio, numel), numel, cfg.value_dtype);
+  const uint64_t most = topk_payload_bound(cfg, topk_count(ratio, numel), numel);
   max_payload_ = most;
   payload_.bytes.reserve(most);
   gathered_.reserve(most * static_cast<uint64_t>(world));
@@ -52,6 +52,7 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   detail::OptionsHash h;
   h.add(cfg.ratio).add(cfg.warmup_steps).add_all(cfg.warmup_ratios);
   h.add(static_cast<int>(cfg.value_dtype)).add(static_cast<int>(opt.route));
+  if (cfg.value_bits > 0) h.add(cfg.value_bits).add(cfg.value_block);  // (older hashes unchanged)
   h.add(static_cast<int>(opt.exchange)).add(opt.cost.bandwidth_Bps).add(opt.cost.latency_s);
   config_fingerprint_ = static_cast<int64_t>(h.value() & 0x7fffffffffffffffull);
 }
@@ -180,7 +181,7 @@ bool TopKAllreducePlan::check_dense_slots() {
   if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
   const bool flagged = detail::require_agreement(
       detail::read_sum_envelope(h.data(), DType::kFloat32, world_), "topk",
-      "ratio, warm-up, value_dtype, route, exchange and the cost model", own_step_);
+      "ratio, warm-up, value_dtype, value_bits, route, exchange and the cost model", own_step_);
   return check_finite_ && flagged;
 }
 
@@ -247,11 +248,13 @@ std::optional<Collective> TopKAllreducePlan::advance() {
                      first[2], ", rank ", r, " at ", f[2],
                      " (restore every rank's state, or none)");
         GC_CHECK_ARG(f[4] == first[4], "plan 'topk': the options differ across ranks (rank 0 ",
-                     "and rank ", r, "): ratio, warm-up, value_dtype, route, exchange and the ",
+                     "and rank ", r,
+                     "): ratio, warm-up, value_dtype, value_bits, route, exchange and the ",
                      "cost model must be the same on every rank");
-        GC_CHECK_ARG(f[3] == first[3], "plan 'topk': the largest payload differs across ranks (",
-                     first[3], " bytes on rank 0, ", f[3], " on rank ", r,
-                     "): ratio, warm-up and value_dtype must be the same on every rank");
+        GC_CHECK_ARG(
+            f[3] == first[3], "plan 'topk': the largest payload differs across ranks (", first[3],
+            " bytes on rank 0, ", f[3], " on rank ", r,
+            "): ratio, warm-up, value_dtype and value_bits must be the same on every rank");
         const auto b = static_cast<uint64_t>(f[1]);
         GC_CHECK_ARG(b >= sizeof(PayloadHeader), "plan 'topk': rank ", r,
                      " announced a payload of ", b, " bytes (less than a header)");
@@ -326,6 +329,10 @@ bool TopKAllreducePlan::sum_overflowed(const float* sum, const uint8_t* gathered
       const PayloadHeader& h = headers_[r];
       const auto vt = DType(h.value_dtype);
       if (vt == DType::kFloat16 || h.count == 0) continue;  // (fp16 values stay below 65504)
+      if (h.section_bytes[1] == 0) {  // coded values (value_bits): scan the sum itself
+        large = true;
+        break;
+      }
       const double ss = k::cpu::sum_squares(gathered + r * stride_ + h.section_offset(1), vt,
                                             static_cast<int64_t>(h.count));
       large = !(ss < 0x1p252);

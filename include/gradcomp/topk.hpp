@@ -85,8 +85,24 @@ struct SparsifyConfig {
 
 struct TopKConfig : SparsifyConfig {
   SelectOptions select;
+  /// Quantized values (SparseLoCo's setting: top-k of an error-fed pseudo-gradient at 2 bits):
+  /// 0 sends the k values as value_dtype; 2, 4 or 8 sends each of them as a code of that many
+  /// bits on a per-block asymmetric grid (2^bits levels from the block's smallest to its largest
+  /// value, two fp32 scales per block of value_block values, rounded to nearest), the multi-bit
+  /// family's codec applied to the k selected values in index order. The asymmetric grid
+  /// because the selected values are the largest magnitudes: a symmetric grid spends one of
+  /// its codes on zero, which at 2 bits rounds every value below half the block's largest to
+  /// nothing. With error feedback the rounding error stays in the residual at its element
+  /// (residual = v - decode(code)). Needs value_dtype float32 (the values before coding).
+  int value_bits = 0;
+  int64_t value_block = 128;  ///< values per pair of scales: a power of two in [32, 8192]
   void validate() const;
 };
+
+/// The largest top-k payload (bytes, header included) of `count` of n elements under cfg: the
+/// index section as sparse_payload_bound's, the values as value_dtype or, with value_bits, the
+/// coded values' scales and codes.
+uint64_t topk_payload_bound(const TopKConfig& cfg, int64_t count, int64_t n);
 
 /// Number of elements sent for a density: ceil(ratio * n), at least 1 when n > 0.
 int64_t topk_count(double ratio, int64_t n);

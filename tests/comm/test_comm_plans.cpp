@@ -280,6 +280,51 @@ TopKRun run_topk(const gc::TopKConfig& cfg, const gc::TopKPlanOptions& opt, int 
 
 }  // namespace
 
+TEST(CommPlans, TopKCodedValuesMatchTheCodecsOnEveryRouteAndRank) {
+  // value_bits: each rank's payload carries its coded values; both routes, every exchange and
+  // P = 1-4 give every rank the bits of the codecs' decodes summed in rank order (the codec
+  // itself is checked against the grid's definition in tests/topk).
+  for (auto exchange : {gc::TopKExchange::kBound, gc::TopKExchange::kSizes})
+    for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense})
+      for (int P = 1; P <= 4; ++P)
+        for (int64_t n : kSizes) {
+          gc::TopKConfig cfg;
+          cfg.ratio = 0.03;
+          cfg.value_bits = 2;
+          cfg.value_block = 32;
+          gc::test::TopKReference ref(cfg, n, P);
+          gc::TopKPlanOptions opt;
+          opt.route = route;
+          opt.exchange = exchange;
+          check_plan(
+              P, n, 3, [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
+              [&](const auto& in) {
+                auto v = ref.step(in);
+                if (n == 0) v.clear();
+                return v;
+              });
+        }
+  // a rank coding at another width (or not at all) is told at the first step, on every rank
+  for (int other : {0, 4}) {
+    gc::TopKConfig a, b;
+    a.ratio = b.ratio = 0.03;
+    a.value_bits = 2;
+    b.value_bits = other;
+    const int64_t n = 1000;
+    gc::TopKAllreducePlan pa(a, n, 2), pb(b, n, 2);
+    std::vector<float> ga = rank_input(n, 0, 0), gb = rank_input(n, 1, 0);
+    pa.begin(gc::TensorView::cpu(ga.data(), n));
+    pb.begin(gc::TensorView::cpu(gb.data(), n));
+    std::vector<gc::Plan*> raw{&pa, &pb};
+    try {
+      gc::run_plans_in_process(raw);
+      ADD_FAILURE() << "value_bits 2 and " << other << " were not refused";
+    } catch (const gc::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("value_bits"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(CommPlans, TopKBoundExchangeIsOneCollectiveWithTheSameBits) {
   // A warm-up schedule, so that k (and with it the bound) changes from step to step; fp16 values
   // and a momentum, so that payloads are not trivially alike; n odd and large enough for the
