@@ -348,6 +348,10 @@ CKPT_CFGS = [
          kw=dict(compressor="topk", compressor_options=dict(ratio=0.25))),
     dict(_cfg([64, 64], [(0, 2)], h=2, total=9), kw=dict(compressor="quant",
                                                           compressor_options=dict(bits=4))),
+    # SparseLoCo's setting: top-k with 2-bit values (the coding error rides in the residual)
+    dict(_cfg([300, 41], [(0, 2)], h=2, total=9),
+         kw=dict(compressor="topk", compressor_options=dict(ratio=0.03, value_bits=2,
+                                                            value_block=32))),
 ]
 
 
@@ -429,6 +433,46 @@ def test_checkpoint_restart_continues_bitwise():
             assert res[c]["refusals"] == [], (c, res[c]["refusals"])
             assert res[c]["same"], f"config {c} rank {r}: the resumed run differs"
         assert res[1]["pending"] == 1  # the streaming checkpoint held a result in flight
+
+
+def _coded_worker(rank, world, out):
+    res = {}
+    cfg = _cfg([20_000, 7], [(0, 2)], h=2, total=6)
+    for bits in (0, 2):
+        model = Params(init_for(cfg["seed"], cfg["sizes"]))
+        avg = _averager(cfg, model, compressor="topk",
+                        compressor_options=dict(ratio=0.03, value_bits=bits,
+                                                exchange="sizes"))
+        rounds = []
+        for t in range(1, cfg["total"] + 1):
+            _inner_step(cfg, model, rank, t)
+            avg.step()
+            if t in avg.sync_steps:
+                rounds.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        res[bits] = dict(rounds=rounds, wire=avg.wire_bytes)
+    torch.save(res, os.path.join(out, f"v{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparseloco_rounds_send_coded_values_and_stay_identical(world):
+    # top-k 3% of the pseudo-gradient at 2 bits a value: every round ends with the same bits on
+    # every rank, and the wire carries the codes (a byte of index and ~2.5 bits a value) instead
+    # of fp32 values (a byte of index and 4 bytes): about a quarter of the bytes (the payloads at
+    # their sizes: exchange="sizes"; the one-collective exchange pads to the raw-index bound)
+    out = tmpdir()
+    run(_coded_worker, world, out)
+    got = [torch.load(os.path.join(out, f"v{r}.pt")) for r in range(world)]
+    for bits in (0, 2):
+        assert len(got[0][bits]["rounds"]) == 3
+        for r in range(1, world):
+            for a, b in zip(got[0][bits]["rounds"], got[r][bits]["rounds"]):
+                assert torch.equal(a, b), (bits, r)
+    coded, fp32 = got[0][2]["wire"], got[0][0]["wire"]
+    assert 0.15 * fp32 < coded < 0.35 * fp32, (coded, fp32)
+    # the coded rounds moved the model (not a round of zeros) and differ from the fp32 ones
+    assert not torch.equal(got[0][2]["rounds"][0], got[0][0]["rounds"][0])
+    x0 = torch.cat([t.reshape(-1) for t in init_for(1, [20_000, 7])])
+    assert float((got[0][2]["rounds"][-1] - x0).abs().max()) > 0
 
 
 # -- options ---------------------------------------------------------------------------------------
