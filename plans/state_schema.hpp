@@ -41,7 +41,7 @@ enum class FieldRole : uint8_t {
 };
 
 /// The storage of a scalar field (kOption; the other scalar roles have fixed types).
-enum class FieldType : uint8_t { kU8, kI32, kI64, kU64 };
+enum class FieldType : uint8_t { kU8, kI32, kI64, kU64, kU32 };
 
 /// A state's scalar fields by name, as read or to be written (unsigned values bit-cast).
 using StateScalars = std::map<std::string, int64_t>;
@@ -69,7 +69,9 @@ struct StateSchema {
 };
 
 /// The state: `scalars` holds every scalar field (numel, world, rank, step and the options) and
-/// `arrays` each present array in field order (on `device`, in `stream`'s order).
+/// `arrays` each present array in field order (on `device`, in `stream`'s order). A schema
+/// without kWorld (a state that is the same on every rank, such as the sparsifiers') needs no
+/// "world" among the scalars unless it has a kChunk array.
 std::vector<uint8_t> write_state(const StateSchema& schema, const StateScalars& scalars,
                                  const std::vector<const void*>& arrays, Device device,
                                  void* stream);
