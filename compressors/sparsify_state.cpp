@@ -1,43 +1,83 @@
 // SPDX-License-Identifier: Apache-2.0
-// The checkpoint layout top-k and random-k share, resharded for another world size.
+// The checkpoint state top-k and random-k share, declared once (plans/state_schema.hpp): saved,
+// loaded and resharded for another world size from the same declaration.
+#include "compressors/sparsify_state.hpp"
+
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <vector>
 
-#include "compressors/sparsify_state.hpp"
-#include "core/state_io.hpp"
+#include "gradcomp/error.hpp"
+#include "plans/state_schema.hpp"
 
-namespace gradcomp {
+namespace gradcomp::detail {
+namespace {
 
-// Top-k and random-k keep the same state (TopKCompressor::state_dict above): numel, step, then
-// SparsifyState::save. Every rank's residual and momentum add to the average with weight 1/P;
-// giving every rank of the new job their mean keeps both sums over ranks / P (what the residuals
-// will still send, the momenta's future contribution) as they were.
-std::vector<uint8_t> detail::reshard_sparsify_state(const std::vector<std::vector<uint8_t>>& states,
-                                                    const std::string& kind) {
-  RankStates rs(states, kind);
-  const auto numel = rs.same<int64_t>("numel");
-  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40), "state_dict: numel ", numel,
-               " out of range");
-  const auto step = rs.same<int64_t>("step");
-  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
-               " out of range");
-  const auto has_u = rs.same<uint8_t>("has_momentum");
-  GC_CHECK_ARG(has_u <= 1, "state_dict: bad has_momentum flag ", int(has_u));
-  const auto tensor_id = rs.same<uint32_t>("tensor_id");
-  const std::vector<float> v = rs.mean("residual", numel);
-  std::vector<float> u;
-  if (has_u) u = rs.mean("momentum", numel);
-  rs.finish();
-  StateWriter w(kind);
-  w.put<int64_t>(numel);
-  w.put<int64_t>(step);
-  w.put<uint8_t>(has_u);
-  w.put<uint32_t>(tensor_id);
-  w.put_floats(v);
-  if (has_u) w.put_floats(u);
-  return w.take();
+/// The momentum array is written with momentum on a non-empty bucket: an empty bucket's
+/// momentum buffer was never allocated, and its states have always been written without the
+/// array (has_momentum still 1), so they load as before and now reshard too.
+bool has_momentum_array(const StateScalars& v) {
+  return v.at("has_momentum") != 0 && v.at("numel") > 0;
 }
 
-}  // namespace gradcomp
+// The fields in the order their checkpoints have always had (numel, step, has_momentum u8,
+// tensor_id u32, residual, momentum). The state is the same kind of thing on every rank (no
+// world, rank or chunk): every rank's residual and momentum add to the average with weight 1/P,
+// so giving every rank of the new job their mean keeps both sums over ranks / P (what the
+// residuals will still send, the momenta's future contribution) as they were.
+std::vector<StateField> sparsify_fields() {
+  return {{"numel", FieldRole::kNumel},
+          {"step", FieldRole::kStep},
+          {"has_momentum", FieldRole::kOption, FieldType::kU8},
+          {"tensor_id", FieldRole::kOption, FieldType::kU32},
+          {"residual", FieldRole::kMean},
+          {"momentum", FieldRole::kMean, FieldType::kI64, has_momentum_array}};
+}
+
+void validate_sparsify(const StateScalars& v) {
+  const int64_t has_u = v.at("has_momentum");
+  GC_CHECK_ARG(has_u <= 1, "state_dict: bad has_momentum flag ", has_u);
+}
+
+const StateSchema& sparsify_schema(const std::string& kind) {
+  static const StateSchema topk{"topk", sparsify_fields(), nullptr, validate_sparsify};
+  static const StateSchema randomk{"randomk", sparsify_fields(), nullptr, validate_sparsify};
+  if (kind == "topk") return topk;
+  GC_CHECK(kind == "randomk", "no sparsifier state of kind '", kind, "'");
+  return randomk;
+}
+
+}  // namespace
+
+std::vector<uint8_t> SparsifyState::state_dict(const char* kind, int64_t numel,
+                                               int64_t step) const {
+  GC_CHECK(numel == n_, kind, ": state of ", numel, " elements, the buffers hold ", n_);
+  const StateScalars s = {{"numel", numel},
+                          {"step", step},
+                          {"has_momentum", cfg_.momentum > 0.0},
+                          {"tensor_id", cfg_.tensor_id}};
+  std::vector<const void*> arrays = {v()};
+  if (has_momentum_array(s)) arrays.push_back(u());
+  return write_state(sparsify_schema(kind), s, arrays, dev_, stream_);
+}
+
+int64_t SparsifyState::load_state_dict(const char* kind, int64_t numel, const uint8_t* data,
+                                       size_t nbytes) {
+  GC_CHECK(numel == n_, kind, ": state of ", numel, " elements, the buffers hold ", n_);
+  const StateScalars expected = {
+      {"numel", numel}, {"has_momentum", cfg_.momentum > 0.0}, {"tensor_id", cfg_.tensor_id}};
+  const LoadedState saved = read_state(sparsify_schema(kind), data, nbytes, expected);
+  // every field checked: now overwrite
+  const size_t bytes = static_cast<size_t>(n_) * sizeof(float);
+  device_copy(v(), dev_, saved.arrays[0], Device::kCPU, bytes, stream_);
+  if (saved.arrays.size() > 1)
+    device_copy(u(), dev_, saved.arrays[1], Device::kCPU, bytes, stream_);
+  return saved.step;
+}
+
+std::vector<uint8_t> reshard_sparsify_state(const std::vector<std::vector<uint8_t>>& states,
+                                            const std::string& kind, int world, int rank) {
+  return reshard_by_schema(sparsify_schema(kind), states, world, rank);
+}
+
+}  // namespace gradcomp::detail

@@ -2,7 +2,7 @@
 // What the top-k and random-k codecs share: DGC's state around the selection (SparsifyState:
 // residual, momentum, their accumulation and the taking of the chosen values) and the payload
 // helpers. Internal to the library; the codecs are in topk_codec.cpp and randomk_codec.cpp, the
-// state's byte layout beside reshard_sparsify_state in sparsify_state.cpp.
+// state's declared layout (plans/state_schema.hpp) in sparsify_state.cpp.
 #pragma once
 
 #include <cmath>
@@ -173,47 +173,12 @@ class SparsifyState {
                                   cfg_.value_dtype, share);
   }
 
-  /// A codec's checkpoint (top-k and random-k alike; reshard_sparsify_state reads the same
-  /// layout): magic/version/kind header, numel, step, then save()'s fields, then the checksum.
-  std::vector<uint8_t> state_dict(const char* kind, int64_t numel, int64_t step) const {
-    StateWriter w(kind);
-    w.put<int64_t>(numel);
-    w.put<int64_t>(step);
-    save(w);
-    return w.take();
-  }
+  /// A codec's checkpoint (top-k and random-k alike, `kind` "topk" / "randomk"): the fields
+  /// declared once in sparsify_state.cpp's schema (numel, step, has_momentum, tensor_id, the
+  /// residual and, with momentum, the momentum), which reshard_sparsify_state reads as well.
+  std::vector<uint8_t> state_dict(const char* kind, int64_t numel, int64_t step) const;
   /// Restores state_dict() whole or, with InvalidArgument, not at all; returns the saved step.
-  int64_t load_state_dict(const char* kind, int64_t numel, const uint8_t* data, size_t nbytes) {
-    StateReader r(data, nbytes, kind);
-    r.expect<int64_t>("numel", numel);
-    const auto step = r.get_step();
-    const auto saved = read(r);
-    r.finish();
-    apply(saved);  // all checks passed: now overwrite
-    return step;
-  }
-  void save(detail::StateWriter& w) const {
-    w.put<uint8_t>(cfg_.momentum > 0.0);
-    w.put<uint32_t>(cfg_.tensor_id);
-    w.put_array(v(), dev_, n_ * sizeof(float), stream_);
-    if (u()) w.put_array(u(), dev_, n_ * sizeof(float), stream_);
-  }
-  /// Reads (and checks) what save() wrote; apply() the result once the whole state is checked.
-  struct Saved {
-    const uint8_t* v;
-    const uint8_t* u;
-  };
-  Saved read(detail::StateReader& r) const {
-    r.expect<uint8_t>("has_momentum", cfg_.momentum > 0.0);
-    r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
-    Saved sv{r.finite_array("residual", n_ * sizeof(float)), nullptr};
-    if (u()) sv.u = r.finite_array("momentum", n_ * sizeof(float));
-    return sv;
-  }
-  void apply(const Saved& sv) {
-    device_copy(v(), dev_, sv.v, Device::kCPU, n_ * sizeof(float), stream_);
-    if (sv.u) device_copy(u(), dev_, sv.u, Device::kCPU, n_ * sizeof(float), stream_);
-  }
+  int64_t load_state_dict(const char* kind, int64_t numel, const uint8_t* data, size_t nbytes);
 
  private:
   const SparsifyConfig cfg_;  // a copy: the base part of the owner's config
@@ -228,6 +193,6 @@ class SparsifyState {
 /// Resumes top-k's or random-k's states (`kind`: "topk" / "randomk", one per rank of the saved job)
 /// on another world size: every new rank gets their mean (reshard_state, gradcomp/make_plan.hpp).
 std::vector<uint8_t> reshard_sparsify_state(const std::vector<std::vector<uint8_t>>& states,
-                                            const std::string& kind);
+                                            const std::string& kind, int world, int rank);
 
 }  // namespace gradcomp::detail

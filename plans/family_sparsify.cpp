@@ -144,8 +144,8 @@ const Family& topk_family() {
     };
     t.shard_defaults = topk_shard_defaults;
     t.build_shard = topk_shard_plan;
-    t.states = {{"topk", [](const RankStateList& s, int,
-                            int) { return reshard_sparsify_state(s, "topk"); }},
+    t.states = {{"topk", [](const RankStateList& s, int world,
+                            int rank) { return reshard_sparsify_state(s, "topk", world, rank); }},
                 {"topk-reduce-scatter", topk_shard_reshard}};
     return t;
   }();
@@ -160,8 +160,8 @@ const Family& randomk_family() {
     r.uses_shapes = true;  // dense_below reads the tensors' sizes
     r.defaults = randomk_defaults;
     r.build = randomk_plan;
-    r.states = {{"randomk", [](const RankStateList& s, int, int) {
-                   return reshard_sparsify_state(s, "randomk");
+    r.states = {{"randomk", [](const RankStateList& s, int world, int rank) {
+                   return reshard_sparsify_state(s, "randomk", world, rank);
                  }}};
     return r;
   }();

@@ -38,6 +38,8 @@ auto with_type(FieldType t, F&& f) {
       return f(uint8_t{});
     case FieldType::kI32:
       return f(int32_t{});
+    case FieldType::kU32:
+      return f(uint32_t{});
     case FieldType::kI64:
       return f(int64_t{});
     default:
@@ -61,9 +63,17 @@ int64_t same(RankStates& rs, const char* name, FieldType t) {
 
 int64_t elems(const StateSchema& s, const StateField& f, const StateScalars& v, int world) {
   if (f.role == FieldRole::kMean) return v.at("numel");
-  GC_CHECK_ARG(s.chunk_elems != nullptr, "state schema '", s.kind, "': no chunk size for '", f.name,
-               "'");
+  GC_CHECK_ARG(s.chunk_elems != nullptr && world > 0, "state schema '", s.kind,
+               "': no chunk size for '", f.name,
+               "' (a kChunk array needs chunk_elems and a world)");
   return s.chunk_elems(v, world);
+}
+
+/// The world size the scalars were saved with; 0 for a state without one (only kChunk arrays
+/// need it, and elems() refuses them then).
+int world_of(const StateScalars& v) {
+  const auto it = v.find("world");
+  return it == v.end() ? 0 : static_cast<int>(it->second);
 }
 
 }  // namespace
@@ -72,7 +82,7 @@ std::vector<uint8_t> write_state(const StateSchema& schema, const StateScalars& 
                                  const std::vector<const void*>& arrays, Device device,
                                  void* stream) {
   StateWriter w(schema.kind);
-  const int world = static_cast<int>(scalars.at("world"));
+  const int world = world_of(scalars);
   size_t next = 0;
   for (const StateField& f : schema.fields) {
     if (!is_array(f)) {
@@ -93,7 +103,7 @@ LoadedState read_state(const StateSchema& schema, const uint8_t* data, size_t nb
                        const StateScalars& expected) {
   StateReader r(data, nbytes, schema.kind);
   LoadedState out;
-  const int world = static_cast<int>(expected.at("world"));
+  const int world = world_of(expected);
   for (const StateField& f : schema.fields) {
     if (f.role == FieldRole::kStep) {
       out.step = r.get_step();

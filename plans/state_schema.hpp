@@ -7,6 +7,15 @@
 // cannot drift apart. The bytes are those of core/state_io.hpp's StateWriter, field by field, so
 // a schema written for an existing state keeps its checkpoints loadable.
 //
+// Not covered: PowerSGD's state (compressors/powersgd_state.cpp). Its fields are a list, a count
+// and then (rows, cols, rank) per tensor, which a map of named scalars cannot hold and load must
+// compare element by element; its arrays are sized by sums over that list (the compressed
+// tensors' n*m and m*rank), not by numel or a chunk; its q_ready flag is neither a setting nor
+// the step (read, checked <= 1, handed back, the same on every rank); and an absent array is
+// written with length 0 rather than left out. Each would be its own extension (list-valued
+// scalars, a size function per array, a state-flag role, empty-not-absent arrays), together a
+// second schema language for one family, so it keeps its hand-written three.
+//
 // Example (a two-phase family):
 //   const StateSchema s{"x-allreduce",
 //                       {{"numel", FieldRole::kNumel}, {"world", FieldRole::kWorld},
@@ -41,7 +50,7 @@ enum class FieldRole : uint8_t {
 };
 
 /// The storage of a scalar field (kOption; the other scalar roles have fixed types).
-enum class FieldType : uint8_t { kU8, kI32, kI64, kU64 };
+enum class FieldType : uint8_t { kU8, kI32, kI64, kU64, kU32 };
 
 /// A state's scalar fields by name, as read or to be written (unsigned values bit-cast).
 using StateScalars = std::map<std::string, int64_t>;
@@ -69,7 +78,9 @@ struct StateSchema {
 };
 
 /// The state: `scalars` holds every scalar field (numel, world, rank, step and the options) and
-/// `arrays` each present array in field order (on `device`, in `stream`'s order).
+/// `arrays` each present array in field order (on `device`, in `stream`'s order). A schema
+/// without kWorld (a state that is the same on every rank, such as the sparsifiers') needs no
+/// "world" among the scalars unless it has a kChunk array.
 std::vector<uint8_t> write_state(const StateSchema& schema, const StateScalars& scalars,
                                  const std::vector<const void*>& arrays, Device device,
                                  void* stream);

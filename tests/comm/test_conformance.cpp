@@ -482,6 +482,93 @@ TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {
   }
 }
 
+TEST(StateLayouts, SparsifierStatesKeepTheirFieldOrderAndSizes) {
+  // top-k's and random-k's states are written from a declared schema too (compressors/
+  // sparsify_state.cpp); read here field by field as the codecs wrote them by hand before
+  const int P = 2;
+  const int64_t n = 1000;
+  for (const std::string fam : {"topk", "randomk"})
+    for (const bool momentum : {false, true}) {
+      SCOPED_TRACE(fam + (momentum ? " momentum" : ""));
+      auto plans = make(fam, n, P, gc::PlanForm::kAllreduce, {{"momentum", momentum ? 0.9 : 0.0}});
+      auto g = inputs(n, P, 0);
+      step(plans, g);
+      const auto st = plans[1]->state_dict();
+      gc::detail::StateReader r(st.data(), st.size(), fam);
+      EXPECT_EQ(r.get<int64_t>("numel"), n);
+      EXPECT_EQ(r.get_step(), 1);
+      EXPECT_EQ(r.get<uint8_t>("has_momentum"), momentum ? 1 : 0);
+      EXPECT_EQ(r.get<uint32_t>("tensor_id"), 0u);
+      r.finite_array("residual", n * 4);
+      if (momentum) r.finite_array("momentum", n * 4);
+      r.finish();
+    }
+}
+
+TEST(StateLayouts, SparsifierStatesWrittenByHandLoadAndReshardToTheSameBytes) {
+  // a state in the layout the codecs wrote by hand (numel i64, step i64, has_momentum u8,
+  // tensor_id u32, residual, momentum when there is one) loads and saves back to the same bytes,
+  // and two ranks' states reshard to the hand-written state of their means; tensor_id has its
+  // top bit set, so a u32 that went through a signed or wider field would show
+  const int64_t n = 5;
+  const uint32_t tid = 0x80000003u;
+  const auto by_hand = [&](const std::string& kind, int64_t step, bool momentum, float v0,
+                           float u0) {
+    gc::detail::StateWriter w(kind);
+    w.put<int64_t>(n);
+    w.put<int64_t>(step);
+    w.put<uint8_t>(momentum ? 1 : 0);
+    w.put<uint32_t>(tid);
+    std::vector<float> v, u;
+    for (int64_t i = 0; i < n; ++i) {
+      v.push_back(v0 + 0.25f * static_cast<float>(i));
+      u.push_back(u0 - 0.5f * static_cast<float>(i));
+    }
+    w.put_floats(v);
+    if (momentum) w.put_floats(u);
+    return w.take();
+  };
+  for (const std::string fam : {"topk", "randomk"})
+    for (const bool momentum : {false, true}) {
+      SCOPED_TRACE(fam + (momentum ? " momentum" : ""));
+      gc::BucketSpec b = spec(n, 2, 1);
+      b.bucket_id = tid;
+      auto plan = gc::make_plan(fam, b, {{"momentum", momentum ? 0.9 : 0.0}});
+      const auto st = by_hand(fam, 7, momentum, 1.0f, -2.0f);
+      plan->load_state_dict(st.data(), st.size());
+      EXPECT_EQ(plan->state_dict(), st);
+      // means exact in fp32: (1 + 2) / 2 and (-2 + 4) / 2, element by element
+      const std::vector<std::vector<uint8_t>> two = {by_hand(fam, 7, momentum, 1.0f, -2.0f),
+                                                     by_hand(fam, 7, momentum, 2.0f, 4.0f)};
+      const auto want = by_hand(fam, 7, momentum, 1.5f, 1.0f);
+      for (int q = 0; q < 3; ++q) EXPECT_EQ(gc::reshard_state(two, 3, q), want) << q;
+      const auto* k = gc::detail::state_kind(fam);
+      ASSERT_NE(k, nullptr);
+      EXPECT_EQ(k->reshard(two, 2, 0), want);  // the family's own, on as many ranks
+      EXPECT_EQ(k->reshard({st}, 1, 0), st);
+    }
+}
+
+TEST(StateLayouts, AnEmptySparsifierBucketWithMomentumHasNoMomentumArray) {
+  // an empty bucket's momentum buffer is never allocated: its state says has_momentum 1 and has
+  // no momentum array, as the codecs have always written it; it loads, and reshards to itself
+  for (const std::string fam : {"topk", "randomk"}) {
+    SCOPED_TRACE(fam);
+    gc::detail::StateWriter w(fam);
+    w.put<int64_t>(0);
+    w.put<int64_t>(4);
+    w.put<uint8_t>(1);
+    w.put<uint32_t>(0);
+    w.put_floats({});
+    const auto st = w.take();
+    auto plans = make(fam, 0, 2, gc::PlanForm::kAllreduce, {{"momentum", 0.9}});
+    EXPECT_EQ(plans[0]->state_dict().size(), st.size());
+    plans[1]->load_state_dict(st.data(), st.size());
+    EXPECT_EQ(plans[1]->state_dict(), st);
+    for (int q = 0; q < 3; ++q) EXPECT_EQ(gc::reshard_state({st, st}, 3, q), st) << q;
+  }
+}
+
 // ---- fp8's codes against the definition ------------------------------------------------------
 TEST(Fp8Codes, EveryCodeDecodesToItsDefinitionAndBack) {
   namespace k = gc::kernels;
