@@ -113,11 +113,15 @@ class SparsifyState {
   /// Staged: a step writes its new state into the second buffers (read the committed ones,
   /// write the others: the same traffic as in place) and commit() swaps them in; a step not
   /// committed leaves the state as it was.
+  /// The second buffers start at zero: a step that writes no residual (top-k's direct path,
+  /// without error feedback) commits them as they are, and a checkpoint then holds them.
   void set_staged(bool on) {
     staged_ = on;
     if (!on) return;
-    v_[1 - cur_].get<float>(static_cast<size_t>(n_));
-    if (cfg_.momentum > 0.0) u_[1 - cur_].get<float>(static_cast<size_t>(n_));
+    const size_t bytes = static_cast<size_t>(n_) * sizeof(float);
+    device_zero(dev_, v_[1 - cur_].get<float>(static_cast<size_t>(n_)), bytes, stream_);
+    if (cfg_.momentum > 0.0)
+      device_zero(dev_, u_[1 - cur_].get<float>(static_cast<size_t>(n_)), bytes, stream_);
   }
   bool staged() const { return staged_; }
   void commit() {

@@ -307,6 +307,34 @@ TEST(Dgc, ErrorFeedbackOffDropsResidual) {
 // those of a codec with error feedback on its first step (residual zero: v = 0 + g), for exact
 // and sampled selection, fp32 and fp16 values, sizes 0, 1, odd and large, with zeros of both
 // signs selected (k above the number of non-zeros).
+TEST(Dgc, ErrorFeedbackOffLeavesAZeroResidualInTheCheckpoint) {
+  // Without error feedback (fp32, no momentum, no clipping) the encode writes no residual; a
+  // staged compressor (as the plans run it) then commits its second buffer as it is. That buffer
+  // must start at zero: the checkpoint holds it, and a NaN there made the checkpoint unloadable.
+  for (int64_t n : {1, 7, 1000}) {
+    TopKConfig cfg = exact_cfg(0.05);
+    cfg.error_feedback = false;
+    TopKCompressor comp(cfg, n);
+    {  // memory the second buffer is likely to reuse, poisoned
+      std::vector<float> junk(static_cast<size_t>(n), std::nanf(""));
+      volatile float sink = junk[0];
+      (void)sink;
+    }
+    comp.set_staged(true);
+    Payload p;
+    for (int s = 0; s < 3; ++s) {
+      auto g = normal(n, 40 + s);
+      comp.encode(TensorView::cpu(g.data(), n), p);
+      comp.commit();
+    }
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(comp.residual()[i], 0.0f) << "n " << n << " i " << i;
+    const auto sd = comp.state_dict();
+    TopKCompressor fresh(cfg, n);
+    fresh.set_staged(true);
+    EXPECT_NO_THROW(fresh.load_state_dict(sd.data(), sd.size())) << "n " << n;
+  }
+}
+
 TEST(Dgc, ErrorFeedbackOffSendsTheBytesOfAZeroResidual) {
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1001}, int64_t{300007}})
     for (SelectMethod m : {SelectMethod::kExact, SelectMethod::kSampled})
