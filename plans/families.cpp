@@ -32,36 +32,6 @@ const StateKind* state_kind(const std::string& kind) {
   return nullptr;
 }
 
-std::vector<uint8_t> check_shard_states(const RankStateList& states, int world,
-                                        const std::string& kind, const char* array,
-                                        void (*family_fields)(RankStates&, int64_t, int64_t)) {
-  RankStates rs(states, kind);
-  const auto P = static_cast<int64_t>(rs.size());
-  const auto numel = rs.same<int64_t>("numel");
-  const auto saved_world = rs.same<int32_t>("world");
-  GC_CHECK_ARG(saved_world == P, "state_dict: the states were saved by a job of ", saved_world,
-               " ranks, ", P, " were given (one per rank, in rank order)");
-  GC_CHECK_ARG(numel >= 0 && numel <= (int64_t{1} << 40) && numel % P == 0, "state_dict: numel ",
-               numel, " is not a bucket of ", P, " equal chunks");
-  for (int64_t r = 0; r < P; ++r) {
-    const auto got = rs[static_cast<size_t>(r)].get<int32_t>("rank");
-    GC_CHECK_ARG(got == r, "state_dict: state ", r, " was saved by rank ", got,
-                 " (give one state per rank, in rank order)");
-  }
-  family_fields(rs, numel, P);
-  const auto step = rs.same<int64_t>("step");
-  GC_CHECK_ARG(step >= 0 && step < std::numeric_limits<int64_t>::max(), "state_dict: step ", step,
-               " out of range");
-  (void)rs.arrays(array, static_cast<uint64_t>(numel) * sizeof(float));
-  rs.finish();
-  // a sharded job's bucket is padded to its world size (FSDP pads every parameter to P rows'
-  // worth): its worker error has no place in a bucket of another size
-  GC_CHECK_ARG(world == P, "reshard_state: a reduce-scatter state (sharded training) belongs ",
-               "to its world size (", P, " ranks) and cannot be resharded to ", world,
-               "; resume on as many ranks, or start the error feedback afresh");
-  return {};
-}
-
 }  // namespace detail
 
 std::vector<FamilyTraits> family_traits() {

@@ -95,20 +95,11 @@ const Family& quant_family();
 const Family& powersgd_family();
 const Family& fp8_family();
 
-/// The reduce-scatter states of sharded training (kind `kind`, one per rank), checked whole: the
-/// fields every such state starts with (numel, world, rank, in rank order), the family's own
-/// (`family_fields`, called with numel and P), the step and the fp32 `array` of numel values.
-/// They belong to their world size (FSDP pads each parameter to it), so another `world` is
-/// refused; on as many ranks the caller hands each rank its own bytes back.
-std::vector<uint8_t> check_shard_states(const RankStateList& states, int world,
-                                        const std::string& kind, const char* array,
-                                        void (*family_fields)(RankStates& rs, int64_t numel,
-                                                              int64_t P));
-
 // Resharding of the families whose state layout lives in a plan file (the codecs' own live
 // beside their states in compressors/).
 std::vector<uint8_t> reshard_onebit_state(const RankStateList& states, int world, int rank);
 std::vector<uint8_t> reshard_quant_state(const RankStateList& states, int world, int rank);
 std::vector<uint8_t> reshard_quant_shard_state(const RankStateList& states, int world, int rank);
+std::vector<uint8_t> reshard_topk_shard_state(const RankStateList& states, int world, int rank);
 
 }  // namespace gradcomp::detail

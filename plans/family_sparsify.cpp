@@ -81,17 +81,6 @@ std::unique_ptr<BucketPlan> topk_shard_plan(const BucketSpec& b, PlanForm, const
                                                  b.device_index, b.stream);
 }
 
-std::vector<uint8_t> topk_shard_reshard(const RankStateList& states, int world, int) {
-  return check_shard_states(states, world, "topk-reduce-scatter", "residual",
-                            [](RankStates& rs, int64_t numel, int64_t P) {
-                              const auto k = rs.same<int64_t>("k");
-                              GC_CHECK_ARG(k >= 0 && k <= numel / P, "state_dict: k ", k,
-                                           " out of range");
-                              (void)rs.same<uint8_t>("error_feedback");
-                              (void)rs.same<uint64_t>("seed");
-                            });
-}
-
 PlanOptions randomk_defaults() {
   const RandomKConfig d;
   PlanOptions o = sparsify_defaults(d);
@@ -146,7 +135,7 @@ const Family& topk_family() {
     t.build_shard = topk_shard_plan;
     t.states = {{"topk", [](const RankStateList& s, int world,
                             int rank) { return reshard_sparsify_state(s, "topk", world, rank); }},
-                {"topk-reduce-scatter", topk_shard_reshard}};
+                {"topk-reduce-scatter", reshard_topk_shard_state}};
     return t;
   }();
   return f;

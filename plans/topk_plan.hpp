@@ -16,6 +16,7 @@
 #include "gradcomp/topk.hpp"
 #include "gradcomp/workspace.hpp"
 #include "plans/gradient_plan.hpp"
+#include "plans/state_schema.hpp"
 
 namespace gradcomp {
 
@@ -57,6 +58,7 @@ class TopKReduceScatterPlan : public GradientPlan {
   void load_state_dict(const uint8_t* data, size_t nbytes) override;
 
  private:
+  detail::StateScalars state_scalars() const;  ///< the state's scalars (plans/state_schema.hpp)
   void undo_state() override;
   struct Impl;
   std::unique_ptr<Impl> impl_;

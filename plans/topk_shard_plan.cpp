@@ -11,6 +11,7 @@
 #include "gradcomp/topk.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "plans/state_schema.hpp"
 #include "plans/topk_plan.hpp"
 
 namespace gradcomp {
@@ -206,35 +207,61 @@ void TopKReduceScatterPlan::undo_state() {
   --step_;
 }
 
+namespace {
+// The state, declared once (plans/state_schema.hpp): the settings that size and key the steps,
+// the step, and the rank's residual over the whole bucket. It belongs to its world size (FSDP pads
+// each parameter to it), so resharding only checks the states and hands each rank its own back.
+const detail::StateSchema& topk_rs_schema() {
+  using detail::FieldRole;
+  using detail::FieldType;
+  static const detail::StateSchema s{
+      "topk-reduce-scatter",
+      {{"numel", FieldRole::kNumel},
+       {"world", FieldRole::kWorld},
+       {"rank", FieldRole::kRank},
+       {"k", FieldRole::kOption, FieldType::kI64},
+       {"error_feedback", FieldRole::kOption, FieldType::kU8},
+       {"seed", FieldRole::kOption, FieldType::kU64},
+       {"step", FieldRole::kStep},
+       {"residual", FieldRole::kMean}},
+      nullptr,
+      [](const detail::StateScalars& v) {
+        const int64_t numel = v.at("numel"), P = v.at("world"), k = v.at("k");
+        GC_CHECK_ARG(numel % P == 0, "state_dict: numel ", numel, " is not a bucket of ", P,
+                     " equal chunks");
+        GC_CHECK_ARG(k >= 0 && k <= numel / P, "state_dict: k ", k, " out of range");
+      },
+      true};
+  return s;
+}
+}  // namespace
+
+detail::StateScalars TopKReduceScatterPlan::state_scalars() const {
+  return {{"numel", numel_},
+          {"world", world_},
+          {"rank", rank_},
+          {"k", k_},
+          {"error_feedback", o_.error_feedback},
+          {"seed", static_cast<int64_t>(o_.seed)},
+          {"step", step_}};
+}
+
 std::vector<uint8_t> TopKReduceScatterPlan::state_dict() const {
-  detail::StateWriter w("topk-reduce-scatter");
-  w.put<int64_t>(numel_);
-  w.put<int32_t>(world_);
-  w.put<int32_t>(rank_);
-  w.put<int64_t>(k_);
-  w.put<uint8_t>(o_.error_feedback);
-  w.put<uint64_t>(o_.seed);
-  w.put<int64_t>(step_);
-  w.put_array(impl_->v_in(), device_, static_cast<uint64_t>(numel_) * 4, stream_);
-  return w.take();
+  return detail::write_state(topk_rs_schema(), state_scalars(), {impl_->v_in()}, device_, stream_);
 }
 
 void TopKReduceScatterPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   require_idle("load_state_dict()");
-  detail::StateReader r(data, nbytes, "topk-reduce-scatter");
-  r.expect<int64_t>("numel", numel_);
-  r.expect<int32_t>("world", world_);
-  r.expect<int32_t>("rank", rank_);
-  r.expect<int64_t>("k", k_);
-  r.expect<uint8_t>("error_feedback", o_.error_feedback);
-  r.expect<uint64_t>("seed", o_.seed);
-  const auto step = r.get_step();
-  const uint64_t vb = static_cast<uint64_t>(numel_) * 4;
-  const uint8_t* v = r.finite_array("residual", vb);
-  r.finish();
-  device_copy(impl_->v_in(), device_, v, Device::kCPU, vb, stream_);
-  step_ = step;
+  const auto loaded = detail::read_state(topk_rs_schema(), data, nbytes, state_scalars());
+  device_copy(impl_->v_in(), device_, loaded.arrays[0], Device::kCPU,
+              static_cast<uint64_t>(numel_) * 4, stream_);
+  step_ = loaded.step;
   start_step();
+}
+
+std::vector<uint8_t> detail::reshard_topk_shard_state(const RankStateList& states, int world,
+                                                      int rank) {
+  return reshard_by_schema(topk_rs_schema(), states, world, rank);
 }
 
 }  // namespace gradcomp

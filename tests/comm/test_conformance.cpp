@@ -569,6 +569,47 @@ TEST(StateLayouts, AnEmptySparsifierBucketWithMomentumHasNoMomentumArray) {
   }
 }
 
+TEST(StateLayouts, TopKReduceScatterStateWrittenByHandLoadsAndSavesTheSameBytes) {
+  // the top-k reduce-scatter state is declared as a schema too (plans/topk_shard_plan.cpp); a
+  // state in the layout the plan wrote by hand (numel i64, world i32, rank i32, k i64,
+  // error_feedback u8, seed u64, step i64, residual) loads into a plan of those settings and
+  // saves back to the same bytes; its reshard to as many ranks hands each its own bytes, to
+  // another world size it is refused
+  const int P = 2;
+  const int64_t n = 1000;
+  auto plans = make("topk", n, P, gc::PlanForm::kReduceScatter, {{"seed", int64_t{7}}});
+  auto g = inputs(n, P, 0);
+  step(plans, g);
+  const auto saved = plans[1]->state_dict();
+  gc::detail::StateReader r(saved.data(), saved.size(), "topk-reduce-scatter");
+  EXPECT_EQ(r.get<int64_t>("numel"), n);
+  EXPECT_EQ(r.get<int32_t>("world"), P);
+  EXPECT_EQ(r.get<int32_t>("rank"), 1);
+  const auto k = r.get<int64_t>("k");
+  EXPECT_EQ(r.get<uint8_t>("error_feedback"), 1);
+  EXPECT_EQ(r.get<uint64_t>("seed"), 7u);
+  EXPECT_EQ(r.get_step(), 1);
+  r.finite_array("residual", n * 4);
+  r.finish();
+  gc::detail::StateWriter w("topk-reduce-scatter");
+  w.put<int64_t>(n);
+  w.put<int32_t>(P);
+  w.put<int32_t>(1);
+  w.put<int64_t>(k);
+  w.put<uint8_t>(1);
+  w.put<uint64_t>(7);
+  w.put<int64_t>(1);  // (the step every rank is at: resharding compares it)
+  std::vector<float> v;
+  for (int64_t i = 0; i < n; ++i) v.push_back(0.5f - 0.001f * static_cast<float>(i));
+  w.put_floats(v);
+  const auto st = w.take();
+  plans[1]->load_state_dict(st.data(), st.size());
+  EXPECT_EQ(plans[1]->state_dict(), st);
+  const auto own = gc::reshard_state({plans[0]->state_dict(), st}, P, 1);
+  EXPECT_TRUE(own.empty() || own == st);
+  EXPECT_THROW(gc::reshard_state({plans[0]->state_dict(), st}, 3, 1), gc::InvalidArgument);
+}
+
 // ---- fp8's codes against the definition ------------------------------------------------------
 TEST(Fp8Codes, EveryCodeDecodesToItsDefinitionAndBack) {
   namespace k = gc::kernels;
