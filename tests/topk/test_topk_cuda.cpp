@@ -415,6 +415,53 @@ INSTANTIATE_TEST_SUITE_P(
         DgcCase{SelectMethod::kSampled, DType::kBFloat16, DType::kBFloat16, false, (1 << 20) + 3},
         DgcCase{SelectMethod::kSampled, DType::kFloat16, DType::kFloat32, true, 1023}));
 
+TEST(TopKCudaCoded, TwentyStepsGiveTheCpuBits) {
+  // value_bits: the k values coded by the multi-bit codec, whose twins give the same codes and
+  // scales; the same indices, the same coded section, the same decode and residual as the CPU,
+  // with error feedback and without it (the direct path), over 20 steps
+  GC_REQUIRE_GPU();
+  for (int bits : {2, 4})
+    for (int64_t block : {32, 128})
+      for (bool ef : {true, false})
+        for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "bits " << bits << " block " << block << " ef " << ef << " n " << n);
+          TopKConfig cfg;
+          cfg.ratio = 0.03;
+          cfg.select.method = SelectMethod::kExact;
+          cfg.value_bits = bits;
+          cfg.value_block = block;
+          cfg.error_feedback = ef;
+          TopKCompressor cpu(cfg, n);
+          TopKCompressor gpu(cfg, n, DType::kFloat32, Device::kCUDA, 0, nullptr);
+          Payload pc(Device::kCPU), pg(Device::kCUDA);
+          for (int step = 0; step < 20; ++step) {
+            std::vector<float> g = heavy_tailed(n, 2000 + step);
+            const Dev dg = upload(g);
+            cpu.encode(TensorView::cpu(g.data(), n), pc);
+            gpu.encode(cuda_view(dg.as<float>(), n, DType::kFloat32), pg);
+            ASSERT_EQ(pg.header.count, pc.header.count) << "step " << step;
+            const auto bc = host_bytes(pc), bg = host_bytes(pg);
+            ASSERT_EQ(payload_indices(bg), payload_indices(bc)) << "step " << step;
+            ASSERT_EQ(pg.header.section_bytes[2], pc.header.section_bytes[2]);
+            ASSERT_EQ(
+                0, std::memcmp(bg.data() + pg.header.section_offset(2),
+                               bc.data() + pc.header.section_offset(2), pc.header.section_bytes[2]))
+                << "coded values differ at step " << step;
+            std::vector<float> dense_c(static_cast<size_t>(n), 0.0f);
+            cpu.decode_add(pc.data(), pc.size(), cpu_view(dense_c.data(), n), 0.5f);
+            const Dev dd = upload(std::vector<float>(static_cast<size_t>(n), 0.0f));
+            gpu.decode_add(pg.data(), pg.size(), cuda_view(dd.as(), n), 0.5f);
+            const auto dense_g = download<float>(dd.as(), n);
+            ASSERT_EQ(0, std::memcmp(dense_g.data(), dense_c.data(), 4 * static_cast<size_t>(n)))
+                << "decode differs at step " << step;
+            const auto rg = download<float>(gpu.residual(), n);
+            ASSERT_EQ(0, std::memcmp(rg.data(), cpu.residual(), 4 * static_cast<size_t>(n)))
+                << "residual differs at step " << step;
+          }
+        }
+}
+
 TEST(RandomKCuda, TwentyStepsMatchCpu) {
   GC_REQUIRE_GPU();
   for (DType gt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
