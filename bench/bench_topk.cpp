@@ -8,8 +8,8 @@
 #include <cmath>
 
 #include "bench_common.hpp"
-#include "gradcomp/gradcomp.hpp"
 #include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/gradcomp.hpp"
 #include "kernels/scan_kernels.hpp"
 
 using namespace gradcomp;
@@ -42,8 +42,9 @@ void select_bench(benchmark::State& st, SelectMethod m) {
 void BM_topk_exact_select(benchmark::State& st) { select_bench(st, SelectMethod::kExact); }
 void BM_topk_sampled_select(benchmark::State& st) { select_bench(st, SelectMethod::kSampled); }
 
-/// Baseline: |g| into a work buffer, then std::nth_element for the k-th largest magnitude.
-void BM_topk_baseline_nth_element(benchmark::State& st) {
+/// Baseline: |g| into a work buffer, then `select(work, k)` to find the k largest magnitudes.
+template <class Select>
+void baseline_bench(benchmark::State& st, Select select) {
   const int64_t n = arg_n(st);
   const int64_t k = topk_count(arg_density(st), n);
   const std::vector<float>& x = normal_data(n);
@@ -51,33 +52,37 @@ void BM_topk_baseline_nth_element(benchmark::State& st) {
   gradcomp::bench::LoopTimer timer;
   for (auto _ : st) {
     for (int64_t i = 0; i < n; ++i) work[i] = std::fabs(x[i]);
-    std::nth_element(work.begin(), work.begin() + (k - 1), work.end(), std::greater<float>());
+    select(work, k);
     benchmark::DoNotOptimize(work[k - 1]);
   }
   set_bandwidth(st, 4.0 * n, n, timer.seconds());
 }
 
-/// Baseline: |g| into a work buffer, then std::partial_sort of the k largest.
+/// std::nth_element for the k-th largest magnitude.
+void BM_topk_baseline_nth_element(benchmark::State& st) {
+  baseline_bench(st, [](std::vector<float>& w, int64_t k) {
+    std::nth_element(w.begin(), w.begin() + (k - 1), w.end(), std::greater<float>());
+  });
+}
+
+/// std::partial_sort of the k largest.
 void BM_topk_baseline_partial_sort(benchmark::State& st) {
-  const int64_t n = arg_n(st);
-  const int64_t k = topk_count(arg_density(st), n);
-  const std::vector<float>& x = normal_data(n);
-  std::vector<float> work(n);
-  gradcomp::bench::LoopTimer timer;
-  for (auto _ : st) {
-    for (int64_t i = 0; i < n; ++i) work[i] = std::fabs(x[i]);
-    std::partial_sort(work.begin(), work.begin() + k, work.end(), std::greater<float>());
-    benchmark::DoNotOptimize(work[k - 1]);
-  }
-  set_bandwidth(st, 4.0 * n, n, timer.seconds());
+  baseline_bench(st, [](std::vector<float>& w, int64_t k) {
+    std::partial_sort(w.begin(), w.begin() + k, w.end(), std::greater<float>());
+  });
+}
+
+/// A DGC compressor of n elements at the benchmark's density (its other options the defaults).
+TopKCompressor density_compressor(const benchmark::State& st, int64_t n) {
+  TopKConfig cfg;
+  cfg.ratio = arg_density(st);
+  return TopKCompressor(cfg, n);
 }
 
 /// DGC encode (residual accumulation + sampled selection + gather + payload), no momentum.
 void BM_topk_encode(benchmark::State& st) {
   const int64_t n = arg_n(st);
-  TopKConfig cfg;
-  cfg.ratio = arg_density(st);
-  TopKCompressor comp(cfg, n);
+  TopKCompressor comp = density_compressor(st, n);
   const std::vector<float>& g = normal_data(n);
   Payload p;
   gradcomp::bench::LoopTimer timer;
@@ -89,9 +94,7 @@ void BM_topk_encode(benchmark::State& st) {
 
 void BM_topk_decode(benchmark::State& st) {
   const int64_t n = arg_n(st);
-  TopKConfig cfg;
-  cfg.ratio = arg_density(st);
-  TopKCompressor comp(cfg, n);
+  TopKCompressor comp = density_compressor(st, n);
   const std::vector<float>& g = normal_data(n);
   Payload p;
   comp.encode(TensorView::cpu(const_cast<float*>(g.data()), n), p);
@@ -102,8 +105,8 @@ void BM_topk_decode(benchmark::State& st) {
     benchmark::DoNotOptimize(dense.data());
   }
   const double k = static_cast<double>(comp.last_stats().count);
-  st.counters["bytes_per_second"] =
-      benchmark::Counter(static_cast<double>(p.size()) * st.iterations(), benchmark::Counter::kIsRate);
+  st.counters["bytes_per_second"] = benchmark::Counter(
+      static_cast<double>(p.size()) * st.iterations(), benchmark::Counter::kIsRate);
   st.counters["compression_ratio"] = comp.last_stats().compression_ratio();
   st.counters["elements"] = k;
 }
@@ -115,7 +118,8 @@ void BM_finite_scan(benchmark::State& st) {
   const int64_t n = st.range(0);
   const std::vector<float>& x = normal_data(n);
   gradcomp::bench::LoopTimer timer;
-  for (auto _ : st) benchmark::DoNotOptimize(kernels::cpu::first_nonfinite(x.data(), DType::kFloat32, n));
+  for (auto _ : st)
+    benchmark::DoNotOptimize(kernels::cpu::first_nonfinite(x.data(), DType::kFloat32, n));
   set_bandwidth(st, 4.0 * n, n, timer.seconds());
 }
 

@@ -19,10 +19,10 @@ namespace k = kernels;
 using detail::check_dense;
 using detail::check_finite;
 using detail::check_grad;
-using detail::prepare_payload;
 using detail::read_header;
 using detail::SparsifyState;
 using detail::start_skipped_payload;
+using detail::start_values_payload;
 using detail::write_header;
 
 void RandomKConfig::validate() const {
@@ -151,18 +151,9 @@ void RandomKCompressor::encode(const TensorView& g, Payload& out) {
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
   indices_at(step_, idx);
 
-  prepare_payload(out, device_, s.stream);
-  PayloadHeader& h = out.header;
-  h = PayloadHeader{};
-  h.kind = static_cast<uint8_t>(PayloadKind::kRandomK);
-  h.value_dtype = static_cast<uint8_t>(cfg_.value_dtype);
-  h.index_coding = static_cast<uint8_t>(IndexCoding::kNone);
-  h.tensor_id = cfg_.tensor_id;
-  h.numel = static_cast<uint64_t>(n);
-  h.count = static_cast<uint64_t>(kk);
-  h.aux = static_cast<uint64_t>(step_);
-  h.section_bytes[1] = static_cast<uint64_t>(kk) * dtype_size(cfg_.value_dtype);
-  out.bytes.resize(h.total_bytes(), false);
+  start_values_payload(out, PayloadKind::kRandomK, IndexCoding::kNone, 0, cfg_, n, kk, step_,
+                       device_, s.stream);
+  const PayloadHeader& h = out.header;
   auto* values = static_cast<uint8_t*>(out.bytes.data()) + h.section_offset(1);
   const k::ValueShare* share = s.shared ? &s.share : nullptr;
   s.dgc.take(idx, ks, values, /*mask=*/true, share);

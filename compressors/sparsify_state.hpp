@@ -65,24 +65,32 @@ inline void prepare_payload(Payload& out, Device dev, void* stream) {
   out.bytes.set_stream(stream);
 }
 
-/// The header (and the room) of a payload flagged kPayloadSkipped: `count` values of the value
-/// dtype (left for the caller to fill), no indices; the step's number in aux.
-inline void start_skipped_payload(Payload& out, PayloadKind kind, IndexCoding coding,
-                                  const SparsifyConfig& cfg, int64_t numel, int64_t count,
-                                  int64_t step, Device dev, void* stream) {
+/// The header (and the room) of a payload of `count` values of the value dtype (left for the
+/// caller to fill) and no index section; the step's number in aux. Random-k's payloads are all
+/// of this form (its indices follow from the step); a skipped payload of either family too.
+inline void start_values_payload(Payload& out, PayloadKind kind, IndexCoding coding, uint8_t flags,
+                                 const SparsifyConfig& cfg, int64_t numel, int64_t count,
+                                 int64_t step, Device dev, void* stream) {
   prepare_payload(out, dev, stream);
   PayloadHeader& h = out.header;
   h = PayloadHeader{};
   h.kind = static_cast<uint8_t>(kind);
   h.value_dtype = static_cast<uint8_t>(cfg.value_dtype);
   h.index_coding = static_cast<uint8_t>(coding);
-  h.flags = kPayloadSkipped;
+  h.flags = flags;
   h.tensor_id = cfg.tensor_id;
   h.numel = static_cast<uint64_t>(numel);
   h.count = static_cast<uint64_t>(count);
   h.aux = static_cast<uint64_t>(step);
   h.section_bytes[1] = static_cast<uint64_t>(count) * dtype_size(cfg.value_dtype);
   out.bytes.resize(h.total_bytes(), false);
+}
+
+/// The same, flagged kPayloadSkipped.
+inline void start_skipped_payload(Payload& out, PayloadKind kind, IndexCoding coding,
+                                  const SparsifyConfig& cfg, int64_t numel, int64_t count,
+                                  int64_t step, Device dev, void* stream) {
+  start_values_payload(out, kind, coding, kPayloadSkipped, cfg, numel, count, step, dev, stream);
 }
 
 /// DGC's state around the selection, shared by top-k and random-k: the residual v and the

@@ -29,49 +29,26 @@ using detail::check_grad;
 using detail::norm_of;
 using detail::sign_geom;
 
-struct OneBitAllreducePlan::Impl {
+struct OneBitAllreducePlan::Impl : detail::TwoPhaseState {
   Impl(Device dev, void* s)
-      : we{Buffer(dev, s), Buffer(dev, s)},
-        se{Buffer(dev, s), Buffer(dev, s)},
+      : TwoPhaseState(dev, s),
         scales(dev, s),
         bits(dev, s),
-        send(dev, s),
-        recv(dev, s),
-        avg(dev, s),
-        gsend(dev, s),
-        grecv(dev, s),
         u{Buffer(dev, s), Buffer(dev, s)},
-        rot(dev, s),
-        ws(dev),
-        sws(dev),
-        stream(s),
-        ex{dev, s} {}
-  // Worker error, server error and momentum: [cur] is the state; with check_finite a step
+        ws(dev) {}
+  // Worker error, server error and momentum u: [cur] is the state; with check_finite a step
   // writes its new values into [1 - cur] and a step kept on every rank swaps them in (a skipped
-  // one drops them; undo_step() swaps them back).
-  Buffer we[2];
-  Buffer se[2];
-  Buffer scales, bits, send, recv, avg, gsend, grecv;
+  // one drops them; undo_step() swaps them back). Without it a step writes [cur] in place.
+  // bad (TwoPhaseState) is 0 for an overflow in the rotation.
+  Buffer scales, bits;
   Buffer u[2];
-  int cur = 0;
   bool staged = false;
-  int64_t bad = -1;  ///< this step: this rank's first bad index (or 0 for an overflow), or -1
-  std::string bad_what;
-  float* we_in() { return static_cast<float*>(we[cur].data()); }
   float* we_out() { return static_cast<float*>(we[staged ? 1 - cur : cur].data()); }
   float* u_in() { return static_cast<float*>(u[cur].data()); }
-  float* se_in() { return static_cast<float*>(se[cur].data()); }
   float* se_out() { return static_cast<float*>(se[staged ? 1 - cur : cur].data()); }
   float* u_out() { return static_cast<float*>(u[staged ? 1 - cur : cur].data()); }
-  Buffer rot;  ///< cfg.rotate: the rotated gradient, unless it is rotated in place
   k::OneBitWorkspace ws;
-  k::SelectWorkspace sws;
-  void* stream;
-  k::Exec ex;
-  int device_index = 0;
-  TensorView grad, out;       ///< out is grad itself when in place
-  const void* src = nullptr;  ///< what phase 1 compresses: grad, or its rotation (fp32)
-  DType src_t = DType::kFloat32;
+  TensorView out;  ///< grad itself when in place
   std::vector<const uint32_t*> bit_ptrs;
   std::vector<const float*> scale_ptrs;
 };

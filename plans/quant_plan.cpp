@@ -55,6 +55,20 @@ struct ChunkHeader {
 };
 static_assert(sizeof(ChunkHeader) == 24, "the chunk header is 24 bytes on the wire");
 
+/// The kernels' geometry of a chunk of n elements laid out for `capacity` (0: n), from the
+/// config: the constructor sizes the chunk slots with it and every step encodes and decodes with
+/// it, so the two cannot disagree on the layout.
+k::QuantGeom quant_geom(const QuantConfig& cfg, int64_t n, int64_t capacity) {
+  k::QuantGeom geo;
+  geo.bits = cfg.bits;
+  geo.block = cfg.block_size;
+  geo.asym = cfg.scale == QuantScale::kAsymmetric;
+  geo.half = cfg.scale_dtype == DType::kFloat16;
+  geo.n = n;
+  geo.capacity = capacity;
+  return geo;
+}
+
 int log2_of(int64_t v) {
   int r = 0;
   while ((int64_t{1} << r) < v) ++r;
@@ -63,38 +77,12 @@ int log2_of(int64_t v) {
 
 }  // namespace
 
-struct QuantPlan::Impl {
-  Impl(Device dev, void* s)
-      : we{Buffer(dev, s), Buffer(dev, s)},
-        se{Buffer(dev, s), Buffer(dev, s)},
-        send(dev, s),
-        recv(dev, s),
-        gsend(dev, s),
-        grecv(dev, s),
-        avg(dev, s),
-        rot(dev, s),
-        ws(dev),
-        sws(dev),
-        stream(s),
-        ex{dev, s} {}
-  // Worker and server error: [cur] is the state; a step writes [1 - cur] and a kept step swaps.
-  Buffer we[2], se[2];
-  Buffer send, recv, gsend, grecv, avg, rot;
+struct QuantPlan::Impl : detail::TwoPhaseState {
+  Impl(Device dev, void* s) : TwoPhaseState(dev, s), ws(dev) {}
+  // A step writes the errors' [1 - cur] and a kept step swaps.
   k::QuantWorkspace ws;
-  k::SelectWorkspace sws;
-  void* stream;
-  k::Exec ex;
-  int device_index = 0;
-  int cur = 0;
-  TensorView grad;
-  const void* src = nullptr;
-  DType src_t = DType::kFloat32;
-  int64_t bad = -1;  ///< this step: this rank's first bad index, or -1
-  std::string bad_what;
   std::string mismatch;  ///< this step: what the server found wrong with a received chunk
-  float* we_in() { return static_cast<float*>(we[cur].data()); }
   float* we_out() { return static_cast<float*>(we[1 - cur].data()); }
-  float* se_in() { return static_cast<float*>(se[cur].data()); }
   float* se_out() { return static_cast<float*>(se[1 - cur].data()); }
 };
 
@@ -138,12 +126,7 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
                  "one rank would raise alone)");
     chunk_elems_ = numel / world;
   }
-  k::QuantGeom geo;
-  geo.bits = cfg_.bits;
-  geo.block = cfg_.block_size;
-  geo.asym = cfg_.scale == QuantScale::kAsymmetric;
-  geo.half = cfg_.scale_dtype == DType::kFloat16;
-  geo.n = chunk_elems_;
+  const k::QuantGeom geo = quant_geom(cfg_, chunk_elems_, 0);
   block_bytes_ = sizeof(ChunkHeader) + static_cast<size_t>(geo.body_bytes());
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->device_index = device_index;
@@ -221,12 +204,7 @@ std::optional<Collective> QuantPlan::next() {
   const size_t P = static_cast<size_t>(world_), B = block_bytes_;
   const int64_t CE = chunk_elems_;
   auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
-  k::QuantGeom geo;
-  geo.bits = cfg_.bits;
-  geo.block = cfg_.block_size;
-  geo.asym = cfg_.scale == QuantScale::kAsymmetric;
-  geo.half = cfg_.scale_dtype == DType::kFloat16;
-  geo.capacity = CE;
+  k::QuantGeom geo = quant_geom(cfg_, 0, CE);  // geo.n is set per chunk
   auto header = [&](int64_t len, uint8_t flags) {
     ChunkHeader h;
     h.bits = static_cast<uint8_t>(cfg_.bits);
@@ -319,6 +297,15 @@ std::optional<Collective> QuantPlan::next() {
   c.world = world_;
   c.type = ElemType::kU8;
   c.count = B;
+  // the phase's collective of B-byte chunks; the step moves on to `phase`
+  auto ask = [&](CollectiveKind kind, const void* send, void* recv, const char* tag, int phase) {
+    c.kind = kind;
+    c.send = send;
+    c.recv = recv;
+    c.tag = tag;
+    phase_ = phase;
+    return c;
+  };
   switch (phase_) {
     case 1: {  // (1) worker: quantize every chunk into its send block
       auto* send = static_cast<uint8_t*>(s.send.data());
@@ -334,12 +321,7 @@ std::optional<Collective> QuantPlan::next() {
               gsend + sizeof(ChunkHeader));
         }
         put_header(gsend, header(L, 0));
-        c.kind = CollectiveKind::kAllgather;
-        c.send = gsend;
-        c.recv = s.grecv.data();
-        c.tag = "quant gather";
-        phase_ = 3;
-        return c;
+        return ask(CollectiveKind::kAllgather, gsend, s.grecv.data(), "quant gather", 3);
       }
       const bool ef = cfg_.error_feedback;
       const bool check = cfg_.check_finite && device_ == Device::kCPU && !cfg_.rotate;
@@ -359,12 +341,7 @@ std::optional<Collective> QuantPlan::next() {
       for (size_t q = 0; q < P; ++q)
         put_header(send + q * B,
                    header(chunk_len(static_cast<int64_t>(q)), s.bad >= 0 ? ChunkHeader::kBad : 0));
-      c.kind = CollectiveKind::kAllToAll;
-      c.send = send;
-      c.recv = s.recv.data();
-      c.tag = "quant worker chunks";
-      phase_ = 2;
-      return c;
+      return ask(CollectiveKind::kAllToAll, send, s.recv.data(), "quant worker chunks", 2);
     }
     case 2: {  // (2) server: average chunk `rank` of every worker, add server error, quantize
       const int64_t L = chunk_len(rank_), off = static_cast<int64_t>(rank_) * CE;
@@ -422,12 +399,7 @@ std::optional<Collective> QuantPlan::next() {
             rng_of(static_cast<uint64_t>(world_ + rank_), off), false, gsend + sizeof(ChunkHeader));
       }
       put_header(gsend, header(L, flags));
-      c.kind = CollectiveKind::kAllgather;
-      c.send = gsend;
-      c.recv = s.grecv.data();
-      c.tag = "quant server chunks";
-      phase_ = 3;
-      return c;
+      return ask(CollectiveKind::kAllgather, gsend, s.grecv.data(), "quant server chunks", 3);
     }
     case 3: {  // (3) decode every averaged chunk into the gradient
       const auto* grecv = static_cast<const uint8_t*>(s.grecv.data());

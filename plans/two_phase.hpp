@@ -31,6 +31,40 @@ struct TwoPhaseSource {
   std::string what;  ///< why, for the step's message
 };
 
+/// The step state that both two-phase plans keep (their Impl derives from it): the worker and
+/// server errors, double-buffered ([cur] is the state; a step writes its new values into the
+/// other one, so a dropped step leaves the state as it was), the exchange buffers, the source of
+/// phase 1 and the step's first bad value. Each plan adds its codec's buffers and workspace.
+struct TwoPhaseState {
+  TwoPhaseState(Device dev, void* s)
+      : we{Buffer(dev, s), Buffer(dev, s)},
+        se{Buffer(dev, s), Buffer(dev, s)},
+        send(dev, s),
+        recv(dev, s),
+        gsend(dev, s),
+        grecv(dev, s),
+        avg(dev, s),
+        rot(dev, s),
+        sws(dev),
+        stream(s),
+        ex{dev, s} {}
+  Buffer we[2], se[2];
+  Buffer send, recv, gsend, grecv, avg;
+  Buffer rot;  ///< with rotate: the rotated gradient, unless it is rotated in place
+  kernels::SelectWorkspace sws;
+  void* stream;
+  kernels::Exec ex;
+  int device_index = 0;
+  int cur = 0;
+  TensorView grad;
+  const void* src = nullptr;  ///< what phase 1 compresses: grad, or its rotation (fp32)
+  DType src_t = DType::kFloat32;
+  int64_t bad = -1;  ///< this step: this rank's first bad index (the plan says which), or -1
+  std::string bad_what;
+  float* we_in() { return static_cast<float*>(we[cur].data()); }
+  float* se_in() { return static_cast<float*>(se[cur].data()); }
+};
+
 /// Rotates every full block of S elements of `grad` (numel elements) by the fixed randomized
 /// Hadamard transform (kernels/onebit_math.h): in place when `in_place` (an fp32 gradient that
 /// receives the average anyway), else into `scratch` (fp32). With `check`, a rotated value that

@@ -1,10 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // A bucket plan family with options, as the suites that run every stateful family take them
-// (tests/comm: test_nonfinite, test_reshard), and its label for failure messages.
+// (tests/comm: test_nonfinite, test_reshard), and its label for failure messages; the bucket that
+// those suites (and test_range) hand make_plan for each rank.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <variant>
+#include <vector>
 
 #include "gradcomp/make_plan.hpp"
 
@@ -26,6 +30,18 @@ inline std::string describe(const PlanVariant& v) {
     if (auto* n = std::get_if<std::string>(&o)) s += *n;
   }
   return s;
+}
+
+/// Rank r's bucket of n elements of dt on P ranks, of these tensor shapes ({}: one vector).
+inline BucketSpec rank_bucket(int64_t n, DType dt, int P, int r,
+                              std::vector<std::vector<int64_t>> shapes = {}) {
+  BucketSpec b;
+  b.numel = n;
+  b.dtype = dt;
+  b.world = P;
+  b.rank = r;
+  b.shapes = std::move(shapes);
+  return b;
 }
 
 }  // namespace gradcomp::test

@@ -72,20 +72,35 @@ class CompressorSubject : public StateSubject {
   Payload payload_;
 };
 
-class OneBitPlanSubject : public StateSubject {
+// The plan of the only rank of a job (world 1) over kN elements, whose state is the plan's
+// state_dict(): what the two-phase plan subjects share.
+template <class Plan>
+class OneRankPlanSubject : public StateSubject {
  public:
-  explicit OneBitPlanSubject(bool check_finite) : plan_(cfg(check_finite), kN, 1, 0) {}
   std::vector<uint8_t> save() const override { return plan_.state_dict(); }
   void load(const uint8_t* d, size_t n) override { plan_.load_state_dict(d, n); }
   void step(uint32_t seed, bool poison) override {
     auto g = grad(kN, seed, poison);
     std::vector<float> out(kN);
-    plan_.begin(TensorView::cpu(g.data(), kN), TensorView::cpu(out.data(), kN));
+    begin(TensorView::cpu(g.data(), kN), TensorView::cpu(out.data(), kN));
     run_plans_in_process({&plan_});
   }
 
- private:
+ protected:
   static constexpr int64_t kN = 80;
+  template <class Config>
+  explicit OneRankPlanSubject(const Config& c) : plan_(c, kN, 1, 0) {}
+  /// Starts the plan's step on g; `out` is for a plan that can write the average elsewhere.
+  virtual void begin(const TensorView& g, const TensorView& out) = 0;
+  Plan plan_;
+};
+
+class OneBitPlanSubject : public OneRankPlanSubject<OneBitAllreducePlan> {
+ public:
+  explicit OneBitPlanSubject(bool check_finite) : OneRankPlanSubject(cfg(check_finite)) {}
+
+ private:
+  void begin(const TensorView& g, const TensorView& out) override { plan_.begin(g, out); }
   // the hook's recommended form (rotated 32-element blocks, L2 scales) with momentum, so that the
   // fuzzed state holds every array the plan can save: worker and server error and the momentum
   static OneBitConfig cfg(bool check_finite) {
@@ -97,22 +112,14 @@ class OneBitPlanSubject : public StateSubject {
     c.check_finite = check_finite;
     return c;
   }
-  OneBitAllreducePlan plan_;
 };
 
-class QuantPlanSubject : public StateSubject {
+class QuantPlanSubject : public OneRankPlanSubject<QuantPlan> {
  public:
-  explicit QuantPlanSubject(bool check_finite) : plan_(cfg(check_finite), kN, 1, 0) {}
-  std::vector<uint8_t> save() const override { return plan_.state_dict(); }
-  void load(const uint8_t* d, size_t n) override { plan_.load_state_dict(d, n); }
-  void step(uint32_t seed, bool poison) override {
-    auto g = grad(kN, seed, poison);
-    plan_.begin(TensorView::cpu(g.data(), kN));
-    run_plans_in_process({&plan_});
-  }
+  explicit QuantPlanSubject(bool check_finite) : OneRankPlanSubject(cfg(check_finite)) {}
 
  private:
-  static constexpr int64_t kN = 80;
+  void begin(const TensorView& g, const TensorView&) override { plan_.begin(g); }  // in place
   static QuantConfig cfg(bool check_finite) {
     QuantConfig c;
     c.bits = 2;
@@ -120,7 +127,6 @@ class QuantPlanSubject : public StateSubject {
     c.check_finite = check_finite;
     return c;
   }
-  QuantPlan plan_;
 };
 
 // A reduce-scatter plan of sharded training (make_shard_plan), one rank. The quant form refuses
@@ -190,6 +196,16 @@ class PowerSGDSubject : public StateSubject {
   PowerSGDState st_;
 };
 
+/// The sparsifiers' (top-k, random-k) common configuration of the fuzz seeds: ratio 0.1, tensor 7.
+template <class Config>
+Config sparsifier_config(bool check_finite) {
+  Config c;
+  c.ratio = 0.1;
+  c.tensor_id = 7;
+  c.check_finite = check_finite;
+  return c;
+}
+
 }  // namespace detail_subjects
 
 /// A fresh object of `kind` (see state_kinds()), with the fixed small configuration that the
@@ -200,18 +216,12 @@ inline std::unique_ptr<StateSubject> make_state_subject(const std::string& kind,
                                                         bool check_finite = true) {
   using namespace detail_subjects;
   if (kind == "topk" || kind == "topk-momentum") {
-    TopKConfig c;
-    c.ratio = 0.1;
+    auto c = sparsifier_config<TopKConfig>(check_finite);
     c.momentum = kind == "topk" ? 0.0 : 0.9;
-    c.tensor_id = 7;
-    c.check_finite = check_finite;
     return std::make_unique<CompressorSubject>(std::make_unique<TopKCompressor>(c, 40), 1);
   }
   if (kind == "randomk") {
-    RandomKConfig c;
-    c.ratio = 0.1;
-    c.tensor_id = 7;
-    c.check_finite = check_finite;
+    const auto c = sparsifier_config<RandomKConfig>(check_finite);
     return std::make_unique<CompressorSubject>(std::make_unique<RandomKCompressor>(c, 40), 1);
   }
   if (kind == "onebit") {

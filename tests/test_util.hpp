@@ -4,10 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -48,24 +51,30 @@ auto remembered(const Key& key, Draw draw, BytesOf bytes_of) -> decltype(draw())
 inline size_t float_bytes(const std::vector<float>& v) { return 4 * v.size(); }
 
 inline std::vector<float> normal(int64_t n, uint64_t seed, float sigma = 1.0f) {
-  return remembered(std::tuple{n, seed, sigma}, [&] {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> d(0.0f, sigma);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = d(rng);
-    return v;
-  }, float_bytes);
+  return remembered(
+      std::tuple{n, seed, sigma},
+      [&] {
+        std::mt19937_64 rng(seed);
+        std::normal_distribution<float> d(0.0f, sigma);
+        std::vector<float> v(static_cast<size_t>(n));
+        for (auto& x : v) x = d(rng);
+        return v;
+      },
+      float_bytes);
 }
 
 /// Heavy-tailed (Student-t with 2 degrees of freedom).
 inline std::vector<float> heavy_tailed(int64_t n, uint64_t seed) {
-  return remembered(std::tuple{n, seed}, [&] {
-    std::mt19937_64 rng(seed);
-    std::student_t_distribution<float> d(2.0f);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = d(rng);
-    return v;
-  }, float_bytes);
+  return remembered(
+      std::tuple{n, seed},
+      [&] {
+        std::mt19937_64 rng(seed);
+        std::student_t_distribution<float> d(2.0f);
+        std::vector<float> v(static_cast<size_t>(n));
+        for (auto& x : v) x = d(rng);
+        return v;
+      },
+      float_bytes);
 }
 
 /// Bitwise equality of n bytes; n == 0 is equal whatever the pointers (memcmp(nullptr, ...) is
@@ -76,12 +85,26 @@ inline bool same_bytes(const void* a, const void* b, size_t n) {
 
 inline bool have_gpu() { return cuda_device_count() > 0; }
 
+/// Reference exact top-k, independent of the library's selection: sort by (|x| desc, index asc),
+/// take k, return the indices ascending (the CPU and CUDA selection tests compare against it).
+inline std::vector<uint32_t> reference_topk(const std::vector<float>& x, int64_t k) {
+  std::vector<uint32_t> idx(x.size());
+  std::iota(idx.begin(), idx.end(), 0u);
+  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), [&](uint32_t a, uint32_t b) {
+    const float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
+    return fa > fb || (fa == fb && a < b);
+  });
+  idx.resize(static_cast<size_t>(k));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
 }  // namespace gradcomp::test
 
 /// Skips a CUDA test with a message when no GPU is usable.
 #define GC_REQUIRE_GPU()                                                               \
   do {                                                                                 \
     if (!::gradcomp::test::have_gpu())                                                 \
-      GTEST_SKIP() << (::gradcomp::built_with_cuda() ? "no CUDA device present"       \
+      GTEST_SKIP() << (::gradcomp::built_with_cuda() ? "no CUDA device present"        \
                                                      : "gradcomp built without CUDA"); \
   } while (0)

@@ -24,6 +24,7 @@
 #include "kernels/cpu/threads.hpp"
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
+#include "kernels/pinned.hpp"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -35,14 +36,7 @@
 
 namespace gradcomp::kernels {
 
-OneBitWorkspace::~OneBitWorkspace() {
-  if (pinned) {
-    try {
-      gradcomp::cuda::free_host(pinned);
-    } catch (...) {
-    }
-  }
-}
+OneBitWorkspace::~OneBitWorkspace() { free_pinned_slot(pinned); }
 
 namespace cpu {
 namespace {
@@ -199,6 +193,32 @@ void flat_split_sum(const void* g, const float* e, int64_t b, int64_t end, doubl
   out[2] = sn;
 }
 
+/// Flat finish (one column): the items' partials (sum of non-negatives, their count, sum of
+/// negatives) added in item order, then hi = mean of the non-negatives, lo = mean of the
+/// negatives. Shared by the scale pass and the fused encode so that both add in the same order.
+void finish_flat_means(const double* part, int64_t items, int64_t R, float* hi, float* lo) {
+  double sp = 0, cp = 0, sn = 0;
+  for (int64_t it = 0; it < items; ++it) {
+    sp += part[3 * it];
+    cp += part[3 * it + 1];
+    sn += part[3 * it + 2];
+  }
+  *hi = mean_or_zero(sp, cp);
+  *lo = mean_or_zero(sn, static_cast<double>(R) - cp);
+}
+
+/// Sign-scale finish: per chunk k, its `spc` group sums added in group order, then its L1 or L2
+/// scale over the chunk's length. Shared by the scale pass and the fused encode.
+void finish_sign_scales(const double* part, int64_t K, int64_t spc, int64_t n, int64_t S, int norm,
+                        float* scales) {
+  for (int64_t k = 0; k < K; ++k) {
+    double sum = 0.0;
+    for (int64_t s = 0; s < spc; ++s) sum += part[k * spc + s];
+    const int64_t len = std::min(n, (k + 1) * S) - k * S;
+    scales[k] = norm == kL1 ? l1_scale(sum, len) : l2_scale(sum, len);
+  }
+}
+
 /// Column-means finish: per column, the slab partials (sum of non-negatives, their count, sum of
 /// negatives) added in slab order, then hi = mean of the non-negatives, lo = mean of the negatives.
 void finish_column_means(const double* part, int64_t nslab, int64_t C, int64_t R, float* hi,
@@ -237,12 +257,7 @@ void sign_scales(const void* g, const float* e, const OneBitGeom& geo, int norm,
                       : flat_sum<Load, kL2, HasE>(g, e, b, end);
     part[it] = v;
   }
-  for (int64_t k = 0; k < K; ++k) {
-    double sum = 0.0;
-    for (int64_t s = 0; s < spc; ++s) sum += part[k * spc + s];
-    const int64_t len = std::min(n, (k + 1) * S) - k * S;
-    scales[k] = norm == kL1 ? l1_scale(sum, len) : l2_scale(sum, len);
-  }
+  finish_sign_scales(part, K, spc, n, S, norm, scales);
 }
 
 template <class Load, bool HasE>
@@ -259,14 +274,7 @@ void column_scales(const void* g, const float* e, const OneBitGeom& geo, float* 
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int64_t it = 0; it < items; ++it)
       flat_split_sum<Load, HasE>(g, e, it * kGroup, std::min(n, (it + 1) * kGroup), part + 3 * it);
-    double sp = 0, cp = 0, sn = 0;
-    for (int64_t it = 0; it < items; ++it) {
-      sp += part[3 * it];
-      cp += part[3 * it + 1];
-      sn += part[3 * it + 2];
-    }
-    hi[0] = mean_or_zero(sp, cp);
-    lo[0] = mean_or_zero(sn, static_cast<double>(R) - cp);
+    finish_flat_means(part, items, R, hi, lo);
     return;
   }
   // Work items: (row slab, tile of kTile columns). Each item sums its columns over its rows in
@@ -385,6 +393,26 @@ struct ScaleCursor {
   }
 };
 
+/// Calls body(w, i0, len, cur) for every 32-bit word w of the payload: its elements are i0 to
+/// i0 + len - 1 and cur is the scale cursor at w (over `scales`). The words are split into one
+/// contiguous range per thread, each walked in order with one cursor: what quantize, the error
+/// finalization and decode share.
+template <class Body>
+void for_each_word(const OneBitGeom& geo, const float* scales, Body&& body) {
+  const int64_t n = geo.n, W = geo.num_words();
+  const int T = threads_for(n);
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t wb = W * t / T, we = W * (t + 1) / T;
+    ScaleCursor cur(geo, scales, wb);
+    for (int64_t w = wb; w < we; ++w, cur.advance()) {
+      const int64_t i0 = 32 * w;
+      body(w, i0, static_cast<int>(std::min<int64_t>(32, n - i0)), cur);
+    }
+  }
+}
+
 /// Scalar quantization of elements [0, len) of word w (the shared math, any case).
 template <class Load>
 uint32_t quantize_scalar(const void* g, const float* e_in, float* e_out, int64_t i0, int len,
@@ -451,38 +479,28 @@ inline __m128 bit_mask4(uint32_t word, int j) {
 template <class Load>
 void quantize_t(const void* g, const float* e_in, float* e_out, const OneBitGeom& geo,
                 const float* scales, uint32_t* bits) {
-  const int64_t n = geo.n, W = geo.num_words();
-  const int T = threads_for(n);
-#pragma omp parallel num_threads(T)
-  {
-    const int t = omp_get_thread_num();
-    const int64_t wb = W * t / T, we = W * (t + 1) / T;
-    ScaleCursor cur(geo, scales, wb);
-    [[maybe_unused]] float conv[32];
-    for (int64_t w = wb; w < we; ++w, cur.advance()) {
-      const int64_t i0 = 32 * w;
-      const int len = static_cast<int>(std::min<int64_t>(32, n - i0));
+  for_each_word(geo, scales, [&](int64_t w, int64_t i0, int len, const ScaleCursor& cur) {
 #if GC_ONEBIT_SSE
-      float hi = 0, lo = 0;
-      const bool cst = cur.constant(&hi, &lo);
-      if (len == 32 && (cst || cur.contiguous())) {
-        const float* gx;
-        if constexpr (std::is_same_v<Load, F32Load>) {
-          gx = static_cast<const float*>(g) + i0;
-        } else {
-          for (int j = 0; j < 32; ++j) conv[j] = Load::load(g, i0 + j);
-          gx = conv;
-        }
-        const float* hiA = cst ? nullptr : scales + cur.c0;
-        const float* loA = cst ? nullptr : scales + geo.cols + cur.c0;
-        bits[w] = quantize_word_sse(gx, e_in ? e_in + i0 : nullptr, e_out ? e_out + i0 : nullptr,
-                                    hi, lo, hiA, loA);
-        continue;
+    float hi = 0, lo = 0;
+    const bool cst = cur.constant(&hi, &lo);
+    if (len == 32 && (cst || cur.contiguous())) {
+      const float* gx;
+      float conv[32];
+      if constexpr (std::is_same_v<Load, F32Load>) {
+        gx = static_cast<const float*>(g) + i0;
+      } else {
+        for (int j = 0; j < 32; ++j) conv[j] = Load::load(g, i0 + j);
+        gx = conv;
       }
-#endif
-      bits[w] = quantize_scalar<Load>(g, e_in, e_out, i0, len, cur);
+      const float* hiA = cst ? nullptr : scales + cur.c0;
+      const float* loA = cst ? nullptr : scales + geo.cols + cur.c0;
+      bits[w] = quantize_word_sse(gx, e_in ? e_in + i0 : nullptr, e_out ? e_out + i0 : nullptr, hi,
+                                  lo, hiA, loA);
+      return;
     }
-  }
+#endif
+    bits[w] = quantize_scalar<Load>(g, e_in, e_out, i0, len, cur);
+  });
 }
 
 /// Decoded value of element j of a word.
@@ -806,12 +824,7 @@ void compress_t(const void* g, const float* in, float* out, const float* prev,
       if constexpr (NT) _mm_sfence();
 #endif
     }
-    for (int64_t k = 0; k < K; ++k) {
-      double sum = 0.0;
-      for (int64_t s = 0; s < spc; ++s) sum += part[k * spc + s];
-      const int64_t len = std::min(n, (k + 1) * S) - k * S;
-      scales[k] = norm == kL1 ? l1_scale(sum, len) : l2_scale(sum, len);
-    }
+    finish_sign_scales(part, K, spc, n, S, norm, scales);
     return;
   }
   const int64_t C = geo.cols, R = n / C;
@@ -830,14 +843,7 @@ void compress_t(const void* g, const float* in, float* out, const float* prev,
       if constexpr (NT) _mm_sfence();
 #endif
     }
-    double sp = 0, cp = 0, sn = 0;
-    for (int64_t it = 0; it < items; ++it) {
-      sp += part[3 * it];
-      cp += part[3 * it + 1];
-      sn += part[3 * it + 2];
-    }
-    scales[0] = mean_or_zero(sp, cp);
-    scales[1] = mean_or_zero(sn, static_cast<double>(R) - cp);
+    finish_flat_means(part, items, R, scales, scales + 1);
     return;
   }
   // Items: (slab of whole 32-row blocks, column tile). Tiles of kTile columns when C is a
@@ -872,6 +878,20 @@ void compress_t(const void* g, const float* in, float* out, const float* prev,
   finish_column_means(part, nslab, C, R, hi, lo);
 }
 
+/// The check_finite result of a pass that computed the scales of g: a NaN / Inf in g makes some
+/// scale NaN / Inf, and only then is g scanned for the index of its first non-finite value;
+/// -1 when every scale is finite.
+int64_t first_nonfinite_if_scales_are(const void* g, DType t, const OneBitGeom& geo,
+                                      const float* scales) {
+  bool ok = true;
+  const int64_t K = geo.num_scales();
+  for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
+  if (ok) return -1;
+  int64_t bad = -1;
+  with_loader(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
+  return bad;
+}
+
 }  // namespace
 
 int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& geo, int norm,
@@ -886,15 +906,7 @@ int64_t onebit_scales(const void* g, DType t, const float* e, const OneBitGeom& 
       e ? sign_scales<Load, true>(g, e, geo, norm, scales, ws)
         : sign_scales<Load, false>(g, e, geo, norm, scales, ws);
   });
-  if (!check_finite) return -1;
-  // A NaN / Inf in g makes some scale NaN / Inf; only then is g scanned for the index.
-  bool ok = true;
-  const int64_t K = geo.num_scales();
-  for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
-  if (ok) return -1;
-  int64_t bad = -1;
-  with_loader(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
-  return bad;
+  return check_finite ? first_nonfinite_if_scales_are(g, t, geo, scales) : -1;
 }
 
 int64_t onebit_compress(const void* g, DType t, const float* state_in, const float* prev_scales,
@@ -923,39 +935,22 @@ int64_t onebit_compress(const void* g, DType t, const float* state_in, const flo
     else
       nt ? run(Y{}, Y{}, Y{}) : run(Y{}, Y{}, F{});
   });
-  if (!check_finite) return -1;
-  bool ok = true;
-  const int64_t K = geo.num_scales();
-  for (int64_t k = 0; k < K; ++k) ok = ok && is_finite_bits(scales[k]);
-  if (ok) return -1;
-  int64_t bad = -1;
-  with_loader(t, [&](auto L) { bad = first_nonfinite<decltype(L)>(g, geo.n); });
-  return bad;
+  return check_finite ? first_nonfinite_if_scales_are(g, t, geo, scales) : -1;
 }
 
 void onebit_finalize_error(float* x, const OneBitGeom& geo, const float* scales) {
-  const int64_t n = geo.n, W = geo.num_words();
-  if (n == 0) return;
-  const int T = threads_for(n);
-#pragma omp parallel num_threads(T)
-  {
-    const int t = omp_get_thread_num();
-    const int64_t wb = W * t / T, we = W * (t + 1) / T;
-    ScaleCursor cur(geo, scales, wb);
-    for (int64_t w = wb; w < we; ++w, cur.advance()) {
-      const int64_t i0 = 32 * w;
-      const int len = static_cast<int>(std::min<int64_t>(32, n - i0));
-      float hi, lo;
-      if (cur.constant(&hi, &lo)) {
-        for (int j = 0; j < len; ++j) x[i0 + j] = lazy_error(x[i0 + j], hi, lo);
-      } else {
-        for (int j = 0; j < len; ++j) {
-          cur.element(j, &hi, &lo);
-          x[i0 + j] = lazy_error(x[i0 + j], hi, lo);
-        }
+  if (geo.n == 0) return;
+  for_each_word(geo, scales, [&](int64_t, int64_t i0, int len, const ScaleCursor& cur) {
+    float hi, lo;
+    if (cur.constant(&hi, &lo)) {
+      for (int j = 0; j < len; ++j) x[i0 + j] = lazy_error(x[i0 + j], hi, lo);
+    } else {
+      for (int j = 0; j < len; ++j) {
+        cur.element(j, &hi, &lo);
+        x[i0 + j] = lazy_error(x[i0 + j], hi, lo);
       }
     }
-  }
+  });
 }
 
 void onebit_quantize(const void* g, DType t, const float* e_in, float* e_out, const OneBitGeom& geo,
@@ -988,78 +983,69 @@ float decode_wide_at(const uint32_t* const* bits, const float* const* scales, in
 
 void onebit_decode_average(const uint32_t* const* bits, const float* const* scales, int count,
                            const OneBitGeom& geo, float scale, bool accumulate, float* dense) {
-  const int64_t n = geo.n, W = geo.num_words();
-  if (n == 0) return;
-  const int T = threads_for(n);
-#pragma omp parallel num_threads(T)
-  {
-    const int t = omp_get_thread_num();
-    const int64_t wb = W * t / T, we = W * (t + 1) / T;
-    // one cursor per payload (they share the geometry, not the scales)
-    ScaleCursor cur(geo, scales[0], wb);
-    for (int64_t w = wb; w < we; ++w, cur.advance()) {
-      const int64_t i0 = 32 * w;
-      const int len = static_cast<int>(std::min<int64_t>(32, n - i0));
-      float* out = dense + i0;
+  if (geo.n == 0) return;
+  // the cursor walks payload 0's scales; a copy with another payload's scales serves that one
+  // (the payloads share the geometry, not the scales)
+  for_each_word(geo, scales[0], [&](int64_t w, int64_t i0, int len, const ScaleCursor& cur) {
+    float* out = dense + i0;
 #if GC_ONEBIT_SSE
-      float hi0, lo0;
-      const bool cst = cur.constant(&hi0, &lo0);
-      if (len == 32 && (cst || cur.contiguous())) {
-        __m128 acc[8];
-        for (int q = 0; q < 8; ++q) acc[q] = _mm_setzero_ps();
-        for (int p = 0; p < count; ++p) {
-          const uint32_t word = bits[p][w];
-          ScaleCursor cp = cur;
-          cp.scales = scales[p];
-          float hi = 0, lo = 0;
-          cp.constant(&hi, &lo);
-          const float* hiA = cst ? nullptr : scales[p] + cur.c0;
-          const float* loA = cst ? nullptr : scales[p] + geo.cols + cur.c0;
-          for (int q = 0; q < 8; ++q) {
-            const __m128 m = bit_mask4(word, 4 * q);
-            const __m128 h = hiA ? _mm_loadu_ps(hiA + 4 * q) : _mm_set1_ps(hi);
-            const __m128 l = loA ? _mm_loadu_ps(loA + 4 * q) : _mm_set1_ps(lo);
-            acc[q] = _mm_add_ps(acc[q], _mm_or_ps(_mm_and_ps(m, h), _mm_andnot_ps(m, l)));
-          }
-        }
-        const __m128 sc = _mm_set1_ps(scale);
-        const __m128 big = _mm_set1_ps(kMaxFinite);
-        const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-        __m128 res[8], bad = _mm_setzero_ps();
-        for (int q = 0; q < 8; ++q) {
-          const __m128 v = _mm_mul_ps(sc, acc[q]);
-          res[q] = accumulate ? _mm_add_ps(_mm_loadu_ps(out + 4 * q), v) : v;
-          bad = _mm_or_ps(bad, _mm_cmpnle_ps(_mm_and_ps(res[q], absmask), big));  // Inf, NaN
-        }
-        if (_mm_movemask_ps(bad) != 0) {  // rare: the word's non-finite lanes, redone wide
-          float tmp[32];
-          for (int q = 0; q < 8; ++q) _mm_storeu_ps(tmp + 4 * q, res[q]);
-          for (int j = 0; j < 32; ++j)
-            if (!is_finite_bits(tmp[j]))
-              tmp[j] = decode_wide_at(bits, scales, count, cur, w, j, out[j], scale, accumulate);
-          std::memcpy(out, tmp, sizeof(tmp));
-          continue;
-        }
-        for (int q = 0; q < 8; ++q) _mm_storeu_ps(out + 4 * q, res[q]);
-        continue;
-      }
-#endif
-      float acc[32];
-      for (int j = 0; j < len; ++j) acc[j] = 0.0f;
+    float hi0, lo0;
+    const bool cst = cur.constant(&hi0, &lo0);
+    if (len == 32 && (cst || cur.contiguous())) {
+      __m128 acc[8];
+      for (int q = 0; q < 8; ++q) acc[q] = _mm_setzero_ps();
       for (int p = 0; p < count; ++p) {
+        const uint32_t word = bits[p][w];
         ScaleCursor cp = cur;
         cp.scales = scales[p];
-        const uint32_t word = bits[p][w];
-        for (int j = 0; j < len; ++j) acc[j] = add_rn(acc[j], decoded(word, j, cp));
+        float hi = 0, lo = 0;
+        cp.constant(&hi, &lo);
+        const float* hiA = cst ? nullptr : scales[p] + cur.c0;
+        const float* loA = cst ? nullptr : scales[p] + geo.cols + cur.c0;
+        for (int q = 0; q < 8; ++q) {
+          const __m128 m = bit_mask4(word, 4 * q);
+          const __m128 h = hiA ? _mm_loadu_ps(hiA + 4 * q) : _mm_set1_ps(hi);
+          const __m128 l = loA ? _mm_loadu_ps(loA + 4 * q) : _mm_set1_ps(lo);
+          acc[q] = _mm_add_ps(acc[q], _mm_or_ps(_mm_and_ps(m, h), _mm_andnot_ps(m, l)));
+        }
       }
-      for (int j = 0; j < len; ++j) {
-        const float r = decode_store(out[j], scale, acc[j], accumulate);
-        out[j] = is_finite_bits(r)
-                     ? r
-                     : decode_wide_at(bits, scales, count, cur, w, j, out[j], scale, accumulate);
+      const __m128 sc = _mm_set1_ps(scale);
+      const __m128 big = _mm_set1_ps(kMaxFinite);
+      const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+      __m128 res[8], bad = _mm_setzero_ps();
+      for (int q = 0; q < 8; ++q) {
+        const __m128 v = _mm_mul_ps(sc, acc[q]);
+        res[q] = accumulate ? _mm_add_ps(_mm_loadu_ps(out + 4 * q), v) : v;
+        bad = _mm_or_ps(bad, _mm_cmpnle_ps(_mm_and_ps(res[q], absmask), big));  // Inf, NaN
       }
+      if (_mm_movemask_ps(bad) != 0) {  // rare: the word's non-finite lanes, redone wide
+        float tmp[32];
+        for (int q = 0; q < 8; ++q) _mm_storeu_ps(tmp + 4 * q, res[q]);
+        for (int j = 0; j < 32; ++j)
+          if (!is_finite_bits(tmp[j]))
+            tmp[j] = decode_wide_at(bits, scales, count, cur, w, j, out[j], scale, accumulate);
+        std::memcpy(out, tmp, sizeof(tmp));
+        return;
+      }
+      for (int q = 0; q < 8; ++q) _mm_storeu_ps(out + 4 * q, res[q]);
+      return;
     }
-  }
+#endif
+    float acc[32];
+    for (int j = 0; j < len; ++j) acc[j] = 0.0f;
+    for (int p = 0; p < count; ++p) {
+      ScaleCursor cp = cur;
+      cp.scales = scales[p];
+      const uint32_t word = bits[p][w];
+      for (int j = 0; j < len; ++j) acc[j] = add_rn(acc[j], decoded(word, j, cp));
+    }
+    for (int j = 0; j < len; ++j) {
+      const float r = decode_store(out[j], scale, acc[j], accumulate);
+      out[j] = is_finite_bits(r)
+                   ? r
+                   : decode_wide_at(bits, scales, count, cur, w, j, out[j], scale, accumulate);
+    }
+  });
 }
 
 }  // namespace cpu

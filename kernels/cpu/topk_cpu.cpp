@@ -9,19 +9,13 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/pinned.hpp"
 #include "kernels/topk_kernels.hpp"
 #include "kernels/topk_math.h"
 
 namespace gradcomp::kernels {
 
-SelectWorkspace::~SelectWorkspace() {
-  if (pinned) {
-    try {
-      gradcomp::cuda::free_host(pinned);
-    } catch (...) {
-    }
-  }
-}
+SelectWorkspace::~SelectWorkspace() { free_pinned_slot(pinned); }
 
 namespace cpu {
 namespace {
@@ -108,6 +102,27 @@ int64_t concat(std::vector<std::vector<uint32_t>>& lists, int T, uint32_t* out) 
   return c;
 }
 
+/// Calls visit(i) for the indices of [b, e) in ascending order, skipping every block of 32 whose
+/// largest magnitude bits are below `lowest` (none of its elements can qualify). The block's
+/// largest magnitude comes first (a vectorised max over the bits) and the scalar path only for
+/// the rare blocks that hold a candidate: this keeps a pass near the speed of a plain read (a max
+/// reduction vectorises; an OR of compares did not). The radix select and compact_ge share it.
+template <class Visit>
+inline void visit_blocks_reaching(const float* x, int64_t b, int64_t e, uint32_t lowest,
+                                  Visit&& visit) {
+  constexpr int kBlock = 32;
+  int64_t i = b;
+  for (; i + kBlock <= e; i += kBlock) {
+    uint32_t bits[kBlock];
+    std::memcpy(bits, x + i, sizeof bits);
+    uint32_t mx = 0;
+    for (int j = 0; j < kBlock; ++j) mx = std::max(mx, bits[j] & 0x7fffffffu);
+    if (__builtin_expect(mx >= lowest, 0))
+      for (int j = 0; j < kBlock; ++j) visit(i + j);
+  }
+  for (; i < e; ++i) visit(i);
+}
+
 int64_t exact_select(const float* x, int64_t n, int64_t k, uint32_t* out, SelectWorkspace& ws) {
   const int T = threads_for(n);
   ensure_threads(ws, T);
@@ -173,19 +188,9 @@ int64_t exact_select(const float* x, int64_t n, int64_t k, uint32_t* out, Select
             cand.push_back(static_cast<uint32_t>(i));  // with shift 0 all are ties: keep `need`
         }
       };
-      // as in compact_ge: a vectorised block maximum skips the blocks with nothing to keep
+      // a vectorised block maximum skips the blocks with nothing to keep, as in compact_ge
       const uint32_t lowest = prefix << shift;  // smallest magnitude bits in the bucket
-      constexpr int kBlock = 32;
-      int64_t i = b;
-      for (; i + kBlock <= e; i += kBlock) {
-        uint32_t bits[kBlock];
-        std::memcpy(bits, x + i, sizeof bits);
-        uint32_t mx = 0;
-        for (int j = 0; j < kBlock; ++j) mx = std::max(mx, bits[j] & 0x7fffffffu);
-        if (mx >= lowest)
-          for (int j = 0; j < kBlock; ++j) visit(i + j);
-      }
-      for (; i < e; ++i) visit(i);
+      visit_blocks_reaching(x, b, e, lowest, visit);
     }
   }
   // sel and candidates are each ascending; merge the chosen candidates into the output
@@ -220,20 +225,7 @@ int64_t compact_ge(const float* x, int64_t n, uint32_t thr, int64_t cap, int T,
         ++cnt;
       }
     };
-    // Blocks of 32: the largest magnitude of the block first (a vectorised max over the bits),
-    // the scalar path only for the rare blocks that hold a candidate. This keeps the pass near
-    // the speed of a plain read (a max reduction vectorises; an OR of compares did not).
-    constexpr int kBlock = 32;
-    int64_t i = b;
-    for (; i + kBlock <= e; i += kBlock) {
-      uint32_t bits[kBlock];
-      std::memcpy(bits, x + i, sizeof bits);
-      uint32_t mx = 0;
-      for (int j = 0; j < kBlock; ++j) mx = std::max(mx, bits[j] & 0x7fffffffu);
-      if (__builtin_expect(mx >= thr, 0))
-        for (int j = 0; j < kBlock; ++j) visit(i + j);
-    }
-    for (; i < e; ++i) visit(i);
+    visit_blocks_reaching(x, b, e, thr, visit);
     total = cnt;
   }
   return total;

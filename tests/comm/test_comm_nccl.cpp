@@ -148,6 +148,21 @@ void expect_close(const std::vector<float>& want, const std::vector<float>& got,
   EXPECT_LE(flips, allowed_flips) << what << ": sign flips";
 }
 
+namespace {
+
+// One step of the same plan on the CPU (over MPI, on h in place) and on CUDA (over NCCL, on d:
+// h's device copy).
+template <class CpuPlan, class GpuPlan>
+void step_both(CpuPlan& cpu, GpuPlan& gpu, std::vector<float>& h, DeviceVec& d,
+               gc::NcclCommunicator& nccl) {
+  cpu.begin(h.data());
+  gc::run_plan(cpu.plan(), mpi());
+  gpu.begin(static_cast<float*>(d.p));
+  gc::run_plan(gpu.plan(), nccl);
+}
+
+}  // namespace
+
 TEST(Nccl, OneBitAndPowerSGDOnCudaMatchCpuPlans) {
   REQUIRE_GPU_PER_RANK();
   gc::NcclCommunicator nccl(mpi(), nullptr, {.timeout_s = 60});
@@ -164,10 +179,7 @@ TEST(Nccl, OneBitAndPowerSGDOnCudaMatchCpuPlans) {
     for (int s = 0; s < 3; ++s) {
       auto h = gc::test::rank_input(n, me, s);
       DeviceVec d(h);
-      cpu.begin(h.data());
-      gc::run_plan(cpu.plan(), mpi());
-      gpu.begin(static_cast<float*>(d.p));
-      gc::run_plan(gpu.plan(), nccl);
+      step_both(cpu, gpu, h, d, nccl);
       std::vector<float> got(static_cast<size_t>(n));
       if (n) gc::cuda::memcpy_async(got.data(), gpu.result(nullptr), n * sizeof(float), nullptr);
       gc::cuda::stream_synchronize(nullptr);
@@ -181,10 +193,7 @@ TEST(Nccl, OneBitAndPowerSGDOnCudaMatchCpuPlans) {
   for (int s = 0; s < 3; ++s) {
     auto h = gc::test::rank_input(n, me, s);
     DeviceVec d(h);
-    cpu.begin(h.data());
-    gc::run_plan(cpu.plan(), mpi());
-    gpu.begin(static_cast<float*>(d.p));
-    gc::run_plan(gpu.plan(), nccl);
+    step_both(cpu, gpu, h, d, nccl);
     // cuBLAS and BLAS sum in different orders: equal up to fp32 rounding of the projections
     // (difference relative to the largest element, as the PowerSGD CUDA twin tests measure it)
     const auto got = d.host();

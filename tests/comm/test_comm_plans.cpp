@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <vector>
@@ -229,14 +230,16 @@ TEST(CommPlans, CastReduceScatterAsksForAllToAllThenAllgather) {
     for (float v : g[r]) ASSERT_EQ(v, 1.0f);
 }
 
-TEST(CommPlans, TopKBothRoutesMatchReference) {
-  for (auto exchange :
-       {gc::TopKExchange::kAuto, gc::TopKExchange::kBound, gc::TopKExchange::kSizes})
-    for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense, gc::TopKRoute::kAuto})
+namespace {
+
+/// Top-k plans of `cfg` against the scalar reference for every exchange and route given, P = 1-4
+/// and every size of kSizes, 3 steps each.
+void check_topk_plans(const gc::TopKConfig& cfg, std::initializer_list<gc::TopKExchange> exchanges,
+                      std::initializer_list<gc::TopKRoute> routes) {
+  for (auto exchange : exchanges)
+    for (auto route : routes)
       for (int P = 1; P <= 4; ++P)
         for (int64_t n : kSizes) {
-          gc::TopKConfig cfg;
-          cfg.ratio = 0.01;
           gc::test::TopKReference ref(cfg, n, P);
           gc::TopKPlanOptions opt;
           opt.route = route;
@@ -249,6 +252,16 @@ TEST(CommPlans, TopKBothRoutesMatchReference) {
                 return v;
               });
         }
+}
+
+}  // namespace
+
+TEST(CommPlans, TopKBothRoutesMatchReference) {
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.01;
+  check_topk_plans(cfg,
+                   {gc::TopKExchange::kAuto, gc::TopKExchange::kBound, gc::TopKExchange::kSizes},
+                   {gc::TopKRoute::kSparse, gc::TopKRoute::kDense, gc::TopKRoute::kAuto});
 }
 
 namespace {
@@ -284,26 +297,12 @@ TEST(CommPlans, TopKCodedValuesMatchTheCodecsOnEveryRouteAndRank) {
   // value_bits: each rank's payload carries its coded values; both routes, every exchange and
   // P = 1-4 give every rank the bits of the codecs' decodes summed in rank order (the codec
   // itself is checked against the grid's definition in tests/topk).
-  for (auto exchange : {gc::TopKExchange::kBound, gc::TopKExchange::kSizes})
-    for (auto route : {gc::TopKRoute::kSparse, gc::TopKRoute::kDense})
-      for (int P = 1; P <= 4; ++P)
-        for (int64_t n : kSizes) {
-          gc::TopKConfig cfg;
-          cfg.ratio = 0.03;
-          cfg.value_bits = 2;
-          cfg.value_block = 32;
-          gc::test::TopKReference ref(cfg, n, P);
-          gc::TopKPlanOptions opt;
-          opt.route = route;
-          opt.exchange = exchange;
-          check_plan(
-              P, n, 3, [&](int) { return std::make_unique<gc::TopKAllreducePlan>(cfg, n, P, opt); },
-              [&](const auto& in) {
-                auto v = ref.step(in);
-                if (n == 0) v.clear();
-                return v;
-              });
-        }
+  gc::TopKConfig cfg;
+  cfg.ratio = 0.03;
+  cfg.value_bits = 2;
+  cfg.value_block = 32;
+  check_topk_plans(cfg, {gc::TopKExchange::kBound, gc::TopKExchange::kSizes},
+                   {gc::TopKRoute::kSparse, gc::TopKRoute::kDense});
   // a rank coding at another width (or not at all) is told at the first step, on every rank
   for (int other : {0, 4}) {
     gc::TopKConfig a, b;

@@ -57,6 +57,17 @@ gc::BucketSpec spec(int64_t n, int world, int rank, uint32_t bucket_id = 3) {
   return b;
 }
 
+// A sparsifier's plan (top-k, random-k) built by hand with the options the families are given by
+// name below ({ratio 0.05, momentum 0.9}; spec()'s bucket_id is the tensor id).
+template <class Plan, class Config>
+std::unique_ptr<Plan> sparsifier_by_hand(int64_t n, int P) {
+  Config c;
+  c.ratio = 0.05;
+  c.momentum = 0.9;
+  c.tensor_id = 3;
+  return std::make_unique<Plan>(c, n, P);
+}
+
 std::string message_of(const std::function<void()>& f) {
   try {
     f();
@@ -94,17 +105,9 @@ TEST(MakePlan, EveryFamilyMatchesThePlanBuiltByHand) {
               n, gc::DType::kFloat32, name == "fp16" ? gc::DType::kFloat16 : gc::DType::kBFloat16,
               P, gc::Device::kCPU, 0, nullptr, gc::CastRoute::kReduceScatter));
         } else if (name == "topk") {
-          gc::TopKConfig c;
-          c.ratio = 0.05;
-          c.momentum = 0.9;
-          c.tensor_id = 3;
-          by_hand.push_back(std::make_unique<gc::TopKAllreducePlan>(c, n, P));
+          by_hand.push_back(sparsifier_by_hand<gc::TopKAllreducePlan, gc::TopKConfig>(n, P));
         } else if (name == "randomk") {
-          gc::RandomKConfig c;
-          c.ratio = 0.05;
-          c.momentum = 0.9;
-          c.tensor_id = 3;
-          by_hand.push_back(std::make_unique<gc::RandomKAllreducePlan>(c, n, P));
+          by_hand.push_back(sparsifier_by_hand<gc::RandomKAllreducePlan, gc::RandomKConfig>(n, P));
         } else if (name == "onebit") {  // the documented recommended settings
           gc::OneBitConfig c;
           c.scaling = gc::OneBitScaling::kSignL2;

@@ -121,15 +121,10 @@ struct Ranks {
   std::vector<std::unique_ptr<gc::BucketPlan>> plans;
   Ranks(const Variant& v, int P, int64_t n, gc::DType dt, gc::OnNonFinite policy) {
     for (int r = 0; r < P; ++r) {
-      gc::BucketSpec b;
-      b.numel = n;
-      b.dtype = dt;
-      b.world = P;
-      b.rank = r;
-      b.shapes = shapes_for(n);
       gc::PlanOptions o = v.options;
       o["on_nonfinite"] = std::string(policy == gc::OnNonFinite::kSkip ? "skip" : "raise");
-      plans.push_back(gc::make_plan(v.family, b, o));
+      plans.push_back(
+          gc::make_plan(v.family, gc::test::rank_bucket(n, dt, P, r, shapes_for(n)), o));
     }
   }
   // One step over the given gradients (averaged in place).

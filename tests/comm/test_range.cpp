@@ -24,6 +24,7 @@
 #include "gradcomp/make_plan.hpp"
 #include "gradcomp/plan.hpp"
 #include "kernels/topk_math.h"
+#include "plan_variant.hpp"
 
 namespace gc = gradcomp;
 
@@ -142,13 +143,7 @@ std::vector<std::vector<int64_t>> shapes_for(int64_t n) {
 
 // rank r's plan of `family` for a bucket of n elements of dt on P ranks
 std::unique_ptr<gc::BucketPlan> plan_for(const Variant& v, int64_t n, gc::DType dt, int P, int r) {
-  gc::BucketSpec b;
-  b.numel = n;
-  b.dtype = dt;
-  b.world = P;
-  b.rank = r;
-  b.shapes = shapes_for(n);
-  return gc::make_plan(v.family, b, v.options);
+  return gc::make_plan(v.family, gc::test::rank_bucket(n, dt, P, r, shapes_for(n)), v.options);
 }
 
 }  // namespace

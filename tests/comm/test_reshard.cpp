@@ -53,11 +53,7 @@ std::vector<std::vector<int64_t>> shapes_for(int64_t n) {
 }
 
 std::unique_ptr<gc::BucketPlan> plan_for(const Variant& v, int64_t n, int P, int r) {
-  gc::BucketSpec b;
-  b.numel = n;
-  b.world = P;
-  b.rank = r;
-  b.shapes = shapes_for(n);
+  gc::BucketSpec b = gc::test::rank_bucket(n, gc::DType::kFloat32, P, r, shapes_for(n));
   b.bucket_id = 3;
   return gc::make_plan(v.family, b, v.options);
 }

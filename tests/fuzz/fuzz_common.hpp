@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gradcomp/error.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/topk.hpp"
 #include "plans/quant_plan.hpp"
@@ -117,6 +118,28 @@ inline int64_t changed(const std::vector<float>& dense) {
   int64_t c = 0;
   for (float v : dense) c += std::memcmp(&v, &kCanary, sizeof v) != 0;
   return c;
+}
+
+/// The property both sparse decoders (top-k, random-k) must keep on arbitrary bytes: decode_add
+/// rejects them (InvalidArgument/CorruptPayload) with the output untouched, or accepts a payload
+/// whose header parses (else parse_header throws: a crash), of `kind` and this tensor, that
+/// changes at most `count` output elements.
+template <class Compressor>
+int sparse_decode_add(Compressor& comp, PayloadKind kind, const uint8_t* data, size_t size) {
+  const Aligned in(data, size);
+  std::vector<float> dense(kNumel, kCanary);
+  try {
+    comp.decode_add(in.data(), in.size, TensorView::cpu(dense.data(), kNumel), 1.0f);
+  } catch (const InvalidArgument&) {
+    require(changed(dense) == 0, "a rejected payload changed the output");
+    return 0;
+  }
+  const PayloadHeader h = parse_header(in.data(), in.size);
+  require(h.kind == uint8_t(kind) && h.tensor_id == kTensorId,
+          "a payload of another kind or tensor was decoded");
+  require(changed(dense) <= static_cast<int64_t>(h.count),
+          "more output elements changed than the payload holds");
+  return 0;
 }
 
 inline void quant_step_with_peer(QuantPlan& plan, const uint8_t* in, size_t size,

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers for multi-process DDP tests: spawn N gloo ranks on loopback, deterministic models."""
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -18,6 +19,22 @@ if _ROOT not in sys.path:
 # (free_port, rank_context, start_ranks: for the tests that start ranks themselves)
 from experiments.launch import (  # noqa: E402,F401
     exit_rank, free_port, rank_context, start_ranks)
+
+
+def gpu_suite_device():
+    """The device of a GPU suite and its module's pytestmark: GRADCOMP_TEST_DEVICE, "cuda" by
+    default (the suite then skipped without a CUDA device or a gradcomp built with CUDA); "cpu"
+    runs the suite's logic over gloo on the CPU, for a machine without a GPU."""
+    import gradcomp
+    import pytest
+
+    dev = os.environ.get("GRADCOMP_TEST_DEVICE", "cuda")
+    marks = []
+    if dev == "cuda":
+        marks.append(pytest.mark.skipif(
+            not (torch.cuda.is_available() and gradcomp.built_with_cuda()),
+            reason="needs a CUDA device and gradcomp built with CUDA"))
+    return dev, marks
 
 
 def _entry(rank, world, port, fn, args):
@@ -100,6 +117,21 @@ def train(model, opt, data):
         opt.step()
 
 
+def train_losses(model, opt, data, device=None):
+    """train(), returning each step's loss (a float); each batch moved to `device` first when
+    one is given."""
+    losses = []
+    for x, y in data:
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def fails_twice(model, opt, batch, match: str) -> None:
     """backward() raises a ValueError matching `match` on this rank at two steps in a row (the
     step after a failed check checks again)."""
@@ -133,6 +165,12 @@ def tmpdir():
         # only the process that made it removes it: spawned ranks import this module too
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(_BASE, ignore_errors=True))
     return tempfile.mkdtemp(prefix="t-", dir=_BASE)
+
+
+def read_json(out_dir, name):
+    """What the ranks wrote as JSON into `name` in out_dir (a test's tmpdir())."""
+    with open(os.path.join(out_dir, name)) as f:
+        return json.load(f)
 
 
 def mark_ok(out_dir, rank):

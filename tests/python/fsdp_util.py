@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Helpers shared by the FSDP2 tests (test_fsdp.py, test_fsdp_hostile.py): whether this torch has
-FSDP2 with custom collectives, the sharded test model, and a rank's local shards."""
+"""Helpers shared by the FSDP2 tests (test_fsdp.py, test_fsdp_hostile.py; the GPU suites'
+FSDP cases): whether this torch has FSDP2 (with custom collectives), the sharded test model, and
+a rank's local shards."""
 import pytest
 import torch
 
@@ -12,6 +13,16 @@ try:
 except (ImportError, ValueError):  # torch 1.13's fsdp package fails to import on Python 3.11
     fully_shard = None
     HAVE_FSDP2 = False
+
+
+def have_fully_shard():
+    """Whether torch.distributed.fsdp has fully_shard (FSDP2), with custom collectives or not."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        return True
+    except (ImportError, ValueError):
+        return False
+
 
 needs_fsdp2 = pytest.mark.skipif(
     not HAVE_FSDP2, reason=f"FSDP2 custom collectives need torch 2.x (this is {torch.__version__})")

@@ -14,7 +14,8 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch._auto import choose  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, save_checkpoint, tmpdir, train)
+                      params_equal_across_ranks, run, save_checkpoint, tmpdir, train,
+                      train_losses)
 
 CANDS = ["allreduce", "fp16", "powersgd"]
 
@@ -105,14 +106,7 @@ def _auto_run(rank, world, out_dir, phase, cands, big=False):
         steps = range(15, 30)
     else:
         steps = range(0, 15) if phase == "first" else range(0, 30)
-    losses = []
-    for i in steps:
-        x, y = data[i]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_losses(model, opt, [data[i] for i in steps])
     same = params_equal_across_ranks(model)
     if phase == "first":
         save_checkpoint(path, model, opt, state)

@@ -18,7 +18,7 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp import _C  # noqa: E402
 from gradcomp.torch import run_sync  # noqa: E402
 
-from ddp_util import run, tmpdir  # noqa: E402
+from ddp_util import read_json, run, tmpdir  # noqa: E402
 
 SIZES = (0, 1, 2, 7, 1001, 200_003)  # the last: > 64 KiB per peer, point-to-point all-to-all
 
@@ -100,8 +100,7 @@ class _Bucket:
 def test_reduce_scatter_cast_matches_reference_over_gloo(world):
     d = tmpdir()
     run(_worker, world, d)
-    with open(os.path.join(d, "cast.json")) as f:
-        res = json.load(f)
+    res = read_json(d, "cast.json")
     for key, r in res["got"].items():
         assert r["equal"], f"{key}: max error {r['err']}"
         if "/0/" not in key and not key.startswith("overflow/"):

@@ -17,7 +17,8 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp import _C  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, save_checkpoint, tmpdir, train)
+                      params_equal_across_ranks, read_json, run, save_checkpoint, tmpdir,
+                      train, train_losses)
 
 HOOKS = {
     "allreduce": {},
@@ -51,13 +52,7 @@ def _train_all(rank, world, out_dir):
         model.register_comm_hook(state, hook)
         mom = 0.0 if opts.get("momentum") else 0.9
         opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=mom)
-        losses = []
-        for x, y in data:
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = train_losses(model, opt, data)
         same = params_equal_across_ranks(model)
         last = state.history[-1]
         results[name] = dict(first=sum(losses[:5]) / 5, last=sum(losses[-5:]) / 5, same=same,
@@ -73,8 +68,7 @@ def _train_all(rank, world, out_dir):
 def test_every_hook_trains_consistently_and_compresses(world):
     d = tmpdir()
     run(_train_all, world, d)
-    with open(os.path.join(d, f"train_{world}.json")) as f:
-        res = json.load(f)
+    res = read_json(d, f"train_{world}.json")
     plain_wire = res["allreduce"]["wire"]
     for name, r in res.items():
         print(f"\n{name}: sent {r['sent']} wire {r['wire']} (plain wire {plain_wire})")
@@ -161,8 +155,7 @@ def test_topk_bound_exchange_is_one_collective_per_bucket_with_the_same_bits():
     buckets) one allgather per bucket; the same parameters bit for bit as the size exchange."""
     d = tmpdir()
     run(_topk_exchanges, 2, d)
-    with open(os.path.join(d, "exchanges.json")) as f:
-        res = json.load(f)
+    res = read_json(d, "exchanges.json")
     sizes = res["sizes"]
     for exchange in ("auto", "bound"):
         r = res[exchange]

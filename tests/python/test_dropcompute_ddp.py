@@ -155,20 +155,36 @@ def work(rank, model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def _ddp_and_opt(hook):
+    """A fresh DDP model (with the gradcomp hook `hook`, if any) and its optimizer."""
+    ddp = DDP(make_model())
+    if hook:
+        ddp.register_comm_hook(*gradcomp.torch.hook(hook, ratio=0.01))
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+
+def _timed_steps(steps, opt, backward):
+    """The wall time of each of `steps` optimizer steps whose gradients backward() computes; the
+    ranks start each step together (a barrier), so that a step's time is the slow rank's."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _slow_rank_worker(rank, world, port, out, hook):
     init(rank, world, port)
     res = {}
     # baseline: the usual accumulation loop (no_sync for all but the last micro-batch)
-    ddp = DDP(make_model())
-    if hook:
-        ddp.register_comm_hook(*gradcomp.torch.hook(hook, ratio=0.01))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    ddp, opt = _ddp_and_opt(hook)
     it = batches(rank)
-    times = []
-    for step in range(5):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
+
+    def accumulate():
         for m in range(M_SLOW):
             x, y = next(it)
             if m < M_SLOW - 1:
@@ -176,26 +192,20 @@ def _slow_rank_worker(rank, world, port, out, hook):
                     (work(rank, ddp, x, y) / M_SLOW).backward()
             else:
                 (work(rank, ddp, x, y) / M_SLOW).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+
+    times = _timed_steps(5, opt, accumulate)
     res["base_time"] = sorted(times[1:])[len(times[1:]) // 2]
 
     # DropCompute, automatic tau after 2 measured steps
-    ddp = DDP(make_model())
-    if hook:
-        ddp.register_comm_hook(*gradcomp.torch.hook(hook, ratio=0.01))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    ddp, opt = _ddp_and_opt(hook)
     dc = DropCompute(ddp, M_SLOW, tau=None, warmup_steps=2, normalization="actual")
     it = batches(rank)
-    times = []
-    for step in range(7):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
+
+    def drop_compute():
         for x, y in dc.microbatches(it):
             work(rank, ddp, x, y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+
+    times = _timed_steps(7, opt, drop_compute)
     res["dc_time"] = sorted(times[3:])[len(times[3:]) // 2]
     res["tau"] = dc.tau
     res["estimates"] = len(dc.estimates)

@@ -59,12 +59,19 @@ def _rel(a, b):
     return float((a - b).norm() / a.norm())
 
 
-# ---- 1. a second compress_fsdp on the same model
-def _twice(rank, world):
+def _quant_after_one_step(rank):
+    """A sharded model compressed with 4-bit gradients after one backward (a state to look at),
+    with its batch."""
     x, y = make_data(rank, 1)[0]
     m = sharded_net()
     comp = gt.compress_fsdp(m, grads="quant", bits=4)
     _mse(m, x, y).backward()
+    return m, comp, x, y
+
+
+# ---- 1. a second compress_fsdp on the same model
+def _twice(rank, world):
+    m, comp, x, y = _quant_after_one_step(rank)
     before = comp.state_dict()
     for kw in [dict(grads="quant", bits=4),          # the same again
                dict(grads=None, params="int8"),      # only what the first left alone
@@ -342,10 +349,7 @@ def _scaled(rank, world):
 
 # ---- 9. damaged checkpoints
 def _damaged(rank, world):
-    x, y = make_data(rank, 1)[0]
-    m = sharded_net()
-    comp = gt.compress_fsdp(m, grads="quant", bits=4)
-    _mse(m, x, y).backward()
+    m, comp, x, y = _quant_after_one_step(rank)
     sd = comp.state_dict()
     e0 = sd["modules"]["fc1"][0]
 

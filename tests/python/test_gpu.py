@@ -31,16 +31,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, finish, free_port, make_data  # noqa: E402
+from ddp_util import (Net, finish, free_port, gpu_suite_device, make_data,  # noqa: E402
+                      train_losses)
+from fsdp_util import have_fully_shard  # noqa: E402
 
-DEV = os.environ.get("GRADCOMP_TEST_DEVICE", "cuda")
-if DEV == "cuda":
-    pytestmark = pytest.mark.skipif(
-        not (torch.cuda.is_available() and gradcomp.built_with_cuda()),
-        reason="needs a CUDA device and gradcomp built with CUDA")
+DEV, pytestmark = gpu_suite_device()
 
 FAMILIES = [
     ("topk", dict(ratio=0.05)),
@@ -84,18 +81,6 @@ def _model(device, group=None, seed=0):
     return DDP(net, device_ids=ids, process_group=group, bucket_cap_mb=0.01)
 
 
-def _train(model, opt, data, device):
-    losses = []
-    for x, y in data:
-        x, y = x.to(device), y.to(device)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _flat(model):
     return torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
 
@@ -109,7 +94,7 @@ def _vs_cpu(rank, world, name, opts):
         state, hook = gt.hook(name, process_group=group, model=model, **opts)
         model.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        runs[where.type if group is None else "cpu-ref"] = (_train(model, opt, data, where),
+        runs[where.type if group is None else "cpu-ref"] = (train_losses(model, opt, data, where),
                                                            _flat(model), state)
     (la, pa, sa), (lb, pb, sb) = runs[DEV], runs["cpu-ref"]
     assert sa.iter == sb.iter == STEPS
@@ -135,7 +120,7 @@ def _auto(rank, world):
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     decided_at = 1 + len(state.candidates) * 2
-    losses = _train(model, opt, make_data(rank, decided_at + 4), dev)
+    losses = train_losses(model, opt, make_data(rank, decided_at + 4), dev)
     assert len(state.trials) == 1 and state.trials[0]["iter"] == decided_at, state.trials
     assert state.choices and set(state.choices.values()) <= set(state.candidates), state.choices
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -155,10 +140,10 @@ def _resume(rank, world, name, opts):
     state, hook = gt.hook(name, model=model, **opts)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    _train(model, opt, data[:half], dev)
+    train_losses(model, opt, data[:half], dev)
     params = [p.detach().clone() for p in model.module.parameters()]
     sd = state.state_dict()
-    _train(model, opt, data[half:], dev)
+    train_losses(model, opt, data[half:], dev)
     straight = _flat(model)
 
     model2 = _model(dev, seed=1)  # other initial weights: everything comes from the checkpoint
@@ -169,7 +154,7 @@ def _resume(rank, world, name, opts):
     state2.load_state_dict(sd)
     model2.register_comm_hook(state2, hook2)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
-    _train(model2, opt2, data[half:], dev)
+    train_losses(model2, opt2, data[half:], dev)
     resumed = _flat(model2)
     assert state2.iter == state.iter == STEPS
     diff = (resumed - straight).abs().max().item()
@@ -237,10 +222,10 @@ def _side_stream(rank, world):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                _train(model, opt, data, dev)
+                train_losses(model, opt, data, dev)
             torch.cuda.current_stream().wait_stream(side)
         else:
-            _train(model, opt, data, dev)
+            train_losses(model, opt, data, dev)
         torch.cuda.synchronize()
         out.append(_flat(model))
     assert (out[0] - out[1]).abs().max().item() <= 1e-6 * out[0].abs().max().item()
@@ -274,7 +259,7 @@ def _graph_capture(rank, world):
             state, hook = gt.hook(name, model=model, **opts)
             model.register_comm_hook(state, hook)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            _train(model, opt, data[:warm], dev)
+            train_losses(model, opt, data[:warm], dev)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         it, sd = state.iter, pickle.dumps(state.state_dict())
@@ -285,7 +270,7 @@ def _graph_capture(rank, world):
                 torch.nn.functional.mse_loss(model(x), y).backward()
         torch.cuda.synchronize()
         assert state.iter == it and pickle.dumps(state.state_dict()) == sd, name
-        losses = _train(model, opt, data[warm + 1:], dev)
+        losses = train_losses(model, opt, data[warm + 1:], dev)
         assert state.iter == it + 2, (name, state.iter, it)
         assert all(torch.isfinite(p).all() for p in model.parameters()), name
         assert all(l == l for l in losses), name
@@ -344,14 +329,7 @@ def _fsdp(rank, world):
     fully_shard(model)
     comp = gt.compress_fsdp(model, grads="quant", bits=4, params="int8")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for x, y in make_data(rank, 20):
-        x, y = x.to(dev), y.to(dev)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_losses(model, opt, make_data(rank, 20), dev)
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     totals = comp.totals()
     assert totals, "no compressed collective ran"
@@ -360,14 +338,6 @@ def _fsdp(rank, world):
     assert pickle.dumps(comp.state_dict()) == pickle.dumps(sd), "the state changed on a reload"
 
 
-def _have_fsdp2():
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-        return True
-    except (ImportError, ValueError):
-        return False
-
-
-@pytest.mark.skipif(not _have_fsdp2(), reason="FSDP2 (fully_shard): torch 2.x")
+@pytest.mark.skipif(not have_fully_shard(), reason="FSDP2 (fully_shard): torch 2.x")
 def test_compress_fsdp_trains():
     _spawn(_fsdp, 1)

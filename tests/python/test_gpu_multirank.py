@@ -32,16 +32,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
-from ddp_util import Net, finish, free_port, make_data, tmpdir  # noqa: E402
+from ddp_util import (Net, finish, free_port, gpu_suite_device, make_data,  # noqa: E402
+                      read_json, tmpdir, train_losses)
+from fsdp_util import have_fully_shard  # noqa: E402
 
-DEV = os.environ.get("GRADCOMP_TEST_DEVICE", "cuda")
-if DEV == "cuda":
-    pytestmark = pytest.mark.skipif(
-        not (torch.cuda.is_available() and gradcomp.built_with_cuda()),
-        reason="needs a CUDA device and gradcomp built with CUDA")
+DEV, pytestmark = gpu_suite_device()
 
 FAMILIES = [
     ("allreduce", dict()),
@@ -165,14 +162,7 @@ def _fsdp_run(device, rank, world):
     fully_shard(model, mesh=mesh)
     comp = gt.compress_fsdp(model, grads="quant", bits=4, params="int8")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for x, y in make_data(rank, 12):
-        x, y = x.to(device), y.to(device)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_losses(model, opt, make_data(rank, 12), device)
     probe = make_data(0, 1, seed=5)[0][0].to(device)  # the same input on every rank
     with torch.no_grad():
         out = model(probe).detach().cpu()
@@ -229,25 +219,15 @@ def _report(cases, what):
 def test_every_family_on_several_ranks_of_one_device(world):
     out = tmpdir()
     _spawn(_ddp_cases, world, out)
-    with open(os.path.join(out, "ddp.json")) as f:
-        cases = json.load(f)
+    cases = read_json(out, "ddp.json")
     assert len(cases) == len(FAMILIES) * 2 * (2 if _bf16_collectives() else 1)
     _report(cases, f"DDP hooks, {world} ranks on {DEV}")
 
 
-def _have_fsdp2():
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-        return True
-    except (ImportError, ValueError):
-        return False
-
-
-@pytest.mark.skipif(not _have_fsdp2(), reason="FSDP2 (fully_shard): torch 2.x")
+@pytest.mark.skipif(not have_fully_shard(), reason="FSDP2 (fully_shard): torch 2.x")
 @pytest.mark.parametrize("world", [2, 4])
 def test_compress_fsdp_on_several_ranks_of_one_device(world):
     out = tmpdir()
     _spawn(_fsdp_case, world, out)
-    with open(os.path.join(out, "fsdp.json")) as f:
-        cases = json.load(f)
+    cases = read_json(out, "fsdp.json")
     _report(cases, f"compress_fsdp, {world} ranks on {DEV}")

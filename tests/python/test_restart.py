@@ -361,23 +361,38 @@ ALONE = [
 ]
 
 
+def _hooked(name, **opts):
+    """A DDP Net (seed 0) with the hook `name` (given the model) and its SGD optimizer."""
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook(name, model=model, **opts)
+    model.register_comm_hook(state, hook)
+    return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _told_then_agree(rank, model, opt, state, batch, match, alone, agree):
+    """alone = (r, state_dict): rank r loads a state the other ranks do not have, and every rank's
+    next step fails, twice, naming `match` (fails_twice); then agree = (r, state_dict) is loaded on
+    rank r, after which the ranks agree again."""
+    r, sd = alone
+    if rank == r:
+        state.load_state_dict(sd)
+    fails_twice(model, opt, batch, match)
+    r, sd = agree
+    if rank == r:
+        state.load_state_dict(sd)
+
+
 def _one_rank_loads_alone(rank, world, out_dir):
     data = make_data(rank, 8)
     for name, opts in ALONE:
-        torch.manual_seed(0)
-        model = DDP(Net())
-        state, hook = gt.hook(name, model=model, start_iter=0, **opts)
-        model.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, state, opt = _hooked(name, start_iter=0, **opts)
         train(model, opt, data[0:2])
         older = copy.deepcopy(state.state_dict())
         train(model, opt, data[2:4])
         mine = copy.deepcopy(state.state_dict())
-        if rank == 0:
-            state.load_state_dict(older)
-        fails_twice(model, opt, data[4], "ranks are at different steps")
-        if rank == 0:
-            state.load_state_dict(mine)
+        _told_then_agree(rank, model, opt, state, data[4], "ranks are at different steps",
+                         (0, older), (0, mine))
         train(model, opt, data[4:8])
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert params_equal_across_ranks(model), (name, opts)
@@ -396,22 +411,12 @@ def _restored_alone(rank, world, out_dir):
     data = make_data(rank, 12)
     cases = [(n, o) for n, o in FAMILIES.items()] + [("auto", dict(trial_steps=2))]
     for name, opts in cases:
-        def build(**more):
-            torch.manual_seed(0)
-            model = DDP(Net())
-            state, hook = gt.hook(name, model=model, **dict(opts, **more))
-            model.register_comm_hook(state, hook)
-            return model, state, torch.optim.SGD(model.parameters(), lr=0.01)
-
-        model, state, opt = build()
+        model, state, opt = _hooked(name, **opts)
         train(model, opt, data[0:5])
         sd = copy.deepcopy(state.state_dict())
-        model, state, opt = build()  # the restarted job: only rank 0 restores
-        if rank == 0:
-            state.load_state_dict(sd)
-        fails_twice(model, opt, data[5], "different iterations")
-        if rank == 1:
-            state.load_state_dict(sd)
+        model, state, opt = _hooked(name, **opts)  # the restarted job: only rank 0 restores
+        _told_then_agree(rank, model, opt, state, data[5], "different iterations", (0, sd),
+                         (1, sd))
         train(model, opt, data[5:9])
         assert state.iter == 9, (name, state.iter)
         assert params_equal_across_ranks(model), name

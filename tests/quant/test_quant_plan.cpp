@@ -22,6 +22,7 @@
 #include "gradcomp/rng.hpp"
 #include "gradcomp/topk.hpp"
 #include "kernels/onebit_kernels.hpp"
+#include "plan_variant.hpp"
 #include "plans/cast_plan.hpp"
 #include "plans/quant_plan.hpp"
 #include "plans/topk_plan.hpp"
@@ -111,6 +112,9 @@ std::vector<float> ref_quantize(const Ref& R, const std::vector<float>& x, uint6
 }
 
 struct RefRanks {
+  /// Every rank's state before the first step: zero errors.
+  explicit RefRanks(const Ref& R)
+      : we(R.P, std::vector<float>(R.n, 0.0f)), se(R.P, std::vector<float>(R.CE, 0.0f)) {}
   std::vector<std::vector<float>> we;  // per rank, numel
   std::vector<std::vector<float>> se;  // per rank, CE
 };
@@ -167,13 +171,27 @@ std::vector<std::unique_ptr<QuantPlan>> make_ranks(const QuantConfig& c, int64_t
   return v;
 }
 
-void run(std::vector<std::unique_ptr<QuantPlan>>& plans, std::vector<std::vector<float>>& g) {
+// Runs one step of the plans (one per rank, any plan type) on g (each rank's bucket, fp32).
+template <class PlanPtr>
+void run(std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g) {
   std::vector<Plan*> ps;
   for (size_t r = 0; r < plans.size(); ++r) {
     plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
     ps.push_back(plans[r].get());
   }
   run_plans_in_process(ps);
+}
+
+// Runs one step that must fail on every rank with InvalidArgument, the message naming `why`.
+template <class PlanPtr>
+void expect_step_fails(std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g,
+                       const std::string& why) {
+  try {
+    run(plans, g);
+    ADD_FAILURE() << "a step that should fail (" << why << ") was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+  }
 }
 
 std::string describe(const QuantConfig& c) {
@@ -203,9 +221,7 @@ TEST(QuantPlan, MatchesScalarReferenceForEveryOption) {
                 c.tensor_id = 3;
                 auto plans = make_ranks(c, n, P);
                 Ref R{c, P, n, plans[0]->chunk_elems()};
-                RefRanks st;
-                st.we.assign(P, std::vector<float>(n, 0.0f));
-                st.se.assign(P, std::vector<float>(R.CE, 0.0f));
+                RefRanks st(R);
                 for (int step = 0; step < 3; ++step) {
                   std::vector<std::vector<float>> g(P);
                   for (int r = 0; r < P; ++r) g[r] = normal(n, 100 * step + r, 0.1f + r);
@@ -236,9 +252,7 @@ TEST(QuantPlan, LargeBucketsAndOtherBlockSizes) {
       const int P = 3;
       auto plans = make_ranks(c, n, P);
       Ref R{c, P, n, plans[0]->chunk_elems()};
-      RefRanks st;
-      st.we.assign(P, std::vector<float>(n, 0.0f));
-      st.se.assign(P, std::vector<float>(R.CE, 0.0f));
+      RefRanks st(R);
       for (int step = 0; step < 2; ++step) {
         std::vector<std::vector<float>> g(P);
         for (int r = 0; r < P; ++r) g[r] = test::heavy_tailed(n, 10 * step + r);
@@ -261,9 +275,7 @@ TEST(QuantPlan, HalfPrecisionGradients) {
         const int P = 3;
         auto plans = make_ranks(c, n, P, t);
         Ref R{c, P, n, plans[0]->chunk_elems()};
-        RefRanks st;
-        st.we.assign(P, std::vector<float>(n, 0.0f));
-        st.se.assign(P, std::vector<float>(R.CE, 0.0f));
+        RefRanks st(R);
         for (int step = 0; step < 2; ++step) {
           std::vector<std::vector<uint16_t>> h(P);
           std::vector<std::vector<float>> g(P);
@@ -525,17 +537,7 @@ TEST(QuantPlan, NonFiniteGradientSkipsOnEveryRankAndChangesNothing) {
       for (auto& p : plans) p->set_on_nonfinite(OnNonFinite::kRaise);
       for (int r = 0; r < P; ++r) g[r] = normal(n, 20 + r);
       g[1][5] = std::numeric_limits<float>::quiet_NaN();
-      std::vector<Plan*> ps;
-      for (int r = 0; r < P; ++r) {
-        plans[r]->begin(TensorView::cpu(g[r].data(), n));
-        ps.push_back(plans[r].get());
-      }
-      try {
-        run_plans_in_process(ps);
-        ADD_FAILURE() << "NaN accepted";
-      } catch (const InvalidArgument& e) {
-        EXPECT_NE(std::string(e.what()).find("another rank"), std::string::npos) << e.what();
-      }
+      expect_step_fails(plans, g, "another rank");
       // the next step of rank 1 alone reports its own index
       for (int r = 0; r < P; ++r) EXPECT_EQ(plans[r]->state_dict(), st[r]);
       (void)t;
@@ -572,18 +574,8 @@ TEST(QuantPlan, RanksAtDifferentStepsFailOnEveryRankAndChangeNothing) {
   plans[1]->load_state_dict(old1.data(), old1.size());  // rank 1 restored alone, one step back
   std::vector<std::vector<uint8_t>> st;
   for (auto& p : plans) st.push_back(p->state_dict());
-  std::vector<Plan*> ps;
-  for (int r = 0; r < P; ++r) {
-    g[r] = normal(n, 50 + r);
-    plans[r]->begin(TensorView::cpu(g[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
-  try {
-    run_plans_in_process(ps);
-    ADD_FAILURE() << "ranks at different steps accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("different steps"), std::string::npos) << e.what();
-  }
+  for (int r = 0; r < P; ++r) g[r] = normal(n, 50 + r);
+  expect_step_fails(plans, g, "different steps");
   for (int r = 0; r < P; ++r) EXPECT_EQ(plans[r]->state_dict(), st[r]);
   // options that differ across ranks: the same, from the headers
   QuantConfig c8 = c;
@@ -674,29 +666,13 @@ TEST(QuantPlan, MakePlanOptions) {
 }
 
 // ---------------------------------------------------------------- the sharded forms
-// Runs one step of the shard plans (one per rank) on g (each rank's bucket, fp32).
-template <class PlanPtr>
-void run_shard(std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g) {
-  std::vector<Plan*> ps;
-  for (size_t r = 0; r < plans.size(); ++r) {
-    plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
-    ps.push_back(plans[r].get());
-  }
-  run_plans_in_process(ps);
-}
 
 std::vector<std::unique_ptr<BucketPlan>> make_shard_ranks(const std::string& name, int64_t n, int P,
                                                           PlanForm form, const PlanOptions& o = {},
                                                           DType t = DType::kFloat32) {
   std::vector<std::unique_ptr<BucketPlan>> v;
-  for (int r = 0; r < P; ++r) {
-    BucketSpec b;
-    b.numel = n;
-    b.dtype = t;
-    b.world = P;
-    b.rank = r;
-    v.push_back(make_shard_plan(name, b, form, o));
-  }
+  for (int r = 0; r < P; ++r)
+    v.push_back(make_shard_plan(name, test::rank_bucket(n, t, P, r), form, o));
   return v;
 }
 
@@ -738,7 +714,7 @@ TEST(QuantShard, ReduceScatterMatchesScalarReference) {
                 }
                 for (int64_t i = 0; i < n; ++i) we[r][i] = x[i] - dec[r][i];
               }
-              run_shard(plans, g);
+              run(plans, g);
               const float w = average ? 1.0f / static_cast<float>(P) : 1.0f;
               for (int q = 0; q < P; ++q)
                 for (int64_t i = 0; i < c; ++i) {
@@ -805,12 +781,12 @@ TEST(QuantShard, NonFiniteSkipsEveryRankAndCheckpointsRoundTrip) {
   auto plans = make_shard_ranks("quant", n, P, PlanForm::kReduceScatter, {{"bits", int64_t{4}}});
   std::vector<std::vector<float>> g(P);
   for (int r = 0; r < P; ++r) g[r] = normal(n, r);
-  run_shard(plans, g);
+  run(plans, g);
   std::vector<std::vector<uint8_t>> st;
   for (auto& p : plans) st.push_back(p->state_dict());
   for (int r = 0; r < P; ++r) g[r] = normal(n, 10 + r);
   g[2][3] = std::numeric_limits<float>::quiet_NaN();  // a value of rank 0's chunk, on rank 2
-  run_shard(plans, g);
+  run(plans, g);
   for (int r = 0; r < P; ++r) {
     EXPECT_TRUE(plans[r]->skipped()) << r;
     EXPECT_TRUE(std::isnan(g[r][r * c]) && std::isnan(g[r][(r + 1) * c - 1])) << r;
@@ -823,8 +799,8 @@ TEST(QuantShard, NonFiniteSkipsEveryRankAndCheckpointsRoundTrip) {
   std::vector<std::vector<float>> a(P), b;
   for (int r = 0; r < P; ++r) a[r] = normal(n, 30 + r);
   b = a;
-  run_shard(plans, a);
-  run_shard(fresh, b);
+  run(plans, a);
+  run(fresh, b);
   for (int r = 0; r < P; ++r)
     for (int64_t i = r * c; i < (r + 1) * c; ++i) ASSERT_EQ(a[r][i], b[r][i]);
   QuantConfig q;
@@ -838,12 +814,7 @@ TEST(QuantShard, NonFiniteSkipsEveryRankAndCheckpointsRoundTrip) {
   plans[0]->load_state_dict(st[0].data(), st[0].size());
   const auto before = plans[1]->state_dict();
   for (int r = 0; r < P; ++r) a[r] = normal(n, 40 + r);
-  std::vector<Plan*> ps;
-  for (int r = 0; r < P; ++r) {
-    plans[r]->begin(TensorView::cpu(a[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
-  EXPECT_THROW(run_plans_in_process(ps), InvalidArgument);
+  EXPECT_THROW(run(plans, a), InvalidArgument);
   EXPECT_EQ(plans[1]->state_dict(), before);
   (void)s0;
 }
@@ -866,7 +837,7 @@ TEST(ShardCast, ReduceScatterAndAllgatherMatchScalarReference) {
           std::vector<std::vector<float>> g(P);
           for (int r = 0; r < P; ++r) g[r] = normal(n, 50 + r);
           const auto g0 = g;
-          run_shard(rs, g);
+          run(rs, g);
           const float div = static_cast<float>(P);
           for (int q = 0; q < P; ++q)
             for (int64_t i = 0; i < c; ++i) {
@@ -880,7 +851,7 @@ TEST(ShardCast, ReduceScatterAndAllgatherMatchScalarReference) {
           if (!average) continue;
           auto ag = make_shard_ranks(name, n, P, PlanForm::kAllgather);
           g = g0;
-          run_shard(ag, g);
+          run(ag, g);
           for (int r = 0; r < P; ++r)
             for (int64_t i = 0; i < n; ++i)
               ASSERT_EQ(g[r][i], to_wire(g0[i / std::max<int64_t>(c, 1)][i]))
@@ -919,7 +890,7 @@ TEST(TopKShard, ReduceScatterMatchesScalarReference) {
                 }
               }
             }
-            run_shard(plans, g);
+            run(plans, g);
             for (int q = 0; q < P; ++q)
               for (int64_t i = q * c; i < (q + 1) * c; ++i) {
                 float sum = 0;
@@ -941,18 +912,18 @@ TEST(TopKShard, SkipsUndoesAndCheckpoints) {
   const int64_t c = 300, n = P * c;
   auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, {{"ratio", 0.1}});
   std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
-  run_shard(plans, g);
+  run(plans, g);
   std::vector<std::vector<uint8_t>> st{plans[0]->state_dict(), plans[1]->state_dict()};
   g = {normal(n, 3), normal(n, 4)};
   g[0][n - 1] = std::numeric_limits<float>::infinity();
-  run_shard(plans, g);
+  run(plans, g);
   for (int r = 0; r < P; ++r) {
     EXPECT_TRUE(plans[r]->skipped());
     EXPECT_TRUE(std::isnan(g[r][r * c]));
     EXPECT_EQ(plans[r]->state_dict(), st[r]);
   }
   g = {normal(n, 5), normal(n, 6)};
-  run_shard(plans, g);
+  run(plans, g);
   for (int r = 0; r < P; ++r) {
     EXPECT_NE(plans[r]->state_dict(), st[r]);
     plans[r]->undo_step();
@@ -961,8 +932,8 @@ TEST(TopKShard, SkipsUndoesAndCheckpoints) {
   auto fresh = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, {{"ratio", 0.1}});
   for (int r = 0; r < P; ++r) fresh[r]->load_state_dict(st[r].data(), st[r].size());
   std::vector<std::vector<float>> a{normal(n, 7), normal(n, 8)}, b = a;
-  run_shard(plans, a);
-  run_shard(fresh, b);
+  run(plans, a);
+  run(fresh, b);
   for (int r = 0; r < P; ++r)
     for (int64_t i = r * c; i < (r + 1) * c; ++i) ASSERT_EQ(a[r][i], b[r][i]);
   // another ratio (k) is refused at load; ranks at other steps fail on every rank
@@ -971,12 +942,7 @@ TEST(TopKShard, SkipsUndoesAndCheckpoints) {
   plans[0]->load_state_dict(st[0].data(), st[0].size());
   const auto before = plans[1]->state_dict();
   a = {normal(n, 9), normal(n, 10)};
-  std::vector<Plan*> ps;
-  for (int r = 0; r < P; ++r) {
-    plans[r]->begin(TensorView::cpu(a[r].data(), n));
-    ps.push_back(plans[r].get());
-  }
-  EXPECT_THROW(run_plans_in_process(ps), InvalidArgument);
+  EXPECT_THROW(run(plans, a), InvalidArgument);
   EXPECT_EQ(plans[1]->state_dict(), before);
 }
 

@@ -9,29 +9,17 @@
 #include <numeric>
 #include <set>
 
-#include "gradcomp/gradcomp.hpp"
 #include "gradcomp/detail/numeric.hpp"
+#include "gradcomp/gradcomp.hpp"
 #include "kernels/scan_kernels.hpp"
 #include "test_util.hpp"
 
 using namespace gradcomp;
 using test::heavy_tailed;
 using test::normal;
+using test::reference_topk;
 
 namespace {
-
-/// Reference exact top-k: sort by (|x| desc, index asc), take k, return ascending indices.
-std::vector<uint32_t> reference_topk(const std::vector<float>& x, int64_t k) {
-  std::vector<uint32_t> idx(x.size());
-  std::iota(idx.begin(), idx.end(), 0u);
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), [&](uint32_t a, uint32_t b) {
-    const float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
-    return fa > fb || (fa == fb && a < b);
-  });
-  idx.resize(static_cast<size_t>(k));
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
 
 std::vector<uint32_t> run_select(const std::vector<float>& x, int64_t k, SelectOptions opt,
                                  uint64_t step = 0) {
@@ -115,11 +103,14 @@ TEST(TopKSelect, SampledStaysWithinDocumentedBounds) {
 TEST(TopKSelect, RejectsBadK) {
   std::vector<float> x(10, 1.0f);
   std::vector<uint32_t> out(20);
-  EXPECT_THROW(topk_indices(TensorView::cpu(x.data(), 10), 11, {}, {}, out.data()), InvalidArgument);
-  EXPECT_THROW(topk_indices(TensorView::cpu(x.data(), 10), -1, {}, {}, out.data()), InvalidArgument);
+  EXPECT_THROW(topk_indices(TensorView::cpu(x.data(), 10), 11, {}, {}, out.data()),
+               InvalidArgument);
+  EXPECT_THROW(topk_indices(TensorView::cpu(x.data(), 10), -1, {}, {}, out.data()),
+               InvalidArgument);
   SelectOptions bad;
   bad.sample_rate = 0;
-  EXPECT_THROW(topk_indices(TensorView::cpu(x.data(), 10), 3, bad, {}, out.data()), InvalidArgument);
+  EXPECT_THROW(topk_indices(TensorView::cpu(x.data(), 10), 3, bad, {}, out.data()),
+               InvalidArgument);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -281,7 +272,8 @@ TEST(Dgc, ConservationOver100Steps) {
       }
       double worst = 0;
       for (int64_t i = 0; i < n; ++i)
-        worst = std::max(worst, std::fabs(fed[i] - sent[i] - comp.residual()[i]) / (1 + std::fabs(fed[i])));
+        worst = std::max(
+            worst, std::fabs(fed[i] - sent[i] - comp.residual()[i]) / (1 + std::fabs(fed[i])));
       EXPECT_LT(worst, 2e-4) << "m=" << m << " method=" << int(method);
     }
   }
@@ -383,8 +375,7 @@ TEST_P(TopKRoundTrip, DecodeOfEncodeIsTheSentValues) {
   TopKCompressor comp(cfg, n, static_cast<DType>(gdt));
   auto g32 = normal(n, 9 + n);
   std::vector<uint16_t> g16(n);
-  for (int64_t i = 0; i < n; ++i)
-    g16[i] = gdt == 1 ? float_to_half(g32[i]) : float_to_bf16(g32[i]);
+  for (int64_t i = 0; i < n; ++i) g16[i] = gdt == 1 ? float_to_half(g32[i]) : float_to_bf16(g32[i]);
   void* data = gdt == 0 ? static_cast<void*>(g32.data()) : static_cast<void*>(g16.data());
   TensorView gv(data, {n}, static_cast<DType>(gdt), Device::kCPU);
   Payload p;
@@ -399,8 +390,9 @@ TEST_P(TopKRoundTrip, DecodeOfEncodeIsTheSentValues) {
     const float gi = gdt == 0 ? g32[i] : gdt == 1 ? half_to_float(g16[i]) : bf16_to_float(g16[i]);
     if (d[i] != 0.0f) {
       ++nz;
-      const float expect = vdt == 0 ? gi : vdt == 1 ? half_to_float(float_to_half(gi))
-                                                    : bf16_to_float(float_to_bf16(gi));
+      const float expect = vdt == 0   ? gi
+                           : vdt == 1 ? half_to_float(float_to_half(gi))
+                                      : bf16_to_float(float_to_bf16(gi));
       ASSERT_EQ(d[i], expect) << i;
       // the residual keeps the rounding error of what was sent (DGC with fp16 values), not 0
       ASSERT_EQ(comp.residual()[i], gi - expect) << i;
@@ -412,10 +404,10 @@ TEST_P(TopKRoundTrip, DecodeOfEncodeIsTheSentValues) {
   if (n > 0) EXPECT_GT(st.compression_ratio(), 1.0 * (n > 2000));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    SizesAndDtypes, TopKRoundTrip,
-    ::testing::Combine(::testing::Values(0, 1, 7, 1023, (1 << 20) + 3), ::testing::Values(0, 1, 2),
-                       ::testing::Values(0, 1, 2)));
+INSTANTIATE_TEST_SUITE_P(SizesAndDtypes, TopKRoundTrip,
+                         ::testing::Combine(::testing::Values(0, 1, 7, 1023, (1 << 20) + 3),
+                                            ::testing::Values(0, 1, 2),
+                                            ::testing::Values(0, 1, 2)));
 
 namespace {
 
@@ -1125,8 +1117,8 @@ TEST(TopKCpuKernels, FirstNonfiniteMatchesAScalarScan) {
       for (int64_t pos : {int64_t{0}, int64_t{1}, int64_t{2047}, int64_t{2048}, int64_t{2049},
                           n / 2 - 1, n / 2, n / 2 + 1, n - 1}) {
         if (pos < 0 || pos >= n) continue;
-        for (uint32_t bad : {k.inf, k.inf | (k.t == DType::kFloat32 ? 0x80000000u : 0x8000u),
-                             k.nan_payload}) {
+        for (uint32_t bad :
+             {k.inf, k.inf | (k.t == DType::kFloat32 ? 0x80000000u : 0x8000u), k.nan_payload}) {
           std::vector<uint32_t> y = raw;
           y[static_cast<size_t>(pos)] = bad;
           if (pos + 5 < n) y[static_cast<size_t>(pos + 5)] = k.nan_payload;

@@ -21,6 +21,7 @@
 using namespace gradcomp;
 using test::heavy_tailed;
 using test::normal;
+using test::reference_topk;
 
 namespace {
 
@@ -103,19 +104,6 @@ std::vector<float> make_data(int d, int64_t n, uint64_t seed) {
       return x;
     }
   }
-}
-
-/// Independent reference: sort by (|x| desc, index asc), take k, ascending.
-std::vector<uint32_t> reference_topk(const std::vector<float>& x, int64_t k) {
-  std::vector<uint32_t> idx(x.size());
-  std::iota(idx.begin(), idx.end(), 0u);
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), [&](uint32_t a, uint32_t b) {
-    const float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
-    return fa > fb || (fa == fb && a < b);
-  });
-  idx.resize(static_cast<size_t>(k));
-  std::sort(idx.begin(), idx.end());
-  return idx;
 }
 
 std::vector<uint32_t> select_cpu(const std::vector<float>& x, int64_t k, const SelectOptions& opt,
