@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The checkpoint state top-k and random-k share, declared once (plans/state_schema.hpp): saved,
+// The checkpoint state top-k and random-k share, declared once (core/state_schema.hpp): saved,
 // loaded and resharded for another world size from the same declaration.
 #include "compressors/sparsify_state.hpp"
 
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "core/state_schema.hpp"
 #include "gradcomp/error.hpp"
-#include "plans/state_schema.hpp"
 
 namespace gradcomp::detail {
 namespace {

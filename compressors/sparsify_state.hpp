@@ -2,7 +2,7 @@
 // What the top-k and random-k codecs share: DGC's state around the selection (SparsifyState:
 // residual, momentum, their accumulation and the taking of the chosen values) and the payload
 // helpers. Internal to the library; the codecs are in topk_codec.cpp and randomk_codec.cpp, the
-// state's declared layout (plans/state_schema.hpp) in sparsify_state.cpp.
+// state's declared layout (core/state_schema.hpp) in sparsify_state.cpp.
 #pragma once
 
 #include <cmath>

@@ -163,6 +163,9 @@ class StateReader {
   std::string kind_;
 };
 
+/// One job's states, one per rank in rank order (what reshard_state reads).
+using RankStateList = std::vector<std::vector<uint8_t>>;
+
 /// One bucket's states saved by every rank of a job (rank order), read field by field in step:
 /// what resharding a checkpoint to another world size starts from (reshard_state,
 /// gradcomp/make_plan.hpp). Each state is verified (magic, version, checksum, kind) on opening.

@@ -12,14 +12,13 @@
 #include <utility>
 #include <vector>
 
+#include "core/state_io.hpp"
 #include "gradcomp/make_plan.hpp"
 
 namespace gradcomp::detail {
 
 class Options;
 class RankStates;
-
-using RankStateList = std::vector<std::vector<uint8_t>>;
 
 /// One kind of state_dict() a family's plans write (the kind string of its StateWriter) and how
 /// reshard_state() resumes it on `world` ranks. The function checks every state (one job's, one

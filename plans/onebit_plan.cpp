@@ -10,6 +10,7 @@
 
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
+#include "core/state_schema.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/runtime.hpp"
 #include "kernels/dispatch.hpp"
@@ -18,7 +19,6 @@
 #include "plans/envelope.hpp"
 #include "plans/family.hpp"
 #include "plans/options_hash.hpp"
-#include "plans/state_schema.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {
@@ -385,7 +385,7 @@ void OneBitAllreducePlan::undo_state() {
 }
 
 namespace {
-// The 1-bit plan's state, declared once (plans/state_schema.hpp). Worker errors and momenta add to
+// The 1-bit plan's state, declared once (core/state_schema.hpp). Worker errors and momenta add to
 // the average with weight 1/P: every rank of a resharded job gets their mean (the sum over ranks
 // / P is kept). The server errors are already in the average's units, one chunk per rank: laid
 // end to end they are one vector over the bucket (rotated per global block, so the same

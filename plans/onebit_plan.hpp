@@ -111,7 +111,7 @@ class OneBitAllreducePlan : public BucketPlan {
   void check_envelopes();
   uint32_t options_hash_ = 0;  ///< what every rank's blocks depend on (step envelope)
   void undo_state() override;
-  /// The state's scalar fields (plans/state_schema.hpp) of this plan.
+  /// The state's scalar fields (core/state_schema.hpp) of this plan.
   std::map<std::string, int64_t> state_scalars() const;
   struct Impl;
   std::unique_ptr<Impl> impl_;

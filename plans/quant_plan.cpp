@@ -11,12 +11,12 @@
 
 #include "compressors/checks.hpp"
 #include "core/state_io.hpp"
+#include "core/state_schema.hpp"
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/quant.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "plans/family.hpp"
-#include "plans/state_schema.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {
@@ -461,7 +461,7 @@ void QuantPlan::undo_state() {
 }
 
 namespace {
-// The quant plan's state, declared once (plans/state_schema.hpp): the options it was built with,
+// The quant plan's state, declared once (core/state_schema.hpp): the options it was built with,
 // the step, each rank's worker error (the ranks' mean when resharded) and, in the allreduce form,
 // the server error of the rank's chunk (cut anew for another world size, as the 1-bit plan's).
 QuantConfig config_of(const detail::StateScalars& v) {

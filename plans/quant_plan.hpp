@@ -104,7 +104,7 @@ class QuantPlan : public BucketPlan {
 
  private:
   void undo_state() override;
-  /// The state's scalar fields (plans/state_schema.hpp) of this plan.
+  /// The state's scalar fields (core/state_schema.hpp) of this plan.
   std::map<std::string, int64_t> state_scalars() const;
   struct Impl;
   std::unique_ptr<Impl> impl_;

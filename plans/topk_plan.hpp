@@ -11,12 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "core/state_schema.hpp"
 #include "gradcomp/compressor.hpp"
 #include "gradcomp/select.hpp"
 #include "gradcomp/topk.hpp"
 #include "gradcomp/workspace.hpp"
 #include "plans/gradient_plan.hpp"
-#include "plans/state_schema.hpp"
 
 namespace gradcomp {
 
@@ -58,7 +58,7 @@ class TopKReduceScatterPlan : public GradientPlan {
   void load_state_dict(const uint8_t* data, size_t nbytes) override;
 
  private:
-  detail::StateScalars state_scalars() const;  ///< the state's scalars (plans/state_schema.hpp)
+  detail::StateScalars state_scalars() const;  ///< the state's scalars (core/state_schema.hpp)
   void undo_state() override;
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -7,11 +7,12 @@
 #include <vector>
 
 #include "core/state_io.hpp"
+#include "core/state_schema.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/topk.hpp"
 #include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
-#include "plans/state_schema.hpp"
+#include "plans/family.hpp"
 #include "plans/topk_plan.hpp"
 
 namespace gradcomp {
@@ -208,7 +209,7 @@ void TopKReduceScatterPlan::undo_state() {
 }
 
 namespace {
-// The state, declared once (plans/state_schema.hpp): the settings that size and key the steps,
+// The state, declared once (core/state_schema.hpp): the settings that size and key the steps,
 // the step, and the rank's residual over the whole bucket. It belongs to its world size (FSDP pads
 // each parameter to it), so resharding only checks the states and hands each rank its own back.
 const detail::StateSchema& topk_rs_schema() {

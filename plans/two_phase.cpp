@@ -41,17 +41,4 @@ TwoPhaseSource two_phase_rotate(const kernels::Exec& ex, const TensorView& grad,
   return s;
 }
 
-std::vector<float> rechunk_server_error(const std::vector<const uint8_t*>& se, int64_t ce_old,
-                                        int64_t ce_new, int rank) {
-  const int64_t total = static_cast<int64_t>(se.size()) * ce_old;
-  std::vector<float> out(static_cast<size_t>(ce_new), 0.0f);
-  for (int64_t i = 0; i < ce_new; ++i) {
-    const int64_t g = static_cast<int64_t>(rank) * ce_new + i;  // global position
-    if (g < total)
-      std::memcpy(&out[static_cast<size_t>(i)],
-                  se[static_cast<size_t>(g / ce_old)] + (g % ce_old) * 4, 4);
-  }
-  return out;
-}
-
 }  // namespace gradcomp::detail

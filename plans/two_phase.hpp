@@ -74,10 +74,4 @@ TwoPhaseSource two_phase_rotate(const kernels::Exec& ex, const TensorView& grad,
                                 Buffer& scratch, int64_t S, bool check,
                                 kernels::SelectWorkspace& ws);
 
-/// The server errors of a P-rank checkpoint (`se[r]`: rank r's chunk of `ce_old` fp32 values, in
-/// the average's units) laid end to end are one vector over the bucket; the chunk of rank `rank`
-/// in a job whose chunks hold `ce_new` elements, exactly (zeros past the old end).
-std::vector<float> rechunk_server_error(const std::vector<const uint8_t*>& se, int64_t ce_old,
-                                        int64_t ce_new, int rank);
-
 }  // namespace gradcomp::detail

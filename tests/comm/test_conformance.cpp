@@ -430,7 +430,7 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
 }
 
 TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {
-  // the 1-bit and quant states are written from a declared schema (plans/state_schema.hpp); read
+  // the 1-bit and quant states are written from a declared schema (core/state_schema.hpp); read
   // here field by field in the order and widths their checkpoints have always had, so states
   // saved before stay loadable and a reordered schema fails this
   const int P = 2;

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "plans/state_schema.hpp"
+#include "core/state_schema.hpp"
 
+#include <cstring>
 #include <limits>
 
 #include "core/state_io.hpp"
 #include "gradcomp/error.hpp"
-#include "plans/two_phase.hpp"
 
 namespace gradcomp::detail {
 namespace {
@@ -77,6 +77,19 @@ int world_of(const StateScalars& v) {
 }
 
 }  // namespace
+
+std::vector<float> rechunk_server_error(const std::vector<const uint8_t*>& se, int64_t ce_old,
+                                        int64_t ce_new, int rank) {
+  const int64_t total = static_cast<int64_t>(se.size()) * ce_old;
+  std::vector<float> out(static_cast<size_t>(ce_new), 0.0f);
+  for (int64_t i = 0; i < ce_new; ++i) {
+    const int64_t g = static_cast<int64_t>(rank) * ce_new + i;  // global position
+    if (g < total)
+      std::memcpy(&out[static_cast<size_t>(i)],
+                  se[static_cast<size_t>(g / ce_old)] + (g % ce_old) * 4, 4);
+  }
+  return out;
+}
 
 std::vector<uint8_t> write_state(const StateSchema& schema, const StateScalars& scalars,
                                  const std::vector<const void*>& arrays, Device device,

@@ -32,8 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "core/state_io.hpp"
 #include "gradcomp/tensor.hpp"
-#include "plans/family.hpp"
 
 namespace gradcomp::detail {
 
@@ -94,6 +94,12 @@ struct LoadedState {
 };
 LoadedState read_state(const StateSchema& schema, const uint8_t* data, size_t nbytes,
                        const StateScalars& expected);
+
+/// The server errors of a P-rank checkpoint (`se[r]`: rank r's chunk of `ce_old` fp32 values, in
+/// the average's units) laid end to end are one vector over the bucket; the chunk of rank `rank`
+/// in a job whose chunks hold `ce_new` elements, exactly (zeros past the old end).
+std::vector<float> rechunk_server_error(const std::vector<const uint8_t*>& se, int64_t ce_old,
+                                        int64_t ce_new, int rank);
 
 /// reshard_state() for a schema (gradcomp/make_plan.hpp): the states of one job's ranks, checked
 /// whole, to rank `rank` of `world` ranks.
