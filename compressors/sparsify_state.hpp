@@ -124,8 +124,9 @@ class SparsifyState {
   /// The second buffers start at zero: a step that writes no residual (top-k's direct path,
   /// without error feedback) commits them as they are, and a checkpoint then holds them.
   void set_staged(bool on) {
+    const bool starts = on && !staged_;  // (again while staged: a staged step stays as it is)
     staged_ = on;
-    if (!on) return;
+    if (!starts) return;
     const size_t bytes = static_cast<size_t>(n_) * sizeof(float);
     device_zero(dev_, v_[1 - cur_].get<float>(static_cast<size_t>(n_)), bytes, stream_);
     if (cfg_.momentum > 0.0)

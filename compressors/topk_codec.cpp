@@ -92,6 +92,7 @@ k::QuantGeom value_geom(const TopKConfig& cfg, int64_t count) {
 }  // namespace
 
 uint64_t topk_payload_bound(const TopKConfig& cfg, int64_t count, int64_t n) {
+  cfg.validate();  // (a public function: value_bits and value_block size what follows)
   if (cfg.value_bits == 0) return sparse_payload_bound(count, n, cfg.value_dtype);
   const uint64_t no_values = sparse_payload_bound(count, n, DType::kFloat32) -
                              PayloadHeader::align(static_cast<uint64_t>(count) * 4);
@@ -303,14 +304,20 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
   if (coded) {
     // (the coding is this compressor's configuration, the same on every rank: a payload coded
     // otherwise has another body size, or fails the plan's options check first)
-    GC_CHECK_PAYLOAD(h.value_dtype == uint8_t(DType::kFloat32) && h.section_bytes[1] == 0,
-                     "expected coded values (value_bits ", cfg_.value_bits,
-                     "), got a values section of ", h.section_bytes[1], " bytes");
+    GC_CHECK_PAYLOAD(h.value_dtype == uint8_t(DType::kFloat32),
+                     "coded values (value_bits) decode to float32, the payload says ",
+                     dtype_name(DType(h.value_dtype)));
+    GC_CHECK_PAYLOAD(h.section_bytes[1] == 0, "this compressor codes its values (value_bits ",
+                     cfg_.value_bits, "), the payload has plain values (", h.section_bytes[1],
+                     " bytes): value_bits differs between sender and receiver");
     GC_CHECK_PAYLOAD(h.section_bytes[2] == static_cast<uint64_t>(geo.body_bytes()),
                      "coded values section has ", h.section_bytes[2], " bytes, expected ",
                      geo.body_bytes(), " for ", h.count, " values at ", cfg_.value_bits,
                      " bits in blocks of ", cfg_.value_block);
   } else {
+    GC_CHECK_PAYLOAD(h.count == 0 || h.section_bytes[1] > 0 || h.section_bytes[2] == 0,
+                     "the payload has coded values (value_bits); this compressor has value_bits "
+                     "0: value_bits differs between sender and receiver");
     GC_CHECK_PAYLOAD(h.section_bytes[1] == h.count * dtype_size(DType(h.value_dtype)),
                      "values section has ", h.section_bytes[1], " bytes, expected ", h.count, " x ",
                      dtype_size(DType(h.value_dtype)));
