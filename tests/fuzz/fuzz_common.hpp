@@ -34,6 +34,14 @@ inline TopKConfig topk_config(double ratio = 0.01, DType values = DType::kFloat3
   return c;
 }
 
+/// Top-k with coded values (value_bits 2 in blocks of 32, so that a payload spans several blocks).
+inline TopKConfig topk_coded_config(double ratio = 0.01) {
+  TopKConfig c = topk_config(ratio);
+  c.value_bits = 2;
+  c.value_block = 32;
+  return c;
+}
+
 /// Random-k: the count a payload must carry depends on the step in its header through the
 /// warm-up schedule, which the target therefore has (two warm-up stages of 2 steps, then 1%).
 inline RandomKConfig randomk_config(DType values = DType::kFloat32) {

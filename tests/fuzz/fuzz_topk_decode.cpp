@@ -8,7 +8,13 @@
 
 using namespace gradcomp;
 
+// Built twice: fuzz_topk_decode (values as fp32/fp16/bf16) and, with GC_FUZZ_CODED,
+// fuzz_topk_coded_decode (values coded by value_bits: the multi-bit codec's body as a section).
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+#ifdef GC_FUZZ_CODED
+  static TopKCompressor comp(fuzz::topk_coded_config(), fuzz::kNumel);
+#else
   static TopKCompressor comp(fuzz::topk_config(), fuzz::kNumel);
+#endif
   return fuzz::sparse_decode_add(comp, PayloadKind::kSparse, data, size);
 }

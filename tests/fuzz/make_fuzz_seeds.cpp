@@ -67,6 +67,20 @@ Seeds topk_seeds() {
   return s;
 }
 
+/// Coded values at densities that give each index coding, and a payload of one value.
+Seeds topk_coded_seeds() {
+  Seeds s;
+  for (double ratio : {0.001, 0.01, 0.1, 0.5}) {
+    TopKCompressor comp(fuzz::topk_coded_config(ratio), fuzz::kNumel);
+    Payload p;
+    auto g = fuzz::gradient(fuzz::kNumel, 1);
+    comp.encode(TensorView::cpu(g.data(), fuzz::kNumel), p);
+    s["k" + std::to_string(p.header.count) + "_2bit_" + coding_name(p.header.index_coding)] =
+        bytes_of(p);
+  }
+  return s;
+}
+
 Seeds randomk_seeds() {
   Seeds s;
   for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
@@ -160,6 +174,7 @@ std::string state_target(std::string kind) {
 std::map<std::string, Seeds> all_seeds() {
   std::map<std::string, Seeds> t;
   t["fuzz_topk_decode"] = topk_seeds();
+  t["fuzz_topk_coded_decode"] = topk_coded_seeds();
   t["fuzz_randomk_decode"] = randomk_seeds();
   t["fuzz_onebit_decode"] = onebit_seeds();
   for (const auto* src :
@@ -178,6 +193,9 @@ void accept(const std::string& target, const Bytes& b) {
     (void)parse_header(in.data(), in.size);
   } else if (target == "fuzz_topk_decode") {
     TopKCompressor c(fuzz::topk_config(), fuzz::kNumel);
+    c.decode_add(in.data(), in.size, TensorView::cpu(dense.data(), fuzz::kNumel));
+  } else if (target == "fuzz_topk_coded_decode") {
+    TopKCompressor c(fuzz::topk_coded_config(), fuzz::kNumel);
     c.decode_add(in.data(), in.size, TensorView::cpu(dense.data(), fuzz::kNumel));
   } else if (target == "fuzz_randomk_decode") {
     RandomKCompressor c(fuzz::randomk_config(), fuzz::kNumel);
