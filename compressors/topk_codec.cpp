@@ -91,6 +91,25 @@ k::QuantGeom value_geom(const TopKConfig& cfg, int64_t count) {
 }
 }  // namespace
 
+double topk_coded_values_bound(const TopKConfig& cfg, const void* section, int64_t count) {
+  GC_CHECK_ARG(cfg.value_bits > 0, "topk_coded_values_bound: value_bits is 0 (no coded values)");
+  GC_CHECK_ARG(count >= 0, "topk_coded_values_bound: count must be >= 0, got ", count);
+  const k::QuantGeom geo = value_geom(cfg, count);
+  const int64_t levels = (int64_t{1} << cfg.value_bits) - 1;
+  const auto* p = static_cast<const uint8_t*>(section);
+  double most = 0.0;
+  for (int64_t b = 0; b < geo.num_blocks(); ++b) {
+    float lo, step;  // (stored as lo, step per block: kernels/quant_math.h, asym_grid)
+    std::memcpy(&lo, p + 8 * b, 4);
+    std::memcpy(&step, p + 8 * b + 4, 4);
+    if (!std::isfinite(lo) || !std::isfinite(step) || step < 0.0f)
+      return std::numeric_limits<double>::quiet_NaN();
+    const double top = double(lo) + double(levels) * double(step);
+    most = std::max({most, std::fabs(double(lo)), std::fabs(top)});
+  }
+  return most;
+}
+
 uint64_t topk_payload_bound(const TopKConfig& cfg, int64_t count, int64_t n) {
   cfg.validate();  // (a public function: value_bits and value_block size what follows)
   if (cfg.value_bits == 0) return sparse_payload_bound(count, n, cfg.value_dtype);
@@ -332,6 +351,19 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
   if (coded) {  // the k values decoded (fp32, in index order), then added as fp32 values
     float* vals = s.vals.get<float>(h.count);
     const uint8_t* body = base + h.section_offset(2);
+    // A scale no encoder writes (NaN, Inf, a negative step) would put non-finite values into the
+    // sum, which the plan would then skip as an overflow: it is a malformed payload instead.
+    std::vector<uint8_t> scales;
+    const void* host_scales = body;
+    if (device_ != Device::kCPU) {
+      scales.resize(static_cast<size_t>(geo.scale_area(geo.num_blocks())));
+      device_copy(scales.data(), Device::kCPU, body, device_, scales.size(), s.stream);
+      host_scales = scales.data();
+    }
+    const double most = topk_coded_values_bound(cfg_, host_scales, c);
+    GC_CHECK_PAYLOAD(!std::isnan(most),
+                     "coded values section has an invalid scale (not finite, "
+                     "or a negative step): no encoder writes it");
     k::dispatch::quant_decode_average({device_, s.stream}, &body, 1, geo, 1.0f, vals, s.qws);
     values = vals;
     vt = DType::kFloat32;

@@ -323,15 +323,19 @@ bool TopKAllreducePlan::sum_overflowed(const float* sum, const uint8_t* gathered
     // Sparse route on the CPU: the scan of n elements would cost more than the decode of the
     // P k values. Values all below 2^126 in magnitude cannot reach FLT_MAX (each scaled term is
     // below 2^126 / P times (1 + 2^-24)^2, their sum with P - 1 roundings below 2^127), which
-    // the values' sums of squares tell (P k values, in double): only then is the sum scanned.
+    // the values' sums of squares tell (P k values, in double), or for coded values the bound
+    // their blocks' scales give: only then is the sum scanned.
     bool large = false;
     for (size_t r = 0; r < headers_.size() && !large; ++r) {
       const PayloadHeader& h = headers_[r];
       const auto vt = DType(h.value_dtype);
       if (vt == DType::kFloat16 || h.count == 0) continue;  // (fp16 values stay below 65504)
-      if (h.section_bytes[1] == 0) {  // coded values (value_bits): scan the sum itself
-        large = true;
-        break;
+      if (h.section_bytes[1] == 0) {  // coded values (value_bits): their scales bound them
+        const double most =
+            topk_coded_values_bound(comp_.config(), gathered + r * stride_ + h.section_offset(2),
+                                    static_cast<int64_t>(h.count));
+        large = !(most < 0x1p126);
+        continue;
       }
       const double ss = k::cpu::sum_squares(gathered + r * stride_ + h.section_offset(1), vt,
                                             static_cast<int64_t>(h.count));

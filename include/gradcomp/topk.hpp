@@ -104,6 +104,12 @@ struct TopKConfig : SparsifyConfig {
 /// coded values' scales and codes.
 uint64_t topk_payload_bound(const TopKConfig& cfg, int64_t count, int64_t n);
 
+/// The largest magnitude any of `count` coded values (value_bits > 0) can decode to, from their
+/// section's scales (host memory, the section's first bytes): max over blocks of |lo| and
+/// |lo + (2^bits - 1) step|, in double. NaN when a scale is one no encoder writes (lo or step
+/// not finite, step negative): such a section must be refused, not decoded.
+double topk_coded_values_bound(const TopKConfig& cfg, const void* section, int64_t count);
+
 /// Number of elements sent for a density: ceil(ratio * n), at least 1 when n > 0.
 int64_t topk_count(double ratio, int64_t n);
 

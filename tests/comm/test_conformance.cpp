@@ -221,20 +221,52 @@ std::pair<size_t, size_t> defined(gc::PlanForm form, size_t n, size_t P, size_t 
 
 std::string form_name(gc::PlanForm f) { return std::string(gc::enum_name(f)); }
 
+/// Options beyond a family's defaults that change what its allreduce sends, each run as a case of
+/// its own: top-k's coded values (the multi-bit codec inside a sparse payload).
+const std::map<std::string, std::vector<gc::PlanOptions>>& variants() {
+  static const std::map<std::string, std::vector<gc::PlanOptions>> v = {
+      {"topk", {{{"value_bits", int64_t{2}}, {"value_block", int64_t{32}}}}}};
+  return v;
+}
+
+/// What the suite runs: every registered family in every form it has with its defaults, and its
+/// allreduce with each of its variants.
+struct Case {
+  std::string name;
+  gc::PlanForm form;
+  gc::PlanOptions options;
+  std::string label;
+};
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (const auto& t : gc::family_traits())
+    for (const gc::PlanForm form : forms_of(t)) {
+      out.push_back({t.name, form, {}, t.name + " " + form_name(form)});
+      const auto v = variants().find(t.name);
+      if (form != gc::PlanForm::kAllreduce || v == variants().end()) continue;
+      for (const auto& o : v->second) {
+        std::string label = t.name + " " + form_name(form);
+        for (const auto& [k, x] : o) label += " " + k + "=" + std::to_string(std::get<int64_t>(x));
+        out.push_back({t.name, form, o, label});
+      }
+    }
+  return out;
+}
+
 }  // namespace
 
 TEST(Conformance, EveryFamilyEveryFormEverySizeAgreesAcrossRanks) {
-  for (const auto& t : gc::family_traits())
-    for (const gc::PlanForm form : forms_of(t))
+  for (const Case& c : cases())
+    for (const gc::PlanForm form : {c.form})
       for (const int P : {1, 2, 3, 4})
         for (const int64_t base :
              {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{25001}}) {
           // a shard form's bucket is P equal chunks
           const int64_t n = form == gc::PlanForm::kAllreduce ? base : base * P;
-          SCOPED_TRACE(t.name + " " + form_name(form) + " P=" + std::to_string(P) +
-                       " n=" + std::to_string(n));
-          auto plans = make(t.name, n, P, form);
-          const auto o = defaults_of(t.name, form);
+          SCOPED_TRACE(c.label + " P=" + std::to_string(P) + " n=" + std::to_string(n));
+          auto plans = make(c.name, n, P, form, c.options);
+          auto o = defaults_of(c.name, form);
+          for (const auto& [k, x] : c.options) o[k] = x;
           for (int64_t s = 0; s < 3; ++s) {
             auto g = inputs(n, P, s);
             const auto in = g;
@@ -247,7 +279,7 @@ TEST(Conformance, EveryFamilyEveryFormEverySizeAgreesAcrossRanks) {
               if (form != gc::PlanForm::kReduceScatter)
                 ASSERT_TRUE(same_bits(g[r], g[0], 0, un)) << "rank " << r << " step " << s;
             }
-            const auto ref = references().find(t.name);
+            const auto ref = references().find(c.name);
             if (ref == references().end()) continue;
             const auto want = ref->second(in, form, o);
             for (int r = 0; r < P; ++r) {
@@ -260,26 +292,26 @@ TEST(Conformance, EveryFamilyEveryFormEverySizeAgreesAcrossRanks) {
 }
 
 TEST(Conformance, OneRanksNaNReachesEveryRank) {
-  for (const auto& t : gc::family_traits())
-    for (const gc::PlanForm form : forms_of(t)) {
-      if (form == gc::PlanForm::kAllgather) continue;  // parameters are gathered, not summed
-      const int P = 3;
-      const int64_t n = 3 * 700;
-      SCOPED_TRACE(t.name + " " + form_name(form));
-      auto plans = make(t.name, n, P, form);
-      for (int64_t s = 0; s < 2; ++s) {  // a clean step first: state to keep
-        auto g = inputs(n, P, s);
-        const size_t bad = 2 * 700 + 11;  // in rank 2's chunk: its owner in a reduce-scatter
-        if (s == 1) g[1][bad] = std::numeric_limits<float>::quiet_NaN();
-        step(plans, g);
-        for (int r = 0; r < P; ++r) {
-          const auto [lo, hi] = defined(form, static_cast<size_t>(n), P, r);
-          if (s == 1 && bad >= lo && bad < hi) EXPECT_TRUE(std::isnan(g[r][bad])) << "rank " << r;
-          if (form != gc::PlanForm::kReduceScatter)
-            EXPECT_TRUE(same_bits(g[r], g[0], 0, static_cast<size_t>(n))) << "rank " << r;
-        }
+  for (const Case& c : cases()) {
+    const gc::PlanForm form = c.form;
+    if (form == gc::PlanForm::kAllgather) continue;  // parameters are gathered, not summed
+    const int P = 3;
+    const int64_t n = 3 * 700;
+    SCOPED_TRACE(c.label);
+    auto plans = make(c.name, n, P, form, c.options);
+    for (int64_t s = 0; s < 2; ++s) {  // a clean step first: state to keep
+      auto g = inputs(n, P, s);
+      const size_t bad = 2 * 700 + 11;  // in rank 2's chunk: its owner in a reduce-scatter
+      if (s == 1) g[1][bad] = std::numeric_limits<float>::quiet_NaN();
+      step(plans, g);
+      for (int r = 0; r < P; ++r) {
+        const auto [lo, hi] = defined(form, static_cast<size_t>(n), P, r);
+        if (s == 1 && bad >= lo && bad < hi) EXPECT_TRUE(std::isnan(g[r][bad])) << "rank " << r;
+        if (form != gc::PlanForm::kReduceScatter)
+          EXPECT_TRUE(same_bits(g[r], g[0], 0, static_cast<size_t>(n))) << "rank " << r;
       }
     }
+  }
 }
 
 TEST(Conformance, UnknownOptionsAreRefusedNamingThem) {
@@ -296,79 +328,79 @@ TEST(Conformance, UnknownOptionsAreRefusedNamingThem) {
 }
 
 TEST(Conformance, CheckpointsContinueBitwise) {
-  for (const auto& t : gc::family_traits())
-    for (const gc::PlanForm form : forms_of(t)) {
-      const int P = 2;
-      const int64_t n = 2 * 3001;
-      SCOPED_TRACE(t.name + " " + form_name(form));
-      auto plans = make(t.name, n, P, form);
-      for (int64_t s = 0; s < 3; ++s) {
-        auto g = inputs(n, P, s);
-        step(plans, g);
-      }
-      auto fresh = make(t.name, n, P, form);
-      for (int r = 0; r < P; ++r) {
-        const auto st = plans[r]->state_dict();
-        EXPECT_EQ(st.empty(), !plans[r]->stateful());
-        if (!st.empty()) fresh[r]->load_state_dict(st.data(), st.size());
-      }
-      auto a = inputs(n, P, 3), b = a;
-      step(plans, a);
-      step(fresh, b);
-      for (int r = 0; r < P; ++r)
-        EXPECT_TRUE(same_bits(a[r], b[r], 0, static_cast<size_t>(n))) << "rank " << r;
+  for (const Case& c : cases()) {
+    const gc::PlanForm form = c.form;
+    const int P = 2;
+    const int64_t n = 2 * 3001;
+    SCOPED_TRACE(c.label);
+    auto plans = make(c.name, n, P, form, c.options);
+    for (int64_t s = 0; s < 3; ++s) {
+      auto g = inputs(n, P, s);
+      step(plans, g);
     }
+    auto fresh = make(c.name, n, P, form, c.options);
+    for (int r = 0; r < P; ++r) {
+      const auto st = plans[r]->state_dict();
+      EXPECT_EQ(st.empty(), !plans[r]->stateful());
+      if (!st.empty()) fresh[r]->load_state_dict(st.data(), st.size());
+    }
+    auto a = inputs(n, P, 3), b = a;
+    step(plans, a);
+    step(fresh, b);
+    for (int r = 0; r < P; ++r)
+      EXPECT_TRUE(same_bits(a[r], b[r], 0, static_cast<size_t>(n))) << "rank " << r;
+  }
 }
 
 TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
   int checked = 0;
-  for (const auto& t : gc::family_traits())
-    for (const gc::PlanForm form : forms_of(t)) {
-      const int P = 2;
-      const int64_t n = 2 * 1001;
-      SCOPED_TRACE(t.name + " " + form_name(form));
-      auto plans = make(t.name, n, P, form);
-      auto g = inputs(n, P, 0);
-      step(plans, g);
-      const auto good = plans[0]->state_dict();
-      if (good.empty()) continue;             // nothing to corrupt
-      auto other = make(t.name, n, P, form);  // at step 0: what a refused load must leave
-      const auto before = other[0]->state_dict();
-      for (const size_t at : {size_t{0}, good.size() / 2, good.size() - 1}) {
-        auto bad = good;
-        bad[at] ^= 0x10;
-        EXPECT_THROW(other[0]->load_state_dict(bad.data(), bad.size()), gc::InvalidArgument)
-            << "byte " << at;
-        EXPECT_EQ(other[0]->state_dict(), before) << "byte " << at;
-      }
-      EXPECT_THROW(other[0]->load_state_dict(good.data(), good.size() - 3), gc::InvalidArgument);
-      EXPECT_EQ(other[0]->state_dict(), before);
-      // past the checksum: the last fp32 of the last array made NaN, or the last 4 bytes cut,
-      // each with a checksum that matches, so the fields themselves must be checked
-      const auto resealed = [](std::vector<uint8_t> v) {
-        const uint32_t crc = gc::detail::crc32c(v.data(), v.size() - 4);
-        std::memcpy(v.data() + v.size() - 4, &crc, 4);
-        return v;
-      };
-      auto nan = good;
-      ASSERT_GE(nan.size(), 16u);
-      const float q = std::numeric_limits<float>::quiet_NaN();
-      uint32_t qbits;
-      std::memcpy(&qbits, &q, 4);
-      for (size_t b = 0; b < 4; ++b)  // little-endian, as states are written
-        nan.at(nan.size() - 8 + b) = static_cast<uint8_t>(qbits >> (8 * b));
-      nan = resealed(nan);
-      EXPECT_THROW(other[0]->load_state_dict(nan.data(), nan.size()), gc::InvalidArgument);
-      EXPECT_EQ(other[0]->state_dict(), before);
-      auto cut = good;
-      cut.erase(cut.end() - 8, cut.end() - 4);
-      cut = resealed(cut);
-      EXPECT_THROW(other[0]->load_state_dict(cut.data(), cut.size()), gc::InvalidArgument);
-      EXPECT_EQ(other[0]->state_dict(), before);
-      other[0]->load_state_dict(good.data(), good.size());  // the intact one loads
-      EXPECT_EQ(other[0]->state_dict(), good);
-      ++checked;
+  for (const Case& c : cases()) {
+    const gc::PlanForm form = c.form;
+    const int P = 2;
+    const int64_t n = 2 * 1001;
+    SCOPED_TRACE(c.label);
+    auto plans = make(c.name, n, P, form, c.options);
+    auto g = inputs(n, P, 0);
+    step(plans, g);
+    const auto good = plans[0]->state_dict();
+    if (good.empty()) continue;                        // nothing to corrupt
+    auto other = make(c.name, n, P, form, c.options);  // at step 0: what a refused load must leave
+    const auto before = other[0]->state_dict();
+    for (const size_t at : {size_t{0}, good.size() / 2, good.size() - 1}) {
+      auto bad = good;
+      bad[at] ^= 0x10;
+      EXPECT_THROW(other[0]->load_state_dict(bad.data(), bad.size()), gc::InvalidArgument)
+          << "byte " << at;
+      EXPECT_EQ(other[0]->state_dict(), before) << "byte " << at;
     }
+    EXPECT_THROW(other[0]->load_state_dict(good.data(), good.size() - 3), gc::InvalidArgument);
+    EXPECT_EQ(other[0]->state_dict(), before);
+    // past the checksum: the last fp32 of the last array made NaN, or the last 4 bytes cut,
+    // each with a checksum that matches, so the fields themselves must be checked
+    const auto resealed = [](std::vector<uint8_t> v) {
+      const uint32_t crc = gc::detail::crc32c(v.data(), v.size() - 4);
+      std::memcpy(v.data() + v.size() - 4, &crc, 4);
+      return v;
+    };
+    auto nan = good;
+    ASSERT_GE(nan.size(), 16u);
+    const float q = std::numeric_limits<float>::quiet_NaN();
+    uint32_t qbits;
+    std::memcpy(&qbits, &q, 4);
+    for (size_t b = 0; b < 4; ++b)  // little-endian, as states are written
+      nan.at(nan.size() - 8 + b) = static_cast<uint8_t>(qbits >> (8 * b));
+    nan = resealed(nan);
+    EXPECT_THROW(other[0]->load_state_dict(nan.data(), nan.size()), gc::InvalidArgument);
+    EXPECT_EQ(other[0]->state_dict(), before);
+    auto cut = good;
+    cut.erase(cut.end() - 8, cut.end() - 4);
+    cut = resealed(cut);
+    EXPECT_THROW(other[0]->load_state_dict(cut.data(), cut.size()), gc::InvalidArgument);
+    EXPECT_EQ(other[0]->state_dict(), before);
+    other[0]->load_state_dict(good.data(), good.size());  // the intact one loads
+    EXPECT_EQ(other[0]->state_dict(), good);
+    ++checked;
+  }
   EXPECT_GE(checked, 5) << "the stateful families' forms were not all reached";
 }
 
@@ -376,55 +408,55 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
   // reshard_state on as many ranks gives each rank its own bytes; on another world size it gives
   // states that load into that many ranks' plans and train on in step, or refuses with a reason
   int moved_forms = 0, rewritten = 0;
-  for (const auto& t : gc::family_traits())
-    for (const gc::PlanForm form : forms_of(t)) {
-      const int P = 2;
-      const int64_t n = 6 * 500;  // P equal chunks for 2 and 3 ranks
-      SCOPED_TRACE(t.name + " " + form_name(form));
-      auto plans = make(t.name, n, P, form);
-      for (int64_t s = 0; s < 3; ++s) {
-        auto g = inputs(n, P, s);
-        step(plans, g);
-      }
-      std::vector<std::vector<uint8_t>> states;
-      for (auto& p : plans) states.push_back(p->state_dict());
-      if (states[0].empty()) continue;  // stateless: nothing to reshard
-      for (int r = 0; r < P; ++r) EXPECT_EQ(gc::reshard_state(states, P, r), states[r]);
-      {  // the family's own resharding (reshard_state hands back a rank's own bytes on as many
-         // ranks without calling it) from one rank to one: its parse and rewrite lose nothing
-        auto one = make(t.name, n, 1, form);
-        auto g1 = inputs(n, 1, 0);
-        step(one, g1);
-        const auto st = one[0]->state_dict();
-        const std::string kind = gc::detail::StateReader(st.data(), st.size()).kind();
-        const auto* k = gc::detail::state_kind(kind);
-        ASSERT_NE(k, nullptr) << kind;
-        const auto again = k->reshard({st}, 1, 0);  // {}: "the caller's own bytes" (allowed)
-        if (!again.empty()) {
-          EXPECT_EQ(again, st) << kind;
-          ++rewritten;
-        }
-      }
-      const int Q = 3;
-      std::vector<std::vector<uint8_t>> moved;
-      try {
-        for (int r = 0; r < Q; ++r) moved.push_back(gc::reshard_state(states, Q, r));
-      } catch (const gc::InvalidArgument& e) {
-        EXPECT_FALSE(std::string(e.what()).empty());
-        continue;  // refused with a reason (a sharded job's state belongs to its world size)
-      }
-      auto resumed = make(t.name, n, Q, form);
-      for (int r = 0; r < Q; ++r) resumed[r]->load_state_dict(moved[r].data(), moved[r].size());
-      auto g = inputs(n, Q, 3);
-      step(resumed, g);
-      for (int r = 0; r < Q; ++r) {
-        const auto [lo, hi] = defined(form, static_cast<size_t>(n), Q, r);
-        for (size_t i = lo; i < hi; ++i) ASSERT_TRUE(std::isfinite(g[r][i])) << r << " " << i;
-        if (form != gc::PlanForm::kReduceScatter)
-          EXPECT_TRUE(same_bits(g[r], g[0], 0, static_cast<size_t>(n))) << "rank " << r;
-      }
-      ++moved_forms;
+  for (const Case& c : cases()) {
+    const gc::PlanForm form = c.form;
+    const int P = 2;
+    const int64_t n = 6 * 500;  // P equal chunks for 2 and 3 ranks
+    SCOPED_TRACE(c.label);
+    auto plans = make(c.name, n, P, form, c.options);
+    for (int64_t s = 0; s < 3; ++s) {
+      auto g = inputs(n, P, s);
+      step(plans, g);
     }
+    std::vector<std::vector<uint8_t>> states;
+    for (auto& p : plans) states.push_back(p->state_dict());
+    if (states[0].empty()) continue;  // stateless: nothing to reshard
+    for (int r = 0; r < P; ++r) EXPECT_EQ(gc::reshard_state(states, P, r), states[r]);
+    {  // the family's own resharding (reshard_state hands back a rank's own bytes on as many
+       // ranks without calling it) from one rank to one: its parse and rewrite lose nothing
+      auto one = make(c.name, n, 1, form, c.options);
+      auto g1 = inputs(n, 1, 0);
+      step(one, g1);
+      const auto st = one[0]->state_dict();
+      const std::string kind = gc::detail::StateReader(st.data(), st.size()).kind();
+      const auto* k = gc::detail::state_kind(kind);
+      ASSERT_NE(k, nullptr) << kind;
+      const auto again = k->reshard({st}, 1, 0);  // {}: "the caller's own bytes" (allowed)
+      if (!again.empty()) {
+        EXPECT_EQ(again, st) << kind;
+        ++rewritten;
+      }
+    }
+    const int Q = 3;
+    std::vector<std::vector<uint8_t>> moved;
+    try {
+      for (int r = 0; r < Q; ++r) moved.push_back(gc::reshard_state(states, Q, r));
+    } catch (const gc::InvalidArgument& e) {
+      EXPECT_FALSE(std::string(e.what()).empty());
+      continue;  // refused with a reason (a sharded job's state belongs to its world size)
+    }
+    auto resumed = make(c.name, n, Q, form, c.options);
+    for (int r = 0; r < Q; ++r) resumed[r]->load_state_dict(moved[r].data(), moved[r].size());
+    auto g = inputs(n, Q, 3);
+    step(resumed, g);
+    for (int r = 0; r < Q; ++r) {
+      const auto [lo, hi] = defined(form, static_cast<size_t>(n), Q, r);
+      for (size_t i = lo; i < hi; ++i) ASSERT_TRUE(std::isfinite(g[r][i])) << r << " " << i;
+      if (form != gc::PlanForm::kReduceScatter)
+        EXPECT_TRUE(same_bits(g[r], g[0], 0, static_cast<size_t>(n))) << "rank " << r;
+    }
+    ++moved_forms;
+  }
   EXPECT_GE(moved_forms, 5) << "every stateful family's allreduce state moves to 3 ranks";
   EXPECT_GE(rewritten, 5) << "every allreduce state's resharding rewrites a state";
 }

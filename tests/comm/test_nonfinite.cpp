@@ -430,37 +430,40 @@ TEST(NonFinite, TopKSumThatOverflowsAnywhereIsAnOverflowStep) {
   const int P = 10;
   const int64_t n = 200;
   const gc::DType dt = gc::DType::kFloat32;
-  for (const char* route : {"dense", "sparse"})
-    for (int64_t at : {int64_t{0}, int64_t{77}, n - 1}) {
-      const Variant v{"topk", {{"ratio", 0.05}, {"route", S(route)}}};
-      SCOPED_TRACE(describe(v) + " element " + std::to_string(at));
-      Ranks ranks(v, P, n, dt, gc::OnNonFinite::kSkip);
-      auto grads = [&](int step) {
-        std::vector<std::vector<uint8_t>> g;
-        for (int r = 0; r < P; ++r) g.push_back(gradient(n, dt, r, step));
-        return g;
-      };
-      auto g = grads(0);
-      ranks.step(g, dt);
-      const auto before = ranks.states();
-      g = grads(1);
-      const float big = std::numeric_limits<float>::max();
-      for (auto& b : g) std::memcpy(b.data() + 4 * at, &big, 4);
-      ranks.step(g, dt);
-      for (int r = 0; r < P; ++r) {
-        ASSERT_TRUE(ranks.plans[r]->skipped()) << "rank " << r;
-        ASSERT_TRUE(all_nan(g[r], dt)) << "rank " << r << ": the average is not NaN";
-      }
-      ASSERT_EQ(ranks.states(), before) << "a skipped step changed a state";
-      g = grads(2);
-      ranks.step(g, dt);
-      for (int r = 0; r < P; ++r) {
-        ASSERT_FALSE(ranks.plans[r]->skipped()) << "rank " << r;
-        for (int64_t i = 0; i < n; ++i) {
-          float x;
-          std::memcpy(&x, g[r].data() + 4 * i, 4);
-          ASSERT_TRUE(std::isfinite(x)) << "rank " << r << " index " << i;
+  // (coded values, value_bits: the sparse route reads a bound from the blocks' scales instead of
+  // the values' sums of squares)
+  for (const int64_t bits : {int64_t{0}, int64_t{2}})
+    for (const char* route : {"dense", "sparse"})
+      for (int64_t at : {int64_t{0}, int64_t{77}, n - 1}) {
+        const Variant v{"topk", {{"ratio", 0.05}, {"route", S(route)}, {"value_bits", bits}}};
+        SCOPED_TRACE(describe(v) + " element " + std::to_string(at));
+        Ranks ranks(v, P, n, dt, gc::OnNonFinite::kSkip);
+        auto grads = [&](int step) {
+          std::vector<std::vector<uint8_t>> g;
+          for (int r = 0; r < P; ++r) g.push_back(gradient(n, dt, r, step));
+          return g;
+        };
+        auto g = grads(0);
+        ranks.step(g, dt);
+        const auto before = ranks.states();
+        g = grads(1);
+        const float big = std::numeric_limits<float>::max();
+        for (auto& b : g) std::memcpy(b.data() + 4 * at, &big, 4);
+        ranks.step(g, dt);
+        for (int r = 0; r < P; ++r) {
+          ASSERT_TRUE(ranks.plans[r]->skipped()) << "rank " << r;
+          ASSERT_TRUE(all_nan(g[r], dt)) << "rank " << r << ": the average is not NaN";
+        }
+        ASSERT_EQ(ranks.states(), before) << "a skipped step changed a state";
+        g = grads(2);
+        ranks.step(g, dt);
+        for (int r = 0; r < P; ++r) {
+          ASSERT_FALSE(ranks.plans[r]->skipped()) << "rank " << r;
+          for (int64_t i = 0; i < n; ++i) {
+            float x;
+            std::memcpy(&x, g[r].data() + 4 * i, 4);
+            ASSERT_TRUE(std::isfinite(x)) << "rank " << r << " index " << i;
+          }
         }
       }
-    }
 }

@@ -223,6 +223,10 @@ def _saved(obj) -> bytes:
 SKIP_CFGS = {  # (config, averager options, the step whose round rank 1 poisons)
     "topk": (_cfg([40, 24], [(0, 2)], h=2, total=8),
              dict(compressor="topk", compressor_options=dict(ratio=0.5)), 6),
+    # SparseLoCo's setting: the coded values' round is skipped alike (rank 1 sends no values)
+    "topk_coded": (_cfg([40, 24], [(0, 2)], h=2, total=8),
+                   dict(compressor="topk",
+                        compressor_options=dict(ratio=0.5, value_bits=2, value_block=32)), 6),
     # streamed: the round of fragment 1 launched at step 6 is found void in the background
     # thread and skipped at its merge, step 7
     "streamed": (_cfg([40, 24], [(0, 1), (1, 2)], h=4, total=12, tau=1, mixing=0.5), {}, 6),
@@ -265,7 +269,7 @@ def test_a_non_finite_round_is_skipped_on_every_rank():
     out = tmpdir()
     run(_skip_worker, 2, out)
     r0, r1 = (torch.load(os.path.join(out, f"s{r}.pt")) for r in range(2))
-    want = {"topk": [(6, 0)], "streamed": [(7, 1)]}
+    want = {"topk": [(6, 0)], "topk_coded": [(6, 0)], "streamed": [(7, 1)]}
     for name in SKIP_CFGS:
         for res in (r0[name], r1[name]):
             assert res["skipped"] == want[name], (name, res["skipped"])

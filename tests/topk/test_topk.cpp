@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <set>
 
@@ -584,6 +585,64 @@ TEST(TopKCodedValues, BadSettingsAndForeignPayloadsAreRefused) {
   TopKCompressor c4(four, n);
   EXPECT_THROW(c4.decode_add(pa.data(), pa.size(), view), CorruptPayload);
   for (float x : out) ASSERT_EQ(x, 0.0f);  // nothing was added by a refused decode
+}
+
+TEST(TopKCodedValues, ScalesBoundTheDecodedValuesAndABadScaleIsRefused) {
+  // topk_coded_values_bound reads only the scales; every decoded value lies within it, and it is
+  // tight (the largest value of the block with the largest magnitude sits on its grid's end).
+  for (int bits : {2, 4, 8})
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4099}, int64_t{100003}}) {
+      TopKConfig cfg = exact_cfg(0.03);
+      cfg.value_bits = bits;
+      cfg.value_block = 32;
+      TopKCompressor comp(cfg, n);
+      auto g = heavy_tailed(n, 57 + n);
+      Payload p;
+      comp.encode(TensorView::cpu(g.data(), n), p);
+      const auto d = decode_dense(comp, p, n);
+      const int64_t kk = topk_count(0.03, n);
+      const double bound = topk_coded_values_bound(cfg, p.data() + p.header.section_offset(2), kk);
+      double most = 0, sent = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        most = std::max(most, std::fabs(double(d[i])));
+        if (d[i] != 0.0f) sent = std::max(sent, std::fabs(double(g[i])));
+      }
+      EXPECT_GE(bound, most) << "bits " << bits << " n " << n;
+      EXPECT_LE(bound, sent * (1 + 1e-6)) << "bits " << bits << " n " << n;
+      EXPECT_GE(bound, sent * (1 - 1e-6)) << "bits " << bits << " n " << n;
+    }
+  TopKConfig cfg = exact_cfg(0.05);
+  cfg.value_bits = 2;
+  cfg.value_block = 32;
+  EXPECT_EQ(topk_coded_values_bound(cfg, nullptr, 0), 0.0);  // no values, no scales read
+  TopKConfig uncoded;
+  EXPECT_THROW(topk_coded_values_bound(uncoded, nullptr, 0), InvalidArgument);
+  // a received section whose scale no encoder writes is a malformed payload, refused before
+  // anything is added (not decoded into a non-finite sum that would pass for an overflow)
+  const int64_t n = 3000;
+  auto g = normal(n, 8);
+  TopKCompressor enc(cfg, n), dec(cfg, n);
+  Payload p;
+  enc.encode(TensorView::cpu(g.data(), n), p);
+  const size_t blocks = (topk_count(0.05, n) + 31) / 32;
+  ASSERT_GE(blocks, 3u);
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
+                              std::numeric_limits<float>::infinity(), -1.0f};
+  for (int which : {0, 1})  // lo, step
+    for (float bad : bad_values) {
+      if (which == 0 && bad == -1.0f) continue;  // (a negative lo is an ordinary grid)
+      std::vector<uint8_t> q(p.data(), p.data() + p.size());
+      const size_t at = p.header.section_offset(2) + 8 * (blocks - 1) + 4 * which;
+      std::memcpy(q.data() + at, &bad, 4);
+      std::vector<float> out(n, 0.0f);
+      try {
+        dec.decode_add(q.data(), q.size(), TensorView::cpu(out.data(), n));
+        ADD_FAILURE() << "a bad scale was decoded: " << bad << " at " << which;
+      } catch (const CorruptPayload& e) {
+        EXPECT_NE(std::string(e.what()).find("invalid scale"), std::string::npos) << e.what();
+      }
+      for (float x : out) ASSERT_EQ(x, 0.0f);
+    }
 }
 
 TEST(TopKWire, CompressionRatioIsExactAndCodingIsSmallest) {
