@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 #: second step (PyTorch's default start_powerSGD_iter=1000 would run plain allreduce that long)
 PSGD = dict(start_iter=2, min_compression_rate=2.0, use_error_feedback=True, warm_start=True)
 
-KINDS = ("torch-fp16", "torch-powersgd", "no-comm", "sync-floor")
+KINDS = ("torch-fp16", "torch-powersgd", "torch-allreduce", "no-comm", "sync-floor")
 
 
 def _torch_psgd_waited(state, bucket):
@@ -45,6 +45,7 @@ def _sync_floor(state, bucket):
 
 def register(kind: str, model, opts: Optional[Dict[str, Any]] = None) -> None:
     """Registers PyTorch's hook `kind` on the DDP `model`: "torch-fp16" (fp16_compress_hook),
+    "torch-allreduce" (allreduce_hook: DDP's own average, as a hook),
     "torch-powersgd" (powerSGD_hook, waited; opts["rank"], PSGD settings), "no-comm" (returns
     each bucket untouched: the compute floor, no communication) or "sync-floor" (each bucket
     untouched after a 1-element allreduce: the compute floor with one synchronisation per
@@ -52,6 +53,8 @@ def register(kind: str, model, opts: Optional[Dict[str, Any]] = None) -> None:
     opts = opts or {}
     if kind == "torch-fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif kind == "torch-allreduce":  # DDP's average as a hook: what any comm hook starts from
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     elif kind == "no-comm":
         model.register_comm_hook(None, _no_comm)
     elif kind == "sync-floor":
@@ -88,7 +91,7 @@ def bytes_per_step(kind: str, model: torch.nn.Module, opts: Optional[Dict[str, A
     n = sum(p.numel() for p in model.parameters())
     if kind in ("no-comm", "sync-floor"):
         return 0  # sync-floor: 4 bytes per bucket, not counted
-    if kind == "ddp":
+    if kind in ("ddp", "torch-allreduce"):
         return 4 * n
     if kind == "torch-fp16":
         return 2 * n

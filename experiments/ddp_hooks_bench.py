@@ -63,6 +63,8 @@ CONFIGS = [
     ("sync-floor", "sync-floor", {}),
     ("ours-allreduce", "allreduce", {}),
     ("torch-fp16", "torch-fp16", {}),
+    # DDP's average through PyTorch's allreduce_hook: what registering any hook costs on its own
+    ("torch-allreduce", "torch-allreduce", {}),
     ("ours-fp16", "fp16", {}),
     ("torch-powersgd-r1", "torch-powersgd", {"rank": 1}),
     ("ours-powersgd-r1", "powersgd", {"rank": 1, **PSGD}),

@@ -286,3 +286,43 @@ def test_auto_with_the_quant_candidate_trains_and_decides_alike():
             for costs in t["costs"].values():
                 assert set(costs) == {"allreduce", "quant"} and all(v > 0 for v in costs.values())
     assert r[0]["trials"] == r[1]["trials"]
+
+
+def _native_vs_plain(rank, world, out_dir):
+    data = make_data(rank, 6)
+    grads = {}
+    for kind in ("plain", "auto"):
+        torch.manual_seed(0)
+        model = DDP(Net())
+        if kind == "auto":
+            state, hook = gt.hook("auto", model=model, candidates=["allreduce"], trial_steps=2)
+            model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
+        per_step = []
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            per_step.append([p.grad.detach().clone() for p in model.parameters()])
+            opt.step()
+        grads[kind] = per_step
+        if kind == "auto":
+            state.close()
+    torch.save(grads, os.path.join(out_dir, f"native_{rank}.pt"))
+
+
+def test_auto_allreduce_is_ddps_own_average_bit_for_bit():
+    # On 3 ranks, where x / 3 and x * (1/3) differ in the last bit: the average auto's allreduce
+    # candidate gives (in its plain steps, its trial and once chosen) is plain DDP's, whose
+    # reducer scales each gradient by the reciprocal before the sum, not PyTorch's
+    # allreduce_hook's (a division), at every step and every parameter
+    d = tmpdir()
+    run(_native_vs_plain, 3, d)
+    for r in range(3):
+        g = torch.load(os.path.join(d, f"native_{r}.pt"))
+        assert len(g["auto"]) == len(g["plain"]) == 6
+        for step, (a, p) in enumerate(zip(g["auto"], g["plain"])):
+            for i, (ga, gp) in enumerate(zip(a, p)):
+                assert torch.equal(ga, gp), (r, step, i, (ga - gp).abs().max())
+    # the test can tell the two scalings apart: on this data they differ somewhere
+    x = torch.randn(10000, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(x / 3, x * (1.0 / 3))
