@@ -15,19 +15,13 @@
 #include "gradcomp/rng.hpp"
 #include "gradcomp/select.hpp"
 #include "gradcomp/tensor.hpp"
+#include "kernels/entry.hpp"  // Exec
 #include "kernels/onebit_kernels.hpp"
 #include "kernels/powersgd_kernels.hpp"
 #include "kernels/quant_kernels.hpp"
 #include "kernels/topk_kernels.hpp"
 
 namespace gradcomp::kernels {
-
-/// Where a kernel runs: the data's device and, on CUDA, the stream (cudaStream_t).
-struct Exec {
-  Device device = Device::kCPU;
-  void* stream = nullptr;
-  bool cuda() const { return device == Device::kCUDA; }
-};
 
 namespace dispatch {
 

@@ -364,7 +364,7 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
           k::dispatch::hadamard_rotate(s.ex, f, L / S, S, static_cast<int64_t>(q) * CE / S, true);
         if (ot != DType::kFloat32)
-          k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
+          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
       }
       phase_ = 0;
       if (s.staged) s.cur = 1 - s.cur;  // the step's errors and momentum become the state

@@ -379,7 +379,7 @@ std::optional<Collective> QuantPlan::next() {
           k::dispatch::quant_decode_average(s.ex, bodies.data(), world_, geo,
                                             average_ ? 1.0f / static_cast<float>(world_) : 1.0f, f,
                                             s.ws);
-          if (!f32) k::convert_saturating(device_, f, dst, s.grad.dtype, L, s.stream);
+          if (!f32) k::convert_saturating({device_, s.stream}, f, dst, s.grad.dtype, L);
         }
         if (cfg_.error_feedback) s.cur = 1 - s.cur;
         ++step_;
@@ -441,7 +441,7 @@ std::optional<Collective> QuantPlan::next() {
           k::dispatch::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
                                        static_cast<int64_t>(q) * CE / cfg_.block_size, true);
         if (ot != DType::kFloat32)
-          k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
+          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
       }
       if (cfg_.error_feedback) s.cur = 1 - s.cur;  // the step's errors become the state
       ++step_;
