@@ -72,11 +72,12 @@ void select_bench(benchmark::State& st, SelectMethod m) {
   opt.method = m;
   uint64_t step = 0;
   int64_t got = 0;
-  got = kernels::cuda::select(x, n, k, opt, RngKey{1, step++, 0}, out, ws, nullptr);  // warm-up
+  const kernels::Exec gpu{Device::kCUDA, nullptr};
+  got = kernels::select(gpu, x, n, k, opt, RngKey{1, step++, 0}, out, ws);  // warm-up
   gradcomp::cuda::stream_synchronize(nullptr);
   gradcomp::bench::LoopTimer timer;
   for (auto _ : st) {
-    got = kernels::cuda::select(x, n, k, opt, RngKey{1, step++, 0}, out, ws, nullptr);
+    got = kernels::select(gpu, x, n, k, opt, RngKey{1, step++, 0}, out, ws);
     gradcomp::cuda::stream_synchronize(nullptr);
   }
   set_gpu_bandwidth(st, 4.0 * static_cast<double>(n), n, timer.seconds());  // one read of x

@@ -63,7 +63,7 @@ uint64_t Communicator::ordered_allreduce(const void* send, void* recv, size_t co
     // one round: everyone gets every vector and sums them in rank order
     uint8_t* blocks = scratch(bytes * P);
     do_allgather(send, blocks, count, t);
-    kernels::reduce_blocks(device(), blocks, P, count, count, t, recv, stream());
+    kernels::reduce_blocks({device(), stream()}, blocks, P, count, count, t, recv);
     return bytes * (P - 1);
   }
   // reduce-scatter by all-to-all of chunks + ordered local sum, then allgather of the chunks
@@ -71,8 +71,8 @@ uint64_t Communicator::ordered_allreduce(const void* send, void* recv, size_t co
   const size_t mine = rcounts_[0], my_off = sdispls_[static_cast<size_t>(rank())];
   uint8_t* blocks = scratch(mine * es * P);
   do_alltoallv(send, scounts_.data(), sdispls_.data(), blocks, rcounts_.data(), rdispls_.data(), t);
-  kernels::reduce_blocks(device(), blocks, P, mine, mine, t,
-                         static_cast<uint8_t*>(recv) + my_off * es, stream());
+  kernels::reduce_blocks({device(), stream()}, blocks, P, mine, mine, t,
+                         static_cast<uint8_t*>(recv) + my_off * es);
   do_allgatherv(recv, scounts_.data(), sdispls_.data(), t);
   return 2 * (bytes - mine * es);
 }
@@ -93,7 +93,8 @@ void Communicator::allreduce(const void* send, void* recv, size_t count, ElemTyp
     sent = ordered_allreduce(send, recv, count, t);
   }
   if (op == ReduceOp::kMean)
-    kernels::convert(device(), recv, ft, recv, ft, static_cast<int64_t>(count), float(P), stream());
+    kernels::convert({device(), stream()}, recv, ft, recv, ft, static_cast<int64_t>(count),
+                     float(P));
   complete("allreduce");
   account(sent, t0);
 }
@@ -113,11 +114,12 @@ void Communicator::reduce_scatter(const void* send, void* recv, size_t count, El
     uint8_t* blocks = scratch(count * es * static_cast<size_t>(P));
     do_alltoallv(send, scounts_.data(), sdispls_.data(), blocks, rcounts_.data(), rdispls_.data(),
                  t);
-    kernels::reduce_blocks(device(), blocks, static_cast<size_t>(P), count, count, t, recv,
-                           stream());
+    kernels::reduce_blocks({device(), stream()}, blocks, static_cast<size_t>(P), count, count, t,
+                           recv);
   }
   if (op == ReduceOp::kMean)
-    kernels::convert(device(), recv, ft, recv, ft, static_cast<int64_t>(count), float(P), stream());
+    kernels::convert({device(), stream()}, recv, ft, recv, ft, static_cast<int64_t>(count),
+                     float(P));
   complete("reduce_scatter");
   account(count * es * static_cast<uint64_t>(P - 1), t0);
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The 1-bit family: configuration and the per-tensor compressor (state, validation, payload
 // building). The two-phase allreduce plan is plans/onebit_plan.cpp; the math lives in kernels/,
-// reached through kernels/dispatch.hpp.
+// reached through the entry points of kernels/onebit_kernels.hpp (kernels/entry.hpp).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include "compressors/onebit_internal.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/onebit.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 
 namespace gradcomp {
@@ -168,8 +168,7 @@ struct OneBitCompressor::Impl {
   void materialize() {
     if (!lazy) return;
     if (geo.n > 0)
-      k::dispatch::onebit_finalize_error(ex, state(), geo,
-                                         static_cast<const float*>(prev_scales.data()));
+      k::onebit_finalize_error(ex, state(), geo, static_cast<const float*>(prev_scales.data()));
     lazy = false;
   }
 };
@@ -238,8 +237,8 @@ void OneBitCompressor::encode(const TensorView& g, Payload& out) {
   const float* prev = s.lazy ? static_cast<const float*>(s.prev_scales.data()) : nullptr;
   float* scales = static_cast<float*>(s.scales.data());
   const int64_t bad =
-      k::dispatch::onebit_compress(s.ex, g.data, g.dtype, in, prev, st_out, geo,
-                                   norm_of(cfg_.scaling), cfg_.check_finite, scales, bits, s.ws);
+      k::onebit_compress(s.ex, g.data, g.dtype, in, prev, st_out, geo, norm_of(cfg_.scaling),
+                         cfg_.check_finite, scales, bits, s.ws);
   GC_CHECK_ARG(bad < 0, "onebit tensor ", cfg_.tensor_id,
                ": gradient has a non-finite value (NaN or Inf) at index ", bad,
                "; nothing was changed (disable check_finite to skip this test)");
@@ -295,8 +294,8 @@ void OneBitCompressor::decode_average(const void* const* payloads, const size_t*
     s.scale_ptrs[p] = reinterpret_cast<const float*>(base + h.section_offset(2));
   }
   if (n == 0) return;
-  k::dispatch::onebit_decode_average(s.ex, s.bit_ptrs.data(), s.scale_ptrs.data(), count, geo,
-                                     scale, true, dense.as<float>(), s.ws);
+  k::onebit_decode_average(s.ex, s.bit_ptrs.data(), s.scale_ptrs.data(), count, geo, scale, true,
+                           dense.as<float>(), s.ws);
 }
 
 std::vector<uint8_t> OneBitCompressor::state_dict() const {

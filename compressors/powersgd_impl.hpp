@@ -9,8 +9,8 @@
 
 #include "gradcomp/powersgd.hpp"
 #include "gradcomp/workspace.hpp"
-#include "kernels/dispatch.hpp"
 #include "kernels/powersgd_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 
 namespace gradcomp {
 

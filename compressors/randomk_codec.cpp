@@ -10,7 +10,7 @@
 #include "compressors/sparsify_state.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/topk.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "kernels/topk_math.h"
 
 namespace gradcomp {
@@ -133,8 +133,8 @@ int64_t RandomKCompressor::indices_at(int64_t step, uint32_t* out) const {
   const Impl& s = *impl_;
   const int64_t ks = topk_count(cfg_.ratio_at(step), s.sampled_n);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step), cfg_.tensor_id};
-  k::dispatch::randomk_indices({device_, s.stream}, s.sampled_n, ks, key, out,
-                               static_cast<const uint32_t*>(s.ranges.data()), s.nranges);
+  k::randomk_indices({device_, s.stream}, s.sampled_n, ks, key, out,
+                     static_cast<const uint32_t*>(s.ranges.data()), s.nranges);
   if (s.dense_n > 0)
     device_copy(out + ks, device_, s.dense_idx.data(), device_,
                 static_cast<size_t>(s.dense_n) * sizeof(uint32_t), s.stream);
@@ -218,8 +218,8 @@ void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const Ten
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
   indices_at(static_cast<int64_t>(h.aux), idx);
   const void* values = static_cast<const uint8_t*>(payload) + h.section_offset(1);
-  k::dispatch::scatter_add({device_, s.stream}, idx, values, DType(h.value_dtype), kk, scale,
-                           dense.as<float>());
+  k::scatter_add({device_, s.stream}, idx, values, DType(h.value_dtype), kk, scale,
+                 dense.as<float>());
 }
 
 std::vector<uint8_t> RandomKCompressor::state_dict() const {

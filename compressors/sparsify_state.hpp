@@ -14,7 +14,6 @@
 #include "core/state_io.hpp"
 #include "gradcomp/topk.hpp"
 #include "gradcomp/wire.hpp"
-#include "kernels/dispatch.hpp"
 #include "kernels/topk_kernels.hpp"
 #include "kernels/topk_math.h"
 
@@ -24,8 +23,7 @@ namespace k = kernels;
 
 inline void check_finite(const TensorView& g, uint32_t tid, const char* who,
                          k::SelectWorkspace& ws) {
-  const int64_t bad =
-      k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel, ws);
+  const int64_t bad = k::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel, ws);
   GC_CHECK_ARG(bad < 0, who, " tensor ", tid,
                ": gradient has a non-finite value (NaN or Inf) at "
                "index ",
@@ -155,7 +153,7 @@ class SparsifyState {
     const k::Exec ex{dev_, stream_};
     float coef = 1.0f;
     if (cfg_.clip_norm > 0.0 && n_ > 0) {
-      const double ss = k::dispatch::sum_squares(ex, g.data, g.dtype, n_, ws);
+      const double ss = k::sum_squares(ex, g.data, g.dtype, n_, ws);
       coef = k::clip_coefficient(std::sqrt(ss), cfg_.clip_norm);
     }
     float* vo = work_v();
@@ -166,8 +164,7 @@ class SparsifyState {
     }
     if (n_ == 0) return;
     const float m = static_cast<float>(cfg_.momentum);
-    k::dispatch::dgc_accumulate(ex, g.data, g.dtype, n_, coef, m, cfg_.nesterov, work_u(), vo, u(),
-                                vs);
+    k::dgc_accumulate(ex, g.data, g.dtype, n_, coef, m, cfg_.nesterov, work_u(), vo, u(), vs);
   }
   /// The residual the step being encoded works on (the committed one unless staged).
   float* work_v() { return static_cast<float*>(v_[staged_ ? 1 - cur_ : cur_].data()); }
@@ -182,8 +179,7 @@ class SparsifyState {
   void take(const uint32_t* idx, int64_t c, void* values, bool mask = true,
             const k::ValueShare* share = nullptr) {
     float* mask_u = cfg_.momentum_masking && mask ? work_u() : nullptr;
-    k::dispatch::gather_and_clear({dev_, stream_}, work_v(), mask_u, idx, c, values,
-                                  cfg_.value_dtype, share);
+    k::gather_and_clear({dev_, stream_}, work_v(), mask_u, idx, c, values, cfg_.value_dtype, share);
   }
 
   /// A codec's checkpoint (top-k and random-k alike, `kind` "topk" / "randomk"): the fields

@@ -11,7 +11,8 @@
 #include "compressors/sparsify_state.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/topk.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/quant_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "kernels/topk_math.h"
 
 namespace gradcomp {
@@ -159,7 +160,7 @@ int64_t topk_indices(const TensorView& x, int64_t kk, const SelectOptions& opt, 
                " elements; indices are uint32 (split the tensor)");
   GC_CHECK_ARG(kk == 0 || out != nullptr, "output index pointer is null");
   k::SelectWorkspace ws(x.device);
-  return k::dispatch::select({x.device, x.stream}, x.as<float>(), x.numel, kk, opt, key, out, ws);
+  return k::select({x.device, x.stream}, x.as<float>(), x.numel, kk, opt, key, out, ws);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   const int64_t kk = topk_count(cfg_.ratio_at(step_), n);
   const RngKey key{cfg_.seed, static_cast<uint64_t>(step_), cfg_.tensor_id};
   uint32_t* idx = s.idx.get<uint32_t>(static_cast<size_t>(kk) + 1);
-  const int64_t c = k::dispatch::select({device_, s.stream}, v, n, kk, cfg_.select, key, idx, s.ws);
+  const int64_t c = k::select({device_, s.stream}, v, n, kk, cfg_.select, key, idx, s.ws);
 
   // ---- payload: header | indices | values ----
   prepare_payload(out, device_, s.stream);
@@ -263,7 +264,7 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
   void* values = coded ? static_cast<void*>(s.vals.get<float>(static_cast<size_t>(c) + 1))
                        : static_cast<void*>(base + h.section_offset(1));
   if (direct)
-    k::dispatch::gather({device_, s.stream}, v, idx, c, values, cfg_.value_dtype);
+    k::gather({device_, s.stream}, v, idx, c, values, cfg_.value_dtype);
   else
     s.dgc.take(idx, c, values);  // (fp32 values when coded: the residual there becomes 0)
   if (coded && c > 0) {
@@ -272,11 +273,9 @@ void TopKCompressor::encode(const TensorView& g, Payload& out) {
     // coding error.
     const bool keep = cfg_.error_feedback && !direct;
     float* e = keep ? s.err.get<float>(static_cast<size_t>(c)) : nullptr;
-    k::dispatch::quant_compress({device_, s.stream}, values, DType::kFloat32, nullptr, e, geo,
-                                k::QuantRng{}, /*check_finite=*/false, base + h.section_offset(2));
-    if (keep)
-      k::dispatch::scatter_add({device_, s.stream}, idx, e, DType::kFloat32, c, 1.0f,
-                               s.dgc.work_v());
+    k::quant_compress({device_, s.stream}, values, DType::kFloat32, nullptr, e, geo, k::QuantRng{},
+                      /*check_finite=*/false, base + h.section_offset(2));
+    if (keep) k::scatter_add({device_, s.stream}, idx, e, DType::kFloat32, c, 1.0f, s.dgc.work_v());
   }
   if (cuda) {
     if (coding == IndexCoding::kBitmap)
@@ -364,7 +363,7 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
     GC_CHECK_PAYLOAD(!std::isnan(most),
                      "coded values section has an invalid scale (not finite, "
                      "or a negative step): no encoder writes it");
-    k::dispatch::quant_decode_average({device_, s.stream}, &body, 1, geo, 1.0f, vals, s.qws);
+    k::quant_decode_average({device_, s.stream}, &body, 1, geo, 1.0f, vals, s.qws);
     values = vals;
     vt = DType::kFloat32;
   }
@@ -405,7 +404,7 @@ void TopKCompressor::decode_add(const void* payload, size_t nbytes, const Tensor
       GC_CHECK_PAYLOAD(false, "index coding ", int(h.index_coding),
                        " is not valid for sparse payloads");
   }
-  k::cuda::scatter_add(use, values, vt, c, scale, dense.as<float>(), s.stream);
+  k::scatter_add({device_, s.stream}, use, values, vt, c, scale, dense.as<float>());
 }
 
 std::vector<uint8_t> TopKCompressor::state_dict() const {

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Backend entry points of PowerSGD. compressors/powersgd_state.cpp calls these through the device
-// of the state; kernels/cpu implements `cpu::` (OpenMP + BLAS/LAPACKE), kernels/cuda (or
-// kernels/nocuda) `cuda::` (CUDA + cuBLAS/cuSOLVER). Every CUDA entry point has a CPU twin with the
-// same contract. All matrices are row-major fp32: M n x m, P n x r, Q m x r; a group is `batch`
-// same-shape matrices stored back to back (strides n*m, n*r, m*r).
+// Backend entry points of PowerSGD (kernels/entry.hpp). plans/powersgd_plan.cpp and
+// compressors/powersgd_state.cpp call the dispatch with the state's execution context;
+// kernels/cpu implements `cpu::` (OpenMP + BLAS/LAPACKE), kernels/cuda `cuda::` (CUDA +
+// cuBLAS/cuSOLVER). Every CUDA entry point has a CPU twin with the same contract. All matrices
+// are row-major fp32: M n x m, P n x r, Q m x r; a group is `batch` same-shape matrices stored
+// back to back (strides n*m, n*r, m*r).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "gradcomp/orthogonalization.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/entry.hpp"
 #include "kernels/scan_kernels.hpp"
 
 namespace gradcomp::kernels {
@@ -33,7 +35,7 @@ struct PsgdGroup {
 struct PsgdContext {
   explicit PsgdContext(Device dev, void* s = nullptr)
       : device(dev), stream(s), work(dev, s), work2(dev, s), info(dev, s) {}
-  ~PsgdContext();  // defined by the backend that owns the handles (cuda/ or nocuda/)
+  ~PsgdContext();  // releases the CUDA handles (kernels/cuda; a default one without CUDA)
   PsgdContext(const PsgdContext&) = delete;
   PsgdContext& operator=(const PsgdContext&) = delete;
   Device device;
@@ -47,23 +49,63 @@ struct PsgdContext {
   std::vector<int64_t> host_slots;  ///< CPU: partial-Q slot of each work item
 };
 
-namespace cpu {
+/// One step's view of a bucket's batch groups: grads[g][b] is the gradient of member b of group g
+/// (dtype), direct: fp32 without error feedback (the gradient itself is M).
+struct PsgdBucket {
+  const std::vector<PsgdGroup>& groups;
+  const std::vector<std::vector<void*>>& grads;
+  DType dtype;
+  bool error_feedback;
+  bool direct;
+};
+
 // first_nonfinite(g, t, n): kernels/scan_kernels.hpp.
 /// dst = (add ? dst : 0) + float(g).
-void load(const void* g, DType t, int64_t n, float* dst, bool add);
+GC_KERNEL_ENTRY(load, "PowerSGD on a CUDA tensor",
+                (const void* g, DType t, int64_t n, float* dst, bool add), (g, t, n, dst, add))
 /// x = x / world.
-void divide(float* x, int64_t n, float world);
+GC_KERNEL_ENTRY(divide, "PowerSGD on CUDA", (float* x, int64_t n, float world), (x, n, world))
 /// g = dtype(src / world).
-void store_mean(const float* src, int64_t n, float world, void* g, DType t);
+GC_KERNEL_ENTRY(store_mean, "PowerSGD on CUDA",
+                (const float* src, int64_t n, float world, void* g, DType t), (src, n, world, g, t))
 /// g = dtype(r) (skipped when r is g itself, fp32); then, if m_err, m_err -= float(g).
-void store_result(const float* r, void* g, DType t, int64_t n, float* m_err);
+GC_KERNEL_ENTRY(store_result, "PowerSGD on CUDA",
+                (const float* r, void* g, DType t, int64_t n, float* m_err), (r, g, t, n, m_err))
 /// Draws Q of every member (only its all-zero columns when only_zero_columns).
-void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns);
+GC_KERNEL_ENTRY(fill_q, "PowerSGD Q initialization on CUDA",
+                (const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns),
+                (g, seed, step, only_zero_columns))
+/// prescale() (below) of each of `batch` consecutive blocks of len floats. On a warm-started Q
+/// (X = g.Q, batch = g.batch, len = g.m * g.r) it brings Q near 1 where its range needs it: Q
+/// carries the gradient's magnitude, so P = M Q would square it and overflow (|g| above about
+/// 1e17) or underflow (below about 1e-20). P's scale does not reach the result (it is
+/// orthonormalized), so this changes no bits where nothing overflowed.
+GC_KERNEL_ENTRY(prescale_blocks, "PowerSGD Q scaling on CUDA",
+                (float* X, int64_t batch, int64_t len, float eps), (X, batch, len, eps))
+
+// ---- the phases of a step, over a bucket's batch groups: the CPU runs its fused tile passes
+// (one OpenMP region per phase over all groups: cpu::compress_p and the others below), CUDA
+// runs each group as cuBLAS / cuSOLVER calls on ctx's handles and stream ----
+/// Whether psgd_compute_p forms M = grad (+ error) itself (the CPU, tile by tile, storing nothing)
+/// rather than reading an M the caller loaded with load() (CUDA; direct: the gradient is M).
+inline bool psgd_forms_m_itself(const Exec& e) { return !e.cuda(); }
+/// P = M Q for every group.
+GC_KERNEL_ENTRY(psgd_compute_p, "PowerSGD GEMM on CUDA", (const PsgdBucket& b, PsgdContext& ctx),
+                (b, ctx))
+/// P_hat = orth(P), then Q = M^T P_hat, for every group.
+GC_KERNEL_ENTRY(psgd_project, "PowerSGD orthogonalization on CUDA",
+                (const PsgdBucket& b, float eps, Orthogonalization how, PsgdContext& ctx),
+                (b, eps, how, ctx))
+/// grad = P_hat Q^T in its dtype and, with error feedback, error = M - grad, for every group.
+/// scratch (CUDA): scratch_floats floats for the batched reconstruction.
+GC_KERNEL_ENTRY_CUDA_EXTRA(void, psgd_finish, "PowerSGD GEMM on CUDA",
+                           (const PsgdBucket& b, PsgdContext& ctx), (b, ctx),
+                           (float* scratch, int64_t scratch_floats), (scratch, scratch_floats))
+
+namespace cpu {
 /// Brings a block of len floats near 1 by an exact power of two where its range needs it (see
 /// psgd_prescale_exponent in powersgd_math.h): one read of the block, a write only when scaled.
 void prescale(float* A, int64_t len, float eps);
-/// prescale() of each of `batch` consecutive blocks of len floats.
-void prescale_blocks(float* X, int64_t batch, int64_t len, float eps);
 /// P = M Q, for every member.
 void compute_p(const PsgdGroup& g, PsgdContext& ctx);
 /// Q = M^T P, for every member.
@@ -105,13 +147,10 @@ void finish(const std::vector<PsgdGroup>& groups, const std::vector<std::vector<
             DType t, bool ef, PsgdContext& ctx);
 }  // namespace cpu
 
+#if GRADCOMP_HAS_CUDA
+// The CUDA phases' per-group steps (cuBLAS / cuSOLVER on ctx's handles and stream), which the
+// CUDA tests also run alone.
 namespace cuda {
-void load(const void* g, DType t, int64_t n, float* dst, bool add, void* stream);
-void divide(float* x, int64_t n, float world, void* stream);
-void store_mean(const float* src, int64_t n, float world, void* g, DType t, void* stream);
-void store_result(const float* r, void* g, DType t, int64_t n, float* m_err, void* stream);
-void fill_q(const PsgdGroup& g, uint64_t seed, uint64_t step, bool only_zero_columns, void* stream);
-void prescale_blocks(float* X, int64_t batch, int64_t len, float eps, void* stream);
 void compute_p(const PsgdGroup& g, PsgdContext& ctx);
 void compute_q(const PsgdGroup& g, PsgdContext& ctx);
 /// out[b - b0] = P_b Q_b^T for members b0 .. b0 + count - 1 (one strided-batched GEMM).
@@ -119,5 +158,6 @@ void reconstruct(const PsgdGroup& g, int64_t b0, int64_t count, float* out, Psgd
 void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogonalization how,
                    PsgdContext& ctx);
 }  // namespace cuda
+#endif
 
 }  // namespace gradcomp::kernels

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Backend entry points of the multi-bit family (gradcomp/quant.hpp). plans/quant_plan.cpp calls
-// these through kernels/dispatch.hpp; kernels/cpu implements `cpu::`, kernels/cuda (or
-// kernels/nocuda) `cuda::`, with the same contract and the same bits (kernels/quant_math.h).
+// Backend entry points of the multi-bit family (gradcomp/quant.hpp; kernels/entry.hpp).
+// plans/quant_plan.cpp calls the dispatch; kernels/cpu implements `cpu::`, kernels/cuda `cuda::`,
+// with the same contract and the same bits (kernels/quant_math.h).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include "gradcomp/rng.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/entry.hpp"
 
 namespace gradcomp::kernels {
 
@@ -58,32 +59,25 @@ struct QuantWorkspace {
   Buffer ptrs, flag;
 };
 
-namespace cpu {
 /// The fused compress of one chunk, block by block in one pass over memory: x = g + e_in
 /// (onebit::compensate; e_in null: x = g), the block's scale(s) from x, the codes of x packed
 /// into `body` (geometry geo, scale area then code words: every word of ceil(n / (32/b)) is
 /// written, unused bits 0), and e_out = x - decode(code) when e_out is not null (e_out may equal
 /// e_in). When check_finite, a block holding a non-finite x stops the pass and its first bad
 /// index is returned (body and e_out are then partly written: the caller double-buffers); else
-/// -1.
-int64_t quant_compress(const void* g, DType t, const float* e_in, float* e_out,
-                       const QuantGeom& geo, const QuantRng& rng, bool check_finite, uint8_t* body);
+/// -1. The CUDA twin checks nothing and returns -1: its callers scan the gradient first
+/// (first_nonfinite).
+GC_KERNEL_ENTRY_R(int64_t, quant_compress, "multi-bit quantization of a CUDA tensor",
+                  (const void* g, DType t, const float* e_in, float* e_out, const QuantGeom& geo,
+                   const QuantRng& rng, bool check_finite, uint8_t* body),
+                  (g, t, e_in, e_out, geo, rng, check_finite, body))
 /// dense = scale * (sum over p = 0..count-1, in order, of decode(body[p])) for n elements, the
 /// sum in fp32 (a block whose result is not finite is summed again in double and saturated, as
-/// the 1-bit decode: finite payloads never decode to Inf).
-void quant_decode_average(const uint8_t* const* bodies, int count, const QuantGeom& geo,
-                          float scale, float* dense);
-}  // namespace cpu
-
-namespace cuda {
-/// Same contract as cpu::quant_compress, except that it checks nothing (the caller scans the
-/// gradient first: dispatch::first_nonfinite) and returns -1.
-int64_t quant_compress(const void* g, DType t, const float* e_in, float* e_out,
-                       const QuantGeom& geo, const QuantRng& rng, bool check_finite, uint8_t* body,
-                       void* stream);
-/// bodies: a host array of device pointers (copied to the device through ws).
-void quant_decode_average(const uint8_t* const* bodies, int count, const QuantGeom& geo,
-                          float scale, float* dense, QuantWorkspace& ws, void* stream);
-}  // namespace cuda
+/// the 1-bit decode: finite payloads never decode to Inf). bodies: a host array of pointers on
+/// the device of the call (on CUDA copied to the device through ws).
+GC_KERNEL_ENTRY_CUDA_EXTRA(void, quant_decode_average, "multi-bit decode into a CUDA tensor",
+                           (const uint8_t* const* bodies, int count, const QuantGeom& geo,
+                            float scale, float* dense),
+                           (bodies, count, geo, scale, dense), (QuantWorkspace & ws), (ws))
 
 }  // namespace gradcomp::kernels

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Backend entry points of the top-k family. compressors/ call these through the device of the
-// data; kernels/cpu implements `cpu::`, kernels/cuda (or kernels/nocuda) implements `cuda::`.
-// Every CUDA entry point has a CPU twin with the same contract; the CUDA tests compare them.
+// Backend entry points of the top-k family (kernels/entry.hpp). compressors/ and plans/ call the
+// dispatch with the data's execution context; kernels/cpu implements `cpu::`, kernels/cuda
+// `cuda::`. Every CUDA entry point but the index-section codecs has a CPU twin with the same
+// contract; the CUDA tests compare them.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "gradcomp/select.hpp"
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
+#include "kernels/entry.hpp"
 #include "kernels/scan_kernels.hpp"
 
 namespace gradcomp::kernels {
@@ -32,59 +34,63 @@ struct ValueShare {
   float limit = 0.0f;
 };
 
-namespace cpu {
 /// Indices (ascending) of the selected elements of x by |x|; returns how many (<= k). See
 /// gradcomp::SelectOptions for the contract of each method.
-int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
-               uint32_t* out, SelectWorkspace& ws);
+GC_KERNEL_ENTRY_R(int64_t, select, "top-k selection on a CUDA tensor",
+                  (const float* x, int64_t n, int64_t k, const SelectOptions& opt,
+                   const RngKey& key, uint32_t* out, SelectWorkspace& ws),
+                  (x, n, k, opt, key, out, ws))
 // first_nonfinite(g, t, n): kernels/scan_kernels.hpp
-/// Sum of squares in double.
-double sum_squares(const void* g, DType t, int64_t n);
+/// Sum of squares in double. ws: the CUDA twin's scratch.
+GC_KERNEL_ENTRY_CUDA_EXTRA(double, sum_squares, "norm of a CUDA tensor",
+                           (const void* g, DType t, int64_t n), (g, t, n), (SelectWorkspace & ws),
+                           (ws))
 /// u, v <- DGC update with g * coef (u may be null when momentum == 0). With u_src / v_src the
 /// update reads the old values there and writes the new ones to u / v (a step whose state change
 /// can still be dropped: same traffic as in place); null: in place.
-void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v, const float* u_src = nullptr, const float* v_src = nullptr);
-/// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0. With a share:
-/// values[j] = value_share(v[idx[j]], divisor, limit), and v[idx] keeps v - divisor * values[j].
-void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
-                      const ValueShare* share = nullptr);
+GC_KERNEL_ENTRY(dgc_accumulate, "DGC accumulation on a CUDA tensor",
+                (const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
+                 float* u, float* v, const float* u_src, const float* v_src),
+                (g, t, n, coef, momentum, nesterov, u, v, u_src, v_src))
+/// values[j] = v[idx[j]] (converted to vt); then v[idx] = 0 and, if u, u[idx] = 0. With a share
+/// (not null): values[j] = value_share(v[idx[j]], divisor, limit), and v[idx] keeps
+/// v - divisor * values[j].
+GC_KERNEL_ENTRY(gather_and_clear, "top-k gather on a CUDA tensor",
+                (float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
+                 const ValueShare* share),
+                (v, u, idx, k, values, vt, share))
 /// values[j] = v[idx[j]] (converted to vt; -0 sent as +0, as 0 + v would be), v unchanged: the
 /// gather of a selection made on the gradient itself (no error feedback, no momentum, no clip).
-void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt);
+GC_KERNEL_ENTRY(gather, "top-k gather on a CUDA tensor",
+                (const float* v, const uint32_t* idx, int64_t k, void* values, DType vt),
+                (v, idx, k, values, vt))
 /// Stratified random-k indices over n elements (ascending), mapped through the nr ranges of
-/// `ranges` when nr > 0 (randomk_position in topk_math.h; host memory here).
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out,
-                     const uint32_t* ranges = nullptr, int64_t nr = 0);
+/// `ranges` when nr > 0 (randomk_position in topk_math.h; memory on the device of the call;
+/// null and 0: no mapping).
+GC_KERNEL_ENTRY(randomk_indices, "random-k indices on CUDA",
+                (int64_t n, int64_t k, const RngKey& key, uint32_t* out, const uint32_t* ranges,
+                 int64_t nr),
+                (n, k, key, out, ranges, nr))
 /// dense[idx[j]] += scale * values[j].
-void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
-                 float* dense);
-}  // namespace cpu
+GC_KERNEL_ENTRY(scatter_add, "sparse decode on a CUDA tensor",
+                (const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
+                 float* dense),
+                (idx, values, vt, k, scale, dense))
 
-namespace cuda {
-int64_t select(const float* x, int64_t n, int64_t k, const SelectOptions& opt, const RngKey& key,
-               uint32_t* out, SelectWorkspace& ws, void* stream);
-int64_t first_nonfinite(const void* g, DType t, int64_t n, SelectWorkspace& ws, void* stream);
-double sum_squares(const void* g, DType t, int64_t n, SelectWorkspace& ws, void* stream);
-void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v, void* stream, const float* u_src = nullptr,
-                    const float* v_src = nullptr);
-void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
-                      void* stream, const ValueShare* share = nullptr);
-void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType vt, void* stream);
-/// As the CPU twin; `ranges` in device memory.
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream,
-                     const uint32_t* ranges = nullptr, int64_t nr = 0);
-void scatter_add(const uint32_t* idx, const void* values, DType vt, int64_t k, float scale,
-                 float* dense, void* stream);
+// ---- CUDA only: the index sections of a payload on a GPU (the CPU codes them on the host) ----
 /// Builds a bitmap index section (ceil(n/8) bytes, zeroed first) from ascending indices.
-void indices_to_bitmap(const uint32_t* idx, int64_t k, int64_t n, uint8_t* bitmap, void* stream);
+GC_CUDA_ONLY_ENTRY(void, indices_to_bitmap, "bitmap encode on CUDA",
+                   (const uint32_t* idx, int64_t k, int64_t n, uint8_t* bitmap),
+                   (idx, k, n, bitmap))
 /// Decodes a bitmap section into ascending indices (at most `cap` written); returns the count
 /// found, or -1 when a bit at a position >= n is set (synchronises once).
-int64_t bitmap_to_indices(const uint8_t* bitmap, int64_t n, uint32_t* idx, int64_t cap,
-                          SelectWorkspace& ws, void* stream);
+GC_CUDA_ONLY_ENTRY(int64_t, bitmap_to_indices, "bitmap decode on CUDA",
+                   (const uint8_t* bitmap, int64_t n, uint32_t* idx, int64_t cap,
+                    SelectWorkspace& ws),
+                   (bitmap, n, idx, cap, ws))
 /// Checks raw indices: strictly ascending and < n. Returns the first bad position or -1.
-int64_t check_indices(const uint32_t* idx, int64_t k, int64_t n, SelectWorkspace& ws, void* stream);
-}  // namespace cuda
+GC_CUDA_ONLY_ENTRY(int64_t, check_indices, "index validation on CUDA",
+                   (const uint32_t* idx, int64_t k, int64_t n, SelectWorkspace& ws),
+                   (idx, k, n, ws))
 
 }  // namespace gradcomp::kernels

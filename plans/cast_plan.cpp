@@ -58,13 +58,13 @@ std::optional<Collective> CastAllreducePlan::next() {
   switch (phase_) {
     case 0: {
       auto* w = wire_.get<uint16_t>(static_cast<size_t>(numel_));
-      k::convert(device_, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_), stream_);
+      k::convert({device_, stream_}, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_));
       phase_ = 1;
       return make(CollectiveKind::kAllreduceSum, elem_type(wire_dtype_), w, w,
                   static_cast<size_t>(numel_), "cast sum");
     }
     case 1:
-      k::convert(device_, wire_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f, stream_);
+      k::convert({device_, stream_}, wire_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f);
       phase_ = 2;
       return std::nullopt;
     default:
@@ -79,7 +79,7 @@ std::optional<Collective> CastAllreducePlan::next_reduce_scatter() {
   switch (phase_) {
     case 0: {  // wire = cast(grad / P), zero-padded to P chunks; chunk r goes to rank r
       auto* w = wire_.get<uint16_t>(P * c);
-      k::convert(device_, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_), stream_);
+      k::convert({device_, stream_}, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_));
       if (P * c > n) device_zero(device_, w + n, (P * c - n) * 2, stream_);
       auto* in = chunks_.get<uint16_t>(P * c);
       phase_ = 1;
@@ -87,12 +87,12 @@ std::optional<Collective> CastAllreducePlan::next_reduce_scatter() {
     }
     case 1: {  // chunk j of every rank, widened, summed in rank order, rounded once
       auto* in = chunks_.get<uint16_t>(P * c);
-      k::sum_widened(device_, in, wire_dtype_, P, c, c, in, nullptr, wire_dtype_, stream_);
+      k::sum_widened({device_, stream_}, in, wire_dtype_, P, c, c, in, nullptr, wire_dtype_);
       phase_ = 2;
       return make(CollectiveKind::kAllgather, wt, in, wire_.data(), c, "cast gather");
     }
     case 2:
-      k::convert(device_, wire_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f, stream_);
+      k::convert({device_, stream_}, wire_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f);
       phase_ = 3;
       return std::nullopt;
     default:
@@ -106,7 +106,7 @@ std::optional<Collective> CastAllreducePlan::next_gather() {
   switch (phase_) {
     case 0: {  // wire = cast(grad / P); every rank's whole wire buffer to every rank
       auto* w = wire_.get<uint16_t>(n);
-      k::convert(device_, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_), stream_);
+      k::convert({device_, stream_}, grad_.data, dtype_, w, wire_dtype_, numel_, float(world_));
       phase_ = 1;
       return make(CollectiveKind::kAllgather, wt, w, chunks_.get<uint16_t>(P * n), n,
                   "cast gather all");
@@ -114,7 +114,7 @@ std::optional<Collective> CastAllreducePlan::next_gather() {
     case 1: {  // the P buffers widened, summed in rank order, rounded once (as the RS route),
                // written to the gradient in its dtype: one pass, no widened copy of P buffers
       auto* all = chunks_.get<uint16_t>(P * n);
-      k::sum_widened(device_, all, wire_dtype_, P, n, n, nullptr, grad_.data, dtype_, stream_);
+      k::sum_widened({device_, stream_}, all, wire_dtype_, P, n, n, nullptr, grad_.data, dtype_);
       phase_ = 2;
       return std::nullopt;
     }

@@ -20,7 +20,7 @@ std::optional<Collective> DenseAllreducePlan::next() {
       return make(CollectiveKind::kAllreduceSum, elem_type(dtype_), grad_.data, grad_.data,
                   static_cast<size_t>(numel_), "dense sum");
     case 1:
-      k::convert(device_, grad_.data, dtype_, grad_.data, dtype_, numel_, float(world_), stream_);
+      k::convert({device_, stream_}, grad_.data, dtype_, grad_.data, dtype_, numel_, float(world_));
       phase_ = 2;
       return std::nullopt;
     default:

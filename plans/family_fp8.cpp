@@ -106,23 +106,23 @@ class Fp8Plan final : public GradientPlan {
     switch (phase_) {
       case 0: {  // P chunks of nb records; chunk r goes to rank r
         auto* w = wire_.get<uint8_t>(cb * P);
-        k::fp8_encode_blocks(device_, grad_.data, dtype_, numel_, nb * world_, block_, e5m2_, w,
-                             stream_);
+        k::fp8_encode_blocks({device_, stream_}, grad_.data, dtype_, numel_, nb * world_, block_,
+                             e5m2_, w);
         phase_ = 1;
         return make(CollectiveKind::kAllToAll, ElemType::kU8, w, recv_.get<uint8_t>(cb * P), cb,
                     "fp8 chunks");
       }
       case 1: {  // chunk r of every rank, summed in rank order, averaged, encoded again
         auto* mine = mine_.get<uint8_t>(cb);
-        k::fp8_sum_blocks(device_, static_cast<uint8_t*>(recv_.data()), world_, cb, nb, block_,
-                          e5m2_, divisor(), mine, nullptr, dtype_, 0, stream_);
+        k::fp8_sum_blocks({device_, stream_}, static_cast<uint8_t*>(recv_.data()), world_, cb, nb,
+                          block_, e5m2_, divisor(), mine, nullptr, dtype_, 0);
         phase_ = 2;
         return make(CollectiveKind::kAllgather, ElemType::kU8, mine, wire_.get<uint8_t>(cb * P), cb,
                     "fp8 gather");
       }
       case 2:  // every rank's averaged chunk, decoded into the bucket
-        k::fp8_sum_blocks(device_, static_cast<uint8_t*>(wire_.data()), 1, 0, nb * world_, block_,
-                          e5m2_, 1.0f, nullptr, grad_.data, dtype_, numel_, stream_);
+        k::fp8_sum_blocks({device_, stream_}, static_cast<uint8_t*>(wire_.data()), 1, 0,
+                          nb * world_, block_, e5m2_, 1.0f, nullptr, grad_.data, dtype_, numel_);
         return finish();
       default:
         return std::nullopt;
@@ -135,14 +135,14 @@ class Fp8Plan final : public GradientPlan {
     switch (phase_) {
       case 0: {  // the whole bucket's records to every rank
         auto* w = wire_.get<uint8_t>(cb);
-        k::fp8_encode_blocks(device_, grad_.data, dtype_, numel_, nb, block_, e5m2_, w, stream_);
+        k::fp8_encode_blocks({device_, stream_}, grad_.data, dtype_, numel_, nb, block_, e5m2_, w);
         phase_ = 1;
         return make(CollectiveKind::kAllgather, ElemType::kU8, w, recv_.get<uint8_t>(cb * P), cb,
                     "fp8 gather all");
       }
       case 1:  // the P buffers summed in rank order, averaged, written in the bucket's dtype
-        k::fp8_sum_blocks(device_, static_cast<uint8_t*>(recv_.data()), world_, cb, nb, block_,
-                          e5m2_, divisor(), nullptr, grad_.data, dtype_, numel_, stream_);
+        k::fp8_sum_blocks({device_, stream_}, static_cast<uint8_t*>(recv_.data()), world_, cb, nb,
+                          block_, e5m2_, divisor(), nullptr, grad_.data, dtype_, numel_);
         return finish();
       default:
         return std::nullopt;
@@ -157,15 +157,15 @@ class Fp8Plan final : public GradientPlan {
       case 0: {  // each destination chunk in blocks of its own
         auto* w = wire_.get<uint8_t>(cb * P);
         for (int r = 0; r < world_; ++r)
-          k::fp8_encode_blocks(device_, at(r * c), dtype_, c, nb, block_, e5m2_,
-                               w + static_cast<size_t>(r) * cb, stream_);
+          k::fp8_encode_blocks({device_, stream_}, at(r * c), dtype_, c, nb, block_, e5m2_,
+                               w + static_cast<size_t>(r) * cb);
         phase_ = 1;
         return make(CollectiveKind::kAllToAll, ElemType::kU8, w, recv_.get<uint8_t>(cb * P), cb,
                     "fp8 shard chunks");
       }
       case 1:  // the P records of this rank's chunk, summed in rank order into its chunk
-        k::fp8_sum_blocks(device_, static_cast<uint8_t*>(recv_.data()), world_, cb, nb, block_,
-                          e5m2_, divisor(), nullptr, at(rank_ * c), dtype_, c, stream_);
+        k::fp8_sum_blocks({device_, stream_}, static_cast<uint8_t*>(recv_.data()), world_, cb, nb,
+                          block_, e5m2_, divisor(), nullptr, at(rank_ * c), dtype_, c);
         return finish();
       default:
         return std::nullopt;
@@ -179,16 +179,16 @@ class Fp8Plan final : public GradientPlan {
     switch (phase_) {
       case 0: {  // this rank's chunk to every rank
         auto* w = wire_.get<uint8_t>(cb);
-        k::fp8_encode_blocks(device_, at(rank_ * c), dtype_, c, nb, block_, e5m2_, w, stream_);
+        k::fp8_encode_blocks({device_, stream_}, at(rank_ * c), dtype_, c, nb, block_, e5m2_, w);
         phase_ = 1;
         return make(CollectiveKind::kAllgather, ElemType::kU8, w, recv_.get<uint8_t>(cb * P), cb,
                     "fp8 shard gather");
       }
       case 1:  // every chunk decoded, this rank's own included
         for (int r = 0; r < world_; ++r)
-          k::fp8_sum_blocks(device_,
+          k::fp8_sum_blocks({device_, stream_},
                             static_cast<uint8_t*>(recv_.data()) + static_cast<size_t>(r) * cb, 1, 0,
-                            nb, block_, e5m2_, 1.0f, nullptr, at(r * c), dtype_, c, stream_);
+                            nb, block_, e5m2_, 1.0f, nullptr, at(r * c), dtype_, c);
         return finish();
       default:
         return std::nullopt;

@@ -7,7 +7,7 @@
 
 #include "gradcomp/error.hpp"
 #include "gradcomp/runtime.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/topk_kernels.hpp"
 
 namespace gradcomp {
 
@@ -69,7 +69,7 @@ int64_t GradientPlan::first_nonfinite() { return first_nonfinite(grad_.data, gra
 
 int64_t GradientPlan::first_nonfinite(const void* data, DType t, int64_t n) {
   if (!scan_) scan_ = std::make_unique<Scan>(device_);
-  return kernels::dispatch::first_nonfinite({device_, stream_}, data, t, n, scan_->ws);
+  return kernels::first_nonfinite({device_, stream_}, data, t, n, scan_->ws);
 }
 
 void GradientPlan::end_step(bool skip, int64_t bad_index, bool undoable) {

@@ -205,16 +205,16 @@ std::optional<Collective> HierarchicalPlan::next() {
         // poisoned, so that the cross-node plan of this shard skips the step on every node
         device_fill_nan(device_, shard, c * es, stream_);
       } else if (dtype_ == DType::kFloat32) {
-        k::reduce_blocks(device_, recv + H * es, L, c, B, ElemType::kF32, shard, stream_);
-        k::convert(device_, shard, DType::kFloat32, shard, DType::kFloat32, shard_,
-                   float(per_node_), stream_);
+        k::reduce_blocks({device_, stream_}, recv + H * es, L, c, B, ElemType::kF32, shard);
+        k::convert({device_, stream_}, shard, DType::kFloat32, shard, DType::kFloat32, shard_,
+                   float(per_node_));
       } else {
         float* w = impl_->wide.get<float>(L * B);
-        k::convert(device_, recv, dtype_, w, DType::kFloat32, static_cast<int64_t>(L * B), 1.0f,
-                   stream_);
-        k::reduce_blocks(device_, w + H, L, c, B, ElemType::kF32, w + H, stream_);
-        k::convert(device_, w + H, DType::kFloat32, shard, dtype_, shard_, float(per_node_),
-                   stream_);
+        k::convert({device_, stream_}, recv, dtype_, w, DType::kFloat32,
+                   static_cast<int64_t>(L * B), 1.0f);
+        k::reduce_blocks({device_, stream_}, w + H, L, c, B, ElemType::kF32, w + H);
+        k::convert({device_, stream_}, w + H, DType::kFloat32, shard, dtype_, shard_,
+                   float(per_node_));
       }
       if (!inner_) return gather_shards();
       const int64_t dims[1] = {shard_};

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // 1-bit Adam's two-phase compressed allreduce plan (OneBitAllreducePlan, gradcomp/onebit.hpp):
 // worker compression and all-to-all of the chunks, server averaging and compression, allgather.
-// Local work goes through kernels/dispatch.hpp; the collectives are only asked for.
+// Local work goes through the kernels' entry points (kernels/entry.hpp); the collectives are only
+// asked for.
 #include "plans/onebit_plan.hpp"
 
 #include <algorithm>
@@ -13,9 +14,10 @@
 #include "core/state_schema.hpp"
 #include "gradcomp/onebit.hpp"
 #include "gradcomp/runtime.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/onebit_kernels.hpp"
 #include "kernels/onebit_math.h"
 #include "kernels/reduce_kernels.hpp"  // convert: the in-place result in the gradient's dtype
+#include "kernels/topk_kernels.hpp"
 #include "plans/envelope.hpp"
 #include "plans/family.hpp"
 #include "plans/options_hash.hpp"
@@ -184,7 +186,7 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
   if (cfg_.check_finite && (cfg_.momentum > 0.0 || cfg_.rotate)) {
     // checked before anything is written (the scale pass's own check would see the momentum
     // sum or the rotated values, whose first bad index is not the gradient's)
-    const int64_t bad = k::dispatch::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
+    const int64_t bad = k::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
     if (bad >= 0)
       return found_bad(bad,
                        detail::cat("gradient has a non-finite value (NaN or Inf) at index ", bad));
@@ -210,23 +212,20 @@ void OneBitAllreducePlan::start(const TensorView& grad, const TensorView* out) {
     }
     const auto m = static_cast<float>(cfg_.momentum);
     if (numel_ > 0) {
-      k::dispatch::dgc_accumulate(s.ex, s.src, s.src_t, numel_, 1.0f, m, false, s.u_out(), x,
-                                  s.u_in(), e);
+      k::dgc_accumulate(s.ex, s.src, s.src_t, numel_, 1.0f, m, false, s.u_out(), x, s.u_in(), e);
     }
     // the gradient was checked above: a non-finite x here is u or u + e overflowing fp32, which
     // would poison the state, so the step is dropped like a non-finite one (a loss scaler then
     // lowers its scale)
-    const int64_t big =
-        k::dispatch::onebit_scales(s.ex, x, DType::kFloat32, nullptr, geo, norm_of(cfg_.scaling),
-                                   cfg_.check_finite, scales, s.ws);
+    const int64_t big = k::onebit_scales(s.ex, x, DType::kFloat32, nullptr, geo,
+                                         norm_of(cfg_.scaling), cfg_.check_finite, scales, s.ws);
     if (big >= 0)
       return found_bad(big, detail::cat("the momentum (plus error) overflows fp32 at index ", big,
                                         " although the gradient is finite"));
   } else {
     const float* e_in = cfg_.error_feedback ? s.we_in() : nullptr;
-    const int64_t bad =
-        k::dispatch::onebit_scales(s.ex, s.src, s.src_t, e_in, geo, norm_of(cfg_.scaling),
-                                   cfg_.check_finite && !cfg_.rotate, scales, s.ws);
+    const int64_t bad = k::onebit_scales(s.ex, s.src, s.src_t, e_in, geo, norm_of(cfg_.scaling),
+                                         cfg_.check_finite && !cfg_.rotate, scales, s.ws);
     if (bad >= 0)
       return found_bad(bad,
                        detail::cat("gradient has a non-finite value (NaN or Inf) at index ", bad));
@@ -275,11 +274,11 @@ std::optional<Collective> OneBitAllreducePlan::next() {
       auto* bits = static_cast<uint32_t*>(s.bits.data());
       const auto* scales = static_cast<const float*>(s.scales.data());
       if (cfg_.momentum > 0.0)  // begin() formed x = u + e in the step's worker-error buffer
-        k::dispatch::onebit_quantize(s.ex, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo,
-                                     scales, bits);
+        k::onebit_quantize(s.ex, we, DType::kFloat32, nullptr, ef ? we : nullptr, geo, scales,
+                           bits);
       else
-        k::dispatch::onebit_quantize(s.ex, s.src, s.src_t, ef ? s.we_in() : nullptr,
-                                     ef ? we : nullptr, geo, scales, bits);
+        k::onebit_quantize(s.ex, s.src, s.src_t, ef ? s.we_in() : nullptr, ef ? we : nullptr, geo,
+                           scales, bits);
       const int64_t total_scales = geo.num_scales();
       for (int64_t q = 0; q < K; ++q) {
         uint8_t* blk = send + q * A;
@@ -310,16 +309,15 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         }
         const k::OneBitGeom geo = sign_geom(L, S);
         float* avg = static_cast<float*>(s.avg.data());
-        k::dispatch::onebit_decode_average(s.ex, s.bit_ptrs.data(), s.scale_ptrs.data(), world_,
-                                           geo, 1.0f / static_cast<float>(world_), false, avg,
-                                           s.ws);
+        k::onebit_decode_average(s.ex, s.bit_ptrs.data(), s.scale_ptrs.data(), world_, geo,
+                                 1.0f / static_cast<float>(world_), false, avg, s.ws);
         const bool ef = cfg_.error_feedback;
         const float* se = ef ? s.se_in() : nullptr;
         auto* scale = reinterpret_cast<float*>(gsend);
-        k::dispatch::onebit_scales(s.ex, avg, DType::kFloat32, se, geo, norm_of(cfg_.scaling),
-                                   false, scale, s.ws);
-        k::dispatch::onebit_quantize(s.ex, avg, DType::kFloat32, se, ef ? s.se_out() : nullptr, geo,
-                                     scale, reinterpret_cast<uint32_t*>(gsend + 4 * NB));
+        k::onebit_scales(s.ex, avg, DType::kFloat32, se, geo, norm_of(cfg_.scaling), false, scale,
+                         s.ws);
+        k::onebit_quantize(s.ex, avg, DType::kFloat32, se, ef ? s.se_out() : nullptr, geo, scale,
+                           reinterpret_cast<uint32_t*>(gsend + 4 * NB));
       }
       c.kind = CollectiveKind::kAllgather;
       c.send = gsend;
@@ -359,12 +357,11 @@ std::optional<Collective> OneBitAllreducePlan::next() {
         void* dst = static_cast<uint8_t*>(s.out.data) + static_cast<size_t>(q * CE) * es;
         float* f =
             ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
-        k::dispatch::onebit_decode_average(s.ex, &bits, &scale, 1, sign_geom(L, S), 1.0f, false, f,
-                                           s.ws);
+        k::onebit_decode_average(s.ex, &bits, &scale, 1, sign_geom(L, S), 1.0f, false, f, s.ws);
         if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
-          k::dispatch::hadamard_rotate(s.ex, f, L / S, S, static_cast<int64_t>(q) * CE / S, true);
+          k::hadamard_rotate(s.ex, f, L / S, S, static_cast<int64_t>(q) * CE / S, true);
         if (ot != DType::kFloat32)
-          k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
+          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
       }
       phase_ = 0;
       if (s.staged) s.cur = 1 - s.cur;  // the step's errors and momentum become the state

@@ -10,8 +10,9 @@
 
 #include "compressors/powersgd_impl.hpp"
 #include "gradcomp/runtime.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/powersgd_kernels.hpp"
 #include "kernels/scan_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "plans/envelope.hpp"
 #include "plans/options_hash.hpp"
 
@@ -176,7 +177,7 @@ std::optional<Collective> PowerSGDPlan::next() {
         float* b = static_cast<float*>(im.plain.data());
         int64_t off = 0;
         for (const auto& g : grads_) {
-          k::dispatch::psgd_load(im.ex, g.data, g.dtype, g.numel, b + off, false);
+          k::load(im.ex, g.data, g.dtype, g.numel, b + off, false);
           off += g.numel;
         }
         // sent as it is: a NaN or Inf of any rank makes its element of the sum NaN or Inf on
@@ -205,7 +206,7 @@ std::optional<Collective> PowerSGDPlan::next() {
       }
       int64_t off = 0;
       for (const auto& g : grads_) {
-        k::dispatch::psgd_store_mean(im.ex, b + off, g.numel, world, g.data, g.dtype);
+        k::store_mean(im.ex, b + off, g.numel, world, g.data, g.dtype);
         off += g.numel;
       }
       return done(false);
@@ -248,7 +249,7 @@ void PowerSGDPlan::phase_compress() {
     auto& ptrs = im.member_grads[gi];
     for (size_t b = 0; b < ptrs.size(); ++b) ptrs[b] = grads_[im.members[gi][b]].data;
   }
-  const bool forms_m = k::dispatch::psgd_forms_m_itself(ex);
+  const bool forms_m = k::psgd_forms_m_itself(ex);
   // check_finite: Q as it was (small), restored if the step is skipped; CUDA also saves the
   // error, which M is formed in.
   const bool check = cfg.check_finite;
@@ -272,19 +273,20 @@ void PowerSGDPlan::phase_compress() {
     const PowerSGDTensorInfo& t = st_.info_[i];
     if (t.rank > 0 && (forms_m || direct)) continue;  // M formed by compute_p / the gradient is M
     float* dst = t.rank > 0 ? M + t.m_offset : U + t.u_offset;
-    k::dispatch::psgd_load(ex, g.data, g.dtype, g.numel, dst, t.rank > 0 && cfg.error_feedback);
+    k::load(ex, g.data, g.dtype, g.numel, dst, t.rank > 0 && cfg.error_feedback);
   }
   // Warm start keeps Q; a column that became exactly zero (a zero gradient, a dependent column)
   // would stay zero forever (P = M 0), so it is re-drawn. Without warm start Q is re-drawn.
   const bool fresh = !cfg.warm_start || !st_.q_ready_;
   const uint64_t step = static_cast<uint64_t>(st_.step_);
   for (const auto& grp : im.groups) {
-    k::dispatch::psgd_fill_q(ex, grp, cfg.seed, step, !fresh);
-    if (!fresh) k::dispatch::psgd_prescale_q(ex, grp, cfg.orthogonalization_epsilon);
+    k::fill_q(ex, grp, cfg.seed, step, !fresh);
+    if (!fresh)  // a warm-started Q brought near 1 (kernels/powersgd_kernels.hpp)
+      k::prescale_blocks(ex, grp.Q, grp.batch, grp.m * grp.r, cfg.orthogonalization_epsilon);
   }
   st_.q_ready_ = true;
-  k::dispatch::psgd_compute_p(
-      ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct}, im.ctx);
+  k::psgd_compute_p(ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct},
+                    im.ctx);
   if (!check) return;
   // A NaN/Inf in M = grad + error makes its row of P non-finite (NaN * 0 and Inf * 0 are NaN, so
   // even a zero Q row cannot hide it); an uncompressed one lands in the pack as it is. So P and
@@ -292,9 +294,7 @@ void PowerSGDPlan::phase_compress() {
   // finite gradient whose P overflows is treated alike (its step would poison the error); CUDA
   // scanned the gradient in begin(), so there only that overflow is left to find. On the CPU
   // compress_p wrote no state (the error is not stored before finish()).
-  if (k::dispatch::first_nonfinite(ex, PU, DType::kFloat32, st_.p_numel_ + st_.u_numel_, im.sws) <
-      0)
-    return;
+  if (k::first_nonfinite(ex, PU, DType::kFloat32, st_.p_numel_ + st_.u_numel_, im.sws) < 0) return;
   find_bad();
   if (!bad_) {
     bad_ = true;
@@ -307,8 +307,8 @@ void PowerSGDPlan::phase_compress() {
 void PowerSGDPlan::find_bad() {
   for (size_t i = 0; i < grads_.size(); ++i) {
     const TensorView& g = grads_[i];
-    const int64_t bad = k::dispatch::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel,
-                                                     st_.impl_->sws);
+    const int64_t bad =
+        k::first_nonfinite({g.device, g.stream}, g.data, g.dtype, g.numel, st_.impl_->sws);
     if (bad < 0) continue;
     bad_ = true;
     bad_what_ = detail::cat("tensor ", i, " (", g.describe(),
@@ -386,7 +386,7 @@ std::optional<Collective> PowerSGDPlan::skip_step() {
 }
 
 bool PowerSGDPlan::sum_nonfinite(const float* buf, int64_t n) {
-  return k::dispatch::first_nonfinite(st_.impl_->ex, buf, DType::kFloat32, n, st_.impl_->sws) >= 0;
+  return k::first_nonfinite(st_.impl_->ex, buf, DType::kFloat32, n, st_.impl_->sws) >= 0;
 }
 
 void PowerSGDPlan::undo_state() {
@@ -412,12 +412,10 @@ void PowerSGDPlan::undo_state() {
 void PowerSGDPlan::phase_project() {
   auto& im = *st_.impl_;
   const auto& cfg = st_.cfg_;
-  k::dispatch::psgd_divide(im.ex, static_cast<float*>(im.pbuf.data()), st_.p_numel_,
-                           static_cast<float>(world_));
+  k::divide(im.ex, static_cast<float*>(im.pbuf.data()), st_.p_numel_, static_cast<float>(world_));
   const bool direct = st_.dtype_ == DType::kFloat32 && !cfg.error_feedback;
-  k::dispatch::psgd_project(im.ex,
-                            {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct},
-                            cfg.orthogonalization_epsilon, cfg.orthogonalization, im.ctx);
+  k::psgd_project(im.ex, {im.groups, im.member_grads, st_.dtype_, cfg.error_feedback, direct},
+                  cfg.orthogonalization_epsilon, cfg.orthogonalization, im.ctx);
 }
 
 // local: Q = Q_sum / world; grad = P_hat Q^T; error = M - grad; uncompressed = sum / world.
@@ -425,11 +423,11 @@ void PowerSGDPlan::phase_finish() {
   auto& im = *st_.impl_;
   const bool ef = st_.cfg_.error_feedback;
   const float world = static_cast<float>(world_);
-  k::dispatch::psgd_divide(im.ex, static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
+  k::divide(im.ex, static_cast<float*>(im.qbuf.data()), st_.q_numel_, world);
   const bool direct = st_.dtype_ == DType::kFloat32 && !ef;
-  k::dispatch::psgd_finish(im.ex, {im.groups, im.member_grads, st_.dtype_, ef, direct},
-                           static_cast<float*>(im.scratch.data()),
-                           static_cast<int64_t>(im.scratch.capacity() / 4), im.ctx);
+  k::psgd_finish(im.ex, {im.groups, im.member_grads, st_.dtype_, ef, direct}, im.ctx,
+                 static_cast<float*>(im.scratch.data()),
+                 static_cast<int64_t>(im.scratch.capacity() / 4));
   if (im.dbuf) {  // the new error went into the other buffer: it is now the state
     im.flip = !im.flip;
     flipped_ = true;
@@ -439,7 +437,7 @@ void PowerSGDPlan::phase_finish() {
     const PowerSGDTensorInfo& t = st_.info_[i];
     if (t.rank > 0) continue;
     const TensorView& g = grads_[i];
-    k::dispatch::psgd_store_mean(im.ex, U + t.u_offset, g.numel, world, g.data, g.dtype);
+    k::store_mean(im.ex, U + t.u_offset, g.numel, world, g.data, g.dtype);
   }
 }
 

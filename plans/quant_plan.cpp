@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The multi-bit two-phase allreduce (QuantPlan, plans/quant_plan.hpp): worker quantization
 // and all-to-all of the chunks, server averaging and quantization, allgather. Local work goes
-// through kernels/dispatch.hpp; the collectives are only asked for.
+// through the kernels' entry points (kernels/entry.hpp); the collectives are only asked for.
 #include "plans/quant_plan.hpp"
 
 #include <algorithm>
@@ -14,8 +14,10 @@
 #include "core/state_schema.hpp"
 #include "gradcomp/detail/numeric.hpp"
 #include "gradcomp/quant.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/onebit_kernels.hpp"
+#include "kernels/quant_kernels.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "plans/family.hpp"
 #include "plans/two_phase.hpp"
 
@@ -180,7 +182,7 @@ void QuantPlan::begin(const TensorView& grad) {
   if (prescan && numel_ > 0) {
     // the rotation spreads a bad value over its block and the CUDA compress checks nothing:
     // scanned first, so the index is the gradient's own
-    const int64_t bad = k::dispatch::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
+    const int64_t bad = k::first_nonfinite(s.ex, grad.data, grad.dtype, numel_, s.sws);
     if (bad >= 0) {
       s.bad = bad;
       s.bad_what = detail::cat("gradient has a non-finite value (NaN or Inf) at index ", bad);
@@ -315,7 +317,7 @@ std::optional<Collective> QuantPlan::next() {
         const int64_t L = chunk_len(rank_), off = static_cast<int64_t>(rank_) * CE;
         if (L > 0) {
           geo.n = L;
-          k::dispatch::quant_compress(
+          k::quant_compress(
               s.ex, static_cast<const uint8_t*>(s.src) + static_cast<size_t>(off) * es, s.src_t,
               nullptr, nullptr, geo, rng_of(static_cast<uint64_t>(rank_), off), false,
               gsend + sizeof(ChunkHeader));
@@ -329,7 +331,7 @@ std::optional<Collective> QuantPlan::next() {
         const int64_t L = chunk_len(static_cast<int64_t>(q)), off = static_cast<int64_t>(q) * CE;
         if (L == 0) continue;
         geo.n = L;
-        const int64_t bad = k::dispatch::quant_compress(
+        const int64_t bad = k::quant_compress(
             s.ex, static_cast<const uint8_t*>(s.src) + static_cast<size_t>(off) * es, s.src_t,
             ef ? s.we_in() + off : nullptr, ef ? s.we_out() + off : nullptr, geo,
             rng_of(static_cast<uint64_t>(rank_), off), check, send + q * B + sizeof(ChunkHeader));
@@ -376,10 +378,9 @@ std::optional<Collective> QuantPlan::next() {
           geo.n = L;
           const bool f32 = s.grad.dtype == DType::kFloat32;
           float* f = f32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
-          k::dispatch::quant_decode_average(s.ex, bodies.data(), world_, geo,
-                                            average_ ? 1.0f / static_cast<float>(world_) : 1.0f, f,
-                                            s.ws);
-          if (!f32) k::convert_saturating(device_, f, dst, s.grad.dtype, L, s.stream);
+          k::quant_decode_average(s.ex, bodies.data(), world_, geo,
+                                  average_ ? 1.0f / static_cast<float>(world_) : 1.0f, f, s.ws);
+          if (!f32) k::convert_saturating({device_, s.stream}, f, dst, s.grad.dtype, L);
         }
         if (cfg_.error_feedback) s.cur = 1 - s.cur;
         ++step_;
@@ -391,10 +392,10 @@ std::optional<Collective> QuantPlan::next() {
         for (size_t q = 0; q < P; ++q) bodies[q] = recv + q * B + sizeof(ChunkHeader);
         geo.n = L;
         float* avg = static_cast<float*>(s.avg.data());
-        k::dispatch::quant_decode_average(s.ex, bodies.data(), world_, geo,
-                                          1.0f / static_cast<float>(world_), avg, s.ws);
+        k::quant_decode_average(s.ex, bodies.data(), world_, geo, 1.0f / static_cast<float>(world_),
+                                avg, s.ws);
         const bool ef = cfg_.error_feedback;
-        k::dispatch::quant_compress(
+        k::quant_compress(
             s.ex, avg, DType::kFloat32, ef ? s.se_in() : nullptr, ef ? s.se_out() : nullptr, geo,
             rng_of(static_cast<uint64_t>(world_ + rank_), off), false, gsend + sizeof(ChunkHeader));
       }
@@ -436,12 +437,12 @@ std::optional<Collective> QuantPlan::next() {
         float* f =
             ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
         geo.n = L;
-        k::dispatch::quant_decode_average(s.ex, &body, 1, geo, 1.0f, f, s.ws);
+        k::quant_decode_average(s.ex, &body, 1, geo, 1.0f, f, s.ws);
         if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
-          k::dispatch::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
-                                       static_cast<int64_t>(q) * CE / cfg_.block_size, true);
+          k::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
+                             static_cast<int64_t>(q) * CE / cfg_.block_size, true);
         if (ot != DType::kFloat32)
-          k::convert_saturating(device_, f, dst, ot, L, s.stream);  // finite stays finite
+          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
       }
       if (cfg_.error_feedback) s.cur = 1 - s.cur;  // the step's errors become the state
       ++step_;

@@ -162,7 +162,7 @@ std::optional<Collective> RandomKAllreducePlan::advance() {
                        TensorView(acc, {numel_}, DType::kFloat32, device_, device_index_, stream_),
                        shares_ ? 1.0f : 1.0f / float(world_));
       if (!direct)  // saturating, as the top-k plan
-        k::convert_saturating(device_, acc, grad_.data, dtype_, numel_, stream_);
+        k::convert_saturating({device_, stream_}, acc, grad_.data, dtype_, numel_);
       phase_ = 2;
       agreed_step_ = comp_.step() + 1;  // (the consensus held: every rank was at this step)
       comp_.commit();

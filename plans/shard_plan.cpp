@@ -61,18 +61,20 @@ std::optional<Collective> ShardCastPlan::next() {
         // a half-precision wire carries grad / P (an fp16 sum of P gradients can overflow where
         // their average does not); an fp32 wire carries the gradient and divides after the sum
         void* w = wire_.get<uint8_t>(n * ws);
-        k::convert(device_, grad_.data, dtype_, w, wire_dtype_, numel_,
-                   half_wire && average_ ? float(world_) : 1.0f, stream_);
+        k::convert({device_, stream_}, grad_.data, dtype_, w, wire_dtype_, numel_,
+                   half_wire && average_ ? float(world_) : 1.0f);
         phase_ = 1;
         return make(CollectiveKind::kAllToAll, wt, w, chunks_.get<uint8_t>(n * ws), c,
                     "shard chunks");
       }
       case 1: {  // the P chunks r, in fp32, summed in rank order into this rank's chunk
         float* f = wide_.get<float>(n);
-        k::convert(device_, chunks_.data(), wire_dtype_, f, DType::kFloat32, numel_, 1.0f, stream_);
-        k::reduce_blocks(device_, f, static_cast<size_t>(world_), c, c, ElemType::kF32, f, stream_);
-        k::convert(device_, f, DType::kFloat32, own, dtype_, chunk_,
-                   !half_wire && average_ ? float(world_) : 1.0f, stream_);
+        k::convert({device_, stream_}, chunks_.data(), wire_dtype_, f, DType::kFloat32, numel_,
+                   1.0f);
+        k::reduce_blocks({device_, stream_}, f, static_cast<size_t>(world_), c, c, ElemType::kF32,
+                         f);
+        k::convert({device_, stream_}, f, DType::kFloat32, own, dtype_, chunk_,
+                   !half_wire && average_ ? float(world_) : 1.0f);
         end_step(false, -1);
         return std::nullopt;
       }
@@ -83,13 +85,13 @@ std::optional<Collective> ShardCastPlan::next() {
   switch (phase_) {
     case 0: {  // this rank's chunk in the wire dtype to every rank
       void* w = wire_.get<uint8_t>(c * ws);
-      k::convert(device_, own, dtype_, w, wire_dtype_, chunk_, 1.0f, stream_);
+      k::convert({device_, stream_}, own, dtype_, w, wire_dtype_, chunk_, 1.0f);
       phase_ = 1;
       return make(CollectiveKind::kAllgather, wt, w, chunks_.get<uint8_t>(n * ws), c,
                   "shard gather");
     }
     case 1:  // every chunk, own included, widened back: every rank holds the same values
-      k::convert(device_, chunks_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f, stream_);
+      k::convert({device_, stream_}, chunks_.data(), wire_dtype_, grad_.data, dtype_, numel_, 1.0f);
       end_step(false, -1);
       return std::nullopt;
     default:

@@ -65,8 +65,8 @@ float* TopKAllreducePlan::target() {
 void TopKAllreducePlan::finish() {
   // saturating: a finite average beyond fp16's range (residuals accumulate past it) stays finite
   if (dtype_ != DType::kFloat32)
-    k::convert_saturating(device_, static_cast<const float*>(acc_.data()), grad_.data, dtype_,
-                          numel_, stream_);
+    k::convert_saturating({device_, stream_}, static_cast<const float*>(acc_.data()), grad_.data,
+                          dtype_, numel_);
 }
 
 size_t TopKAllreducePlan::workspace_bytes() const {
@@ -274,7 +274,7 @@ std::optional<Collective> TopKAllreducePlan::advance() {
         if (dtype_ == DType::kFloat32)
           device_copy(grad_.data, device_, d, device_, n * sizeof(float), stream_);
         else  // saturating, as finish()
-          k::convert_saturating(device_, d, grad_.data, dtype_, numel_, stream_);
+          k::convert_saturating({device_, stream_}, d, grad_.data, dtype_, numel_);
       }
       phase_ = 4;
       settle(skip);

@@ -10,8 +10,8 @@
 #include "core/state_schema.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/topk.hpp"
-#include "kernels/dispatch.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "plans/family.hpp"
 #include "plans/topk_plan.hpp"
 
@@ -104,8 +104,8 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
       if (s.bad < 0 && numel_ > 0) {
         // without error feedback the residual starts every step at zero
         if (!o_.error_feedback) device_zero(device_, v, static_cast<size_t>(numel_) * 4, stream_);
-        k::dispatch::dgc_accumulate(ex, grad_.data, dtype_, numel_, 1.0f, 0.0f, false, nullptr, v,
-                                    nullptr, o_.error_feedback ? s.v_in() : nullptr);
+        k::dgc_accumulate(ex, grad_.data, dtype_, numel_, 1.0f, 0.0f, false, nullptr, v, nullptr,
+                          o_.error_feedback ? s.v_in() : nullptr);
       }
       auto* idx = s.idx.get<uint32_t>(static_cast<size_t>(k_) + 1);
       for (size_t q = 0; q < P; ++q) {
@@ -115,13 +115,13 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
           float* vq = v + static_cast<int64_t>(q) * chunk_;
           const RngKey key{o_.seed, static_cast<uint64_t>(step_),
                            o_.tensor_id * 0x9E3779B1u + static_cast<uint32_t>(q)};
-          const int64_t c = k::dispatch::select(ex, vq, chunk_, k_, o_.select, key, idx, s.ws);
+          const int64_t c = k::select(ex, vq, chunk_, k_, o_.select, key, idx, s.ws);
           // the pairs: indices, then the values taken out of the residual
           device_copy(part + sizeof(PartHeader), device_, idx, device_, static_cast<size_t>(c) * 4,
                       stream_);
-          k::dispatch::gather_and_clear(ex, vq, nullptr, idx, c,
-                                        part + sizeof(PartHeader) + 4 * static_cast<size_t>(k_),
-                                        DType::kFloat32);
+          k::gather_and_clear(ex, vq, nullptr, idx, c,
+                              part + sizeof(PartHeader) + 4 * static_cast<size_t>(k_),
+                              DType::kFloat32, nullptr);
           h.count = static_cast<uint64_t>(c);
         }
         device_copy(part, device_, &h, Device::kCPU, sizeof h, stream_);
@@ -186,12 +186,12 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
           PartHeader h;
           std::memcpy(&h, host.data() + q * B, sizeof h);
           const uint8_t* part = recv + q * B + sizeof(PartHeader);
-          k::dispatch::scatter_add(ex, reinterpret_cast<const uint32_t*>(part),
-                                   part + 4 * static_cast<size_t>(k_), DType::kFloat32,
-                                   static_cast<int64_t>(h.count), 1.0f, w);
+          k::scatter_add(ex, reinterpret_cast<const uint32_t*>(part),
+                         part + 4 * static_cast<size_t>(k_), DType::kFloat32,
+                         static_cast<int64_t>(h.count), 1.0f, w);
         }
-        k::convert(device_, w, DType::kFloat32, own, dtype_, chunk_,
-                   o_.average ? float(world_) : 1.0f, stream_);
+        k::convert({device_, stream_}, w, DType::kFloat32, own, dtype_, chunk_,
+                   o_.average ? float(world_) : 1.0f);
       }
       s.cur = 1 - s.cur;  // the step's residual becomes the state
       ++step_;

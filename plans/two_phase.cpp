@@ -25,13 +25,13 @@ TwoPhaseSource two_phase_rotate(const kernels::Exec& ex, const TensorView& grad,
     r = static_cast<float*>(grad.data);
   } else {
     r = scratch.get<float>(static_cast<size_t>(n));
-    k::convert(ex.device, grad.data, grad.dtype, r, DType::kFloat32, n, 1.0f, ex.stream);
+    k::convert({ex.device, ex.stream}, grad.data, grad.dtype, r, DType::kFloat32, n, 1.0f);
   }
-  k::dispatch::hadamard_rotate(ex, r, n / S, S, 0, false);
+  k::hadamard_rotate(ex, r, n / S, S, 0, false);
   TwoPhaseSource s;
   s.data = r;
   if (check) {
-    const int64_t big = k::dispatch::first_nonfinite(ex, r, DType::kFloat32, n, ws);
+    const int64_t big = k::first_nonfinite(ex, r, DType::kFloat32, n, ws);
     if (big >= 0) {
       s.bad = big;
       s.what = cat("gradient values too large to rotate (block ", big / S,

@@ -14,7 +14,8 @@
 
 #include "gradcomp/tensor.hpp"
 #include "gradcomp/workspace.hpp"
-#include "kernels/dispatch.hpp"
+#include "kernels/onebit_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 
 namespace gradcomp::detail {
 

@@ -555,4 +555,27 @@ void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogo
     mgs_batch<32>(P, batch, n, r, eps);
 }
 
+// ---- the phases of a step (kernels/powersgd_kernels.hpp): the fused passes above ----
+
+void psgd_compute_p(const PsgdBucket& b, PsgdContext& ctx) {
+  // M = grad (+ error) and P = M Q fused per cache-resident tile
+  compress_p(b.groups, b.grads, b.dtype, b.error_feedback, b.direct, ctx);
+}
+
+void psgd_project(const PsgdBucket& b, float eps, Orthogonalization how, PsgdContext& ctx) {
+  // one parallel region per phase over all groups
+  orthogonalize_groups(b.groups, eps, how, ctx);
+  compute_q_fused(b.groups, b.grads, b.dtype, b.error_feedback, b.direct, ctx);
+}
+
+void psgd_finish(const PsgdBucket& b, PsgdContext& ctx) {
+  // per tile: R = P Q^T in cache, grad = R, error = M - grad (one pass)
+  finish(b.groups, b.grads, b.dtype, b.error_feedback, ctx);
+}
+
 }  // namespace gradcomp::kernels::cpu
+
+#if !GRADCOMP_HAS_CUDA
+// Without CUDA a context holds no library handles (kernels/cuda/powersgd_cuda.cu releases them).
+gradcomp::kernels::PsgdContext::~PsgdContext() = default;
+#endif

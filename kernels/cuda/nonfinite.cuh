@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The float4 scan for the first non-finite element of fp32 data, shared by the top-k family's
-// finiteness check (dispatch::first_nonfinite) and the 1-bit family's fused compress (which must
+// The float4 scan for the first non-finite element of fp32 data, shared by the finiteness check
+// (first_nonfinite, kernels/scan_kernels.hpp) and the 1-bit family's fused compress (which must
 // know before it writes its state in place). Scalar 4-byte loads reached about half the copy
 // bandwidth on an H200; float4 loads read at the copy bandwidth.
 #pragma once

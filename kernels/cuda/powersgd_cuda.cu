@@ -346,5 +346,69 @@ void orthogonalize(float* P, int64_t batch, int64_t n, int r, float eps, Orthogo
     launch_mgs<32>(P, batch, n, r, eps, s);
 }
 
+// ---- the phases of a step (kernels/powersgd_kernels.hpp): each group as cuBLAS / cuSOLVER
+// calls on ctx's handles and stream ----
+
+namespace {
+// Member b of a group as a batch of one whose M is `M` (the gradient itself in direct mode).
+PsgdGroup member_of(const PsgdGroup& g, int64_t b, float* M) {
+  PsgdGroup one = g;
+  one.batch = 1;
+  one.M = M;
+  one.P = g.P + b * g.n * g.r;
+  one.Q = g.Q + b * g.m * g.r;
+  one.ids = g.ids + b;
+  return one;
+}
+}  // namespace
+
+void psgd_compute_p(const PsgdBucket& b, PsgdContext& ctx, void* /*stream: ctx's*/) {
+  // direct: one GEMM per member on its gradient (no copy pass); else one strided batch
+  for (size_t gi = 0; gi < b.groups.size(); ++gi) {
+    if (!b.direct) {
+      compute_p(b.groups[gi], ctx);
+      continue;
+    }
+    for (int64_t m = 0; m < b.groups[gi].batch; ++m)
+      compute_p(member_of(b.groups[gi], m, static_cast<float*>(b.grads[gi][m])), ctx);
+  }
+}
+
+void psgd_project(const PsgdBucket& b, float eps, Orthogonalization how, PsgdContext& ctx,
+                  void* /*stream: ctx's*/) {
+  for (const auto& grp : b.groups) orthogonalize(grp.P, grp.batch, grp.n, grp.r, eps, how, ctx);
+  for (size_t gi = 0; gi < b.groups.size(); ++gi) {
+    if (!b.direct) {
+      compute_q(b.groups[gi], ctx);
+      continue;
+    }
+    for (int64_t m = 0; m < b.groups[gi].batch; ++m)
+      compute_q(member_of(b.groups[gi], m, static_cast<float*>(b.grads[gi][m])), ctx);
+  }
+}
+
+void psgd_finish(const PsgdBucket& b, PsgdContext& ctx, float* scratch, int64_t scratch_floats,
+                 void* stream) {
+  for (size_t gi = 0; gi < b.groups.size(); ++gi) {
+    const PsgdGroup& grp = b.groups[gi];
+    const int64_t nm = grp.n * grp.m;
+    if (b.direct) {  // as on the CPU: the GEMM writes the gradient, no scratch, no copy pass
+      for (int64_t m = 0; m < grp.batch; ++m) {
+        float* g = static_cast<float*>(b.grads[gi][m]);
+        reconstruct(member_of(grp, m, g), 0, 1, g, ctx);
+      }
+      continue;
+    }
+    const int64_t chunk = std::max<int64_t>(1, scratch_floats / std::max<int64_t>(1, nm));
+    for (int64_t m0 = 0; m0 < grp.batch; m0 += chunk) {
+      const int64_t cnt = std::min(chunk, grp.batch - m0);
+      reconstruct(grp, m0, cnt, scratch, ctx);
+      for (int64_t m = m0; m < m0 + cnt; ++m)
+        store_result(scratch + (m - m0) * nm, b.grads[gi][m], b.dtype, nm,
+                     b.error_feedback ? grp.M + m * nm : nullptr, stream);
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace gradcomp::kernels

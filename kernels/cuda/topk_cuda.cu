@@ -320,7 +320,7 @@ double sum_squares(const void* g, DType t, int64_t n, SelectWorkspace& ws, void*
 }
 
 void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentum, bool nesterov,
-                    float* u, float* v, void* stream, const float* u_src, const float* v_src) {
+                    float* u, float* v, const float* u_src, const float* v_src, void* stream) {
   if (n <= 0) return;
   const cudaStream_t s = as_stream(stream);
   const float* us = u_src ? u_src : u;
@@ -350,7 +350,7 @@ void dgc_accumulate(const void* g, DType t, int64_t n, float coef, float momentu
 }
 
 void gather_and_clear(float* v, float* u, const uint32_t* idx, int64_t k, void* values, DType vt,
-                      void* stream, const ValueShare* share) {
+                      const ValueShare* share, void* stream) {
   if (k <= 0) return;
   const cudaStream_t s = as_stream(stream);
   const int grid = grid_for(k, kThreads, kMaxGrid);
@@ -372,8 +372,8 @@ void gather(const float* v, const uint32_t* idx, int64_t k, void* values, DType 
   GC_CUDA_CHECK_LAUNCH();
 }
 
-void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, void* stream,
-                     const uint32_t* ranges, int64_t nr) {
+void randomk_indices(int64_t n, int64_t k, const RngKey& key, uint32_t* out, const uint32_t* ranges,
+                     int64_t nr, void* stream) {
   if (k <= 0) return;
   GC_CHECK_ARG(k <= n, "random-k: k = ", k, " exceeds n = ", n);
   randomk_kernel<<<grid_for(k, kThreads, kMaxGrid), kThreads, 0, as_stream(stream)>>>(

@@ -429,9 +429,9 @@ TEST(SumWidened, CudaTwinGivesTheCpuBits) {
         auto* db = b.get<uint16_t>(P * stride);
         gc::device_copy(db, gc::Device::kCUDA, blocks.data(), gc::Device::kCPU, P * stride * 2,
                         nullptr);
-        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, stride, w.get<uint16_t>(un),
-                       o.get<uint8_t>(ob), out_t, nullptr);
-        k::sum_widened(gc::Device::kCUDA, db, wire, P, un, stride, db, nullptr, wire, nullptr);
+        k::sum_widened({gc::Device::kCUDA, nullptr}, db, wire, P, un, stride, w.get<uint16_t>(un),
+                       o.get<uint8_t>(ob), out_t);
+        k::sum_widened({gc::Device::kCUDA, nullptr}, db, wire, P, un, stride, db, nullptr, wire);
         gc::device_copy(got_wire.data(), gc::Device::kCPU, w.data(), gc::Device::kCUDA, un * 2,
                         nullptr);
         gc::device_copy(got.data(), gc::Device::kCPU, o.data(), gc::Device::kCUDA, ob, nullptr);
@@ -478,25 +478,25 @@ TEST(Fp8Blocks, CudaTwinGivesTheCpuBits) {
             for (size_t i = 0; i < un; ++i) gc::store_float(&x[r * un * ts], t, int64_t(i), v[i]);
           }
           for (int r = 0; r < P; ++r)
-            k::fp8_encode_blocks(gc::Device::kCPU, &x[r * un * ts], t, n, nb, block, e5m2,
-                                 &want[r * bytes], nullptr);
+            k::fp8_encode_blocks({gc::Device::kCPU, nullptr}, &x[r * un * ts], t, n, nb, block,
+                                 e5m2, &want[r * bytes]);
           gc::Buffer dx(gc::Device::kCUDA), dr(gc::Device::kCUDA), dsum(gc::Device::kCUDA),
               dout(gc::Device::kCUDA);
           auto* px = dx.get<uint8_t>(x.size());
           auto* pr = dr.get<uint8_t>(got.size());
           gc::device_copy(px, gc::Device::kCUDA, x.data(), gc::Device::kCPU, x.size(), nullptr);
           for (int r = 0; r < P; ++r)
-            k::fp8_encode_blocks(gc::Device::kCUDA, px + r * un * ts, t, n, nb, block, e5m2,
-                                 pr + r * bytes, nullptr);
+            k::fp8_encode_blocks({gc::Device::kCUDA, nullptr}, px + r * un * ts, t, n, nb, block,
+                                 e5m2, pr + r * bytes);
           gc::device_copy(got.data(), gc::Device::kCPU, pr, gc::Device::kCUDA, got.size(), nullptr);
           gc::cuda::stream_synchronize(nullptr);
           ASSERT_TRUE(same(got, want, false)) << "records";
           // the sum, encoded again and written in t, from the same records
           std::vector<uint8_t> want_rec(bytes), got_rec(bytes), want_out(un * ts), got_out(un * ts);
-          k::fp8_sum_blocks(gc::Device::kCPU, want.data(), P, bytes, nb, block, e5m2, float(P),
-                            want_rec.data(), want_out.data(), t, n, nullptr);
-          k::fp8_sum_blocks(gc::Device::kCUDA, pr, P, bytes, nb, block, e5m2, float(P),
-                            dsum.get<uint8_t>(bytes), dout.get<uint8_t>(un * ts), t, n, nullptr);
+          k::fp8_sum_blocks({gc::Device::kCPU, nullptr}, want.data(), P, bytes, nb, block, e5m2,
+                            float(P), want_rec.data(), want_out.data(), t, n);
+          k::fp8_sum_blocks({gc::Device::kCUDA, nullptr}, pr, P, bytes, nb, block, e5m2, float(P),
+                            dsum.get<uint8_t>(bytes), dout.get<uint8_t>(un * ts), t, n);
           gc::device_copy(got_rec.data(), gc::Device::kCPU, dsum.data(), gc::Device::kCUDA, bytes,
                           nullptr);
           gc::device_copy(got_out.data(), gc::Device::kCPU, dout.data(), gc::Device::kCUDA, un * ts,

@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "gradcomp/detail/numeric.hpp"
-#include "kernels/dispatch.hpp"
 #include "kernels/powersgd_kernels.hpp"
+#include "kernels/topk_kernels.hpp"
 #include "plans/powersgd_plan.hpp"
 #include "psgd_test_util.hpp"
 
@@ -175,8 +175,7 @@ TEST(PowerSGDCuda, ElementwiseTwins) {
       x[n - 1] = INFINITY;
       Dev<float> dx(x);
       kernels::SelectWorkspace ws(Device::kCUDA);  // the scan every family shares
-      EXPECT_EQ(kernels::dispatch::first_nonfinite({Device::kCUDA, nullptr}, dx.p, DType::kFloat32,
-                                                   n, ws),
+      EXPECT_EQ(kernels::first_nonfinite({Device::kCUDA, nullptr}, dx.p, DType::kFloat32, n, ws),
                 n / 2);
       EXPECT_EQ(kernels::cpu::first_nonfinite(x.data(), DType::kFloat32, n), n / 2);
     }

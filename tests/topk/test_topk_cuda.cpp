@@ -642,9 +642,10 @@ TEST(TopKCudaKernels, DgcAccumulateAlignedAndUnaligned) {
           const float m = mode == 0 ? 0.0f : 0.9f;
           float* uh = mode == 0 ? nullptr : u.data();
           float* ud = mode == 0 ? nullptr : du.as<float>();
-          kernels::cpu::dgc_accumulate(gb.data() + off, t, n, 0.7f, m, mode == 2, uh, v.data());
+          kernels::cpu::dgc_accumulate(gb.data() + off, t, n, 0.7f, m, mode == 2, uh, v.data(),
+                                       nullptr, nullptr);
           kernels::cuda::dgc_accumulate(dg.as<uint8_t>() + off, t, n, 0.7f, m, mode == 2, ud,
-                                        dv.as<float>(), nullptr);
+                                        dv.as<float>(), nullptr, nullptr, nullptr);
           expect_close(download<float>(dv.as(), n), v, "v");
           if (mode != 0) expect_close(download<float>(du.as(), n), u, "u");
           ASSERT_FALSE(testing::Test::HasFailure())
@@ -669,8 +670,8 @@ TEST(TopKCudaKernels, RandomKRangeMapEqualsCpuTwin) {
       kernels::cpu::randomk_indices(n, k, key, idx.data(), ranges->data(), nr);
       const Dev dr = upload(*ranges);
       Dev didx(4 * static_cast<size_t>(k));
-      kernels::cuda::randomk_indices(n, k, key, didx.as<uint32_t>(), nullptr, dr.as<uint32_t>(),
-                                     nr);
+      kernels::cuda::randomk_indices(n, k, key, didx.as<uint32_t>(), dr.as<uint32_t>(), nr,
+                                     nullptr);
       ASSERT_EQ(download<uint32_t>(didx.as(), k), idx) << "ranges " << nr << " k=" << k;
     }
   }
@@ -682,9 +683,9 @@ TEST(TopKCudaKernels, GatherClearScatterAddRandomK) {
     for (int64_t k : {int64_t{1}, n / 3 + 1, n}) {
       std::vector<uint32_t> idx(static_cast<size_t>(k));
       const RngKey key{11, static_cast<uint64_t>(n), 1};
-      kernels::cpu::randomk_indices(n, k, key, idx.data());
+      kernels::cpu::randomk_indices(n, k, key, idx.data(), nullptr, 0);
       Dev didx(4 * static_cast<size_t>(k));
-      kernels::cuda::randomk_indices(n, k, key, didx.as<uint32_t>(), nullptr);
+      kernels::cuda::randomk_indices(n, k, key, didx.as<uint32_t>(), nullptr, 0, nullptr);
       ASSERT_EQ(download<uint32_t>(didx.as(), k), idx) << "random-k n=" << n << " k=" << k;
       for (DType vt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
         std::vector<float> v = normal(n, 41), u = normal(n, 42);
@@ -692,9 +693,9 @@ TEST(TopKCudaKernels, GatherClearScatterAddRandomK) {
         const size_t vbytes = static_cast<size_t>(k) * dtype_size(vt);
         std::vector<uint8_t> vals(vbytes);
         Dev dvals(vbytes);
-        kernels::cpu::gather_and_clear(v.data(), u.data(), idx.data(), k, vals.data(), vt);
+        kernels::cpu::gather_and_clear(v.data(), u.data(), idx.data(), k, vals.data(), vt, nullptr);
         kernels::cuda::gather_and_clear(dv.as<float>(), du.as<float>(), didx.as<uint32_t>(), k,
-                                        dvals.as(), vt, nullptr);
+                                        dvals.as(), vt, nullptr, nullptr);
         ASSERT_EQ(download<uint8_t>(dvals.as(), vbytes), vals);
         ASSERT_EQ(download<float>(dv.as(), n), v);
         ASSERT_EQ(download<float>(du.as(), n), u);
@@ -729,7 +730,7 @@ TEST(TopKCudaKernels, GatherClearWithSharesMatchesTheCpu) {
     kernels::cpu::gather_and_clear(v.data(), u.data(), idx.data(), k, vals.data(), DType::kFloat16,
                                    &share);
     kernels::cuda::gather_and_clear(dv.as<float>(), du.as<float>(), didx.as<uint32_t>(), k,
-                                    dvals.as(), DType::kFloat16, nullptr, &share);
+                                    dvals.as(), DType::kFloat16, &share, nullptr);
     ASSERT_EQ(download<uint8_t>(dvals.as(), vals.size()), vals) << "P=" << P;
     ASSERT_EQ(download<float>(dv.as(), n), v) << "P=" << P;
     ASSERT_EQ(download<float>(du.as(), n), u) << "P=" << P;
