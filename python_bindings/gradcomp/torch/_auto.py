@@ -11,9 +11,11 @@ hook's own process group, so every rank decides the same) and each bucket gets t
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
 the cheapest (faithfulness: allreduce, bf16, fp16, quant, powersgd, topk). Every ``recheck_every``
 iterations the trial runs again (0: never). The ``allreduce`` candidate (and the plain steps
-before ``start_iter``) is DDP's own average: torch.distributed's allreduce on the user's process
-group, issued by the hook at once, so that on a fast link auto costs what plain DDP costs; its
-cost is measured from launch to completion.
+before ``start_iter``) is DDP's own average, bit for bit (each gradient multiplied by 1/P, as
+DDP's reducer does without a hook, then torch.distributed's allreduce on the user's process
+group), issued by the hook at once, so that on a fast link auto costs what any comm hook costs
+over plain DDP (one pass over the bucket for the 1/P); its cost is measured from launch to
+completion.
 
 On gloo with more than 2 ranks fp16 and bf16 are also tried by their ``gather`` route, as
 ``"fp16/gather"`` (see GATHER). With ``hierarchy="node"`` (and ``per_node``, or torchrun's
