@@ -29,9 +29,24 @@ def init_for(seed, sizes):
     return [torch.randn(n, generator=g) for n in sizes]
 
 
+def lr_at(cfg, t):
+    """The learning rate after t steps that a QSR configuration's period follows: QSR's
+    (alpha / lr)^2 is then 2.5 + t / 3, far from an integer at every t (floor is unambiguous)."""
+    return cfg["alpha"] / (2.5 + t / 3) ** 0.5 if cfg["alpha"] else cfg["inner_lr"]
+
+
+def period_at(cfg, t):
+    """QSR's period for a round that starts after t steps (the constant h when alpha = 0)."""
+    if not cfg["alpha"]:
+        return cfg["h"]
+    return max(cfg["h"], int(np.floor((cfg["alpha"] / lr_at(cfg, t)) ** 2)))
+
+
 def ref_diloco(cfg, world):
-    """Every rank's parameters after every step, float64."""
-    sizes, h, total, frags, tau = cfg["sizes"], cfg["h"], cfg["total"], cfg["bounds"], cfg["tau"]
+    """Every rank's parameters after every step, float64. A round starts at S (fragment 0's last
+    synchronization) and lasts H = period_at(S) steps; fragment f > 0 goes at S + f H / F,
+    fragment 0 at S + H."""
+    sizes, total, frags, tau = cfg["sizes"], cfg["total"], cfg["bounds"], cfg["tau"]
     mix, ilr, olr, mom = cfg["mixing"], cfg["inner_lr"], cfg["outer_lr"], cfg["momentum"]
     x0 = [t.double().numpy() for t in init_for(cfg["seed"], sizes)]
     local = [[a.copy() for a in x0] for _ in range(world)]
@@ -57,6 +72,7 @@ def ref_diloco(cfg, world):
                 local[r][i] = m * local[r][i] + (1 - m) * outer[i]
 
     trace = []
+    start, period = 0, period_at(cfg, 0)
     for t in range(1, total + 1):
         for r in range(world):
             gs = grads_for(cfg["seed"], r, t, sizes)
@@ -72,13 +88,15 @@ def ref_diloco(cfg, world):
             for f in range(len(frags)):
                 merge(f, exchange(f), 0.0)
         else:
-            for f in range(len(frags)):
-                off = f * h // len(frags)
-                if t >= off and (t - off) % h == 0:
-                    if tau == 0:
-                        merge(f, exchange(f), 0.0)
-                    else:
-                        pending.append((t + tau, f, exchange(f)))
+            due = [f for f in range(len(frags))
+                   if t == start + (f * period // len(frags) if f else period)]
+            for f in due:
+                if tau == 0:
+                    merge(f, exchange(f), 0.0)
+                else:
+                    pending.append((t + tau, f, exchange(f)))
+            if t == start + period:
+                start, period = t, period_at(cfg, t)
         trace.append([[a.copy() for a in local[r]] for r in range(world)])
     return trace
 
@@ -89,7 +107,9 @@ class Params(torch.nn.Module):
         self.ps = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in tensors])
 
 
-def _averager(cfg, model, **extra):
+def _averager(cfg, model, clock=None, **extra):
+    """The averager of cfg; with QSR (alpha > 0) its learning rate is lr_at(clock[0]), the
+    steps the caller says are done."""
     from gradcomp.torch import QSRAverager
     kw = dict(outer="nesterov", outer_lr=cfg["outer_lr"], outer_momentum=cfg["momentum"],
               fragments=len(cfg["bounds"]), delay=cfg["tau"])
@@ -97,7 +117,8 @@ def _averager(cfg, model, **extra):
         kw["mixing"] = cfg["mixing"]
     kw.update(cfg.get("kw", {}))
     kw.update(extra)
-    return QSRAverager(model, lambda: cfg["inner_lr"], alpha=0.0, h_base=cfg["h"],
+    clock = clock if clock is not None else [0]
+    return QSRAverager(model, lambda: lr_at(cfg, clock[0]), alpha=cfg["alpha"], h_base=cfg["h"],
                        total_steps=cfg["total"], **kw)
 
 
@@ -111,20 +132,23 @@ def _ref_worker(rank, world, out, cfgs):
     rows = []
     for cfg in cfgs:
         model = Params(init_for(cfg["seed"], cfg["sizes"]))
-        avg = _averager(cfg, model)
+        clock = [0]
+        avg = _averager(cfg, model, clock)
         trace, ret = [], []
         for t in range(1, cfg["total"] + 1):
             _inner_step(cfg, model, rank, t)
+            clock[0] = t
             ret.append(avg.step())
             trace.append([p.detach().clone() for p in model.parameters()])
         rows.append({"trace": trace, "ret": ret, "wire": avg.wire_bytes,
-                     "bounds": avg._outer.bounds, "syncs": list(avg.sync_steps)})
+                     "bounds": avg._outer.bounds, "syncs": list(avg.sync_steps),
+                     "periods": list(avg.periods)})
     torch.save(rows, os.path.join(out, f"r{rank}.pt"))
 
 
-def _cfg(sizes, bounds, h=3, total=10, tau=0, mixing=0.0, momentum=0.9, seed=1):
+def _cfg(sizes, bounds, h=3, total=10, tau=0, mixing=0.0, momentum=0.9, seed=1, alpha=0.0):
     return dict(sizes=sizes, bounds=bounds, h=h, total=total, tau=tau, mixing=mixing,
-                inner_lr=0.05, outer_lr=0.7, momentum=momentum, seed=seed)
+                inner_lr=0.05, outer_lr=0.7, momentum=momentum, seed=seed, alpha=alpha)
 
 
 REF_CFGS = [
@@ -134,6 +158,11 @@ REF_CFGS = [
     _cfg([5, 5, 5, 5], [(0, 2), (2, 4)], h=4, total=13),      # two fragments, no delay
     _cfg([5, 5, 5, 5], [(0, 2), (2, 4)], h=4, total=13, tau=2, mixing=0.5),  # streaming
     _cfg([6, 6, 6], [(0, 1), (1, 2), (2, 3)], h=6, total=14, tau=1, mixing=0.25),
+    # QSR's period (rounds of 2, 3, 4, 5 and a last one cut by the end): one fragment, then
+    # streamed, the fragments at fractions of each round's own H
+    _cfg([7, 3], [(0, 2)], h=2, total=20, alpha=0.1),
+    _cfg([5, 5, 5, 5], [(0, 2), (2, 4)], h=2, total=20, tau=1, mixing=0.5, alpha=0.1),
+    _cfg([6, 6, 6], [(0, 1), (1, 2), (2, 3)], h=3, total=20, tau=1, mixing=0.25, alpha=0.1),
 ]
 
 
@@ -158,6 +187,12 @@ def test_outer_step_matches_the_reference(world):
             for t in got[0][c]["syncs"]:
                 assert all(torch.equal(a, b) for r in range(1, world)
                            for a, b in zip(got[0][c]["trace"][t - 1], got[r][c]["trace"][t - 1]))
+        if cfg["alpha"]:  # the rounds followed QSR's periods (the first one, then each one's)
+            want, start = [period_at(cfg, 0)], 0
+            while start + want[-1] < cfg["total"]:
+                start += want[-1]
+                want.append(period_at(cfg, start))
+            assert got[0][c]["periods"] == want and len(set(want)) >= 3
         if world == 1:
             assert got[0][c]["wire"] == 0
         else:  # exact: a ring allreduce of every fragment at each round, plus the headers
@@ -356,12 +391,19 @@ CKPT_CFGS = [
     dict(_cfg([300, 41], [(0, 2)], h=2, total=9),
          kw=dict(compressor="topk", compressor_options=dict(ratio=0.03, value_bits=2,
                                                             value_block=32))),
+    # streamed with QSR's period (rounds of 3, 3, 4, then 5 cut by the end): cut at step 6,
+    # where the second round ends with fragment 0's exchange in flight
+    dict(_cfg([33, 17, 9], [(0, 1), (1, 2), (2, 3)], h=3, total=13, tau=1, mixing=0.5,
+              alpha=0.1),
+         kw=dict(compressor="quant", compressor_options=dict(bits=4))),
 ]
 
 
-def _run_steps(cfg, model, avg, rank, steps):
+def _run_steps(cfg, model, avg, rank, steps, clock=None):
     for t in steps:
         _inner_step(cfg, model, rank, t)
+        if clock is not None:
+            clock[0] = t
         avg.step()
 
 
@@ -369,22 +411,25 @@ def _ckpt_worker(rank, world, out, cut):
     res = {}
     for c, cfg in enumerate(CKPT_CFGS):
         model = Params(init_for(cfg["seed"], cfg["sizes"]))
-        avg = _averager(cfg, model)
-        _run_steps(cfg, model, avg, rank, range(1, cfg["total"] + 1))
+        clock = [0]
+        avg = _averager(cfg, model, clock)
+        _run_steps(cfg, model, avg, rank, range(1, cfg["total"] + 1), clock)
         whole = [p.detach().clone() for p in model.parameters()]
         model = Params(init_for(cfg["seed"], cfg["sizes"]))
-        avg = _averager(cfg, model)
-        _run_steps(cfg, model, avg, rank, range(1, cut + 1))
+        clock = [0]
+        avg = _averager(cfg, model, clock)
+        _run_steps(cfg, model, avg, rank, range(1, cut + 1), clock)
         blob = io.BytesIO()
         torch.save(avg.state_dict(), blob)
         pending = len(avg._outer.pending)
         del avg, model
         model = Params(init_for(99, cfg["sizes"]))  # another start: the checkpoint must restore
-        avg = _averager(cfg, model)
+        clock = [0]  # (the new averager starts its schedule at step 0; the load restores it)
+        avg = _averager(cfg, model, clock)
         sd = torch.load(io.BytesIO(blob.getvalue()))
         refusals = _hostile_loads(avg, sd)
         avg.load_state_dict(sd)
-        _run_steps(cfg, model, avg, rank, range(cut + 1, cfg["total"] + 1))
+        _run_steps(cfg, model, avg, rank, range(cut + 1, cfg["total"] + 1), clock)
         resumed = [p.detach().clone() for p in model.parameters()]
         res[c] = dict(same=all(torch.equal(a, b) for a, b in zip(whole, resumed)),
                       pending=pending, refusals=refusals)
@@ -436,7 +481,8 @@ def test_checkpoint_restart_continues_bitwise():
         for c in range(len(CKPT_CFGS)):
             assert res[c]["refusals"] == [], (c, res[c]["refusals"])
             assert res[c]["same"], f"config {c} rank {r}: the resumed run differs"
-        assert res[1]["pending"] == 1  # the streaming checkpoint held a result in flight
+        assert res[1]["pending"] == 1  # the streaming checkpoints held a result in flight
+        assert res[len(CKPT_CFGS) - 1]["pending"] == 1
 
 
 def _coded_worker(rank, world, out):
@@ -493,7 +539,7 @@ def test_sparseloco_rounds_send_coded_values_and_stay_identical(world):
     (dict(outer="nesterov", mixing=0.5), "mixing"),
     (dict(outer="nesterov", delay=1, mixing=1.5), "mixing"),
     (dict(fragments=2), "outer step"),
-    (dict(outer="nesterov", fragments=2, alpha=0.01), "constant"),
+    (dict(outer="nesterov", fragments=2, delay=3, alpha=0.01), "delay"),  # QSR: h_base bounds
     (dict(outer=lambda ps: None), "must return a torch.optim.Optimizer"),
 ])
 def test_bad_outer_options(kw, match):

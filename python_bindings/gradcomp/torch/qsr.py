@@ -34,7 +34,8 @@ Floating buffers are averaged exactly at each synchronization (they are statisti
 trained).
 
 **Streaming** (Streaming DiLoCo): ``fragments=F`` splits the parameters into F contiguous groups
-of about equal size, fragment f synchronized at the steps t = f * H / F (mod H); ``delay=tau``
+of about equal size, fragment f synchronized at the steps t = f * H / F (mod H) (with QSR's
+period, at S + f * H / F in the round that starts at S and lasts that round's H); ``delay=tau``
 runs each fragment's exchange in a background thread while the inner steps go on and merges it
 tau steps later: the fragment's outer parameters take the outer step, and the local ones become
 ``mixing * local + (1 - mixing) * outer`` (mixing defaults to 0.5 with a delay, 0 without:
@@ -234,7 +235,9 @@ class QSRAverager:
         mixing: the local share of a delayed merge, in [0, 1] (default 0.5 with a delay, else
             0; a delay of 0 takes 0 only).
 
-    Streaming (F > 1 or tau > 0) needs a constant period (alpha = 0). Raises ValueError (from the
+    Streaming (F > 1 or tau > 0) works with either period rule: each round's fragments launch
+    at fractions of that round's H (QSR's H never falls below h_base, which bounds F and tau).
+    Raises ValueError (from the
     C++ rule) for alpha < 0, h_base < 1, total_steps < 1, warmup_steps < 0 or a learning rate
     <= 0, and for every bad outer-step option, before any collective.
     """
@@ -315,9 +318,7 @@ class QSRAverager:
                                  "(outer='nesterov' or an optimizer factory)")
             return None
         if fragments > 1 or delay > 0:
-            if cfg.alpha != 0.0:
-                raise ValueError(f"streaming (fragments > 1 or delay > 0) needs a constant "
-                                 f"period: alpha = 0 (got alpha = {cfg.alpha})")
+            # QSR's periods are never below h_base, so these bounds hold for every round
             if fragments > cfg.h_base:
                 raise ValueError(f"fragments = {fragments} is more than h_base = {cfg.h_base} "
                                  f"(one fragment synchronizes per step at most)")
@@ -404,12 +405,16 @@ class QSRAverager:
         return True
 
     def _stream_step(self) -> bool:
-        """Streaming: constant H; fragment f launches at t = f H / F (mod H), merges tau steps
-        later; the last step merges what is in flight and synchronizes every fragment."""
+        """Streaming: a round runs from its start S (fragment 0's last synchronization) for the
+        schedule's period H (constant, or QSR's from the learning rate at S); fragment f > 0
+        launches at S + f H / F, fragment 0 at S + H, each merges tau steps after its launch;
+        the last step merges what is in flight and synchronizes every fragment."""
         nxt = self.step_count + 1
-        total, h = self.scheduler.config.total_steps, self.scheduler.config.h_base
+        total = self.scheduler.config.total_steps
+        start, h = self._last_sync[0], self.scheduler.period  # this round's, before it ends
         lr = max(self._lr(), 1e-300)
-        if self.scheduler.after_step(nxt, lr):  # (its next_sync: fragment 0's rounds)
+        round_ends = self.scheduler.after_step(nxt, lr)  # (its next_sync: fragment 0's rounds)
+        if round_ends:
             self._last_sync = (nxt, lr)
         self.step_count = nxt
         out = self._outer
@@ -424,22 +429,23 @@ class QSRAverager:
                 self._finish(self._exchange(f, nxt), f, 0.0)
             self.sync_steps.append(nxt)
             return True
-        for f in range(self.fragments):
-            offset = f * h // self.fragments
-            if nxt >= offset and (nxt - offset) % h == 0:
-                if self.delay == 0:
-                    self._finish(self._exchange(f, nxt), f, 0.0)
-                else:
-                    self._launch(f, nxt)
-                acted = True
-                if f == 0:
-                    self.sync_steps.append(nxt)
+        # H >= h_base >= F, so f H / F is past S for f > 0 and short of S + H
+        due = ([0] if round_ends else []) + [
+            f for f in range(1, self.fragments) if nxt == start + f * h // self.fragments]
+        for f in due:
+            if self.delay == 0:
+                self._finish(self._exchange(f, nxt), f, 0.0)
+            else:
+                self._launch(f, nxt)
+            acted = True
+        if round_ends:
+            self.sync_steps.append(nxt)
+            self.periods.append(self.scheduler.period)
         return acted
 
     # -- one exchange -----------------------------------------------------------------------------
     def _header(self, f: int, step: int, numel: int, finite: bool) -> torch.Tensor:
-        period = self.scheduler.period if self.fragments == 1 and self.delay == 0 else \
-            self.scheduler.config.h_base
+        period = self.scheduler.period
         vals = {"magic": _MAGIC, "round": self._outer.rounds[f], "step": step, "period": period,
                 "fragments": self.fragments, "fragment": f, "numel": numel, "delay": self.delay,
                 "options": self._digest, "finite": int(finite)}
