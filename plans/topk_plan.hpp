@@ -26,10 +26,13 @@ namespace gradcomp {
 /// (index, fp32 value) pairs to rank q in one all-to-all of equal parts (a 24-byte header and k
 /// pairs per destination, so no size exchange is needed); rank r adds the P payloads of its chunk
 /// in rank order into an fp32 chunk and writes it, divided by P (`average`) or not, into its
-/// chunk r. What was not sent stays in the residual. The header carries the step, k and a
-/// NaN/Inf flag: ranks at other steps or with other k fail on every rank, a non-finite gradient
-/// (check_finite) skips the step on every rank (its chunk NaN, no state changed); the residual is
-/// double-buffered so a kept step can be undone. Received indices are checked before use.
+/// chunk r. What was not sent stays in the residual. The header is the sender's step envelope
+/// (plans/envelope.hpp: its step, a hash of the bucket's size and k, and a NaN/Inf flag), the
+/// same in each of its parts, then the part's pair count. Every rank receives every rank's
+/// envelope, so ranks at other steps or with other k fail on every rank and a non-finite
+/// gradient (check_finite) skips the step on every rank (its chunk NaN, no state changed); the
+/// residual is double-buffered so a kept step can be undone. Received counts and indices are
+/// checked before use (a part damaged in flight is refused by its receiver alone).
 class TopKReduceScatterPlan : public GradientPlan {
  public:
   struct Options {
@@ -67,6 +70,7 @@ class TopKReduceScatterPlan : public GradientPlan {
   int64_t chunk_, k_;
   size_t part_;
   int64_t step_ = 0;
+  uint32_t options_hash_ = 0;  ///< what every rank's parts depend on (step envelope)
 };
 
 /// Top-k / DGC allreduce. Phases: encode; then the sizes, in one of two ways (option exchange):

@@ -1087,6 +1087,53 @@ TEST(TopKShard, SkipsUndoesAndCheckpoints) {
   EXPECT_EQ(plans[1]->state_dict(), before);
 }
 
+// The parts carry the step envelope: ranks at other steps, or with another bucket that keeps
+// the parts' size, fail on every rank with their state kept; a non-finite gradient on one rank
+// skips the step on every rank; a part damaged in flight is refused by its receiver.
+TEST(TopKShard, EveryRankToldOfOtherStepsAndOptions) {
+  const int P = 3;
+  const int64_t c = 500, n = P * c;
+  const PlanOptions o{{"ratio", 0.1}};
+  auto states = [](auto& plans) {
+    std::vector<std::vector<uint8_t>> st;
+    for (auto& p : plans) st.push_back(p->state_dict());
+    return st;
+  };
+  auto inputs = [&](uint32_t seed, int64_t last = -1) {
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) g[r] = normal(r == P - 1 && last >= 0 ? last : n, seed + r);
+    return g;
+  };
+  {  // rank 2's bucket has 499-element chunks: k is 50 all the same, so are the parts
+    auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, o);
+    plans[2] = make_shard_plan("topk", test::rank_bucket(P * 499, DType::kFloat32, P, 2),
+                               PlanForm::kReduceScatter, o);
+    const auto before = states(plans);
+    auto g = inputs(1, P * 499);
+    expect_every_rank_fails(plans, step_by_hand(plans, g), before,
+                            "the options differ across ranks");
+  }
+  auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, o);
+  auto g = inputs(2);
+  for (const auto& e : step_by_hand(plans, g)) ASSERT_EQ(e, "");
+  const auto old1 = plans[1]->state_dict();
+  g = inputs(3);
+  for (const auto& e : step_by_hand(plans, g)) ASSERT_EQ(e, "");
+  plans[1]->load_state_dict(old1.data(), old1.size());  // rank 1 a step behind, alone
+  auto before = states(plans);
+  g = inputs(4);
+  expect_every_rank_fails(plans, step_by_hand(plans, g), before, "ranks are at different steps");
+  // a part damaged on its way to rank 0 (a count past k): rank 0 refuses it, its state kept
+  auto fresh = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, o);
+  before = states(fresh);
+  g = inputs(5);
+  const auto err = step_by_hand(fresh, g, [](int round, size_t r, uint8_t* recv, size_t B) {
+    if (round == 0 && r == 0) recv[B + 16] = 0xff;  // rank 1's part: its count (after 16 bytes)
+  });
+  EXPECT_NE(err[0].find("pairs in room for"), std::string::npos) << err[0];
+  EXPECT_EQ(fresh[0]->state_dict(), before[0]);
+}
+
 TEST(ShardPlans, OptionsAndRefusals) {
   BucketSpec b;
   b.numel = 10;
