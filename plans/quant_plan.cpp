@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 
@@ -18,7 +19,9 @@
 #include "kernels/quant_kernels.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "kernels/topk_kernels.hpp"
+#include "plans/envelope.hpp"
 #include "plans/family.hpp"
+#include "plans/options_hash.hpp"
 #include "plans/two_phase.hpp"
 
 namespace gradcomp {
@@ -43,19 +46,23 @@ double quant_bits_per_value(const QuantConfig& cfg) {
 
 namespace {
 
-/// The chunk header every sent chunk starts with (24 bytes, little-endian).
+/// What every sent chunk starts with (24 bytes, little-endian): the sender's step envelope
+/// (plans/envelope.hpp), which is the same in each of its chunks, so that every server reads every
+/// rank's envelope and all reach one verdict, then what belongs to the chunk alone.
 struct ChunkHeader {
-  uint32_t magic = kMagic;
-  uint8_t bits = 0, log2_block = 0, scale = 0, scale_dtype = 0;
-  uint8_t rounding = 0, flags = 0;
-  uint16_t reserved = 0;
-  uint32_t step = 0;                               ///< the sender's step (low 32 bits)
-  uint64_t count = 0;                              ///< elements in the chunk
-  static constexpr uint32_t kMagic = 0x31514347u;  // "GCQ1"
-  static constexpr uint8_t kBad = 1;               ///< the sender's gradient held NaN / Inf
-  static constexpr uint8_t kMismatch = 2;  ///< the server got a chunk that disagrees with its own
+  /// The sender's step and options hash. Its flag: in a worker chunk, the sender's gradient held
+  /// NaN / Inf; in a server's averaged chunk, some worker chunk the server received was flagged.
+  detail::ByteEnvelope envelope;
+  /// Elements in the chunk (at most 2^40); in a server's averaged chunk kMismatch is added when
+  /// the server refused a chunk it received, which only that server saw (a count or a scale
+  /// damaged in flight), so that every rank fails the step alike.
+  uint64_t count = 0;
+  static constexpr uint64_t kMismatch = uint64_t{1} << 63;
 };
 static_assert(sizeof(ChunkHeader) == 24, "the chunk header is 24 bytes on the wire");
+
+constexpr const char* kMustMatch =
+    "bits, block_size, scale, scale_dtype, rounding and the bucket's size";
 
 /// The kernels' geometry of a chunk of n elements laid out for `capacity` (0: n), from the
 /// config: the constructor sizes the chunk slots with it and every step encodes and decodes with
@@ -69,12 +76,6 @@ k::QuantGeom quant_geom(const QuantConfig& cfg, int64_t n, int64_t capacity) {
   geo.n = n;
   geo.capacity = capacity;
   return geo;
-}
-
-int log2_of(int64_t v) {
-  int r = 0;
-  while ((int64_t{1} << r) < v) ++r;
-  return r;
 }
 
 }  // namespace
@@ -130,6 +131,13 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
   }
   const k::QuantGeom geo = quant_geom(cfg_, chunk_elems_, 0);
   block_bytes_ = sizeof(ChunkHeader) + static_cast<size_t>(geo.body_bytes());
+  // what the chunks of every rank must agree on (the step envelope's options): the codec that
+  // lays out and decodes them and the bucket they cut (the form: the same chunks either way)
+  detail::OptionsHash h;
+  h.add(numel).add(static_cast<int>(form)).add(cfg_.bits).add(cfg_.block_size);
+  h.add(static_cast<int>(cfg_.scale)).add(static_cast<int>(cfg_.scale_dtype));
+  h.add(static_cast<int>(cfg_.rounding));
+  options_hash_ = static_cast<uint32_t>(h.value());
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->device_index = device_index;
   Impl& s = *impl_;
@@ -176,8 +184,9 @@ void QuantPlan::begin(const TensorView& grad) {
   s.src_t = grad.dtype;
   phase_ = 1;
   start_step();
-  // a bad gradient changes nothing here: phase 1 flags it in every chunk header instead of
-  // sending its data, and every rank learns of it from the step's own data
+  // a bad gradient changes nothing here: phase 1 raises the flag of this rank's step envelope (in
+  // every chunk it sends) instead of sending its data, and every rank learns of it from the step's
+  // own data
   const bool prescan = cfg_.check_finite && (cfg_.rotate || device_ == Device::kCUDA);
   if (prescan && numel_ > 0) {
     // the rotation spreads a bad value over its block and the CUDA compress checks nothing:
@@ -207,43 +216,30 @@ std::optional<Collective> QuantPlan::next() {
   const int64_t CE = chunk_elems_;
   auto chunk_len = [&](int64_t q) { return std::clamp<int64_t>(numel_ - q * CE, 0, CE); };
   k::QuantGeom geo = quant_geom(cfg_, 0, CE);  // geo.n is set per chunk
-  auto header = [&](int64_t len, uint8_t flags) {
+  // this rank's step envelope (the same in every chunk it sends) and a chunk's own count
+  auto header = [&](int64_t len, bool flag, bool mismatch = false) {
     ChunkHeader h;
-    h.bits = static_cast<uint8_t>(cfg_.bits);
-    h.log2_block = static_cast<uint8_t>(log2_of(cfg_.block_size));
-    h.scale = static_cast<uint8_t>(cfg_.scale);
-    h.scale_dtype = static_cast<uint8_t>(geo.half);
-    h.rounding = static_cast<uint8_t>(cfg_.rounding);
-    h.flags = flags;
-    h.step = static_cast<uint32_t>(step_);
-    h.count = static_cast<uint64_t>(len);
+    h.envelope = detail::byte_envelope({step_, options_hash_, flag});
+    h.count = static_cast<uint64_t>(len) | (mismatch ? ChunkHeader::kMismatch : 0);
     return h;
   };
   auto put_header = [&](uint8_t* dst, const ChunkHeader& h) {
     device_copy(dst, device_, &h, Device::kCPU, sizeof h, s.stream);
   };
-  auto get_header = [&](const uint8_t* src) {
-    ChunkHeader h;
-    device_copy(&h, Device::kCPU, src, device_, sizeof h, s.stream);
-    return h;
+  // the P received chunks' headers (B bytes apart), on the host
+  auto get_headers = [&](const uint8_t* src) {
+    std::vector<ChunkHeader> hs(P);
+    for (size_t q = 0; q < P; ++q)
+      device_copy(&hs[q], Device::kCPU, src + q * B, device_, sizeof(ChunkHeader), s.stream);
+    return hs;
   };
-  // what a received header says that this rank does not ("" when it agrees)
-  auto disagreement = [&](const ChunkHeader& h, int64_t len) -> std::string {
-    const ChunkHeader mine = header(len, 0);
-    if (h.magic != ChunkHeader::kMagic) return "is not a quant chunk (bad magic)";
-    if (h.bits != mine.bits || h.log2_block != mine.log2_block || h.scale != mine.scale ||
-        h.scale_dtype != mine.scale_dtype || h.rounding != mine.rounding)
-      return detail::cat("has other options (bits ", int(h.bits), ", block 2^", int(h.log2_block),
-                         ", scale ", int(h.scale), "/", int(h.scale_dtype), ", rounding ",
-                         int(h.rounding), "; here bits ", cfg_.bits, ", block ", cfg_.block_size,
-                         ")");
-    if (h.count != mine.count) return detail::cat("holds ", h.count, " elements, not ", len);
-    if (h.step != mine.step)
-      return detail::cat("was sent at step ", h.step, " while this rank is at step ", mine.step,
-                         " (ranks at different steps: a checkpoint restored on some ranks only?)");
-    if (h.flags & ~(ChunkHeader::kBad | ChunkHeader::kMismatch)) return "has unknown flags";
-    return "";
+  // the verdict of the senders' envelopes: every receiver holds the same P of them
+  auto envelopes = [&](const std::vector<ChunkHeader>& hs) {
+    static_assert(offsetof(ChunkHeader, envelope) == 0, "the envelope starts the header");
+    return detail::read_byte_envelopes(reinterpret_cast<const uint8_t*>(hs.data()),
+                                       sizeof(ChunkHeader), world_);
   };
+  auto flagged = [](const ChunkHeader& h) { return h.envelope.step < 0; };
   // what is wrong with a received chunk's scales ("" when they are usable): a scale that no
   // encoder makes (NaN, Inf, a negative step) would poison the average and the server error
   auto scale_fault = [&](const uint8_t* body, int64_t len) -> std::string {
@@ -322,7 +318,7 @@ std::optional<Collective> QuantPlan::next() {
               nullptr, nullptr, geo, rng_of(static_cast<uint64_t>(rank_), off), false,
               gsend + sizeof(ChunkHeader));
         }
-        put_header(gsend, header(L, 0));
+        put_header(gsend, header(L, false));
         return ask(CollectiveKind::kAllgather, gsend, s.grecv.data(), "quant gather", 3);
       }
       const bool ef = cfg_.error_feedback;
@@ -341,37 +337,39 @@ std::optional<Collective> QuantPlan::next() {
         }
       }
       for (size_t q = 0; q < P; ++q)
-        put_header(send + q * B,
-                   header(chunk_len(static_cast<int64_t>(q)), s.bad >= 0 ? ChunkHeader::kBad : 0));
+        put_header(send + q * B, header(chunk_len(static_cast<int64_t>(q)), s.bad >= 0));
       return ask(CollectiveKind::kAllToAll, send, s.recv.data(), "quant worker chunks", 2);
     }
     case 2: {  // (2) server: average chunk `rank` of every worker, add server error, quantize
       const int64_t L = chunk_len(rank_), off = static_cast<int64_t>(rank_) * CE;
       const auto* recv = static_cast<const uint8_t*>(s.recv.data());
       auto* gsend = static_cast<uint8_t*>(s.gsend.data());
-      uint8_t flags = 0;
-      for (size_t q = 0; q < P; ++q) {
-        const ChunkHeader h = get_header(recv + q * B);
-        std::string d = disagreement(h, L);
-        if (d.empty() && !(h.flags & ChunkHeader::kBad) && L > 0)
+      const std::vector<ChunkHeader> hs = get_headers(recv);
+      const detail::EnvelopeVerdict v = envelopes(hs);
+      if (!v.agreed())
+        s.mismatch =
+            "the senders' step envelopes disagree (other options, other steps, or a "
+            "chunk that is not a quant chunk)";
+      // what only this server sees: a chunk cut short or a scale no encoder writes (a flagged
+      // chunk's body is not read: its sender stopped encoding at the bad value)
+      for (size_t q = 0; q < P && s.mismatch.empty(); ++q) {
+        std::string d;
+        if (hs[q].count != static_cast<uint64_t>(L))
+          d = detail::cat("holds ", hs[q].count, " elements, not ", L);
+        else if (!flagged(hs[q]) && L > 0)
           d = scale_fault(recv + q * B + sizeof(ChunkHeader), L);
-        if (!d.empty()) {
-          if (s.mismatch.empty()) s.mismatch = detail::cat("rank ", q, "'s chunk ", rank_, " ", d);
-          flags |= ChunkHeader::kMismatch;
-        } else if (h.flags & ChunkHeader::kBad) {
-          flags |= ChunkHeader::kBad;
-        }
+        if (!d.empty()) s.mismatch = detail::cat("rank ", q, "'s chunk ", rank_, " ", d);
       }
       if (form_ == PlanForm::kReduceScatter) {
-        // every server saw every rank's header: the flags agree across ranks (see quant_plan.hpp)
+        // every server saw every rank's envelope: the verdict and the flag agree across ranks
+        // (see quant_plan.hpp)
         phase_ = 0;
-        GC_CHECK_ARG(!(flags & ChunkHeader::kMismatch), "quant tensor ", cfg_.tensor_id, " rank ",
-                     rank_, ": ", s.mismatch,
-                     " (ranks with different options or at different steps); the step failed "
-                     "and no state changed");
+        if (!v.agreed()) detail::throw_disagreement(v, name().c_str(), kMustMatch, step_, true);
+        GC_CHECK_ARG(s.mismatch.empty(), "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ",
+                     s.mismatch, "; the step failed and no state changed");
         const size_t es = dtype_size(s.grad.dtype);
         void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(off) * es;
-        if (flags & ChunkHeader::kBad) return skip_step(dst, static_cast<size_t>(L) * es);
+        if (v.flagged) return skip_step(dst, static_cast<size_t>(L) * es);
         if (L > 0) {
           std::vector<const uint8_t*> bodies(P);
           for (size_t q = 0; q < P; ++q) bodies[q] = recv + q * B + sizeof(ChunkHeader);
@@ -387,7 +385,10 @@ std::optional<Collective> QuantPlan::next() {
         set_skipped(false, true);
         return std::nullopt;
       }
-      if (flags == 0 && L > 0) {
+      // the allreduce: a refused chunk is passed on (kMismatch) rather than raised here, where
+      // only this server might see it; phase 3 ends the step alike on every rank
+      const bool mismatch = !s.mismatch.empty();
+      if (!mismatch && !v.flagged && L > 0) {
         std::vector<const uint8_t*> bodies(P);
         for (size_t q = 0; q < P; ++q) bodies[q] = recv + q * B + sizeof(ChunkHeader);
         geo.n = L;
@@ -399,34 +400,34 @@ std::optional<Collective> QuantPlan::next() {
             s.ex, avg, DType::kFloat32, ef ? s.se_in() : nullptr, ef ? s.se_out() : nullptr, geo,
             rng_of(static_cast<uint64_t>(world_ + rank_), off), false, gsend + sizeof(ChunkHeader));
       }
-      put_header(gsend, header(L, flags));
+      put_header(gsend, header(L, v.flagged, mismatch));
       return ask(CollectiveKind::kAllgather, gsend, s.grecv.data(), "quant server chunks", 3);
     }
     case 3: {  // (3) decode every averaged chunk into the gradient
       const auto* grecv = static_cast<const uint8_t*>(s.grecv.data());
-      bool skip = false;
+      const std::vector<ChunkHeader> hs = get_headers(grecv);
+      const detail::EnvelopeVerdict v = envelopes(hs);
+      phase_ = 0;
+      // no state changed (the step wrote only the other copy of the errors)
+      if (!v.agreed()) detail::throw_disagreement(v, name().c_str(), kMustMatch, step_, true);
       std::string fault;
       for (size_t q = 0; q < P && fault.empty(); ++q) {
-        const ChunkHeader h = get_header(grecv + q * B);
         const int64_t L = chunk_len(static_cast<int64_t>(q));
-        std::string d = disagreement(h, L);
-        if (d.empty() && h.flags == 0 && L > 0)
-          d = scale_fault(grecv + q * B + sizeof(ChunkHeader), L);
-        if (!d.empty())
-          fault = detail::cat("the averaged chunk of rank ", q, " ", d);
-        else if (h.flags & ChunkHeader::kMismatch)
-          fault = detail::cat("rank ", q, " received a chunk that disagrees with its own",
-                              q == static_cast<size_t>(rank_) ? ": " + s.mismatch : std::string(),
-                              " (ranks with different options or at different steps)");
-        skip |= (h.flags & ChunkHeader::kBad) != 0;
+        const uint64_t count = hs[q].count & ~ChunkHeader::kMismatch;
+        if (count != static_cast<uint64_t>(L))
+          fault =
+              detail::cat("the averaged chunk of rank ", q, " holds ", count, " elements, not ", L);
+        else if (hs[q].count & ChunkHeader::kMismatch)
+          fault = detail::cat("rank ", q, " refused a chunk it received",
+                              q == static_cast<size_t>(rank_) ? ": " + s.mismatch : std::string());
+        else if (!flagged(hs[q]) && L > 0) {
+          const std::string d = scale_fault(grecv + q * B + sizeof(ChunkHeader), L);
+          if (!d.empty()) fault = detail::cat("the averaged chunk of rank ", q, " ", d);
+        }
       }
-      phase_ = 0;
-      if (!fault.empty()) {
-        // no state changed (the step wrote only the other copy of the errors)
-        GC_CHECK_ARG(false, "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
-                     "; the step failed on every rank and no state changed");
-      }
-      if (skip) return skip_step(s.grad.data, static_cast<size_t>(s.grad.nbytes()));
+      GC_CHECK_ARG(fault.empty(), "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
+                   "; the step failed on every rank and no state changed");
+      if (v.flagged) return skip_step(s.grad.data, static_cast<size_t>(s.grad.nbytes()));
       const DType ot = s.grad.dtype;
       const size_t es = dtype_size(ot);
       for (size_t q = 0; q < P; ++q) {

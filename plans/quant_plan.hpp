@@ -29,25 +29,28 @@ namespace gradcomp {
 ///      adds its server error and quantizes again (server error feedback, same block grid).
 ///  (3) allgather of the P averaged chunks; every rank decodes them all (and rotates them back):
 ///      bitwise the same average on every rank.
-/// The 24-byte chunk header carries the codec (bits, block, scale kind and dtype, rounding), the
-/// chunk's element count, the sender's step and two flags; every receiver checks them, so ranks
-/// whose options or steps differ (a checkpoint restored on one rank only) fail the step on every
-/// rank with InvalidArgument, the state unchanged, instead of averaging garbage. A NaN/Inf
-/// gradient (check_finite) is flagged in the header and the step skipped (or raised) on every rank
-/// (OnNonFinite). The worker and server errors are double-buffered (the step writes the other
-/// copy; a kept step swaps it in), so a failed or skipped step changes no state and undo_step()
-/// can take a kept step back.
+/// Every chunk starts with a 24-byte header: the sender's step envelope (plans/envelope.hpp: its
+/// step, a hash of the options the chunks depend on - bits, block, scale kind and dtype, rounding,
+/// the bucket's size - and a flag), the same in each chunk it sends, then the chunk's element
+/// count. Every server receives every rank's envelope, so ranks whose options or steps differ (a
+/// checkpoint restored on one rank only) fail the step on every rank with InvalidArgument, the
+/// state unchanged, instead of averaging garbage. A NaN/Inf gradient (check_finite) raises the
+/// sender's flag and the step is skipped (or raised) on every rank (OnNonFinite). What only one
+/// server can see - a chunk whose count or scales were damaged in flight - it passes on in its
+/// averaged chunk (a mismatch bit beside the count), so that every rank fails alike. The worker
+/// and server errors are double-buffered (the step writes the other copy; a kept step swaps it
+/// in), so a failed or skipped step changes no state and undo_step() can take a kept step back.
 ///
 /// The sharded forms (PlanForm; the bucket is P equal chunks of n/P elements, no rotation):
 ///  - reduce-scatter: phase (1) with the worker error, then rank r decodes chunk r of every rank,
 ///    sums them in rank order in fp32 and writes the average (or, with `average` false, the sum)
 ///    into its chunk r (ZeRO++'s quantized gradients). Stochastic rounding draws element i of chunk
 ///    q at stream index q * (n/P rounded up to a multiple of 4) + i. No server error: nothing is
-///    quantized a second time. Every rank's server sees every rank's header, so a NaN/Inf flag or
-///    ranks that disagree end the step the same way on every rank (the step skipped, its chunk NaN;
-///    or InvalidArgument); only a chunk whose scales were damaged in flight is seen by its receiver
-///    alone, which then raises alone. check_finite must be on: a non-finite gradient would
-///    otherwise give an Inf scale that only its chunk's receiver sees. State kind
+///    quantized a second time. Every rank's server sees every rank's envelope, so a NaN/Inf flag
+///    or ranks that disagree end the step the same way on every rank (the step skipped, its chunk
+///    NaN; or InvalidArgument); only a chunk whose count or scales were damaged in flight is seen
+///    by its receiver alone, which then raises alone. check_finite must be on: a non-finite
+///    gradient would otherwise give an Inf scale that only its chunk's receiver sees. State kind
 ///    "quant-reduce-scatter": the worker error.
 ///  - allgather: rank r quantizes its chunk r to nearest (no error feedback, no finiteness check,
 ///    no stochastic rounding: parameters are gathered, not summed, and a module's forward and
@@ -78,7 +81,7 @@ class QuantPlan : public BucketPlan {
   Device device() const { return device_; }
   int64_t step() const { return step_; }
   const QuantConfig& config() const { return cfg_; }
-  /// Elements per server chunk and bytes per chunk on the wire (header, scales, codes).
+  /// Elements per server chunk and bytes per chunk on the wire (24-byte header, scales, codes).
   int64_t chunk_elems() const { return chunk_elems_; }
   size_t block_bytes() const { return block_bytes_; }
   /// Bytes this rank hands to the collectives per step (all-to-all and / or allgather).
@@ -119,6 +122,7 @@ class QuantPlan : public BucketPlan {
   size_t block_bytes_ = 0;
   int64_t step_ = 0;
   int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
+  uint32_t options_hash_ = 0;  ///< what every rank's chunks depend on (step envelope)
 };
 
 }  // namespace gradcomp

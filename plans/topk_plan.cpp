@@ -18,6 +18,12 @@ namespace gradcomp {
 
 namespace k = kernels;
 
+namespace {
+/// What the top-k plan's step envelope compares, named in its error.
+constexpr const char* kMustMatch =
+    "ratio, warm-up, value_dtype, value_bits, route, exchange and the cost model";
+}  // namespace
+
 TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int world,
                                      const TopKPlanOptions& opt, DType grad_dtype, Device device,
                                      int device_index, void* stream)
@@ -48,13 +54,14 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   check_finite_ = cfg.check_finite;
   comp_.set_staged(check_finite_);
   // FNV-1a over the options that decide every later step's collectives (their sizes, the route,
-  // the exchange): ranks whose options differ are told at the first step, not by an abort later
+  // the exchange): the step envelope's options, so that ranks whose options differ are told at
+  // the first step, not by an abort later
   detail::OptionsHash h;
   h.add(cfg.ratio).add(cfg.warmup_steps).add_all(cfg.warmup_ratios);
   h.add(static_cast<int>(cfg.value_dtype)).add(static_cast<int>(opt.route));
   if (cfg.value_bits > 0) h.add(cfg.value_bits).add(cfg.value_block);  // (older hashes unchanged)
   h.add(static_cast<int>(opt.exchange)).add(opt.cost.bandwidth_Bps).add(opt.cost.latency_s);
-  config_fingerprint_ = static_cast<int64_t>(h.value() & 0x7fffffffffffffffull);
+  options_hash_ = static_cast<uint32_t>(h.value());
 }
 
 float* TopKAllreducePlan::target() {
@@ -169,7 +176,7 @@ Collective TopKAllreducePlan::gather_payloads(const char* tag) {
 void TopKAllreducePlan::put_dense_slots(float* slots) {
   // the step envelope (plans/envelope.hpp): this rank's step and options, and as its flag
   // whether this rank's gradient was bad
-  const detail::StepEnvelope e{own_step_, static_cast<uint32_t>(config_fingerprint_), bad_ >= 0};
+  const detail::StepEnvelope e{own_step_, options_hash_, bad_ >= 0};
   const std::vector<uint8_t> h = detail::sum_envelope(e, DType::kFloat32, world_);
   device_copy(slots, device_, h.data(), Device::kCPU, h.size(), stream_);
 }
@@ -179,9 +186,9 @@ bool TopKAllreducePlan::check_dense_slots() {
   std::vector<uint8_t> h(kDenseSlots * sizeof(float));
   device_copy(h.data(), Device::kCPU, dense_.get<float>(0) + numel_, device_, h.size(), stream_);
   if (device_ == Device::kCUDA) cuda::stream_synchronize(stream_);
-  const bool flagged = detail::require_agreement(
-      detail::read_sum_envelope(h.data(), DType::kFloat32, world_), "topk",
-      "ratio, warm-up, value_dtype, value_bits, route, exchange and the cost model", own_step_);
+  const bool flagged =
+      detail::require_agreement(detail::read_sum_envelope(h.data(), DType::kFloat32, world_),
+                                "topk", kMustMatch, own_step_, check_finite_);
   return check_finite_ && flagged;
 }
 
@@ -219,13 +226,18 @@ std::optional<Collective> TopKAllreducePlan::advance() {
         // the bound of the agreed step, not of this rank's own (the same as long as they agree)
         return send(comp_.payload_bound(agreed_step_));
       }
-      // (numel, payload bytes, step, bound): what every later bound step relies on being equal
+      // (numel, payload bytes, bound, step envelope): what every later bound step relies on
+      // being equal. The envelope's flag is not raised: a bad gradient is told with the
+      // payloads (a kPayloadSkipped header, or the dense route's slots), which every exchange
+      // sends.
       int64_t* mine = &host_sizes_[kSizeFields * P];
       mine[0] = numel_;
       mine[1] = static_cast<int64_t>(payload_.size());
-      mine[2] = step;
-      mine[3] = static_cast<int64_t>(bound);
-      mine[4] = config_fingerprint_;
+      mine[2] = static_cast<int64_t>(bound);
+      const detail::ByteEnvelope e = detail::byte_envelope({step, options_hash_, false});
+      static_assert(sizeof e == (kSizeFields - kEnvelopeField) * sizeof(int64_t),
+                    "the envelope fills the last fields");
+      std::memcpy(mine + kEnvelopeField, &e, sizeof e);
       auto* d = sizes_.get<int64_t>(kSizeFields * (P + 1));
       device_copy(d + kSizeFields * P, device_, mine, Device::kCPU, kSizeFields * sizeof(int64_t),
                   stream_);
@@ -240,20 +252,22 @@ std::optional<Collective> TopKAllreducePlan::advance() {
       uint64_t longest = 0, total = 0;
       payload_bytes_.resize(P);
       const int64_t* first = &host_sizes_[0];
+      for (size_t r = 0; r < P; ++r)
+        GC_CHECK_ARG(host_sizes_[kSizeFields * r] == first[0],
+                     "plan 'topk': bucket sizes differ across ranks: rank 0 has ", first[0],
+                     " elements, rank ", r, " has ", host_sizes_[kSizeFields * r]);
+      // every rank holds the same P envelopes: the same verdict, or the same error, on each
+      detail::require_agreement(detail::read_byte_envelopes(
+                                    reinterpret_cast<const uint8_t*>(&host_sizes_[kEnvelopeField]),
+                                    kSizeFields * sizeof(int64_t), world_),
+                                "topk", kMustMatch, own_step_, check_finite_);
       for (size_t r = 0; r < P; ++r) {
         const int64_t* f = &host_sizes_[kSizeFields * r];
-        GC_CHECK_ARG(f[0] == first[0], "plan 'topk': bucket sizes differ across ranks: rank 0 has ",
-                     first[0], " elements, rank ", r, " has ", f[0]);
-        GC_CHECK_ARG(f[2] == first[2], "plan 'topk': ranks are at different steps: rank 0 at ",
-                     first[2], ", rank ", r, " at ", f[2],
-                     " (restore every rank's state, or none)");
-        GC_CHECK_ARG(f[4] == first[4], "plan 'topk': the options differ across ranks (rank 0 ",
-                     "and rank ", r,
-                     "): ratio, warm-up, value_dtype, value_bits, route, exchange and the ",
-                     "cost model must be the same on every rank");
+        // (implied by equal options and steps; checked as well, since a bound that differed
+        // would pad the later steps' payloads differently)
         GC_CHECK_ARG(
-            f[3] == first[3], "plan 'topk': the largest payload differs across ranks (", first[3],
-            " bytes on rank 0, ", f[3], " on rank ", r,
+            f[2] == first[2], "plan 'topk': the largest payload differs across ranks (", first[2],
+            " bytes on rank 0, ", f[2], " on rank ", r,
             "): ratio, warm-up, value_dtype and value_bits must be the same on every rank");
         const auto b = static_cast<uint64_t>(f[1]);
         GC_CHECK_ARG(b >= sizeof(PayloadHeader), "plan 'topk': rank ", r,

@@ -26,10 +26,13 @@ namespace gradcomp {
 /// (index, fp32 value) pairs to rank q in one all-to-all of equal parts (a 24-byte header and k
 /// pairs per destination, so no size exchange is needed); rank r adds the P payloads of its chunk
 /// in rank order into an fp32 chunk and writes it, divided by P (`average`) or not, into its
-/// chunk r. What was not sent stays in the residual. The header carries the step, k and a
-/// NaN/Inf flag: ranks at other steps or with other k fail on every rank, a non-finite gradient
-/// (check_finite) skips the step on every rank (its chunk NaN, no state changed); the residual is
-/// double-buffered so a kept step can be undone. Received indices are checked before use.
+/// chunk r. What was not sent stays in the residual. The header is the sender's step envelope
+/// (plans/envelope.hpp: its step, a hash of the bucket's size and k, and a NaN/Inf flag), the
+/// same in each of its parts, then the part's pair count. Every rank receives every rank's
+/// envelope, so ranks at other steps or with other k fail on every rank and a non-finite
+/// gradient (check_finite) skips the step on every rank (its chunk NaN, no state changed); the
+/// residual is double-buffered so a kept step can be undone. Received counts and indices are
+/// checked before use (a part damaged in flight is refused by its receiver alone).
 class TopKReduceScatterPlan : public GradientPlan {
  public:
   struct Options {
@@ -67,6 +70,7 @@ class TopKReduceScatterPlan : public GradientPlan {
   int64_t chunk_, k_;
   size_t part_;
   int64_t step_ = 0;
+  uint32_t options_hash_ = 0;  ///< what every rank's parts depend on (step envelope)
 };
 
 /// Top-k / DGC allreduce. Phases: encode; then the sizes, in one of two ways (option exchange):
@@ -75,17 +79,18 @@ class TopKReduceScatterPlan : public GradientPlan {
 ///          (TopKCompressor::payload_bound, the same on every rank); the gathered headers give
 ///          the real sizes. Saves one collective (a latency and the skew between ranks) per
 ///          bucket for up to ~1.6x the payload bytes (raw-index worst case vs. delta varint).
-/// The first step of a plan always exchanges sizes, which also carry each rank's step and bound:
-/// buckets whose sizes differ, ranks at different steps (one rank's state restored, not the
-/// others') or with different densities throw on every rank naming both values. Later steps use
-/// `exchange` (auto: the cheaper by the cost model, with the last step's longest payload, known
-/// to every rank, as the estimate; the bound when the route is forced dense). All ranks must
-/// build, restore and step their plans alike (as a DDP job does).
+/// The first step of a plan always exchanges sizes, which also carry each rank's bound and its
+/// step envelope (plans/envelope.hpp: the step and a hash of the options below): buckets whose
+/// sizes differ, ranks at different steps (one rank's state restored, not the others') or with
+/// other options throw on every rank. Later steps use `exchange` (auto: the cheaper by the cost
+/// model, with the last step's longest payload, known to every rank, as the estimate; the bound
+/// when the route is forced dense). All ranks must build, restore and step their plans alike (as
+/// a DDP job does).
 /// Every choice that shapes a later step's collectives (exchange, route, bound) is made from the
 /// step the ranks last agreed on, not from this rank's own counter: a rank whose state was
 /// replaced in a live plan (load_state_dict of another step, within a warm-up whose k changes
 /// from step to step too) still issues the collectives of the same sizes as the others, and
-/// its payload's header (sparse route) or the consensus slots after the dense values (dense
+/// its payload's header (sparse route) or the step envelope summed after the dense values (dense
 /// route: one 0/1 slot per bit of the step and of the options' hash, summed exactly) tell every
 /// rank, which throws. A payload longer than the agreed bound (every rank loaded the same older
 /// state) is flagged in its header, and the step gathers the payloads again at their real sizes.
@@ -155,10 +160,12 @@ class TopKAllreducePlan : public GradientPlan {
   TopKPlanStats stats_;
   Payload payload_;
   Buffer sizes_, gathered_, acc_;
-  /// The size exchange's fields per rank: numel, payload bytes, step, payload bound, and a
-  /// fingerprint of the options that shape later steps' collectives (config_fingerprint_).
+  /// The size exchange's fields per rank: numel, payload bytes, payload bound, then the step
+  /// envelope (plans/envelope.hpp, 16 bytes in the last two fields: the step and options_hash_).
   static constexpr size_t kSizeFields = 5;
-  int64_t config_fingerprint_ = 0;
+  static constexpr size_t kEnvelopeField = 3;
+  /// The options that shape later steps' collectives (the step envelope's options hash).
+  uint32_t options_hash_ = 0;
   std::vector<int64_t> host_sizes_;
   std::vector<uint64_t> payload_bytes_;  ///< each rank's payload size (sparse route)
   std::vector<PayloadHeader> headers_;   ///< bound exchange: the gathered headers, on the host

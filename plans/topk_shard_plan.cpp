@@ -2,6 +2,7 @@
 // The reduce-scatter form of top-k (TopKReduceScatterPlan, plans/topk_plan.hpp): per destination
 // chunk, the k largest magnitudes of residual + gradient, one all-to-all of equal parts, a
 // rank-ordered fp32 scatter-add on the chunk's owner.
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -12,7 +13,9 @@
 #include "gradcomp/topk.hpp"
 #include "kernels/reduce_kernels.hpp"
 #include "kernels/topk_kernels.hpp"
+#include "plans/envelope.hpp"
 #include "plans/family.hpp"
+#include "plans/options_hash.hpp"
 #include "plans/topk_plan.hpp"
 
 namespace gradcomp {
@@ -20,17 +23,13 @@ namespace gradcomp {
 namespace k = kernels;
 
 namespace {
-/// The header of every part (24 bytes, little-endian), then k uint32 indices (chunk-local), then
-/// k fp32 values; `count` <= k pairs are used.
+/// The header of every part (24 bytes, little-endian): the sender's step envelope
+/// (plans/envelope.hpp; its flag: the sender's gradient held NaN / Inf), the same in each of its
+/// parts, then the pairs used (at most k); then room for k uint32 indices (chunk-local), then for
+/// k fp32 values.
 struct PartHeader {
-  uint32_t magic = kMagic;
-  uint8_t flags = 0;
-  uint8_t reserved[3] = {0, 0, 0};
-  uint32_t step = 0;                               ///< the sender's step (low 32 bits)
-  uint32_t k = 0;                                  ///< pairs the part has room for
-  uint64_t count = 0;                              ///< pairs used
-  static constexpr uint32_t kMagic = 0x31534B54u;  // "TKS1"
-  static constexpr uint8_t kBad = 1;               ///< the sender's gradient held NaN / Inf
+  detail::ByteEnvelope envelope;
+  uint64_t count = 0;
 };
 static_assert(sizeof(PartHeader) == 24, "the part header is 24 bytes on the wire");
 }  // namespace
@@ -68,6 +67,8 @@ TopKReduceScatterPlan::TopKReduceScatterPlan(const Options& o, int64_t numel, DT
                " elements; indices are uint32");
   k_ = topk_count(o.ratio, chunk_);
   part_ = sizeof(PartHeader) + 8 * static_cast<size_t>(k_);
+  // what every rank's parts depend on (the step envelope's options): their size and layout
+  options_hash_ = static_cast<uint32_t>(detail::OptionsHash().add(numel).add(k_).value());
   impl_ = std::make_unique<Impl>(device, stream);
   const auto n = static_cast<size_t>(numel), P = static_cast<size_t>(world);
   for (Buffer& b : impl_->v) device_zero(device, b.get<float>(n + 1), (n + 1) * 4, stream);
@@ -97,9 +98,7 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
     case 0: {  // residual + gradient, then chunk q's k largest to rank q
       s.bad = o_.check_finite && numel_ > 0 ? first_nonfinite() : -1;
       PartHeader h;
-      h.step = static_cast<uint32_t>(step_);
-      h.k = static_cast<uint32_t>(k_);
-      if (s.bad >= 0) h.flags = PartHeader::kBad;
+      h.envelope = detail::byte_envelope({step_, options_hash_, s.bad >= 0});
       float* v = s.v_out();
       if (s.bad < 0 && numel_ > 0) {
         // without error feedback the residual starts every step at zero
@@ -132,25 +131,24 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
     case 1: {  // rank r: the P parts of its chunk, checked, added in rank order
       std::vector<uint8_t> host(P * B);
       device_copy(host.data(), Device::kCPU, recv, device_, host.size(), stream_);
-      bool skip = false;
+      std::vector<PartHeader> hs(P);
+      for (size_t q = 0; q < P; ++q) std::memcpy(&hs[q], host.data() + q * B, sizeof(PartHeader));
+      static_assert(offsetof(PartHeader, envelope) == 0, "the envelope starts the header");
+      const detail::EnvelopeVerdict v = detail::read_byte_envelopes(
+          reinterpret_cast<const uint8_t*>(hs.data()), sizeof(PartHeader), world_);
+      phase_ = kDone;
+      // every rank saw every rank's envelope: steps, options and flags agree across the servers
+      const bool skip =
+          detail::require_agreement(v, "topk_rs", "ratio and the bucket's size", step_);
       std::string fault;
       for (size_t q = 0; q < P && fault.empty(); ++q) {
-        PartHeader h;
-        std::memcpy(&h, host.data() + q * B, sizeof h);
-        if (h.magic != PartHeader::kMagic)
-          fault = detail::cat("rank ", q, "'s part is not a top-k shard part (bad magic)");
-        else if (h.k != static_cast<uint32_t>(k_))
-          fault = detail::cat("rank ", q, "'s part has room for ", h.k, " pairs, not ", k_,
-                              " (another ratio or bucket)");
-        else if (h.step != static_cast<uint32_t>(step_))
-          fault = detail::cat("rank ", q, " is at step ", h.step, ", this rank at ", step_,
-                              " (a checkpoint restored on some ranks only?)");
-        else if (h.flags & ~PartHeader::kBad || h.count > h.k)
-          fault = detail::cat("rank ", q, "'s part has a bad header");
-        skip |= (h.flags & PartHeader::kBad) != 0;
-        if (!fault.empty() || (h.flags & PartHeader::kBad)) continue;
+        if (hs[q].envelope.step < 0) continue;  // flagged: its sender wrote no pairs
+        if (hs[q].count > static_cast<uint64_t>(k_)) {
+          fault = detail::cat("rank ", q, "'s part holds ", hs[q].count, " pairs in room for ", k_);
+          break;
+        }
         const uint8_t* ix = host.data() + q * B + sizeof(PartHeader);
-        for (uint64_t j = 0; j < h.count; ++j) {
+        for (uint64_t j = 0; j < hs[q].count; ++j) {
           uint32_t i;
           std::memcpy(&i, ix + 4 * j, 4);
           if (i >= static_cast<uint64_t>(chunk_)) {
@@ -160,8 +158,7 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
           }
         }
       }
-      phase_ = kDone;
-      // every rank saw every rank's header: steps, k and flags agree across the servers
+      // (seen by this receiver alone: a part damaged in flight)
       GC_CHECK_ARG(fault.empty(), "topk reduce-scatter tensor ", o_.tensor_id, " rank ", rank_,
                    ": ", fault, "; the step failed and no state changed");
       const size_t gs = dtype_size(dtype_);
@@ -183,12 +180,10 @@ std::optional<Collective> TopKReduceScatterPlan::next() {
         float* w = s.wide.get<float>(static_cast<size_t>(chunk_) + 1);
         device_zero(device_, w, static_cast<size_t>(chunk_) * 4, stream_);
         for (size_t q = 0; q < P; ++q) {
-          PartHeader h;
-          std::memcpy(&h, host.data() + q * B, sizeof h);
           const uint8_t* part = recv + q * B + sizeof(PartHeader);
           k::scatter_add(ex, reinterpret_cast<const uint32_t*>(part),
                          part + 4 * static_cast<size_t>(k_), DType::kFloat32,
-                         static_cast<int64_t>(h.count), 1.0f, w);
+                         static_cast<int64_t>(hs[q].count), 1.0f, w);
         }
         k::convert({device_, stream_}, w, DType::kFloat32, own, dtype_, chunk_,
                    o_.average ? float(world_) : 1.0f);

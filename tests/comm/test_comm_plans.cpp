@@ -445,9 +445,9 @@ TEST(CommPlans, TopKBucketSizesThatDifferAcrossRanksThrowOnTheFirstStep) {
 }
 
 TEST(CommPlans, TopKRanksThatWouldPadDifferentlyThrowOnTheFirstStep) {
-  // What a later bound step relies on is checked in the first step's size exchange: the step
-  // (one rank restored from a checkpoint, the other not) and the payload bound (a different
-  // density on one rank); both throw on every rank, naming both values.
+  // What a later bound step relies on is checked in the first step's size exchange, by the step
+  // envelope it carries: the step (one rank restored from a checkpoint, the other not) and the
+  // options (a different density on one rank); both throw on every rank.
   const int64_t n = 1000;
   gc::TopKConfig cfg;
   cfg.ratio = 0.01;
@@ -476,7 +476,7 @@ TEST(CommPlans, TopKRanksThatWouldPadDifferentlyThrowOnTheFirstStep) {
     gc::TopKAllreducePlan a(cfg, n, 2), b(cfg, n, 2);
     const auto st = ran.state_dict();
     a.load_state_dict(st.data(), st.size());
-    expect_throw(a, b, "ranks are at different steps: rank 0 at 3, rank 1 at 0");
+    expect_throw(a, b, "ranks are at different steps (this rank at 3)");
   }
   {
     gc::TopKConfig other = cfg;

@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "gradcomp/detail/numeric.hpp"
@@ -587,6 +590,144 @@ TEST(QuantPlan, RanksAtDifferentStepsFailOnEveryRankAndChangeNothing) {
   EXPECT_THROW(run_plans_in_process({&a, &b}), InvalidArgument);  // block sizes differ too
 }
 
+// One step of the ranks' plans driven by hand, as separate processes would run it: the byte
+// collectives are delivered, then `damage(round, receiver, received, block)` may change what one
+// receiver got (a chunk damaged in flight). Returns each rank's error ("" when its step ended);
+// a rank left asking for a collective the others never join is a failure.
+template <class PlanPtr>
+std::vector<std::string> step_by_hand(
+    std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g,
+    const std::function<void(int, size_t, uint8_t*, size_t)>& damage = nullptr) {
+  const size_t P = plans.size();
+  for (size_t r = 0; r < P; ++r)
+    plans[r]->begin(TensorView::cpu(g[r].data(), static_cast<int64_t>(g[r].size())));
+  std::vector<std::string> err(P);
+  std::vector<bool> running(P, true);
+  for (int round = 0; round < 8; ++round) {
+    std::vector<std::optional<Collective>> cs(P);
+    size_t asking = 0;
+    for (size_t r = 0; r < P; ++r) {
+      if (!running[r]) continue;
+      try {
+        cs[r] = plans[r]->next();
+      } catch (const InvalidArgument& e) {
+        err[r] = e.what();
+      }
+      if (cs[r])
+        ++asking;
+      else
+        running[r] = false;
+    }
+    if (asking == 0) return err;
+    if (asking != P) {
+      ADD_FAILURE() << asking << " of " << P << " ranks ask for a collective the others never join";
+      return err;
+    }
+    const Collective& c0 = *cs[0];
+    const size_t B = c0.count;
+    for (size_t r = 0; r < P; ++r) {
+      EXPECT_TRUE(cs[r]->kind == c0.kind && cs[r]->type == ElemType::kU8 && cs[r]->count == B);
+      auto* dst = static_cast<uint8_t*>(cs[r]->recv);
+      for (size_t q = 0; q < P; ++q) {
+        const auto* src = static_cast<const uint8_t*>(cs[q]->send);
+        std::memcpy(dst + q * B, src + (c0.kind == CollectiveKind::kAllToAll ? r * B : 0), B);
+      }
+    }
+    if (damage)
+      for (size_t r = 0; r < P; ++r) damage(round, r, static_cast<uint8_t*>(cs[r]->recv), B);
+  }
+  ADD_FAILURE() << "the step did not end in 8 collectives";
+  return err;
+}
+
+// Every rank fails the step with InvalidArgument naming `why` (on rank `only`, when >= 0, alone;
+// the others name `rest`), and no rank's state changed.
+template <class PlanPtr>
+void expect_every_rank_fails(std::vector<PlanPtr>& plans, const std::vector<std::string>& err,
+                             const std::vector<std::vector<uint8_t>>& before,
+                             const std::string& why, int only = -1, const std::string& rest = "") {
+  for (size_t r = 0; r < plans.size(); ++r) {
+    const std::string& want = only < 0 || static_cast<int>(r) == only ? why : rest;
+    EXPECT_NE(err[r].find(want), std::string::npos)
+        << "rank " << r << ": " << (err[r].empty() ? "(the step was accepted)" : err[r]);
+    EXPECT_EQ(plans[r]->state_dict(), before[r]) << "rank " << r << " changed its state";
+  }
+}
+
+// The chunks carry the step envelope (plans/envelope.hpp): another option on one rank that keeps
+// the chunks' size fails the step on every rank; a chunk damaged in flight, which only its
+// receiver sees, is refused by that receiver and passed on, so that every rank fails alike; the
+// ranks then train on in step.
+TEST(QuantPlan, OtherOptionsAndDamagedChunksFailOnEveryRank) {
+  QuantConfig c;
+  c.block_size = 32;
+  c.scale_dtype = DType::kFloat16;
+  const int64_t n = 2000;
+  const int P = 3;
+  auto states = [](auto& plans) {
+    std::vector<std::vector<uint8_t>> st;
+    for (auto& p : plans) st.push_back(p->state_dict());
+    return st;
+  };
+  auto inputs = [&](uint32_t seed) {
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) g[r] = normal(n, seed + static_cast<uint32_t>(r));
+    return g;
+  };
+  {  // stochastic rounding on rank 2 only: chunks of the same size, other options
+    auto plans = make_ranks(c, n, P);
+    QuantConfig s = c;
+    s.rounding = QuantRounding::kStochastic;
+    plans[2] = std::make_unique<QuantPlan>(s, n, P, 2);
+    ASSERT_EQ(plans[2]->block_bytes(), plans[0]->block_bytes());
+    const auto before = states(plans);
+    auto g = inputs(1);
+    expect_every_rank_fails(plans, step_by_hand(plans, g), before,
+                            "the options differ across ranks");
+  }
+  auto plans = make_ranks(c, n, P);
+  auto g = inputs(2);
+  for (const auto& e : step_by_hand(plans, g)) ASSERT_EQ(e, "");
+  const size_t H = 24;  // the chunk header: the step envelope (16 bytes), then the count
+  struct Case {
+    const char* what;
+    int round;         // 0: the worker chunks (all-to-all), 1: the averaged chunks (allgather)
+    size_t receiver;   // the one rank that gets the damaged chunk
+    size_t offset;     // the byte damaged, in the chunk of rank 0
+    const char* told;  // what the receiver says
+  };
+  for (const Case& k :
+       {Case{"magic", 0, 1, 0, "step envelopes disagree"}, Case{"count", 0, 1, 16, "elements, not"},
+        Case{"scale", 0, 2, H + 1, "invalid scale"}}) {
+    SCOPED_TRACE(k.what);
+    const auto before = states(plans);
+    auto h = inputs(10);
+    const auto err = step_by_hand(plans, h, [&](int round, size_t r, uint8_t* recv, size_t) {
+      if (round == k.round && r == k.receiver) recv[k.offset] ^= 0xff;
+    });
+    expect_every_rank_fails(plans, err, before, k.told, static_cast<int>(k.receiver),
+                            "refused a chunk it received");
+  }
+  // an averaged chunk damaged on its way to one rank: that rank refuses it (alone: the others
+  // hold sound copies)
+  {
+    const auto before = states(plans);
+    auto h = inputs(11);
+    const auto err = step_by_hand(plans, h, [&](int round, size_t r, uint8_t* recv, size_t) {
+      if (round == 1 && r == 0) recv[16] ^= 0x01;
+    });
+    EXPECT_NE(err[0].find("the averaged chunk of rank 0 holds"), std::string::npos) << err[0];
+    EXPECT_EQ(plans[0]->state_dict(), before[0]);
+    EXPECT_EQ(err[1], "");
+    // the job takes every rank back to the state before the step
+    for (int r = 0; r < P; ++r) plans[r]->load_state_dict(before[r].data(), before[r].size());
+  }
+  // the job trains on, in step
+  auto h = inputs(12);
+  for (const auto& e : step_by_hand(plans, h)) EXPECT_EQ(e, "");
+  for (int r = 1; r < P; ++r) EXPECT_EQ(h[r], h[0]);
+}
+
 TEST(QuantPlan, CheckpointRoundTripAndRefusals) {
   QuantConfig c;
   const int64_t n = 1500;
@@ -944,6 +1085,53 @@ TEST(TopKShard, SkipsUndoesAndCheckpoints) {
   a = {normal(n, 9), normal(n, 10)};
   EXPECT_THROW(run(plans, a), InvalidArgument);
   EXPECT_EQ(plans[1]->state_dict(), before);
+}
+
+// The parts carry the step envelope: ranks at other steps, or with another bucket that keeps
+// the parts' size, fail on every rank with their state kept; a non-finite gradient on one rank
+// skips the step on every rank; a part damaged in flight is refused by its receiver.
+TEST(TopKShard, EveryRankToldOfOtherStepsAndOptions) {
+  const int P = 3;
+  const int64_t c = 500, n = P * c;
+  const PlanOptions o{{"ratio", 0.1}};
+  auto states = [](auto& plans) {
+    std::vector<std::vector<uint8_t>> st;
+    for (auto& p : plans) st.push_back(p->state_dict());
+    return st;
+  };
+  auto inputs = [&](uint32_t seed, int64_t last = -1) {
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) g[r] = normal(r == P - 1 && last >= 0 ? last : n, seed + r);
+    return g;
+  };
+  {  // rank 2's bucket has 499-element chunks: k is 50 all the same, so are the parts
+    auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, o);
+    plans[2] = make_shard_plan("topk", test::rank_bucket(P * 499, DType::kFloat32, P, 2),
+                               PlanForm::kReduceScatter, o);
+    const auto before = states(plans);
+    auto g = inputs(1, P * 499);
+    expect_every_rank_fails(plans, step_by_hand(plans, g), before,
+                            "the options differ across ranks");
+  }
+  auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, o);
+  auto g = inputs(2);
+  for (const auto& e : step_by_hand(plans, g)) ASSERT_EQ(e, "");
+  const auto old1 = plans[1]->state_dict();
+  g = inputs(3);
+  for (const auto& e : step_by_hand(plans, g)) ASSERT_EQ(e, "");
+  plans[1]->load_state_dict(old1.data(), old1.size());  // rank 1 a step behind, alone
+  auto before = states(plans);
+  g = inputs(4);
+  expect_every_rank_fails(plans, step_by_hand(plans, g), before, "ranks are at different steps");
+  // a part damaged on its way to rank 0 (a count past k): rank 0 refuses it, its state kept
+  auto fresh = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, o);
+  before = states(fresh);
+  g = inputs(5);
+  const auto err = step_by_hand(fresh, g, [](int round, size_t r, uint8_t* recv, size_t B) {
+    if (round == 0 && r == 0) recv[B + 16] = 0xff;  // rank 1's part: its count (after 16 bytes)
+  });
+  EXPECT_NE(err[0].find("pairs in room for"), std::string::npos) << err[0];
+  EXPECT_EQ(fresh[0]->state_dict(), before[0]);
 }
 
 TEST(ShardPlans, OptionsAndRefusals) {
