@@ -62,7 +62,7 @@ struct ChunkHeader {
 static_assert(sizeof(ChunkHeader) == 24, "the chunk header is 24 bytes on the wire");
 
 constexpr const char* kMustMatch =
-    "bits, block_size, scale, scale_dtype, rounding and the bucket's size";
+    "bits, block_size, scale, scale_dtype, rounding, rotate, average and the bucket's size";
 
 /// The kernels' geometry of a chunk of n elements laid out for `capacity` (0: n), from the
 /// config: the constructor sizes the chunk slots with it and every step encodes and decodes with
@@ -132,11 +132,14 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
   const k::QuantGeom geo = quant_geom(cfg_, chunk_elems_, 0);
   block_bytes_ = sizeof(ChunkHeader) + static_cast<size_t>(geo.body_bytes());
   // what the chunks of every rank must agree on (the step envelope's options): the codec that
-  // lays out and decodes them and the bucket they cut (the form: the same chunks either way)
+  // lays out and decodes them, the bucket they cut (the form: the same chunks either way), the
+  // rotation (a rotated chunk summed with an unrotated one is a wrong average with the same
+  // layout) and whether the owners write the average or the sum
   detail::OptionsHash h;
   h.add(numel).add(static_cast<int>(form)).add(cfg_.bits).add(cfg_.block_size);
   h.add(static_cast<int>(cfg_.scale)).add(static_cast<int>(cfg_.scale_dtype));
-  h.add(static_cast<int>(cfg_.rounding));
+  h.add(static_cast<int>(cfg_.rounding)).add(static_cast<int>(cfg_.rotate));
+  h.add(static_cast<int>(average_));
   options_hash_ = static_cast<uint32_t>(h.value());
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->device_index = device_index;

@@ -674,10 +674,16 @@ TEST(QuantPlan, OtherOptionsAndDamagedChunksFailOnEveryRank) {
     for (int r = 0; r < P; ++r) g[r] = normal(n, seed + static_cast<uint32_t>(r));
     return g;
   };
-  {  // stochastic rounding on rank 2 only: chunks of the same size, other options
+  // on rank 2 only: stochastic rounding, or no rotation (a chunk of another basis that the
+  // owner would sum with the others into a wrong average); chunks of the same size either way
+  for (const bool other_rotate : {false, true}) {
+    SCOPED_TRACE(other_rotate ? "rotate" : "rounding");
     auto plans = make_ranks(c, n, P);
     QuantConfig s = c;
-    s.rounding = QuantRounding::kStochastic;
+    if (other_rotate)
+      s.rotate = !c.rotate;
+    else
+      s.rounding = QuantRounding::kStochastic;
     plans[2] = std::make_unique<QuantPlan>(s, n, P, 2);
     ASSERT_EQ(plans[2]->block_bytes(), plans[0]->block_bytes());
     const auto before = states(plans);
