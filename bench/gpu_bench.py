@@ -143,6 +143,33 @@ def check_topk_payload(c, p, g: torch.Tensor, k: int, method: str, ref: Dict[str
     return ok, got
 
 
+def gc_topk_row(section: str, name: str, dev: torch.device, g, k: int, method: str,
+                ref: Dict[str, Any], copy_bw: Dict[int, float], nbytes: int,
+                error_feedback: bool, **extra) -> None:
+    """One gradcomp row of the top-k sections: TopKCompressor.encode of g timed and its payload
+    checked (check_topk_payload). With error feedback the payload checked is the first encode's,
+    from a zero residual (v = g), before the timed calls grow the residual; without, every
+    encode selects from g itself and the last timed one is checked."""
+    n = g.numel()
+    kw = gc_kw(dev)
+    c = gradcomp.TopKCompressor(n, ratio=0.001, method=method, error_feedback=error_feedback,
+                                **kw, **extra)
+    p = gradcomp.Payload()
+    if error_feedback:
+        c.encode(g, p, kw["stream"])
+        ok, got = check_topk_payload(c, p, g, k, method, ref, kw["stream"])
+        t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
+    else:
+        t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
+        ok, got = check_topk_payload(c, p, g, k, method, ref, kw["stream"])
+    first = "first " if error_feedback else ""
+    bw_row(section, name, n, t, nbytes, copy_bw, ref.get("ms"),
+           check=f"{'ok' if ok else 'FAIL'} {first}count={got} k={k}", k=k,
+           last_stats=dict(c.last_stats), payload_bytes=p.nbytes)
+    if not ok:
+        raise AssertionError(f"{name}: {got} selected (k={k}) or values not top-k")
+
+
 # ---- 2. topk -------------------------------------------------------------------------------------
 def bench_topk(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -> None:
     """TopKCompressor.encode at density 0.1% (k = ceil(0.001 n)) with error_feedback=False (each
@@ -168,17 +195,7 @@ def bench_topk(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]) -
             name = f"gradcomp {method}" + "".join(f" {a}={b}" for a, b in extra.items())
 
             def gc_case(method=method, extra=extra, name=name):
-                kw = gc_kw(dev)
-                c = gradcomp.TopKCompressor(n, ratio=0.001, method=method, error_feedback=False,
-                                            **kw, **extra)
-                p = gradcomp.Payload()
-                t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
-                ok, got = check_topk_payload(c, p, g, k, method, ref, kw["stream"])
-                bw_row("topk", name, n, t, 4 * n, copy_bw, ref.get("ms"),
-                       check=f"{'ok' if ok else 'FAIL'} count={got} k={k}", k=k,
-                       last_stats=dict(c.last_stats), payload_bytes=p.nbytes)
-                if not ok:
-                    raise AssertionError(f"{name}: {got} selected (k={k}) or values not top-k")
+                gc_topk_row("topk", name, dev, g, k, method, ref, copy_bw, 4 * n, False, **extra)
             guard("topk", name, gc_case, n)
         del g
         gc.collect()
@@ -217,18 +234,7 @@ def bench_topk_ef(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float]
             name = f"gradcomp {method} error_feedback=True"
 
             def gc_case(method=method, name=name):
-                kw = gc_kw(dev)
-                c = gradcomp.TopKCompressor(n, ratio=0.001, method=method, error_feedback=True,
-                                            **kw)
-                p = gradcomp.Payload()
-                c.encode(g, p, kw["stream"])  # the first encode, from a zero residual: checked
-                ok, got = check_topk_payload(c, p, g, k, method, ref, kw["stream"])
-                t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
-                bw_row("topk_ef", name, n, t, 12 * n, copy_bw, ref.get("ms"),
-                       check=f"{'ok' if ok else 'FAIL'} first count={got} k={k}", k=k,
-                       last_stats=dict(c.last_stats), payload_bytes=p.nbytes)
-                if not ok:
-                    raise AssertionError(f"{name}: {got} selected (k={k}) or values not top-k")
+                gc_topk_row("topk_ef", name, dev, g, k, method, ref, copy_bw, 12 * n, True)
             guard("topk_ef", name, gc_case, n)
         del g
         gc.collect()

@@ -16,10 +16,9 @@
 namespace gradcomp {
 
 namespace k = kernels;
-using detail::check_dense;
 using detail::check_finite;
 using detail::check_grad;
-using detail::read_header;
+using detail::read_decode_header;
 using detail::SparsifyState;
 using detail::start_skipped_payload;
 using detail::start_values_payload;
@@ -194,12 +193,8 @@ void RandomKCompressor::encode_skipped(Payload& out) {
 void RandomKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,
                                    float scale) {
   Impl& s = *impl_;
-  check_dense(dense, numel_, device_, "randomk");
-  const PayloadHeader h = read_header(payload, nbytes, device_, s.stream);
-  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kRandomK), "expected a random-k payload, got ",
-                   payload_kind_name(PayloadKind(h.kind)));
-  GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
-                   " elements, the output has ", numel_);
+  const PayloadHeader h = read_decode_header(payload, nbytes, dense, numel_, PayloadKind::kRandomK,
+                                             "a random-k", "randomk", device_, s.stream);
   // aux is the sender's step: it picks the density (warm-up) and seeds the indices
   GC_CHECK_PAYLOAD(h.aux <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
                    "random-k payload claims step ", h.aux, " (not a step count)");

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "compressors/checks.hpp"
 #include "core/state_io.hpp"
 #include "gradcomp/topk.hpp"
 #include "gradcomp/wire.hpp"
@@ -40,6 +41,21 @@ inline PayloadHeader read_header(const void* payload, size_t nbytes, Device dev,
   device_copy(host, Device::kCPU, payload, dev, sizeof host, stream);
   // parse_header only reads the 64 header bytes, and checks the sizes against nbytes
   return parse_header(host, nbytes);
+}
+
+/// What decode_add of either family checks first: the output (check_dense), then the payload's
+/// header: its structure (read_header), its kind (`kind_what`: how the message names it) and its
+/// numel. Returns the header.
+inline PayloadHeader read_decode_header(const void* payload, size_t nbytes, const TensorView& dense,
+                                        int64_t numel, PayloadKind kind, const char* kind_what,
+                                        const char* who, Device dev, void* stream) {
+  check_dense(dense, numel, dev, who);
+  const PayloadHeader h = read_header(payload, nbytes, dev, stream);
+  GC_CHECK_PAYLOAD(h.kind == uint8_t(kind), "expected ", kind_what, " payload, got ",
+                   payload_kind_name(PayloadKind(h.kind)));
+  GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel), "payload is for ", h.numel,
+                   " elements, the output has ", numel);
+  return h;
 }
 
 inline void write_header(Payload& out, Device dev, void* stream) {

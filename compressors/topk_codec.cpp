@@ -18,11 +18,10 @@
 namespace gradcomp {
 
 namespace k = kernels;
-using detail::check_dense;
 using detail::check_finite;
 using detail::check_grad;
 using detail::prepare_payload;
-using detail::read_header;
+using detail::read_decode_header;
 using detail::SparsifyState;
 using detail::start_skipped_payload;
 using detail::write_header;
@@ -307,13 +306,8 @@ void TopKCompressor::encode_skipped(Payload& out) {
 void TopKCompressor::decode_add(const void* payload, size_t nbytes, const TensorView& dense,
                                 float scale) {
   Impl& s = *impl_;
-  check_dense(dense, numel_, device_, "topk");
-  const PayloadHeader h = read_header(payload, nbytes, device_, s.stream);
-  GC_CHECK_PAYLOAD(h.kind == uint8_t(PayloadKind::kSparse),
-                   "expected a sparse (top-k) payload, got ",
-                   payload_kind_name(PayloadKind(h.kind)));
-  GC_CHECK_PAYLOAD(h.numel == static_cast<uint64_t>(numel_), "payload is for ", h.numel,
-                   " elements, the output has ", numel_);
+  const PayloadHeader h = read_decode_header(payload, nbytes, dense, numel_, PayloadKind::kSparse,
+                                             "a sparse (top-k)", "topk", device_, s.stream);
   GC_CHECK_PAYLOAD(h.tensor_id == cfg_.tensor_id, "payload is for tensor ", h.tensor_id,
                    ", this compressor is tensor ", cfg_.tensor_id);
   const bool coded = cfg_.value_bits > 0;

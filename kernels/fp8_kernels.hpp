@@ -88,11 +88,7 @@ GC_HD uint8_t fp8_code_of(float x, float s, bool e5m2) {
 /// __fmul_rn, because nvcc would otherwise fuse it with the sum it feeds (acc + value) into one
 /// FMA, rounding once where the CPU rounds twice.
 GC_HD float fp8_value_of(uint8_t c, float s, bool e5m2) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(fp8_decode(c, e5m2), s);
-#else
-  return fp8_decode(c, e5m2) * s;
-#endif
+  return GC_DEVICE_OR_HOST(__fmul_rn(fp8_decode(c, e5m2), s), fp8_decode(c, e5m2) * s);
 }
 
 /// The scale of a record (its first 4 bytes).

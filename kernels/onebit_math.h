@@ -35,42 +35,12 @@ GC_HD bool sign_bit(float x) { return x >= 0.0f; }
 /// Bit (i % 32) of a packed word.
 GC_HD bool get_bit(uint32_t word, uint32_t pos) { return ((word >> pos) & 1u) != 0u; }
 
-GC_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-GC_HD float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-GC_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
+GC_HD float add_rn(float a, float b) { return GC_DEVICE_OR_HOST(__fadd_rn(a, b), a + b); }
+GC_HD float sub_rn(float a, float b) { return GC_DEVICE_OR_HOST(__fsub_rn(a, b), a - b); }
+GC_HD float mul_rn(float a, float b) { return GC_DEVICE_OR_HOST(__fmul_rn(a, b), a * b); }
 
-GC_HD double add_rn_d(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-GC_HD double mul_rn_d(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
+GC_HD double add_rn_d(double a, double b) { return GC_DEVICE_OR_HOST(__dadd_rn(a, b), a + b); }
+GC_HD double mul_rn_d(double a, double b) { return GC_DEVICE_OR_HOST(__dmul_rn(a, b), a * b); }
 
 /// The largest finite fp32 value (FLT_MAX).
 constexpr float kMaxFinite = 3.40282346638528859811704183484516925e+38f;

@@ -12,7 +12,6 @@
 #include "kernels/reduce_kernels.hpp"
 #include "plans/envelope.hpp"
 #include "plans/options_hash.hpp"
-#include "plans/per_rank.hpp"
 
 namespace gradcomp {
 
@@ -29,14 +28,10 @@ constexpr size_t kSlots = detail::kSumEnvelopeSlots;
 RandomKAllreducePlan::RandomKAllreducePlan(const RandomKConfig& cfg, int64_t numel, int world,
                                            DType grad_dtype, Device device, int device_index,
                                            void* stream)
-    : GradientPlan(numel, grad_dtype, world, device, device_index, stream),
-      comp_(detail::per_rank(cfg, world), numel, grad_dtype, device, device_index, stream),
+    : SparsifyPlan(cfg, numel, world, grad_dtype, device, device_index, stream),
       payload_(device),
       acc_(device, stream) {
   payload_.bytes.set_stream(stream);
-  // the plan checks finiteness itself (once), so that a bad rank can tell the others
-  check_finite_ = cfg.check_finite;
-  comp_.set_staged(check_finite_);
   // fp16 values are summed in fp16, whose range (65504) a sum of P values passes long before
   // the residuals do: each rank sends its share of the average, as the fp16 cast plans divide
   // by P before their sum, so that no finite residual makes an overflow step (without a loss

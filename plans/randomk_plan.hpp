@@ -13,7 +13,7 @@
 #include "gradcomp/topk.hpp"
 #include "gradcomp/wire.hpp"
 #include "gradcomp/workspace.hpp"
-#include "plans/gradient_plan.hpp"
+#include "plans/sparsify_plan.hpp"
 
 namespace gradcomp {
 
@@ -30,7 +30,8 @@ namespace gradcomp {
 /// same older state) the step encodes and sums again at that count.
 ///
 /// Example:  gradcomp::RandomKAllreducePlan plan(gradcomp::RandomKConfig{}, n, comm.size());
-class RandomKAllreducePlan : public GradientPlan {
+/// Its compressor, state and undo: detail::SparsifyPlan.
+class RandomKAllreducePlan : public detail::SparsifyPlan<RandomKCompressor> {
  public:
   RandomKAllreducePlan(const RandomKConfig& cfg, int64_t numel, int world,
                        DType grad_dtype = DType::kFloat32, Device device = Device::kCPU,
@@ -38,22 +39,8 @@ class RandomKAllreducePlan : public GradientPlan {
   std::optional<Collective> next() override;
   std::string name() const override { return "randomk"; }
   size_t workspace_bytes() const override;
-  RandomKCompressor& compressor() { return comp_; }
-  bool stateful() const override { return true; }
-  /// The compressor's state (residual, momentum, step).
-  std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
-  /// Restores state_dict(); InvalidArgument during a step or on a mismatch (nothing changes).
-  void load_state_dict(const uint8_t* data, size_t nbytes) override {
-    require_idle("load_state_dict()");
-    comp_.load_state_dict(data, nbytes);
-    start_step();
-  }
 
  private:
-  void undo_state() override {
-    comp_.uncommit();
-    if (agreed_step_ > 0) agreed_step_ -= 1;  // every rank takes the same kept step back
-  }
   std::optional<Collective> advance();  ///< next() without the failure handling
   /// Encodes this step and writes the consensus slots after the values the ranks agree to sum
   /// (see next()); returns the allreduce's collective.
@@ -66,15 +53,9 @@ class RandomKAllreducePlan : public GradientPlan {
   bool check_consensus(const PayloadHeader& h);
   /// Values the allreduce carries: the count at the agreed step, or the schedule's largest.
   size_t agreed_count() const;
-  RandomKCompressor comp_;
   Payload payload_;
   Buffer acc_;
-  bool check_finite_ = true;
-  int64_t bad_ = -1;
   uint32_t options_hash_ = 0;  ///< low bits of detail::OptionsHash (plans/options_hash.hpp)
-  /// The step every rank was at when the last step ended (+1 when kept); -1 when unknown (a new
-  /// plan, or the last step failed): the next step then sends the schedule's largest count.
-  int64_t agreed_step_ = -1;
   int64_t max_count_ = 0;  ///< the largest count of any step of the warm-up schedule
   size_t sent_ = 0;        ///< this step: the values (and slots) the allreduce sums
   bool shares_ = false;    ///< values are sent as shares of the average (fp16 values)

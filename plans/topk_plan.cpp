@@ -12,7 +12,6 @@
 #include "kernels/topk_kernels.hpp"
 #include "plans/envelope.hpp"
 #include "plans/options_hash.hpp"
-#include "plans/per_rank.hpp"
 
 namespace gradcomp {
 
@@ -27,8 +26,7 @@ constexpr const char* kMustMatch =
 TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int world,
                                      const TopKPlanOptions& opt, DType grad_dtype, Device device,
                                      int device_index, void* stream)
-    : GradientPlan(numel, grad_dtype, world, device, device_index, stream),
-      comp_(detail::per_rank(cfg, world), numel, grad_dtype, device, device_index, stream),
+    : SparsifyPlan(cfg, numel, world, grad_dtype, device, device_index, stream),
       opt_(opt),
       payload_(device),
       sizes_(device, stream),
@@ -50,9 +48,6 @@ TopKAllreducePlan::TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int w
   gathered_.reserve(most * static_cast<uint64_t>(world));
   if (grad_dtype != DType::kFloat32) acc_.reserve(static_cast<size_t>(numel) * sizeof(float));
   sizes_.reserve(kSizeFields * (static_cast<size_t>(world) + 1) * sizeof(int64_t));
-  // the plan checks finiteness itself (once), so that a bad rank can tell the others
-  check_finite_ = cfg.check_finite;
-  comp_.set_staged(check_finite_);
   // FNV-1a over the options that decide every later step's collectives (their sizes, the route,
   // the exchange): the step envelope's options, so that ranks whose options differ are told at
   // the first step, not by an abort later

@@ -17,6 +17,7 @@
 #include "gradcomp/topk.hpp"
 #include "gradcomp/workspace.hpp"
 #include "plans/gradient_plan.hpp"
+#include "plans/sparsify_plan.hpp"
 
 namespace gradcomp {
 
@@ -108,7 +109,10 @@ class TopKReduceScatterPlan : public GradientPlan {
 /// Example:
 ///   gradcomp::TopKConfig cfg;  cfg.ratio = 0.001;
 ///   gradcomp::TopKAllreducePlan plan(cfg, n, comm.size(), {.cost = measure_cost_model(comm)});
-class TopKAllreducePlan : public GradientPlan {
+/// Its compressor, state and undo: detail::SparsifyPlan. A rank whose step differs from the
+/// others' after load_state_dict() is told at the next step, on every rank (the size exchange
+/// compares steps, the one-collective exchange the payload headers' step).
+class TopKAllreducePlan : public detail::SparsifyPlan<TopKCompressor> {
  public:
   TopKAllreducePlan(const TopKConfig& cfg, int64_t numel, int world,
                     const TopKPlanOptions& opt = {}, DType grad_dtype = DType::kFloat32,
@@ -119,18 +123,6 @@ class TopKAllreducePlan : public GradientPlan {
   std::optional<Collective> next() override;
   std::string name() const override { return "topk"; }
   size_t workspace_bytes() const override;
-  TopKCompressor& compressor() { return comp_; }
-  bool stateful() const override { return true; }
-  /// The compressor's state (residual, momentum, step).
-  std::vector<uint8_t> state_dict() const override { return comp_.state_dict(); }
-  /// Restores state_dict(); InvalidArgument during a step or on a mismatch (nothing changes).
-  /// A rank whose step then differs from the others' is told at the next step, on every rank
-  /// (the size exchange compares steps, the one-collective exchange the payload headers' step).
-  void load_state_dict(const uint8_t* data, size_t nbytes) override {
-    require_idle("load_state_dict()");
-    comp_.load_state_dict(data, nbytes);
-    start_step();
-  }
   const TopKPlanStats& stats() const { return stats_; }
   /// The route the cost model picks for these sizes (exposed for tests and the benchmark).
   TopKRoute choose(uint64_t max_payload_bytes) const;
@@ -155,7 +147,6 @@ class TopKAllreducePlan : public GradientPlan {
   /// Checks the summed slots: true when a rank's gradient was not finite (the step is skipped);
   /// throws on every rank when the ranks' steps or options differ.
   bool check_dense_slots();
-  TopKCompressor comp_;
   TopKPlanOptions opt_;
   TopKPlanStats stats_;
   Payload payload_;
@@ -172,12 +163,6 @@ class TopKAllreducePlan : public GradientPlan {
   size_t stride_ = 0;
   TopKRoute route_ = TopKRoute::kSparse;
   TopKExchange exchange_ = TopKExchange::kSizes;
-  bool check_finite_ = true;
-  int64_t bad_ = -1;  ///< this step: this rank's first non-finite index, or -1
-  /// The step every rank was at when the last step ended (+1 when it was kept), which sizes the
-  /// next step's collectives; -1 when unknown (a new plan, or the last step failed): the next
-  /// step then exchanges sizes.
-  int64_t agreed_step_ = -1;
   int64_t own_step_ = 0;      ///< this step: this rank's own step (the compressor's counter)
   uint64_t max_payload_ = 0;  ///< the largest payload any step of the schedule can send
   bool overflowed_ = false;   ///< this step: the payload did not fit the agreed bound
@@ -191,10 +176,6 @@ class TopKAllreducePlan : public GradientPlan {
   /// Whether the step's sum (n fp32 values, the same on every rank) holds a NaN or Inf;
   /// `gathered`: the sparse route's payloads (their values tell when no overflow is possible).
   bool sum_overflowed(const float* sum, const uint8_t* gathered);
-  void undo_state() override {
-    comp_.uncommit();
-    if (agreed_step_ > 0) agreed_step_ -= 1;  // every rank takes the same kept step back
-  }
 };
 
 }  // namespace gradcomp

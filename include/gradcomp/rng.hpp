@@ -59,11 +59,8 @@ struct RngKey {
   GC_HD uint64_t below(uint64_t i, uint64_t n) const {
     const Philox4 b = block(i);
     const uint64_t r = (static_cast<uint64_t>(b.v[0]) << 32) | b.v[1];
-#if defined(__CUDA_ARCH__)
-    return __umul64hi(r, n);
-#else
-    return static_cast<uint64_t>((static_cast<unsigned __int128>(r) * n) >> 64);
-#endif
+    return GC_DEVICE_OR_HOST(__umul64hi(r, n),
+                             static_cast<uint64_t>((static_cast<unsigned __int128>(r) * n) >> 64));
   }
 };
 

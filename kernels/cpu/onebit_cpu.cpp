@@ -72,6 +72,45 @@ double wide_sum(int64_t b, int64_t end, X x) {
   return (lane[0] + lane[1]) + (lane[2] + lane[3]);
 }
 
+#if GC_ONEBIT_SSE
+/// The 8 fp32 lanes of the flat reductions (a: |x|, x^2 or the non-negative sum; n, c: the
+/// negative sum and the non-negative count of kColumnMeans).
+template <int M>
+struct FlatLanes {
+  __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
+  __m128 n0 = _mm_setzero_ps(), n1 = _mm_setzero_ps();
+  __m128 c0 = _mm_setzero_ps(), c1 = _mm_setzero_ps();
+  inline void add(__m128 x0, __m128 x1, __m128 m0, __m128 m1) {
+    if constexpr (M == kL1) {
+      const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+      a0 = _mm_add_ps(a0, _mm_and_ps(x0, absmask));
+      a1 = _mm_add_ps(a1, _mm_and_ps(x1, absmask));
+    } else if constexpr (M == kL2) {
+      a0 = _mm_add_ps(a0, _mm_mul_ps(x0, x0));
+      a1 = _mm_add_ps(a1, _mm_mul_ps(x1, x1));
+    } else {
+      const __m128 one = _mm_set1_ps(1.0f);
+      a0 = _mm_add_ps(a0, _mm_and_ps(m0, x0));
+      a1 = _mm_add_ps(a1, _mm_and_ps(m1, x1));
+      n0 = _mm_add_ps(n0, _mm_andnot_ps(m0, x0));
+      n1 = _mm_add_ps(n1, _mm_andnot_ps(m1, x1));
+      c0 = _mm_add_ps(c0, _mm_and_ps(m0, one));
+      c1 = _mm_add_ps(c1, _mm_and_ps(m1, one));
+    }
+  }
+  void store(float* a, float* an, float* ac) const {
+    _mm_storeu_ps(a, a0);
+    _mm_storeu_ps(a + 4, a1);
+    if constexpr (M == kColumnMeans) {
+      _mm_storeu_ps(an, n0);
+      _mm_storeu_ps(an + 4, n1);
+      _mm_storeu_ps(ac, c0);
+      _mm_storeu_ps(ac + 4, c1);
+    }
+  }
+};
+#endif
+
 // ---- pass 1 -----------------------------------------------------------------------------------
 
 /// Sum over [b, end) of norm_term(x): fp32 lanes over blocks of kLaneBlock, folded into double;
@@ -141,29 +180,18 @@ void flat_split_sum(const void* g, const float* e, int64_t b, int64_t end, doubl
 #if GC_ONEBIT_SSE
     if constexpr (std::is_same_v<Load, F32Load>) {
       const float* gf = static_cast<const float*>(g);
-      const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f);
-      __m128 p0 = zero, p1 = zero, n0 = zero, n1 = zero, c0 = zero, c1 = zero;
+      const __m128 zero = _mm_setzero_ps();
+      FlatLanes<kColumnMeans> lanes;
       for (; j + 8 <= stop; j += 8) {
         __m128 x0 = _mm_loadu_ps(gf + j), x1 = _mm_loadu_ps(gf + j + 4);
         if (HasE) {
           x0 = compensate_ps(x0, _mm_loadu_ps(e + j));
           x1 = compensate_ps(x1, _mm_loadu_ps(e + j + 4));
         }
-        const __m128 m0 = _mm_cmpge_ps(x0, zero), m1 = _mm_cmpge_ps(x1, zero);
-        p0 = _mm_add_ps(p0, _mm_and_ps(m0, x0));
-        p1 = _mm_add_ps(p1, _mm_and_ps(m1, x1));
-        n0 = _mm_add_ps(n0, _mm_andnot_ps(m0, x0));
-        n1 = _mm_add_ps(n1, _mm_andnot_ps(m1, x1));
-        c0 = _mm_add_ps(c0, _mm_and_ps(m0, one));
-        c1 = _mm_add_ps(c1, _mm_and_ps(m1, one));
+        lanes.add(x0, x1, _mm_cmpge_ps(x0, zero), _mm_cmpge_ps(x1, zero));
       }
       float cf[8];
-      _mm_storeu_ps(lp, p0);
-      _mm_storeu_ps(lp + 4, p1);
-      _mm_storeu_ps(ln, n0);
-      _mm_storeu_ps(ln + 4, n1);
-      _mm_storeu_ps(cf, c0);
-      _mm_storeu_ps(cf + 4, c1);
+      lanes.store(lp, ln, cf);
       for (int l = 0; l < 8; ++l) lc[l] = static_cast<int32_t>(cf[l]);  // <= 128: exact
     }
 #endif
@@ -573,43 +601,6 @@ inline void put_vec(float* p, __m128 v) {
   else
     _mm_storeu_ps(p, v);
 }
-
-/// The 8 fp32 lanes of the flat reductions (a: |x|, x^2 or the non-negative sum; n, c: the
-/// negative sum and the non-negative count of kColumnMeans).
-template <int M>
-struct FlatLanes {
-  __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
-  __m128 n0 = _mm_setzero_ps(), n1 = _mm_setzero_ps();
-  __m128 c0 = _mm_setzero_ps(), c1 = _mm_setzero_ps();
-  inline void add(__m128 x0, __m128 x1, __m128 m0, __m128 m1) {
-    if constexpr (M == kL1) {
-      const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-      a0 = _mm_add_ps(a0, _mm_and_ps(x0, absmask));
-      a1 = _mm_add_ps(a1, _mm_and_ps(x1, absmask));
-    } else if constexpr (M == kL2) {
-      a0 = _mm_add_ps(a0, _mm_mul_ps(x0, x0));
-      a1 = _mm_add_ps(a1, _mm_mul_ps(x1, x1));
-    } else {
-      const __m128 one = _mm_set1_ps(1.0f);
-      a0 = _mm_add_ps(a0, _mm_and_ps(m0, x0));
-      a1 = _mm_add_ps(a1, _mm_and_ps(m1, x1));
-      n0 = _mm_add_ps(n0, _mm_andnot_ps(m0, x0));
-      n1 = _mm_add_ps(n1, _mm_andnot_ps(m1, x1));
-      c0 = _mm_add_ps(c0, _mm_and_ps(m0, one));
-      c1 = _mm_add_ps(c1, _mm_and_ps(m1, one));
-    }
-  }
-  void store(float* a, float* an, float* ac) const {
-    _mm_storeu_ps(a, a0);
-    _mm_storeu_ps(a + 4, a1);
-    if constexpr (M == kColumnMeans) {
-      _mm_storeu_ps(an, n0);
-      _mm_storeu_ps(an + 4, n1);
-      _mm_storeu_ps(ac, c0);
-      _mm_storeu_ps(ac + 4, c1);
-    }
-  }
-};
 
 /// One full word of the flat geometries (constant previous hi / lo).
 template <int M, bool HasE, bool Lazy, bool NT>

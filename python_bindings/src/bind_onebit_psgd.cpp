@@ -111,15 +111,9 @@ void bind(nb::module_& m) {
            })
       .def_prop_ro("last_stats", [](const PowerSGDState& s) {
         const PowerSGDStats& st = s.last_stats();
-        nb::dict d;
-        d["step"] = st.step;
-        d["compressed"] = st.compressed;
-        d["dense_bytes"] = st.dense_bytes;
-        d["sent_bytes"] = st.sent_bytes;
-        d["collectives"] = st.collectives;
-        d["rank_used"] = st.rank_used;
-        d["compression_ratio"] = st.compression_ratio();
-        return d;
+        return dict_of("step", st.step, "compressed", st.compressed, "dense_bytes", st.dense_bytes,
+                       "sent_bytes", st.sent_bytes, "collectives", st.collectives, "rank_used",
+                       st.rank_used, "compression_ratio", st.compression_ratio());
       });
 
   nb::class_<PowerSGDPlan, BucketPlan>(

@@ -290,16 +290,11 @@ void bind_plans(nb::module_& m) {
           }
         }
         nb::list out;  // (the collectives' buffers died with the plans: only their sizes leave)
-        for (const Collective& c : last) {
-          nb::dict d;
-          d["kind"] = std::string(collective_name(c.kind));
-          d["type"] = std::string(elem_type_name(c.type));
-          d["count"] = c.count;
-          d["send_bytes"] = c.send_bytes();
-          d["scope"] = std::string(scope_name(c.scope));
-          d["tag"] = c.tag;
-          out.append(d);
-        }
+        for (const Collective& c : last)
+          out.append(dict_of("kind", std::string(collective_name(c.kind)), "type",
+                             std::string(elem_type_name(c.type)), "count", c.count, "send_bytes",
+                             c.send_bytes(), "scope", std::string(scope_name(c.scope)), "tag",
+                             c.tag));
         return out;
       },
       nb::arg("name"), nb::arg("numel"), nb::arg("world"), nb::kw_only(),
@@ -338,19 +333,12 @@ void bind_plans(nb::module_& m) {
                    [](TopKAllreducePlan& p) { return stats_dict(p.compressor().last_stats()); })
       .def_prop_ro("route_stats", [](TopKAllreducePlan& p) {
         const TopKPlanStats& s = p.stats();
-        nb::dict d;
-        d["steps"] = s.steps;
-        d["sparse_steps"] = s.sparse_steps;
-        d["dense_steps"] = s.dense_steps;
-        d["bound_steps"] = s.bound_steps;
-        d["last_route"] = std::string(enum_name(s.last_route));
-        d["last_exchange"] = std::string(enum_name(s.last_exchange));
-        d["last_stride"] = s.last_stride;
-        d["last_max_payload"] = s.last_max_payload;
-        d["last_total_payload"] = s.last_total_payload;
-        d["last_sparse_cost_s"] = s.last_sparse_cost_s;
-        d["last_dense_cost_s"] = s.last_dense_cost_s;
-        return d;
+        return dict_of(
+            "steps", s.steps, "sparse_steps", s.sparse_steps, "dense_steps", s.dense_steps,
+            "bound_steps", s.bound_steps, "last_route", std::string(enum_name(s.last_route)),
+            "last_exchange", std::string(enum_name(s.last_exchange)), "last_stride", s.last_stride,
+            "last_max_payload", s.last_max_payload, "last_total_payload", s.last_total_payload,
+            "last_sparse_cost_s", s.last_sparse_cost_s, "last_dense_cost_s", s.last_dense_cost_s);
       });
   nb::class_<RandomKAllreducePlan, BucketPlan>(m, "RandomKAllreducePlan",
                                                "Random-k allreduce: values only, shared indices.")

@@ -48,29 +48,17 @@ LatencyTrace make_trace(int64_t workers, int64_t steps, int64_t micro_batches,
 }
 
 // -- result structs as dicts (for CSV rows) -------------------------------------------------------
+// (each in its struct's field order: the order Python sees the keys in)
 nb::dict tau_eval_dict(const TauEval& e) {
-  nb::dict d;
-  d["tau"] = e.tau;
-  d["completed"] = e.completed;
-  d["completion_rate"] = e.completion_rate;
-  d["drop_rate"] = e.drop_rate;
-  d["step_time"] = e.step_time;
-  d["step_time_with_tau"] = e.step_time_with_tau;
-  d["speedup"] = e.speedup;
-  d["step_speedup"] = e.step_speedup;
-  return d;
+  return dict_of("tau", e.tau, "completed", e.completed, "completion_rate", e.completion_rate,
+                 "drop_rate", e.drop_rate, "step_time", e.step_time, "step_time_with_tau",
+                 e.step_time_with_tau, "speedup", e.speedup, "step_speedup", e.step_speedup);
 }
 nb::dict analytic_point_dict(const AnalyticPoint& e) {
-  nb::dict d;
-  d["tau"] = e.tau;
-  d["step_time"] = e.step_time;
-  d["completed"] = e.completed;
-  d["completion_rate"] = e.completion_rate;
-  d["drop_rate"] = e.drop_rate;
-  d["step_time_with_tau"] = e.step_time_with_tau;
-  d["speedup"] = e.speedup;
-  d["step_speedup"] = e.step_speedup;
-  return d;
+  return dict_of("tau", e.tau, "step_time", e.step_time, "completed", e.completed,
+                 "completion_rate", e.completion_rate, "drop_rate", e.drop_rate,
+                 "step_time_with_tau", e.step_time_with_tau, "speedup", e.speedup, "step_speedup",
+                 e.step_speedup);
 }
 
 void bind_analytics(nb::module_& m) {

@@ -204,15 +204,26 @@ inline nb::bytes to_bytes(const std::vector<uint8_t>& b) {
   return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
-inline nb::dict stats_dict(const CompressionStats& s) {
+inline void dict_put(nb::dict&) {}
+template <class V, class... Rest>
+void dict_put(nb::dict& d, const char* key, const V& value, const Rest&... rest) {
+  d[key] = value;
+  dict_put(d, rest...);
+}
+
+/// A dict of key, value, key, value, ... in that order (the statistics and results the bindings
+/// hand to Python as dicts). Example: dict_of("step", s.step, "count", s.count).
+template <class... KeyValues>
+nb::dict dict_of(const KeyValues&... kv) {
+  static_assert(sizeof...(kv) % 2 == 0, "dict_of takes keys and values in pairs");
   nb::dict d;
-  d["step"] = s.step;
-  d["numel"] = s.numel;
-  d["count"] = s.count;
-  d["dense_bytes"] = s.dense_bytes;
-  d["payload_bytes"] = s.payload_bytes;
-  d["compression_ratio"] = s.compression_ratio();
+  dict_put(d, kv...);
   return d;
+}
+
+inline nb::dict stats_dict(const CompressionStats& s) {
+  return dict_of("step", s.step, "numel", s.numel, "count", s.count, "dense_bytes", s.dense_bytes,
+                 "payload_bytes", s.payload_bytes, "compression_ratio", s.compression_ratio());
 }
 
 /// The methods every single-payload compressor (gradcomp::Compressor) has in Python: encode,

@@ -72,6 +72,24 @@ Buckets inputs(int64_t n, int P, int64_t s) {
   return g;
 }
 
+// The plans of P ranks (make()) after `steps` steps, on inputs(n, P, s) at step s.
+Plans trained(const std::string& name, int64_t n, int P, gc::PlanForm form,
+              const gc::PlanOptions& o, int64_t steps) {
+  auto plans = make(name, n, P, form, o);
+  for (int64_t s = 0; s < steps; ++s) {
+    auto g = inputs(n, P, s);
+    step(plans, g);
+  }
+  return plans;
+}
+
+// The head of the per-rank plan states (two-phase, sharded): rank 1 of P, n elements.
+void expect_rank_head(gc::detail::StateReader& r, int64_t n, int P) {
+  EXPECT_EQ(r.get<int64_t>("numel"), n);
+  EXPECT_EQ(r.get<int32_t>("world"), P);
+  EXPECT_EQ(r.get<int32_t>("rank"), 1);
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b, size_t from, size_t to) {
   return to <= from || std::memcmp(a.data() + from, b.data() + from, (to - from) * 4) == 0;
 }
@@ -253,6 +271,12 @@ std::vector<Case> cases() {
   return out;
 }
 
+// make() and trained() for one of cases().
+Plans make(const Case& c, int64_t n, int P) { return make(c.name, n, P, c.form, c.options); }
+Plans trained(const Case& c, int64_t n, int P, int64_t steps) {
+  return trained(c.name, n, P, c.form, c.options, steps);
+}
+
 }  // namespace
 
 TEST(Conformance, EveryFamilyEveryFormEverySizeAgreesAcrossRanks) {
@@ -264,7 +288,7 @@ TEST(Conformance, EveryFamilyEveryFormEverySizeAgreesAcrossRanks) {
           // a shard form's bucket is P equal chunks
           const int64_t n = form == gc::PlanForm::kAllreduce ? base : base * P;
           SCOPED_TRACE(c.label + " P=" + std::to_string(P) + " n=" + std::to_string(n));
-          auto plans = make(c.name, n, P, form, c.options);
+          auto plans = make(c, n, P);
           auto o = defaults_of(c.name, form);
           for (const auto& [k, x] : c.options) o[k] = x;
           for (int64_t s = 0; s < 3; ++s) {
@@ -298,7 +322,7 @@ TEST(Conformance, OneRanksNaNReachesEveryRank) {
     const int P = 3;
     const int64_t n = 3 * 700;
     SCOPED_TRACE(c.label);
-    auto plans = make(c.name, n, P, form, c.options);
+    auto plans = make(c, n, P);
     for (int64_t s = 0; s < 2; ++s) {  // a clean step first: state to keep
       auto g = inputs(n, P, s);
       const size_t bad = 2 * 700 + 11;  // in rank 2's chunk: its owner in a reduce-scatter
@@ -329,16 +353,11 @@ TEST(Conformance, UnknownOptionsAreRefusedNamingThem) {
 
 TEST(Conformance, CheckpointsContinueBitwise) {
   for (const Case& c : cases()) {
-    const gc::PlanForm form = c.form;
     const int P = 2;
     const int64_t n = 2 * 3001;
     SCOPED_TRACE(c.label);
-    auto plans = make(c.name, n, P, form, c.options);
-    for (int64_t s = 0; s < 3; ++s) {
-      auto g = inputs(n, P, s);
-      step(plans, g);
-    }
-    auto fresh = make(c.name, n, P, form, c.options);
+    auto plans = trained(c, n, P, 3);
+    auto fresh = make(c, n, P);
     for (int r = 0; r < P; ++r) {
       const auto st = plans[r]->state_dict();
       EXPECT_EQ(st.empty(), !plans[r]->stateful());
@@ -355,16 +374,13 @@ TEST(Conformance, CheckpointsContinueBitwise) {
 TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
   int checked = 0;
   for (const Case& c : cases()) {
-    const gc::PlanForm form = c.form;
     const int P = 2;
     const int64_t n = 2 * 1001;
     SCOPED_TRACE(c.label);
-    auto plans = make(c.name, n, P, form, c.options);
-    auto g = inputs(n, P, 0);
-    step(plans, g);
+    auto plans = trained(c, n, P, 1);
     const auto good = plans[0]->state_dict();
     if (good.empty()) continue;                        // nothing to corrupt
-    auto other = make(c.name, n, P, form, c.options);  // at step 0: what a refused load must leave
+    auto other = make(c, n, P);                        // at step 0: what a refused load must leave
     const auto before = other[0]->state_dict();
     for (const size_t at : {size_t{0}, good.size() / 2, good.size() - 1}) {
       auto bad = good;
@@ -413,18 +429,14 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
     const int P = 2;
     const int64_t n = 6 * 500;  // P equal chunks for 2 and 3 ranks
     SCOPED_TRACE(c.label);
-    auto plans = make(c.name, n, P, form, c.options);
-    for (int64_t s = 0; s < 3; ++s) {
-      auto g = inputs(n, P, s);
-      step(plans, g);
-    }
+    auto plans = trained(c, n, P, 3);
     std::vector<std::vector<uint8_t>> states;
     for (auto& p : plans) states.push_back(p->state_dict());
     if (states[0].empty()) continue;  // stateless: nothing to reshard
     for (int r = 0; r < P; ++r) EXPECT_EQ(gc::reshard_state(states, P, r), states[r]);
     {  // the family's own resharding (reshard_state hands back a rank's own bytes on as many
        // ranks without calling it) from one rank to one: its parse and rewrite lose nothing
-      auto one = make(c.name, n, 1, form, c.options);
+      auto one = make(c, n, 1);
       auto g1 = inputs(n, 1, 0);
       step(one, g1);
       const auto st = one[0]->state_dict();
@@ -445,7 +457,7 @@ TEST(Conformance, ResharingKeepsAsManyRanksBitwiseAndMovesOrRefusesOthers) {
       EXPECT_FALSE(std::string(e.what()).empty());
       continue;  // refused with a reason (a sharded job's state belongs to its world size)
     }
-    auto resumed = make(c.name, n, Q, form, c.options);
+    auto resumed = make(c, n, Q);
     for (int r = 0; r < Q; ++r) resumed[r]->load_state_dict(moved[r].data(), moved[r].size());
     auto g = inputs(n, Q, 3);
     step(resumed, g);
@@ -469,14 +481,10 @@ TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {
   const int64_t n = 1000;
   for (const bool momentum : {false, true}) {
     auto plans =
-        make("onebit", n, P, gc::PlanForm::kAllreduce, {{"momentum", momentum ? 0.9 : 0.0}});
-    auto g = inputs(n, P, 0);
-    step(plans, g);
+        trained("onebit", n, P, gc::PlanForm::kAllreduce, {{"momentum", momentum ? 0.9 : 0.0}}, 1);
     const auto st = plans[1]->state_dict();
     gc::detail::StateReader r(st.data(), st.size(), "onebit-allreduce");
-    EXPECT_EQ(r.get<int64_t>("numel"), n);
-    EXPECT_EQ(r.get<int32_t>("world"), P);
-    EXPECT_EQ(r.get<int32_t>("rank"), 1);
+    expect_rank_head(r, n, P);
     r.get<uint8_t>("scaling");
     EXPECT_EQ(r.get<uint8_t>("error_feedback"), 1);
     EXPECT_EQ(r.get<int64_t>("chunk_size"), 128);
@@ -489,16 +497,12 @@ TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {
     r.finish();
   }
   for (const gc::PlanForm form : {gc::PlanForm::kAllreduce, gc::PlanForm::kReduceScatter}) {
-    auto plans = make("quant", n, P, form);
-    auto g = inputs(n, P, 0);
-    step(plans, g);
+    auto plans = trained("quant", n, P, form, {}, 1);
     const auto st = plans[1]->state_dict();
     const bool ar = form == gc::PlanForm::kAllreduce;
     gc::detail::StateReader r(st.data(), st.size(),
                               ar ? "quant-allreduce" : "quant-reduce-scatter");
-    EXPECT_EQ(r.get<int64_t>("numel"), n);
-    EXPECT_EQ(r.get<int32_t>("world"), P);
-    EXPECT_EQ(r.get<int32_t>("rank"), 1);
+    expect_rank_head(r, n, P);
     EXPECT_EQ(r.get<uint8_t>("bits"), 4);
     EXPECT_EQ(r.get<int64_t>("block_size"), 128);
     r.get<uint8_t>("rounding");
@@ -522,9 +526,8 @@ TEST(StateLayouts, SparsifierStatesKeepTheirFieldOrderAndSizes) {
   for (const std::string fam : {"topk", "randomk"})
     for (const bool momentum : {false, true}) {
       SCOPED_TRACE(fam + (momentum ? " momentum" : ""));
-      auto plans = make(fam, n, P, gc::PlanForm::kAllreduce, {{"momentum", momentum ? 0.9 : 0.0}});
-      auto g = inputs(n, P, 0);
-      step(plans, g);
+      auto plans =
+          trained(fam, n, P, gc::PlanForm::kAllreduce, {{"momentum", momentum ? 0.9 : 0.0}}, 1);
       const auto st = plans[1]->state_dict();
       gc::detail::StateReader r(st.data(), st.size(), fam);
       EXPECT_EQ(r.get<int64_t>("numel"), n);
@@ -609,14 +612,10 @@ TEST(StateLayouts, TopKReduceScatterStateWrittenByHandLoadsAndSavesTheSameBytes)
   // another world size it is refused
   const int P = 2;
   const int64_t n = 1000;
-  auto plans = make("topk", n, P, gc::PlanForm::kReduceScatter, {{"seed", int64_t{7}}});
-  auto g = inputs(n, P, 0);
-  step(plans, g);
+  auto plans = trained("topk", n, P, gc::PlanForm::kReduceScatter, {{"seed", int64_t{7}}}, 1);
   const auto saved = plans[1]->state_dict();
   gc::detail::StateReader r(saved.data(), saved.size(), "topk-reduce-scatter");
-  EXPECT_EQ(r.get<int64_t>("numel"), n);
-  EXPECT_EQ(r.get<int32_t>("world"), P);
-  EXPECT_EQ(r.get<int32_t>("rank"), 1);
+  expect_rank_head(r, n, P);
   const auto k = r.get<int64_t>("k");
   EXPECT_EQ(r.get<uint8_t>("error_feedback"), 1);
   EXPECT_EQ(r.get<uint64_t>("seed"), 7u);

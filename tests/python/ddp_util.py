@@ -109,12 +109,20 @@ def make_data(rank, steps, batch=16, d_in=32, d_out=8, seed=0):
     return [(x, x @ teacher) for x in xs]
 
 
-def train(model, opt, data):
-    """One optimizer step per (x, y) of data on the MSE loss."""
+def training_steps(model, opt, data):
+    """train() one step at a time: yields after each backward(), while the step's gradients are
+    in the parameters' .grad, and steps the optimizer when the caller asks for the next one."""
     for x, y in data:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
+        yield
         opt.step()
+
+
+def train(model, opt, data):
+    """One optimizer step per (x, y) of data on the MSE loss."""
+    for _ in training_steps(model, opt, data):
+        pass
 
 
 def train_losses(model, opt, data, device=None):

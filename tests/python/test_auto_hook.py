@@ -15,7 +15,7 @@ from gradcomp.torch._auto import choose  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
                       params_equal_across_ranks, run, save_checkpoint, tmpdir, train,
-                      train_losses)
+                      train_losses, training_steps)
 
 CANDS = ["allreduce", "fp16", "powersgd"]
 
@@ -298,13 +298,8 @@ def _native_vs_plain(rank, world, out_dir):
             state, hook = gt.hook("auto", model=model, candidates=["allreduce"], trial_steps=2)
             model.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.02)
-        per_step = []
-        for x, y in data:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            per_step.append([p.grad.detach().clone() for p in model.parameters()])
-            opt.step()
-        grads[kind] = per_step
+        grads[kind] = [[p.grad.detach().clone() for p in model.parameters()]
+                       for _ in training_steps(model, opt, data)]
         if kind == "auto":
             state.close()
     torch.save(grads, os.path.join(out_dir, f"native_{rank}.pt"))

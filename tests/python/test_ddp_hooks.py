@@ -18,7 +18,7 @@ from gradcomp import _C  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
                       params_equal_across_ranks, read_json, run, save_checkpoint, tmpdir,
-                      train, train_losses)
+                      train, train_losses, training_steps)
 
 HOOKS = {
     "allreduce": {},
@@ -336,12 +336,9 @@ def _rebuild(rank, world, out_dir):
         state, hook = gt.hook(name)  # start_iter 0: compresses before the rebuild
         model.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.02)
-        sizes = []
-        for x, y in data:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            sizes.append(sorted(b.numel for b in state.buckets.values()))
+        # (the buckets are laid out by the backward pass; the optimizer's step leaves them)
+        sizes = [sorted(b.numel for b in state.buckets.values())
+                 for _ in training_steps(model, opt, data)]
         assert sizes[0] != sizes[-1], (name, sizes)  # the layout did change
         assert len(sizes[-1]) > 1, sizes
         assert params_equal_across_ranks(model)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 
 from ddp_util import (EmbedNet, Net, make_data, mark_ok, params_equal_across_ranks,  # noqa: E402
-                      run, run_ok, tmpdir)
+                      run, run_ok, tmpdir, training_steps)
 
 FAMILIES = [
     ("topk", dict(ratio=0.05)),
@@ -135,11 +135,8 @@ def _raise_policy(rank, world, out_dir):
             loss.backward()
         assert pickle.dumps(state.state_dict()) == before, name
         # DDP finished its step (the error was raised after it): the same model trains on
-        for x, y in data[2:]:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+        for _ in training_steps(model, opt, data[2:]):
             assert all(torch.isfinite(p.grad).all() for p in model.parameters()), name
-            opt.step()
         assert params_equal_across_ranks(model)
     mark_ok(out_dir, rank)
 

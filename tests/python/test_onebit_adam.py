@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import gradcomp.torch as gt  # noqa: E402
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      mark_ok, params_equal_across_ranks, run_ok, save_checkpoint)
+                      mark_ok, params_equal_across_ranks, run_ok, save_checkpoint, train)
 from gradcomp.torch.onebit_adam import OneBitAdam  # noqa: E402
 
 
@@ -177,23 +177,14 @@ def _resume(rank, world, out):
     path = os.path.join(out, "ck.pt")
     # straight: 14 steps; resumed: 9 steps, checkpoint, fresh objects, 5 more
     model, opt, state = _pair(world)
-    for x, y in data:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train(model, opt, data)
     torch.save(model.module.state_dict(), os.path.join(out, f"final_straight_{rank}.pt"))
     model, opt, state = _pair(world)
-    for x, y in data[:9]:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train(model, opt, data[:9])
     save_checkpoint(path + f".{rank}", model, opt, state)
     model, opt, state = _pair(world)
     load_checkpoint(path + f".{rank}", model, opt, state)
-    for x, y in data[9:]:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train(model, opt, data[9:])
     torch.save(model.module.state_dict(), os.path.join(out, f"final_resume_{rank}.pt"))
     mark_ok(out, rank)
 

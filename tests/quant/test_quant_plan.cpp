@@ -174,6 +174,19 @@ std::vector<std::unique_ptr<QuantPlan>> make_ranks(const QuantConfig& c, int64_t
   return v;
 }
 
+// The plans of P ranks and the scalar reference's state for them, stepped side by side.
+struct ReferenceRun {
+  ReferenceRun(const QuantConfig& c, int64_t n, int P, DType t = DType::kFloat32)
+      : plans(make_ranks(c, n, P, t)), R{c, P, n, plans[0]->chunk_elems()}, st(R) {}
+  /// The reference's average of one step of g (every rank's fp32 gradient); advances its state.
+  std::vector<float> average(const std::vector<std::vector<float>>& g, int64_t step) {
+    return ref_step(R, st, g, step);
+  }
+  std::vector<std::unique_ptr<QuantPlan>> plans;
+  Ref R;
+  RefRanks st;
+};
+
 // Runs one step of the plans (one per rank, any plan type) on g (each rank's bucket, fp32).
 template <class PlanPtr>
 void run(std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g) {
@@ -183,6 +196,19 @@ void run(std::vector<PlanPtr>& plans, std::vector<std::vector<float>>& g) {
     ps.push_back(plans[r].get());
   }
   run_plans_in_process(ps);
+}
+
+// Runs one step of the plans on normal gradients (rank r's drawn with seed seed0 + r) and returns
+// every rank's state after it: the starting point of the state-contract tests.
+template <class PlanPtr>
+std::vector<std::vector<uint8_t>> step_and_save(std::vector<PlanPtr>& plans, int64_t n,
+                                                uint64_t seed0) {
+  std::vector<std::vector<float>> g;
+  for (size_t r = 0; r < plans.size(); ++r) g.push_back(normal(n, seed0 + r));
+  run(plans, g);
+  std::vector<std::vector<uint8_t>> st;
+  for (auto& p : plans) st.push_back(p->state_dict());
+  return st;
 }
 
 // Runs one step that must fail on every rank with InvalidArgument, the message naming `why`.
@@ -222,20 +248,19 @@ TEST(QuantPlan, MatchesScalarReferenceForEveryOption) {
                 c.error_feedback = rounding == QuantRounding::kNearest || (n % 2 == 1);
                 c.seed = 7;
                 c.tensor_id = 3;
-                auto plans = make_ranks(c, n, P);
-                Ref R{c, P, n, plans[0]->chunk_elems()};
-                RefRanks st(R);
+                ReferenceRun ref(c, n, P);
+                auto& plans = ref.plans;
                 for (int step = 0; step < 3; ++step) {
                   std::vector<std::vector<float>> g(P);
                   for (int r = 0; r < P; ++r) g[r] = normal(n, 100 * step + r, 0.1f + r);
-                  const auto want = ref_step(R, st, g, step);
+                  const auto want = ref.average(g, step);
                   run(plans, g);
                   for (int r = 0; r < P; ++r) {
                     ASSERT_TRUE(test::same_bytes(g[r].data(), want.data(), n * sizeof(float)))
                         << describe(c) << " n " << n << " P " << P << " rank " << r << " step "
                         << step;
                     if (c.error_feedback)
-                      ASSERT_TRUE(test::same_bytes(plans[r]->worker_error(), st.we[r].data(),
+                      ASSERT_TRUE(test::same_bytes(plans[r]->worker_error(), ref.st.we[r].data(),
                                                    n * sizeof(float)))
                           << describe(c) << " n " << n << " P " << P;
                   }
@@ -246,21 +271,19 @@ TEST(QuantPlan, MatchesScalarReferenceForEveryOption) {
 }
 
 TEST(QuantPlan, LargeBucketsAndOtherBlockSizes) {
+  const int64_t n = 300001;
+  const int P = 3;
   for (int bits : {2, 4, 8})
     for (int64_t S : {32, 1024, 8192}) {
       QuantConfig c;
       c.bits = bits;
       c.block_size = S;
-      const int64_t n = 300001;
-      const int P = 3;
-      auto plans = make_ranks(c, n, P);
-      Ref R{c, P, n, plans[0]->chunk_elems()};
-      RefRanks st(R);
+      ReferenceRun ref(c, n, P);
       for (int step = 0; step < 2; ++step) {
         std::vector<std::vector<float>> g(P);
         for (int r = 0; r < P; ++r) g[r] = test::heavy_tailed(n, 10 * step + r);
-        const auto want = ref_step(R, st, g, step);
-        run(plans, g);
+        const auto want = ref.average(g, step);
+        run(ref.plans, g);
         for (int r = 0; r < P; ++r)
           ASSERT_TRUE(test::same_bytes(g[r].data(), want.data(), n * sizeof(float)))
               << describe(c) << " rank " << r;
@@ -276,9 +299,8 @@ TEST(QuantPlan, HalfPrecisionGradients) {
         QuantConfig c;
         c.bits = bits;
         const int P = 3;
-        auto plans = make_ranks(c, n, P, t);
-        Ref R{c, P, n, plans[0]->chunk_elems()};
-        RefRanks st(R);
+        ReferenceRun ref(c, n, P, t);
+        auto& plans = ref.plans;
         for (int step = 0; step < 2; ++step) {
           std::vector<std::vector<uint16_t>> h(P);
           std::vector<std::vector<float>> g(P);
@@ -293,7 +315,7 @@ TEST(QuantPlan, HalfPrecisionGradients) {
             plans[r]->begin(TensorView(h[r].data(), {n}, t, Device::kCPU));
             ps.push_back(plans[r].get());
           }
-          const auto want = ref_step(R, st, g, step);
+          const auto want = ref.average(g, step);
           run_plans_in_process(ps);
           for (int r = 0; r < P; ++r)
             for (int64_t i = 0; i < n; ++i) {
@@ -523,11 +545,8 @@ TEST(QuantPlan, NonFiniteGradientSkipsOnEveryRankAndChangesNothing) {
       const int64_t n = 1000;
       const int P = 3;
       auto plans = make_ranks(c, n, P);
+      const auto st = step_and_save(plans, n, 0);
       std::vector<std::vector<float>> g(P);
-      for (int r = 0; r < P; ++r) g[r] = normal(n, r);
-      run(plans, g);
-      std::vector<std::vector<uint8_t>> st;
-      for (auto& p : plans) st.push_back(p->state_dict());
       for (int r = 0; r < P; ++r) g[r] = normal(n, 10 + r);
       g[1][777] = std::numeric_limits<float>::infinity();
       run(plans, g);
@@ -551,16 +570,14 @@ TEST(QuantPlan, UndoStepRestoresTheStateBitwise) {
   QuantConfig c;
   const int64_t n = 3000;
   auto plans = make_ranks(c, n, 2);
-  std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
+  const auto st = step_and_save(plans, n, 1);
+  std::vector<std::vector<float>> g{normal(n, 3), normal(n, 4)};
   run(plans, g);
-  const auto st0 = plans[0]->state_dict(), st1 = plans[1]->state_dict();
-  g = {normal(n, 3), normal(n, 4)};
-  run(plans, g);
-  EXPECT_NE(plans[0]->state_dict(), st0);
+  EXPECT_NE(plans[0]->state_dict(), st[0]);
   plans[0]->undo_step();
   plans[1]->undo_step();
-  EXPECT_EQ(plans[0]->state_dict(), st0);
-  EXPECT_EQ(plans[1]->state_dict(), st1);
+  EXPECT_EQ(plans[0]->state_dict(), st[0]);
+  EXPECT_EQ(plans[1]->state_dict(), st[1]);
   EXPECT_THROW(plans[0]->undo_step(), InvalidArgument);
 }
 
@@ -738,9 +755,8 @@ TEST(QuantPlan, CheckpointRoundTripAndRefusals) {
   QuantConfig c;
   const int64_t n = 1500;
   auto plans = make_ranks(c, n, 2);
-  std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
-  run(plans, g);
-  const auto s0 = plans[0]->state_dict(), s1 = plans[1]->state_dict();
+  const auto st = step_and_save(plans, n, 1);
+  const auto &s0 = st[0], &s1 = st[1];
   auto fresh = make_ranks(c, n, 2);
   fresh[0]->load_state_dict(s0.data(), s0.size());
   fresh[1]->load_state_dict(s1.data(), s1.size());
@@ -767,11 +783,7 @@ TEST(QuantPlan, ReshardKeepsTheErrorMass) {
   c.rotate = true;
   const int64_t n = 5000;
   auto plans = make_ranks(c, n, 4);
-  std::vector<std::vector<float>> g(4);
-  for (int r = 0; r < 4; ++r) g[r] = normal(n, r);
-  run(plans, g);
-  std::vector<std::vector<uint8_t>> states;
-  for (auto& p : plans) states.push_back(p->state_dict());
+  const auto states = step_and_save(plans, n, 0);
   auto next = make_ranks(c, n, 3);
   for (int r = 0; r < 3; ++r) {
     const auto s = reshard_state(states, 3, r);
@@ -926,11 +938,8 @@ TEST(QuantShard, NonFiniteSkipsEveryRankAndCheckpointsRoundTrip) {
   const int P = 3;
   const int64_t c = 500, n = P * c;
   auto plans = make_shard_ranks("quant", n, P, PlanForm::kReduceScatter, {{"bits", int64_t{4}}});
+  const auto st = step_and_save(plans, n, 0);
   std::vector<std::vector<float>> g(P);
-  for (int r = 0; r < P; ++r) g[r] = normal(n, r);
-  run(plans, g);
-  std::vector<std::vector<uint8_t>> st;
-  for (auto& p : plans) st.push_back(p->state_dict());
   for (int r = 0; r < P; ++r) g[r] = normal(n, 10 + r);
   g[2][3] = std::numeric_limits<float>::quiet_NaN();  // a value of rank 0's chunk, on rank 2
   run(plans, g);
@@ -1058,10 +1067,8 @@ TEST(TopKShard, SkipsUndoesAndCheckpoints) {
   const int P = 2;
   const int64_t c = 300, n = P * c;
   auto plans = make_shard_ranks("topk", n, P, PlanForm::kReduceScatter, {{"ratio", 0.1}});
-  std::vector<std::vector<float>> g{normal(n, 1), normal(n, 2)};
-  run(plans, g);
-  std::vector<std::vector<uint8_t>> st{plans[0]->state_dict(), plans[1]->state_dict()};
-  g = {normal(n, 3), normal(n, 4)};
+  const auto st = step_and_save(plans, n, 1);
+  std::vector<std::vector<float>> g{normal(n, 3), normal(n, 4)};
   g[0][n - 1] = std::numeric_limits<float>::infinity();
   run(plans, g);
   for (int r = 0; r < P; ++r) {

@@ -16,24 +16,23 @@
 
 namespace gradcomp {
 
+namespace detail {
+/// The bytes of `from` read as a To of the same size (host code: the GPU has intrinsics).
+template <class To, class From>
+inline To host_bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+}  // namespace detail
+
 GC_HD uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
+  return GC_DEVICE_OR_HOST(__float_as_uint(f), detail::host_bit_cast<uint32_t>(f));
 }
 
 GC_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
+  return GC_DEVICE_OR_HOST(__uint_as_float(u), detail::host_bit_cast<float>(u));
 }
 
 /// The bits of a widened NaN made quiet (see the top of this file); other values unchanged.
