@@ -265,6 +265,10 @@ SKIP_CFGS = {  # (config, averager options, the step whose round rank 1 poisons)
     # streamed: the round of fragment 1 launched at step 6 is found void in the background
     # thread and skipped at its merge, step 7
     "streamed": (_cfg([40, 24], [(0, 1), (1, 2)], h=4, total=12, tau=1, mixing=0.5), {}, 6),
+    # streamed with QSR's period (rounds of 2, 3, 4 from steps 0, 2, 5): fragment 1 launched at
+    # step 7 = 5 + 4 / 2, skipped at its merge, step 8
+    "streamed_qsr": (_cfg([40, 24], [(0, 1), (1, 2)], h=2, total=12, tau=1, mixing=0.5,
+                          alpha=0.1), {}, 7),
 }
 
 
@@ -272,11 +276,13 @@ def _skip_worker(rank, world, out):
     res = {}
     for name, (cfg, kw, bad) in SKIP_CFGS.items():
         model = Params(init_for(3, cfg["sizes"]))
-        avg = _averager(cfg, model, **kw)
+        clock = [0]
+        avg = _averager(cfg, model, clock, **kw)
         plans = getattr(avg.compressor, "plans", {})
         r = {}
         for t in range(1, cfg["total"] + 1):
             _inner_step(cfg, model, rank, t)
+            clock[0] = t
             if t == bad:
                 if rank == 1:
                     with torch.no_grad():
@@ -296,6 +302,7 @@ def _skip_worker(rank, world, out):
                 r["local_is_outer"] = torch.equal(model.ps[1].detach(),
                                                   avg._outer.outer[-1].detach()[-24:])
         r["final"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        r["periods"] = list(avg.periods)
         res[name] = r
     torch.save(res, os.path.join(out, f"s{rank}.pt"))
 
@@ -304,7 +311,8 @@ def test_a_non_finite_round_is_skipped_on_every_rank():
     out = tmpdir()
     run(_skip_worker, 2, out)
     r0, r1 = (torch.load(os.path.join(out, f"s{r}.pt")) for r in range(2))
-    want = {"topk": [(6, 0)], "topk_coded": [(6, 0)], "streamed": [(7, 1)]}
+    want = {"topk": [(6, 0)], "topk_coded": [(6, 0)], "streamed": [(7, 1)],
+            "streamed_qsr": [(8, 1)]}
     for name in SKIP_CFGS:
         for res in (r0[name], r1[name]):
             assert res["skipped"] == want[name], (name, res["skipped"])
@@ -312,6 +320,8 @@ def test_a_non_finite_round_is_skipped_on_every_rank():
             assert res["local_is_outer"], name
             assert bool(torch.isfinite(res["final"]).all()), name
         assert torch.equal(r0[name]["final"], r1[name]["final"]), name
+    # the skip left QSR's schedule as it was: a round of 5 follows, cut at 12 by the end
+    assert r0["streamed_qsr"]["periods"] == r1["streamed_qsr"]["periods"] == [2, 3, 4, 5]
 
 
 DISAGREE = {
