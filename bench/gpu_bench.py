@@ -277,7 +277,7 @@ def bench_onebit(dev: torch.device, sizes: List[int], copy_bw: Dict[int, float])
             def gc_case(scaling=scaling, chunk=chunk, check=check, name=name):
                 kw = gc_kw(dev)
                 c = gradcomp.OneBitCompressor(n, 1, scaling=scaling, error_feedback=True,
-                                              chunk_size=chunk, check_finite=check, **kw)
+                                              block_size=chunk, check_finite=check, **kw)
                 p = gradcomp.Payload()
                 t = timed(lambda: c.encode(g, p, kw["stream"]), dev)
                 ok = p.count == n and c.last_stats["numel"] == n

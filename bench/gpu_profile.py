@@ -35,7 +35,7 @@ def cases(n: int, dev: torch.device):
         c = gradcomp.TopKCompressor(n, ratio=0.001, method=method, error_feedback=False, **kw)
         p = gradcomp.Payload()
         yield f"topk {method} k={math.ceil(0.001 * n)}", (lambda c=c, p=p: c.encode(g, p, st))
-    c1 = gradcomp.OneBitCompressor(n, 1, scaling="sign_l2", error_feedback=True, chunk_size=128,
+    c1 = gradcomp.OneBitCompressor(n, 1, scaling="sign_l2", error_feedback=True, block_size=128,
                                    **kw)
     p1 = gradcomp.Payload()
     yield "onebit sign_l2 chunk=128", (lambda: c1.encode(g, p1, st))

@@ -19,30 +19,50 @@ using detail::check_dense;
 using detail::check_grad;
 using detail::norm_of;
 
+OneBitConfig OneBitConfig::resolved() const {
+  OneBitConfig r = *this;
+  // The one place the library reads the deprecated name: C++ callers written against it keep
+  // working, and everything downstream sees block_size only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  GC_CHECK_ARG(chunk_size >= -1, "chunk_size (block_size's earlier name) must be -1 (not set) or ",
+               "a block size, got ", chunk_size);
+  if (chunk_size != -1) {
+    GC_CHECK_ARG(block_size == 0 || block_size == chunk_size,
+                 "chunk_size is block_size's earlier name: set one of them (got block_size ",
+                 block_size, " and chunk_size ", chunk_size, ")");
+    r.block_size = chunk_size;
+    r.chunk_size = -1;
+  }
+#pragma GCC diagnostic pop
+  return r;
+}
+
 void OneBitConfig::validate() const {
   GC_CHECK_ARG(static_cast<uint8_t>(scaling) <= 2, "unknown 1-bit scaling ", int(scaling));
-  // (the plans' option is called block_size; a block is also what a server chunk holds whole,
-  // so its buffers are sized by it: bounded, since a larger block is one scale per chunk anyway)
-  GC_CHECK_ARG(chunk_size >= 0 && chunk_size % 32 == 0 && chunk_size <= (int64_t{1} << 24),
-               "block_size (chunk_size) must be 0 (one scale per chunk or tensor) or a multiple "
-               "of 32 up to 2^24, got ",
-               chunk_size);
-  GC_CHECK_ARG(scaling != OneBitScaling::kColumnMeans || chunk_size == 0,
-               "scaling 'column_means' groups by column, so block_size (chunk_size) must be 0 "
-               "with it: blocks apply to the sign modes only (got block_size ",
-               chunk_size, ")");
+  const int64_t block = resolved().block_size;
+  // (a block is also what a server chunk holds whole, so its buffers are sized by it: bounded,
+  // since a larger block is one scale per chunk anyway)
+  GC_CHECK_ARG(block >= 0 && block % 32 == 0 && block <= (int64_t{1} << 24),
+               "block_size must be 0 (one scale per chunk or tensor) or a multiple of 32 up to "
+               "2^24, got ",
+               block);
+  GC_CHECK_ARG(scaling != OneBitScaling::kColumnMeans || block == 0,
+               "scaling 'column_means' groups by column, so block_size must be 0 with it: blocks "
+               "apply to the sign modes only (got block_size ",
+               block, ")");
   GC_CHECK_ARG(std::isfinite(momentum) && momentum >= 0.0 && momentum < 1.0,
                "momentum must be in [0, 1), got ", momentum);
-  GC_CHECK_ARG(!rotate || (scaling != OneBitScaling::kColumnMeans && chunk_size >= 32 &&
-                           chunk_size <= 8192 && (chunk_size & (chunk_size - 1)) == 0),
-               "rotate needs a sign scaling and block_size (chunk_size) a power of two in [32, "
-               "8192], got ",
-               enum_name(scaling), " with block_size ", chunk_size,
+  GC_CHECK_ARG(!rotate || (scaling != OneBitScaling::kColumnMeans && block >= 32 && block <= 8192 &&
+                           (block & (block - 1)) == 0),
+               "rotate needs a sign scaling and block_size a power of two in [32, 8192], got ",
+               enum_name(scaling), " with block_size ", block,
                "; turn rotate off for other blocks");
 }
 
 int64_t onebit_effective_chunk(const OneBitConfig& cfg, int64_t n) {
-  if (cfg.chunk_size > 0) return cfg.chunk_size;
+  const int64_t block = cfg.resolved().block_size;
+  if (block > 0) return block;
   return std::max<int64_t>(32, (n + 31) / 32 * 32);
 }
 
@@ -175,7 +195,7 @@ struct OneBitCompressor::Impl {
 
 OneBitCompressor::OneBitCompressor(const OneBitConfig& cfg, int64_t rows, int64_t cols,
                                    DType grad_dtype, Device device, int device_index, void* stream)
-    : cfg_(cfg), rows_(rows), cols_(cols), device_(device) {
+    : cfg_(cfg.resolved()), rows_(rows), cols_(cols), device_(device) {
   cfg_.validate();
   GC_CHECK_ARG(cfg_.momentum == 0.0,
                "OneBitCompressor: momentum applies to the allreduce plan "
@@ -304,7 +324,7 @@ std::vector<uint8_t> OneBitCompressor::state_dict() const {
   w.put<int64_t>(cols_);
   w.put<uint8_t>(static_cast<uint8_t>(cfg_.scaling));
   w.put<uint8_t>(cfg_.error_feedback);
-  w.put<int64_t>(cfg_.chunk_size);
+  w.put<int64_t>(cfg_.block_size);
   w.put<uint32_t>(cfg_.tensor_id);
   w.put<int64_t>(step_);
   impl_->materialize();
@@ -318,7 +338,7 @@ void OneBitCompressor::load_state_dict(const uint8_t* data, size_t nbytes) {
   r.expect<int64_t>("cols", cols_);
   r.expect<uint8_t>("scaling", static_cast<uint8_t>(cfg_.scaling));
   r.expect<uint8_t>("error_feedback", cfg_.error_feedback);
-  r.expect<int64_t>("chunk_size", cfg_.chunk_size);
+  r.expect<int64_t>("block_size", cfg_.block_size);
   r.expect<uint32_t>("tensor_id", cfg_.tensor_id);
   const auto step = r.get_step();
   const uint64_t eb = static_cast<uint64_t>(rows_ * cols_) * sizeof(float);

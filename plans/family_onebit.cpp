@@ -25,7 +25,7 @@ PlanOptions onebit_defaults() {
 std::unique_ptr<BucketPlan> onebit_plan(const BucketSpec& b, const Options& o) {
   OneBitConfig c;
   c.scaling = o.pick<OneBitScaling>("scaling");
-  c.chunk_size = o.integer("block_size");
+  c.block_size = o.integer("block_size");
   c.rotate = o.flag("rotate");
   c.error_feedback = o.flag("error_feedback");
   c.check_finite = o.flag("check_finite");
@@ -45,7 +45,8 @@ const Family& onebit_family() {
     o.defaults = onebit_defaults;
     o.build = onebit_plan;
     o.states = {{"onebit-allreduce", reshard_onebit_state}};
-    // OneBitConfig and the per-tensor codec's keyword called the elements per scale chunk_size
+    // the elements per scale were called chunk_size by OneBitConfig (still accepted there) and by
+    // the per-tensor codec's keyword
     o.aliases = {{"chunk_size", "block_size"}};
     return o;
   }();

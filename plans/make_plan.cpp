@@ -63,7 +63,7 @@ OneBitConfig onebit_config(const PlanOptions& options, uint32_t tensor_id) {
   OneBitConfig c;
   c.scaling = o.pick<OneBitScaling>("scaling");
   const bool block_given = options.count("block_size") != 0 || options.count("chunk_size") != 0;
-  c.chunk_size =
+  c.block_size =
       c.scaling == OneBitScaling::kColumnMeans && !block_given ? 0 : o.integer("block_size");
   c.error_feedback = o.flag("error_feedback");
   c.check_finite = o.flag("check_finite");

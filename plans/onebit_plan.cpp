@@ -57,14 +57,14 @@ struct OneBitAllreducePlan::Impl : detail::TwoPhaseState {
 
 namespace {
 /// 32-bit words of a server chunk (plans/two_phase.hpp): whole scale blocks when blocks are set.
-int64_t chunk_words(int64_t numel, int world, int64_t chunk_size) {
-  return detail::two_phase_chunk_elems(numel, world, chunk_size > 0 ? chunk_size : 32) / 32;
+int64_t chunk_words(int64_t numel, int world, int64_t block_size) {
+  return detail::two_phase_chunk_elems(numel, world, block_size > 0 ? block_size : 32) / 32;
 }
 }  // namespace
 
 OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel, int world,
                                          int rank, Device device, int device_index, void* stream)
-    : cfg_(cfg), numel_(numel), world_(world), rank_(rank), device_(device) {
+    : cfg_(cfg.resolved()), numel_(numel), world_(world), rank_(rank), device_(device) {
   cfg_.validate();
   GC_CHECK_ARG(cfg_.scaling != OneBitScaling::kColumnMeans,
                "the 1-bit allreduce plan uses a sign scaling (kSignL1 or kSignL2), got ",
@@ -76,9 +76,9 @@ OneBitAllreducePlan::OneBitAllreducePlan(const OneBitConfig& cfg, int64_t numel,
   if (device == Device::kCUDA && !built_with_cuda())
     throw_not_built_with_cuda("OneBitAllreducePlan on CUDA");
   const int64_t words = k::onebit::num_words(numel);
-  words_per_chunk_ = chunk_words(numel, world, cfg_.chunk_size);
-  if (cfg_.chunk_size > 0) {
-    scale_block_ = cfg_.chunk_size;
+  words_per_chunk_ = chunk_words(numel, world, cfg_.block_size);
+  if (cfg_.block_size > 0) {
+    scale_block_ = cfg_.block_size;
   } else {
     scale_block_ = std::max<int64_t>(32, chunk_elems());
   }
@@ -136,7 +136,7 @@ void OneBitAllreducePlan::check_envelopes() {
   // with check_finite the step wrote only the other copy of the state; without it, the worker
   // error (and momentum) in place
   detail::throw_disagreement(v, "onebit-allreduce",
-                             "scaling, chunk_size, error_feedback, momentum, rotate, check_finite "
+                             "scaling, block_size, error_feedback, momentum, rotate, check_finite "
                              "and the bucket's size",
                              step_, s.staged);
 }
@@ -397,7 +397,7 @@ const detail::StateSchema& onebit_schema() {
        {"rank", FieldRole::kRank},
        {"scaling", FieldRole::kOption, FieldType::kU8},
        {"error_feedback", FieldRole::kOption, FieldType::kU8},
-       {"chunk_size", FieldRole::kOption, FieldType::kI64},
+       {"block_size", FieldRole::kOption, FieldType::kI64},
        {"has_momentum", FieldRole::kOption, FieldType::kU8},
        {"rotate", FieldRole::kOption, FieldType::kU8},
        {"step", FieldRole::kStep},
@@ -406,12 +406,12 @@ const detail::StateSchema& onebit_schema() {
        {"momentum", FieldRole::kMean, FieldType::kI64,
         [](const detail::StateScalars& v) { return v.at("has_momentum") != 0; }}},
       [](const detail::StateScalars& v, int world) {
-        return 32 * chunk_words(v.at("numel"), world, v.at("chunk_size"));
+        return 32 * chunk_words(v.at("numel"), world, v.at("block_size"));
       },
       [](const detail::StateScalars& v) {
-        const int64_t c = v.at("chunk_size");
+        const int64_t c = v.at("block_size");
         GC_CHECK_ARG(c >= 0 && c % 32 == 0 && c <= (int64_t{1} << 24),
-                     "state_dict: bad chunk_size ", c);
+                     "state_dict: bad block_size ", c);
       }};
   return s;
 }
@@ -423,7 +423,7 @@ std::map<std::string, int64_t> OneBitAllreducePlan::state_scalars() const {
           {"rank", rank_},
           {"scaling", static_cast<int64_t>(cfg_.scaling)},
           {"error_feedback", cfg_.error_feedback},
-          {"chunk_size", cfg_.chunk_size},
+          {"block_size", cfg_.block_size},
           {"has_momentum", cfg_.momentum > 0.0},
           {"rotate", cfg_.rotate},
           {"step", step_}};

@@ -34,7 +34,7 @@ namespace gradcomp {
 ///  (4) allgather (ElemType::kU8, B bytes per rank) of the recompressed blocks.
 ///  (5) every rank decodes all P blocks into the gradient (or `out`): bitwise the same result on
 ///      every rank.
-/// S is cfg.chunk_size (a positive multiple of 32), or 0: one scale per server chunk (the form
+/// S is cfg.block_size (a positive multiple of 32), or 0: one scale per server chunk (the form
 /// of the 1-bit Adam paper). One scale for a whole chunk lets layers of very different gradient
 /// magnitude share it: the small-gradient layers then get steps far above their own size and the
 /// large ones far below, which error feedback cannot repair (measured in
@@ -76,7 +76,7 @@ class OneBitAllreducePlan : public BucketPlan {
   std::optional<Collective> next() override;
   std::string name() const override { return "onebit-allreduce"; }
   /// Elements per server chunk (32 W), elements per scale (S; = chunk_elems() when
-  /// cfg.chunk_size is 0), scales per chunk (NB) and bytes per block (4 (NB + W)).
+  /// cfg.block_size is 0), scales per chunk (NB) and bytes per block (4 (NB + W)).
   int64_t chunk_elems() const { return 32 * words_per_chunk_; }
   int64_t scale_block() const { return scale_block_; }
   int64_t scales_per_chunk() const { return scales_per_chunk_; }

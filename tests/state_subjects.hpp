@@ -106,7 +106,7 @@ class OneBitPlanSubject : public OneRankPlanSubject<OneBitAllreducePlan> {
   static OneBitConfig cfg(bool check_finite) {
     OneBitConfig c;
     c.scaling = OneBitScaling::kSignL2;
-    c.chunk_size = 32;
+    c.block_size = 32;
     c.rotate = true;
     c.momentum = 0.5;
     c.check_finite = check_finite;

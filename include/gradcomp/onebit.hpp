@@ -59,12 +59,20 @@ enum class OneBitScaling : uint8_t {
 /// OneBitConfig{} is 1-bit SGD's codec (column means, no blocks); the plans and the Python codec
 /// take the onebit family's defaults instead (scaled sign, an L2 scale per block of 128):
 /// onebit_config({}) in make_plan.hpp gives them.
+// (GCC warns of the deprecated member in the constructors it writes for every OneBitConfig; the
+// pragma limits the warning to code that names chunk_size.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 struct OneBitConfig {
   OneBitScaling scaling = OneBitScaling::kColumnMeans;
   bool error_feedback = true;  ///< keep e = x - decode(encode(x)); off for ablations
   /// Sign modes: elements per scale, a positive multiple of 32; 0 = one scale for the tensor.
-  /// Must be 0 for kColumnMeans (its groups are the columns).
-  int64_t chunk_size = 0;
+  /// Must be 0 for kColumnMeans (its groups are the columns). The option tables' name as well.
+  int64_t block_size = 0;
+  /// block_size's earlier name, still accepted from C++ code written against it: -1 = not set.
+  /// When set it is block_size (with block_size left at 0, or given the same value; two different
+  /// values are refused). The library reads block_size only: resolved() folds this into it.
+  [[deprecated("OneBitConfig::chunk_size is now block_size")]] int64_t chunk_size = -1;
   /// Reject a gradient with NaN/Inf (naming the first bad index) leaving the state unchanged.
   /// The check rides on the scale sums: it costs no pass unless a scale comes out non-finite. On
   /// the CPU the one-pass compress then writes the new state into a second buffer (4 bytes per
@@ -76,20 +84,25 @@ struct OneBitConfig {
   /// returns the average momentum and the optimizer must apply none (plain SGD): as in 1-bit
   /// Adam, the smoother momentum loses far less to the sign than the raw gradient does.
   double momentum = 0.0;
-  /// OneBitAllreducePlan only (false for the compressor): rotate every full block of chunk_size
+  /// OneBitAllreducePlan only (false for the compressor): rotate every full block of block_size
   /// elements by a fixed randomized Hadamard transform before the sign (DRIVE, Vargaftik et al.
   /// 2021) and back after the average. Gradient blocks are heavy-tailed (a few large entries: the
   /// sign with one scale then loses most of the block's energy to error feedback); rotated blocks
   /// are near-Gaussian and lose 0.36 (L1 scale) to 0.40 (L2) of it. Needs a sign scaling and
-  /// chunk_size a power of two in [32, 8192]. The trailing partial block (numel % chunk_size
+  /// block_size a power of two in [32, 8192]. The trailing partial block (numel % block_size
   /// elements) is not rotated. The plan's error and momentum buffers then hold rotated values. Same
   /// bytes on the wire.
   bool rotate = false;
+  /// InvalidArgument for settings no plan or codec accepts (chunk_size included).
   void validate() const;
+  /// This configuration with chunk_size folded into block_size (and chunk_size unset);
+  /// InvalidArgument if the two names were given different values.
+  OneBitConfig resolved() const;
 };
+#pragma GCC diagnostic pop
 
-/// Elements per scale actually used for n elements (sign modes): chunk_size, or n rounded up to
-/// a multiple of 32 (at least 32) when chunk_size is 0.
+/// Elements per scale actually used for n elements (sign modes): block_size, or n rounded up to
+/// a multiple of 32 (at least 32) when block_size is 0.
 int64_t onebit_effective_chunk(const OneBitConfig& cfg, int64_t n);
 /// Exact payload bytes of a 1-bit payload: header + bits + scales (each section 8-byte aligned).
 uint64_t onebit_payload_bytes(const OneBitConfig& cfg, int64_t rows, int64_t cols);

@@ -487,7 +487,7 @@ TEST(StateLayouts, TwoPhaseStatesKeepTheirFieldOrderAndSizes) {
     expect_rank_head(r, n, P);
     r.get<uint8_t>("scaling");
     EXPECT_EQ(r.get<uint8_t>("error_feedback"), 1);
-    EXPECT_EQ(r.get<int64_t>("chunk_size"), 128);
+    EXPECT_EQ(r.get<int64_t>("block_size"), 128);
     EXPECT_EQ(r.get<uint8_t>("has_momentum"), momentum ? 1 : 0);
     EXPECT_EQ(r.get<uint8_t>("rotate"), 1);
     EXPECT_EQ(r.get_step(), 1);

@@ -111,7 +111,7 @@ TEST(MakePlan, EveryFamilyMatchesThePlanBuiltByHand) {
         } else if (name == "onebit") {  // the documented recommended settings
           gc::OneBitConfig c;
           c.scaling = gc::OneBitScaling::kSignL2;
-          c.chunk_size = 128;
+          c.block_size = 128;
           c.rotate = true;
           c.momentum = 0.5;
           c.tensor_id = 3;
@@ -281,7 +281,7 @@ TEST(MakePlan, OneBitCodecConfigIsThePlansConfig) {
     auto plan = gc::make_plan("onebit", b, plan_given);
     const gc::OneBitConfig& pc = dynamic_cast<gc::OneBitAllreducePlan&>(*plan).config();
     EXPECT_EQ(c.scaling, pc.scaling);
-    EXPECT_EQ(c.chunk_size, pc.chunk_size);
+    EXPECT_EQ(c.block_size, pc.block_size);
     EXPECT_EQ(c.error_feedback, pc.error_feedback);
     EXPECT_EQ(c.check_finite, pc.check_finite);
     EXPECT_EQ(c.tensor_id, 5u);
@@ -290,15 +290,15 @@ TEST(MakePlan, OneBitCodecConfigIsThePlansConfig) {
   }
   const gc::OneBitConfig d = gc::onebit_config({});
   EXPECT_EQ(d.scaling, gc::OneBitScaling::kSignL2);
-  EXPECT_EQ(d.chunk_size, 128);
+  EXPECT_EQ(d.block_size, 128);
   // the codec's old keyword for the block
-  EXPECT_EQ(gc::onebit_config({{"chunk_size", int64_t{256}}}).chunk_size, 256);
+  EXPECT_EQ(gc::onebit_config({{"chunk_size", int64_t{256}}}).block_size, 256);
   EXPECT_THROW(gc::onebit_config({{"chunk_size", int64_t{256}}, {"block_size", int64_t{256}}}),
                gc::InvalidArgument);
   // column means: its groups are the columns, so no block unless one is asked for (refused)
   const gc::OneBitConfig cm = gc::onebit_config({{"scaling", std::string("column_means")}});
   EXPECT_EQ(cm.scaling, gc::OneBitScaling::kColumnMeans);
-  EXPECT_EQ(cm.chunk_size, 0);
+  EXPECT_EQ(cm.block_size, 0);
   EXPECT_THROW(
       gc::onebit_config({{"scaling", std::string("column_means")}, {"block_size", int64_t{128}}}),
       gc::InvalidArgument);

@@ -61,7 +61,7 @@ inline OneBitConfig onebit_config(OneBitScaling s = OneBitScaling::kColumnMeans,
                                   int64_t chunk = 0) {
   OneBitConfig c;
   c.scaling = s;
-  c.chunk_size = chunk;
+  c.block_size = chunk;
   c.tensor_id = kTensorId;
   return c;
 }

@@ -26,14 +26,14 @@ struct Shape {
 OneBitConfig make_cfg(OneBitScaling s, int64_t chunk = 0, bool ef = true) {
   OneBitConfig c;
   c.scaling = s;
-  c.chunk_size = chunk;
+  c.block_size = chunk;
   c.error_feedback = ef;
   c.tensor_id = 7;
   return c;
 }
 
 std::string label(const OneBitConfig& c, Shape s) {
-  return std::string(enum_name(c.scaling)) + " chunk " + std::to_string(c.chunk_size) + " shape " +
+  return std::string(enum_name(c.scaling)) + " chunk " + std::to_string(c.block_size) + " shape " +
          std::to_string(s.R) + "x" + std::to_string(s.C);
 }
 

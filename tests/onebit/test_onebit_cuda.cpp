@@ -33,7 +33,7 @@ std::vector<uint8_t> download_payload(const Payload& p) {
 OneBitConfig make_cfg(OneBitScaling s, int64_t chunk = 0) {
   OneBitConfig c;
   c.scaling = s;
-  c.chunk_size = chunk;
+  c.block_size = chunk;
   c.tensor_id = 3;
   return c;
 }
@@ -49,7 +49,7 @@ void compare_twins(const OneBitConfig& cfg, Shape sh, DType dt, int steps, int64
   const int64_t n = sh.R * sh.C;
   SCOPED_TRACE(std::string(enum_name(cfg.scaling)) + " " + std::to_string(sh.R) + "x" +
                std::to_string(sh.C) + " " + dtype_name(dt) + " chunk " +
-               std::to_string(cfg.chunk_size) + " offset " + std::to_string(offset));
+               std::to_string(cfg.block_size) + " offset " + std::to_string(offset));
   OneBitCompressor cpu(cfg, sh.R, sh.C, dt);
   OneBitCompressor gpu(cfg, sh.R, sh.C, dt, Device::kCUDA, gradcomp::cuda::current_device());
   const int es = dtype_size(dt);

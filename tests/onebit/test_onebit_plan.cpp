@@ -26,7 +26,7 @@ OneBitConfig plan_cfg(OneBitScaling s = OneBitScaling::kSignL2, bool ef = true, 
   OneBitConfig c;
   c.scaling = s;
   c.error_feedback = ef;
-  c.chunk_size = block;
+  c.block_size = block;
   return c;
 }
 
@@ -494,9 +494,9 @@ TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(OneBitScaling::kColumnMeans), n, 2, 0),
                InvalidArgument);
   OneBitConfig chunked = plan_cfg();
-  chunked.chunk_size = 48;  // blocks of scales are whole words of bits
+  chunked.block_size = 48;  // blocks of scales are whole words of bits
   EXPECT_THROW(OneBitAllreducePlan(chunked, n, 2, 0), InvalidArgument);
-  chunked.chunk_size = -32;
+  chunked.block_size = -32;
   EXPECT_THROW(OneBitAllreducePlan(chunked, n, 2, 0), InvalidArgument);
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 2, 2), InvalidArgument);
   EXPECT_THROW(OneBitAllreducePlan(plan_cfg(), n, 0, 0), InvalidArgument);
@@ -549,6 +549,71 @@ TEST(OneBitPlan, BadInputRejectedBeforeStateChanges) {
   run_plans_in_process({&plan});
   EXPECT_EQ(plan.step(), 2);
 }
+
+// C++ code written when the field was called chunk_size keeps working: the old name sets
+// block_size (same plans, bits and state), and the two names with different values are refused.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST(OneBitPlan, ChunkSizeIsBlockSizesEarlierName) {
+  const int64_t n = 1000;
+  const int P = 3;
+  OneBitConfig old_name = plan_cfg();
+  old_name.chunk_size = 64;
+  const OneBitConfig r = old_name.resolved();
+  EXPECT_EQ(r.block_size, 64);
+  EXPECT_EQ(r.chunk_size, -1);
+  EXPECT_EQ(onebit_effective_chunk(old_name, n), 64);
+  EXPECT_EQ(onebit_payload_bytes(old_name, n, 1),
+            onebit_payload_bytes(plan_cfg(OneBitScaling::kSignL2, true, 64), n, 1));
+  Sim a(old_name, P, n), b(plan_cfg(OneBitScaling::kSignL2, true, 64), P, n),
+      other(plan_cfg(OneBitScaling::kSignL2, true, 0), P, n);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<std::vector<float>> g(P);
+    for (int q = 0; q < P; ++q) g[q] = normal(n, 100 * step + q);
+    auto g2 = g, g3 = g;
+    a.step(g);
+    b.step(g2);
+    other.step(g3);
+    for (int q = 0; q < P; ++q) {
+      ASSERT_TRUE(same_bytes(a.out[q].data(), b.out[q].data(), 4 * n)) << step << " " << q;
+      ASSERT_EQ(a.plans[q]->state_dict(), b.plans[q]->state_dict());
+    }
+    // (the blocks matter: one scale per chunk gives other bits)
+    EXPECT_FALSE(same_bytes(a.out[0].data(), other.out[0].data(), 4 * n));
+  }
+  EXPECT_EQ(a.plans[0]->config().block_size, 64);
+  // the same value under both names is that value; different values are refused everywhere
+  OneBitConfig both = plan_cfg(OneBitScaling::kSignL2, true, 64);
+  both.chunk_size = 64;
+  EXPECT_EQ(both.resolved().block_size, 64);
+  EXPECT_NO_THROW(both.validate());
+  both.chunk_size = 128;
+  EXPECT_THROW(both.validate(), InvalidArgument);
+  EXPECT_THROW(both.resolved(), InvalidArgument);
+  EXPECT_THROW(OneBitAllreducePlan(both, n, 2, 0), InvalidArgument);
+  EXPECT_THROW(OneBitCompressor(both, n), InvalidArgument);
+  try {
+    both.validate();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("earlier name"), std::string::npos) << e.what();
+  }
+  OneBitConfig bad = plan_cfg();
+  bad.chunk_size = -32;
+  EXPECT_THROW(bad.validate(), InvalidArgument);
+  bad.chunk_size = 48;  // not whole words: refused as block_size 48 is
+  EXPECT_THROW(OneBitAllreducePlan(bad, n, 2, 0), InvalidArgument);
+  // the codec reads the old name too: its payload is the block_size one's, byte for byte
+  OneBitConfig codec_old = plan_cfg();
+  codec_old.chunk_size = 128;
+  OneBitCompressor c_old(codec_old, n), c_new(plan_cfg(OneBitScaling::kSignL2, true, 128), n);
+  auto g = normal(n, 7);
+  Payload p_old, p_new;
+  c_old.encode(TensorView::cpu(g.data(), n), p_old);
+  c_new.encode(TensorView::cpu(g.data(), n), p_new);
+  ASSERT_EQ(p_old.size(), p_new.size());
+  EXPECT_TRUE(same_bytes(p_old.data(), p_new.data(), p_old.size()));
+}
+#pragma GCC diagnostic pop
 
 TEST(OneBitPlan, MomentumCompressesTheVelocityAndKeepsItInTheState) {
   // With momentum m the plan must behave as a plan without momentum fed u_t = m u_{t-1} + g_t

@@ -223,7 +223,7 @@ TEST(OneBitRange, CompressorScalesAndDecodesOverTheWholeRange) {
               OneBitConfig cfg;
               cfg.scaling = sc;
               cfg.error_feedback = ef;
-              cfg.chunk_size = chunk;
+              cfg.block_size = chunk;
               OneBitCompressor comp(cfg, n, 1, t);
               const int64_t S = onebit_effective_chunk(cfg, n);
               for (int step = 0; step < 3; ++step) {
@@ -290,7 +290,7 @@ void check_plan(DType t, OneBitScaling sc, bool ef, Mag m, int P, int64_t n, int
   OneBitConfig cfg;
   cfg.scaling = sc;
   cfg.error_feedback = ef;
-  cfg.chunk_size = chunk;
+  cfg.block_size = chunk;
   std::vector<std::unique_ptr<OneBitAllreducePlan>> plans;
   for (int r = 0; r < P; ++r) plans.push_back(std::make_unique<OneBitAllreducePlan>(cfg, n, P, r));
   const int64_t CE = plans[0]->chunk_elems(), S = plans[0]->scale_block();
@@ -392,7 +392,7 @@ TEST(OneBitRange, InPlaceFp32AverageIsFinite) {
         SCOPED_TRACE(trace(DType::kFloat32, sc, true, m, 1001) + " P " + std::to_string(P));
         OneBitConfig cfg;
         cfg.scaling = sc;
-        cfg.chunk_size = 64;
+        cfg.block_size = 64;
         std::vector<std::unique_ptr<OneBitAllreducePlan>> plans;
         for (int r = 0; r < P; ++r)
           plans.push_back(std::make_unique<OneBitAllreducePlan>(cfg, 1001, P, r));
@@ -422,7 +422,7 @@ TEST(OneBitRange, InPlaceHalfAverageIsFinite) {
           SCOPED_TRACE(trace(t, sc, true, m, 1000) + " P " + std::to_string(P));
           OneBitConfig cfg;
           cfg.scaling = sc;
-          cfg.chunk_size = 128;
+          cfg.block_size = 128;
           std::vector<std::unique_ptr<OneBitAllreducePlan>> plans;
           for (int r = 0; r < P; ++r)
             plans.push_back(std::make_unique<OneBitAllreducePlan>(cfg, 1000, P, r));
