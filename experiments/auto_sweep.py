@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -138,8 +138,15 @@ def _speed(row) -> Dict[str, float]:
             "hi": 1.0 / min(rounds)}
 
 
-def analyse(run: Dict[str, Any]) -> Dict[str, Any]:
-    """One setting's figures: auto against plain DDP, the best method and PyTorch's hooks."""
+def analyse(run: Dict[str, Any], rtt_ms: Optional[float] = None) -> Dict[str, Any]:
+    """One setting's figures: auto against plain DDP, the best method and PyTorch's hooks.
+
+    With the setting's added round trip `rtt_ms`, also the bound on what any method that
+    exchanges once per step can reach (``bound``, as a multiple of plain DDP's steps/s): its
+    step cannot be shorter than the compute floor plus one one-way latency, since the last
+    bucket's gradient exists only when backward ends and has to reach the other ranks before
+    they can step (more buckets overlap the others' rounds with backward, not that one). The
+    bound is no tighter than the floor's own spread over rounds."""
     rows = {r["name"]: r for r in run["rows"]}
     sp = {n: _speed(r) for n, r in rows.items()}
     ddp, auto = sp["ddp"], sp["auto"]
@@ -151,12 +158,16 @@ def analyse(run: Dict[str, Any]) -> Dict[str, Any]:
     share = (1.0 - statistics.median(floor["all_rounds"]) / statistics.median(rows["ddp"]["all_rounds"])
              if floor else None)
     vs_ddp = auto["sps"] / ddp["sps"]
+    bound = None
+    if floor and rtt_ms is not None:
+        bound = (statistics.median(rows["ddp"]["all_rounds"])
+                 / (statistics.median(floor["all_rounds"]) + rtt_ms / 2e3))
     # a loss counts when auto is below 0.95x plain DDP and the rounds do not overlap: auto's
     # fastest round slower than plain DDP's slowest
     loss = vs_ddp < 0.95 and auto["hi"] < ddp["lo"]
     return {"ddp_sps": ddp["sps"], "auto_sps": auto["sps"], "vs_ddp": vs_ddp,
             "vs_ddp_lo": auto["lo"] / ddp["hi"], "vs_ddp_hi": auto["hi"] / ddp["lo"],
-            "loss": loss, "comm_share": share, "best": best, "best_vs_ddp": sp[best]["sps"] / ddp["sps"],
+            "loss": loss, "comm_share": share, "bound": bound, "best": best, "best_vs_ddp": sp[best]["sps"] / ddp["sps"],
             "vs_best": auto["sps"] / sp[best]["sps"],
             "best_plain": best_plain, "vs_best_plain": auto["sps"] / sp[best_plain]["sps"],
             "vs_torch_fp16": auto["sps"] / sp["torch-fp16"]["sps"] if "torch-fp16" in sp else None,
@@ -166,16 +177,21 @@ def analyse(run: Dict[str, Any]) -> Dict[str, Any]:
             "speeds": {m: sp[m]["sps"] / ddp["sps"] for m in methods}}
 
 
-def load(folder: str) -> List[Dict[str, Any]]:
+def load(folder: str, also: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """Every finished setting in `folder`, then in each of the `also` folders in turn for the
+    settings `folder` does not have (one table from sweeps run in parts); each setting says
+    which folder it came from (``folder``)."""
     out = []
     for s in sorted(settings(MODELS, WORLDS, RATES, RTTS_MS),
                     key=lambda s: (MODELS.index(s["model"]), s["world"], RATES.index(s["rate"]),
                                    s["rtt_ms"])):
-        path = os.path.join(folder, s["key"] + ".json")
-        if os.path.exists(path):
-            with open(path) as f:
-                run = json.load(f)
-            out.append(dict(s, run=run, **analyse(run)))
+        for where in (folder, *also):
+            path = os.path.join(where, s["key"] + ".json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    run = json.load(f)
+                out.append(dict(s, run=run, folder=where, **analyse(run, s["rtt_ms"])))
+                break
     return out
 
 
@@ -185,8 +201,8 @@ def _choices_text(ch) -> str:
     return ", ".join(f"{k}:{v}" for k, v in sorted(ch.items(), key=lambda kv: int(kv[0])))
 
 
-def report(folder: str) -> str:
-    res = load(folder)
+def report(folder: str, also: Sequence[str] = ()) -> str:
+    res = load(folder, also)
     if not res:
         raise SystemExit(f"no finished setting in {folder}")
     lines = []
@@ -201,13 +217,27 @@ def report(folder: str) -> str:
     lines.append(f"- Command: `sudo .venv-torch2/bin/python -m experiments.auto_sweep --out "
                  f"{os.path.relpath(folder, ROOT)}`; each setting's file names its exact bench "
                  f"command (`meta.command`).")
+    if also:
+        parts = []
+        for where in (folder, *also):
+            mine = [r for r in res if r["folder"] == where]
+            if mine:
+                cs = sorted({r["run"]["meta"]["commit"] for r in mine})
+                parts.append(f"{len(mine)} from `{os.path.relpath(where, ROOT)}` "
+                             f"({', '.join(cs)})")
+        lines.append(f"- Settings from several runs: {'; '.join(parts)}.")
     lines.append("- Speeds: steps/s = 1 / (median over rounds of each round's median step time), "
                  "a step's time being the slowest rank's; ratios against plain DDP in the same "
                  "run. [lo, hi]: the ratio's range over the rounds (auto's slowest round against "
                  "DDP's fastest, and the reverse). A loss: below 0.95x and the ranges apart.")
     lines.append("- comm share: 1 - (compute floor, DDP with a hook that communicates nothing) / "
-                 "(plain DDP step).\n")
-    hdr = ["model", "ranks", "link", "RTT ms", "DDP steps/s", "comm share", "auto/DDP [lo, hi]",
+                 "(plain DDP step).")
+    lines.append("- bound: plain DDP's step / (compute floor + RTT / 2), the most any method that "
+                 "exchanges once per step can reach (x DDP): the last bucket is ready only when "
+                 "backward ends, and its exchange takes at least one one-way latency. An "
+                 "estimate from measured medians, so a method can land a little above it.\n")
+    hdr = ["model", "ranks", "link", "RTT ms", "DDP steps/s", "comm share", "bound (x DDP)",
+           "auto/DDP [lo, hi]",
            "best (x DDP)", "auto/best", "auto/best without DGC families", "auto/torch-fp16",
            "auto/torch-PowerSGD",
            "auto chose (bucket:candidate)"]
@@ -217,7 +247,8 @@ def report(folder: str) -> str:
         share = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%"
         lines.append("| " + " | ".join([
             r["model"], str(r["world"]), r["rate"], f"{r['rtt_ms']:g}", f"{r['ddp_sps']:.2f}",
-            share, f"{r['vs_ddp']:.2f} [{r['vs_ddp_lo']:.2f}, {r['vs_ddp_hi']:.2f}]"
+            share, "-" if r["bound"] is None else f"{r['bound']:.2f}",
+            f"{r['vs_ddp']:.2f} [{r['vs_ddp_lo']:.2f}, {r['vs_ddp_hi']:.2f}]"
             + (" LOSS" if r["loss"] else ""),
             f"{r['best']} ({r['best_vs_ddp']:.2f})", f"{r['vs_best']:.2f}",
             f"{r['vs_best_plain']:.2f} ({r['best_plain']})",
@@ -232,9 +263,18 @@ def report(folder: str) -> str:
                  + (f" (losses: {', '.join(r['key'] for r in losses)})" if losses else "")
                  + f"; lowest ratio {min(r['vs_ddp'] for r in res):.2f}.")
     if heavy:
-        lines.append(f"- Where plain DDP spends >= 60% of its step communicating ({len(heavy)} "
-                     f"settings): auto >= 2x in {sum(r['vs_ddp'] >= 2 for r in heavy)}; range "
-                     f"{min(r['vs_ddp'] for r in heavy):.2f}-{max(r['vs_ddp'] for r in heavy):.2f}x.")
+        capped = [r for r in heavy if r["bound"] is not None and r["bound"] < 2]
+        open_ = [r for r in heavy if r not in capped]
+        line = (f"- Where plain DDP spends >= 60% of its step communicating ({len(heavy)} "
+                f"settings): auto >= 2x in {sum(r['vs_ddp'] >= 2 for r in heavy)}; range "
+                f"{min(r['vs_ddp'] for r in heavy):.2f}-{max(r['vs_ddp'] for r in heavy):.2f}x.")
+        if capped:
+            line += (f" In {len(capped)} of them the bound is below 2x, so no method that "
+                     f"exchanges once per step can reach 2x there ("
+                     + ", ".join(f"{r['key']} {r['bound']:.2f}x" for r in capped) + ")")
+            line += (f"; in the other {len(open_)}: auto >= 2x in "
+                     f"{sum(r['vs_ddp'] >= 2 for r in open_)}." if open_ else ".")
+        lines.append(line)
     lines.append(f"- auto within 10% of the best method: {sum(r['vs_best'] >= 1 / 1.1 for r in res)} "
                  f"of {n}; of the best method without the families that need DGC's momentum "
                  f"correction ({', '.join(NEEDS_DGC)}; not auto's default candidates): "
@@ -252,7 +292,7 @@ def report(folder: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def heatmaps(folder: str) -> List[str]:
+def heatmaps(folder: str, also: Sequence[str] = ()) -> List[str]:
     """Per model: auto / plain DDP and auto / best method over link rate x RTT, one column per
     world size."""
     import matplotlib
@@ -260,7 +300,7 @@ def heatmaps(folder: str) -> List[str]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    res = load(folder)
+    res = load(folder, also)
     paths = []
     for model in MODELS:
         mine = [r for r in res if r["model"] == model]
@@ -306,6 +346,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "auto_sweep"))
     ap.add_argument("--report", default="", metavar="DIR",
                     help="write DIR/README.md's table (table.md) and heatmaps from DIR; run nothing")
+    ap.add_argument("--also", action="append", default=[], metavar="DIR",
+                    help="with --report: settings DIR has that the report's folder has not "
+                         "(a sweep run in parts); repeatable")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     ap.add_argument("--rates", default=",".join(RATES))
@@ -320,11 +363,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--setting-timeout", type=float, default=1200.0, help="seconds per setting")
     a = ap.parse_args(argv)
     if a.report:
-        table = report(a.report)
+        table = report(a.report, a.also)
         with open(os.path.join(a.report, "table.md"), "w") as f:
             f.write(table)
         print(table)
-        for p in heatmaps(a.report):
+        for p in heatmaps(a.report, a.also):
             print("wrote", p)
         return 0
     a.models = [m for m in a.models.split(",") if m]

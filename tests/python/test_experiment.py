@@ -342,6 +342,11 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     slow = sw.analyse(_sweep_run(dict(base, auto=[210, 210]), {"0": "powersgd"}))
     assert slow["loss"] and slow["vs_ddp"] == pytest.approx(105 / 210)
     assert slow["comm_share"] == pytest.approx(1 - 20 / 105)
+    # the most a method exchanging once per step can reach: DDP's step over the floor plus one
+    # one-way latency (RTT / 2); no bound without the setting's RTT
+    assert slow["bound"] is None
+    assert sw.analyse(_sweep_run(dict(base, auto=[210, 210])), 50.0)["bound"] == \
+        pytest.approx(105 / (20 + 25))
     assert slow["best"] == "onebit" and slow["best_vs_ddp"] == pytest.approx(105 / 40)
     assert slow["vs_best"] == pytest.approx(40 / 210)
     # the best without the families that need DGC's momentum correction: PyTorch's PowerSGD
@@ -366,6 +371,27 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     assert "2 of 72 settings" in text
     assert "auto >= 0.95x plain DDP: 1 of 2 settings (losses: cnn_w4_100mbit_rtt50ms)" in text
     assert "auto within 10% of the best method: 1 of 2; of the best method without" in text
+    # both settings communicate 81% of DDP's step; the bounds (105 / 20.05 and 105 / 45 ms) leave
+    # 2x open, and auto reached it in the faster one (3.5x)
+    assert "(2 settings): auto >= 2x in 1;" in text and "bound is below 2x" not in text
+    # a sweep in parts: a second folder adds the settings the first lacks, and says so
+    other = tmp_path / "other"
+    other.mkdir()
+    heavy = dict(base, ddp=[100, 100], **{"no-comm": [40, 40]}, auto=[60, 60])
+    for key, run in (("cnn_w2_40gbit_rtt0.1ms", _sweep_run(dict(base, auto=[500, 500]))),
+                     ("mlp_w2_1gbit_rtt50ms", _sweep_run(heavy))):
+        with open(other / f"{key}.json", "w") as f:
+            json.dump(run, f)
+    both = sw.load(str(tmp_path), [str(other)])
+    assert [(r["key"], os.path.basename(r["folder"])) for r in both] == [
+        ("mlp_w2_1gbit_rtt50ms", "other"), ("cnn_w2_40gbit_rtt0.1ms", tmp_path.name),
+        ("cnn_w4_100mbit_rtt50ms", tmp_path.name)]
+    text = sw.report(str(tmp_path), [str(other)])
+    assert "3 of 72 settings" in text and "Settings from several runs: 2 from" in text
+    # the MLP setting: 60% communication, a bound of 100 / (40 + 25) ms = 1.54x below 2x
+    assert "(3 settings): auto >= 2x in 1;" in text
+    assert "In 1 of them the bound is below 2x" in text and "mlp_w2_1gbit_rtt50ms 1.54x" in text
+    assert "in the other 2: auto >= 2x in 1." in text
     pytest.importorskip("matplotlib")
     paths = sw.heatmaps(str(tmp_path))
     assert [os.path.basename(p) for p in paths] == ["heatmap_cnn.png"]
