@@ -355,6 +355,10 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     # below 0.95x but within the rounds' spread: not a loss
     close = sw.analyse(_sweep_run(dict(base, ddp=[100, 130], auto=[122, 128])))
     assert close["vs_ddp"] < 0.95 and not close["loss"]
+    # behind PyTorch's hooks only beyond the rounds' spread: PowerSGD's [60, 64] against auto's
+    # [210, 210] is; fp16's [80, 80] against auto's [79, 83] is not, though slower by the median
+    assert slow["behind"] == ["torch-fp16", "torch-powersgd"]
+    assert sw.analyse(_sweep_run(dict(base, auto=[79, 83])))["behind"] == ["torch-powersgd"]
     fast = sw.analyse(_sweep_run(dict(base, auto=[30, 30]), {"0": "powersgd", "1": "allreduce"}))
     assert fast["best"] == "auto" and fast["vs_best"] == 1.0 and not fast["loss"]
     assert fast["vs_torch_fp16"] == pytest.approx(80 / 30)
@@ -371,6 +375,8 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     assert "2 of 72 settings" in text
     assert "auto >= 0.95x plain DDP: 1 of 2 settings (losses: cnn_w4_100mbit_rtt50ms)" in text
     assert "auto within 10% of the best method: 1 of 2; of the best method without" in text
+    assert ("auto >= PyTorch's fp16 hook: 1 of 2; below it beyond the rounds' spread: 1 "
+            "(cnn_w4_100mbit_rtt50ms 0.38)") in text
     # both settings communicate 81% of DDP's step; the bounds (105 / 20.05 and 105 / 45 ms) leave
     # 2x open, and auto reached it in the faster one (3.5x)
     assert "(2 settings): auto >= 2x in 1;" in text and "bound is below 2x" not in text
