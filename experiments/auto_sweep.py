@@ -45,7 +45,7 @@ WORLDS = (2, 4)
 #: methods whose speed the report compares auto with ("best": the fastest of these); no-comm is
 #: the compute floor, not a method
 METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant", "powersgd",
-           "topk", "randomk", "onebit")
+           "topk", "randomk", "onebit", "fp8")
 #: the families whose accuracy needs DGC's momentum correction (docs/CHOOSING.md): not among
 #: auto's default candidates, so the report also measures auto against the best of the others
 NEEDS_DGC = ("topk", "randomk", "onebit")
@@ -83,6 +83,7 @@ def bench_command(s: Dict[str, Any], a) -> List[str]:
            "--delay", f"{s['rtt_ms'] / 2:g}ms",
            "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--batch", str(a.batch), "--bucket-cap-mb", "25",
+           "--only", ",".join(("no-comm",) + METHODS),
            "--timeout", str(a.setting_timeout)]
     if s["model"] == "mlp":
         cmd += ["--width", str(MLP["width"]), "--layers", str(MLP["layers"])]

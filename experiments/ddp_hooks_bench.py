@@ -124,6 +124,10 @@ SWEEP_CONFIGS = [
     ("topk", "topk", {}),
     ("randomk", "randomk", {}),
     ("onebit", "onebit", {}),
+    ("fp8", "fp8", {}),
+    # not in the sweep's own list (experiments.auto_sweep.METHODS): the A/B of fp8 among auto's
+    # candidates, run with --only
+    ("auto-fp8", "auto", {"candidates": ["allreduce", "fp16", "fp8", "quant", "powersgd"]}),
 ]
 
 

@@ -275,17 +275,30 @@ def test_quant_is_a_candidate_with_its_bits_bound():
             gt.hook("auto", candidates=["quant"], min_bits=bad)
 
 
-def test_auto_with_the_quant_candidate_trains_and_decides_alike():
+def test_fp8_is_a_candidate_between_fp16_and_quant():
+    state, _ = gt.hook("auto", candidates=["quant", "fp8", "allreduce", "fp16"])
+    assert state.candidates == ["allreduce", "fp16", "fp8", "quant"]  # in faithfulness order
+    assert state.subs["fp8"].compressor == "fp8" and state.subs["fp8"].options == {}
+
+
+@pytest.mark.parametrize("cands,world", [(["allreduce", "quant"], 2), (["allreduce", "fp8"], 2),
+                                         (["allreduce", "fp8"], 3)])
+def test_auto_with_the_quant_or_fp8_candidate_trains_and_decides_alike(cands, world):
+    """quant (stateful) and fp8 (stateless, with a gather route of its own on more than 2 ranks
+    of gloo: the candidate "fp8/gather") among the candidates: every rank measures, decides the
+    same and ends with the same parameters."""
     d = tmpdir()
-    run(_auto_run, 2, d, "straight", ["allreduce", "quant"])
-    r = [json.load(open(os.path.join(d, f"straight_{k}.json"))) for k in range(2)]
+    run(_auto_run, world, d, "straight", cands)
+    want = set(cands) | ({"fp8/gather"} if "fp8" in cands and world > 2 else set())
+    r = [json.load(open(os.path.join(d, f"straight_{k}.json"))) for k in range(world)]
     for x in r:
         assert x["same"] and x["iter"] == 30
         assert sum(x["losses"][-5:]) < 0.7 * sum(x["losses"][:5]), x["losses"]
+        assert x["trials"], x
         for t in x["trials"]:
             for costs in t["costs"].values():
-                assert set(costs) == {"allreduce", "quant"} and all(v > 0 for v in costs.values())
-    assert r[0]["trials"] == r[1]["trials"]
+                assert set(costs) == want and all(v > 0 for v in costs.values()), costs
+    assert all(x["trials"] == r[0]["trials"] for x in r)
 
 
 def _native_vs_plain(rank, world, out_dir):

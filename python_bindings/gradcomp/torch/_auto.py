@@ -9,7 +9,7 @@ itself spent on it: local compression work plus launching and waiting for its co
 its plans, is not counted). The medians are averaged over the ranks (one small allreduce on the
 hook's own process group, so every rank decides the same) and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
-the cheapest (faithfulness: allreduce, bf16, fp16, quant, powersgd, topk). Every ``recheck_every``
+the cheapest (faithfulness: allreduce, bf16, fp16, fp8, quant, powersgd, topk). Every ``recheck_every``
 iterations the trial runs again (0: never). The ``allreduce`` candidate (and the plain steps
 before ``start_iter``) is DDP's own average, bit for bit (each gradient multiplied by 1/P, as
 DDP's reducer does without a hook, then torch.distributed's allreduce on the user's process
@@ -17,7 +17,7 @@ group), issued by the hook at once, so that on a fast link auto costs what any c
 over plain DDP (one pass over the bucket for the 1/P); its cost is measured from launch to
 completion.
 
-On gloo with more than 2 ranks fp16 and bf16 are also tried by their ``gather`` route, as
+On gloo with more than 2 ranks fp16, bf16 and fp8 are also tried by their ``gather`` route, as
 ``"fp16/gather"`` (see GATHER). With ``hierarchy="node"`` (and ``per_node``, or torchrun's
 ``LOCAL_WORLD_SIZE``) every candidate is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
 ``"<name>@node"``; the flat form comes first, so it is kept when the two cost the same.
@@ -50,7 +50,7 @@ from ._reshard import is_gathered, local_state_dict, whole_or_none
 log = logging.getLogger("gradcomp")
 
 #: Candidates from the most to the least faithful to the plain average.
-FIDELITY = ("allreduce", "bf16", "fp16", "quant", "powersgd", "topk")
+FIDELITY = ("allreduce", "bf16", "fp16", "fp8", "quant", "powersgd", "topk")
 #: quant (min_bits bits per value) is one of them because on links both slow and far (100 Mbit/s
 #: with 50 ms round trips, the sweep of experiments/auto_sweep.py) it was the fastest of the
 #: faithful families: an eighth of fp32's bytes in two message rounds, where PowerSGD's two
@@ -59,14 +59,17 @@ DEFAULT_CANDIDATES = ("allreduce", "fp16", "quant", "powersgd")
 #: With hierarchy="node", each candidate also runs as a two-level plan under this suffix
 #: ("powersgd@node": PowerSGD across nodes, full precision inside them).
 HIER = "@node"
-#: On gloo with more than 2 ranks the fp16 and bf16 plans' reduce-scatter route takes two message
-#: rounds (an all-to-all, then the allgather) and their gather route one (an allgather of the
-#: whole wire buffer: P/2 times the bytes received). Which is cheaper depends on the link's
+#: On gloo with more than 2 ranks the fp16, bf16 and fp8 plans' reduce-scatter route takes two
+#: message rounds (an all-to-all, then the allgather) and their gather route one (an allgather of
+#: the whole wire buffer: P/2 times the bytes received). Which is cheaper depends on the link's
 #: latency against its rate, so both are measured: the gather route as a candidate of its own
-#: under this suffix ("fp16/gather"), bitwise the same average as the flat name, which comes
-#: first and is kept on a tie. (On 2 ranks the plans take the gather route themselves.)
+#: under this suffix ("fp16/gather"), which the flat name precedes and is kept on a tie. For fp16
+#: and bf16 it is bitwise the same average; fp8's reduce-scatter route rounds the summed chunks
+#: to fp8 a second time, its gather route does not (both stateless, so a checkpoint's choice of
+#: either loads as the other where only one exists). (On 2 ranks the plans take the gather
+#: route themselves.)
 GATHER = "/gather"
-_ROUTED = ("fp16", "bf16")
+_ROUTED = ("fp16", "bf16", "fp8")
 
 
 def _family(name: str) -> Tuple[str, Dict[str, Any], bool]:
@@ -171,7 +174,7 @@ class AutoState:
         self.pipeline = pipeline
         self.log_every = _check_int("log_every", log_every, 0)
         self.timeout = timeout
-        per = {"allreduce": {}, "bf16": {}, "fp16": {}, "quant": {"bits": min_bits},
+        per = {"allreduce": {}, "bf16": {}, "fp16": {}, "fp8": {}, "quant": {"bits": min_bits},
                "powersgd": {"rank": min_rank},
                "topk": {"ratio": max_density}}
         names = self.candidates if "allreduce" in self.candidates else \
@@ -389,7 +392,8 @@ class AutoState:
             it = _check_int("state_dict['iter']", sd.get("iter"), 0)
             choices = {_check_int("a choice's bucket", k if not isinstance(k, str) else int(k), 0):
                        v for k, v in sd["choices"].items()}
-            # a gather-route choice where this group has none: the same average by the flat route
+            # a gather-route choice where this group has none: the flat route (the same average
+            # for fp16 and bf16; fp8's rounds the sums once more; see GATHER)
             choices = {k: (v.replace(GATHER, "") if isinstance(v, str) and GATHER in v
                            and v not in self.candidates else v) for k, v in choices.items()}
             if any(v not in self.candidates and v != "allreduce" for v in choices.values()):
