@@ -172,7 +172,8 @@ def analyse(run: Dict[str, Any], rtt_ms: Optional[float] = None) -> Dict[str, An
               if h in sp and auto["sps"] < sp[h]["sps"] and auto["hi"] < sp[h]["lo"]]
     return {"ddp_sps": ddp["sps"], "auto_sps": auto["sps"], "vs_ddp": vs_ddp,
             "vs_ddp_lo": auto["lo"] / ddp["hi"], "vs_ddp_hi": auto["hi"] / ddp["lo"],
-            "loss": loss, "comm_share": share, "bound": bound, "best": best, "best_vs_ddp": sp[best]["sps"] / ddp["sps"],
+            "loss": loss, "comm_share": share, "bound": bound,
+            "vs_bound": None if bound is None else vs_ddp / bound, "best": best, "best_vs_ddp": sp[best]["sps"] / ddp["sps"],
             "vs_best": auto["sps"] / sp[best]["sps"],
             "best_plain": best_plain, "vs_best_plain": auto["sps"] / sp[best_plain]["sps"],
             "vs_torch_fp16": auto["sps"] / sp["torch-fp16"]["sps"] if "torch-fp16" in sp else None,
@@ -301,8 +302,8 @@ def report(folder: str, also: Sequence[str] = ()) -> str:
 
 
 def heatmaps(folder: str, also: Sequence[str] = ()) -> List[str]:
-    """Per model: auto / plain DDP and auto / best method over link rate x RTT, one column per
-    world size."""
+    """Per model: auto / plain DDP, auto / best method and auto / the bound of a once-per-step
+    exchange (see analyse) over link rate x RTT, one column per world size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -314,15 +315,16 @@ def heatmaps(folder: str, also: Sequence[str] = ()) -> List[str]:
         mine = [r for r in res if r["model"] == model]
         if not mine:
             continue
-        fig, axes = plt.subplots(2, len(WORLDS), figsize=(4.2 * len(WORLDS), 6.4), squeeze=False)
+        fig, axes = plt.subplots(3, len(WORLDS), figsize=(4.2 * len(WORLDS), 9.4), squeeze=False)
         for j, world in enumerate(WORLDS):
             for i, (field, title, cmap, lim) in enumerate(
                     (("vs_ddp", "auto / plain DDP", "RdYlGn", (0.5, 2.0)),
-                     ("vs_best", "auto / best method", "RdYlGn", (0.5, 1.0)))):
+                     ("vs_best", "auto / best method", "RdYlGn", (0.5, 1.0)),
+                     ("vs_bound", "auto / bound (floor + RTT/2)", "RdYlGn", (0.5, 1.0)))):
                 ax = axes[i, j]
                 grid = np.full((len(RATES), len(RTTS_MS)), np.nan)
                 for r in mine:
-                    if r["world"] == world:
+                    if r["world"] == world and r[field] is not None:
                         grid[RATES.index(r["rate"]), RTTS_MS.index(r["rtt_ms"])] = r[field]
                 norm = matplotlib.colors.LogNorm(vmin=lim[0], vmax=lim[1]) if field == "vs_ddp" \
                     else matplotlib.colors.Normalize(vmin=lim[0], vmax=lim[1])

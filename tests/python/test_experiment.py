@@ -345,8 +345,9 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     # the most a method exchanging once per step can reach: DDP's step over the floor plus one
     # one-way latency (RTT / 2); no bound without the setting's RTT
     assert slow["bound"] is None
-    assert sw.analyse(_sweep_run(dict(base, auto=[210, 210])), 50.0)["bound"] == \
-        pytest.approx(105 / (20 + 25))
+    bounded = sw.analyse(_sweep_run(dict(base, auto=[210, 210])), 50.0)
+    assert bounded["bound"] == pytest.approx(105 / (20 + 25))
+    assert bounded["vs_bound"] == pytest.approx((105 / 210) / (105 / 45))
     assert slow["best"] == "onebit" and slow["best_vs_ddp"] == pytest.approx(105 / 40)
     assert slow["vs_best"] == pytest.approx(40 / 210)
     # the best without the families that need DGC's momentum correction: PyTorch's PowerSGD
