@@ -314,6 +314,12 @@ PY_OPTIONS: Dict[Tuple[str, str], Tuple[str, str]] = {
         "float",
         "A more faithful candidate wins when it costs at most (1 + margin) times the cheapest; "
         "finite, >= 0."),
+    ("auto", "step_margin"): (
+        "float",
+        "A more faithful candidate also wins when the cheapest would save less than this share "
+        "of the step (the bucket's share of the trial's median step time, by its elements): "
+        "what compression costs the step beyond its bucket's timings (its CPU and memory "
+        "traffic beside backward) is not measured; in [0, 1), 0 = off."),
     ("compress_fsdp", "model"): (
         "nn.Module", "The model, after `fully_shard` on its layers and on itself."),
     ("compress_fsdp", "grads"): (

@@ -9,7 +9,14 @@ itself spent on it: local compression work plus launching and waiting for its co
 its plans, is not counted). The medians are averaged over the ranks (one small allreduce on the
 hook's own process group, so every rank decides the same) and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
-the cheapest (faithfulness: allreduce, bf16, fp16, fp8, quant, powersgd, topk). Every ``recheck_every``
+the cheapest, or when the cheapest would save less than ``step_margin`` of the step (the
+bucket's share of the trial's median step time, by its elements) (faithfulness: allreduce, bf16,
+fp16, fp8, quant, powersgd, topk). The second rule is there because what a bucket's cost leaves
+out is paid by the step: compression's own passes over memory and its worker thread take CPU and
+memory bandwidth from backward, which the hook's timings do not see. Where the link is fast, two
+candidates cost about the same per bucket and the less faithful one can make the whole step
+slower (the ViT at 40 Gbit/s, experiments/results/auto_sweep_2026-12-01_mlp_vit); a saving
+below a few percent of the step is also within the noise of a trial of a few steps. Every ``recheck_every``
 iterations the trial runs again (0: never). The ``allreduce`` candidate (and the plain steps
 before ``start_iter``) is DDP's own average, bit for bit (each gradient multiplied by 1/P, as
 DDP's reducer does without a hook, then torch.distributed's allreduce on the user's process
@@ -87,10 +94,14 @@ def _gathers(group) -> bool:
 
 
 def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
-           margin: float = 0.05) -> Dict[int, str]:
+           margin: float = 0.05, step_margin: float = 0.0, step_s: Optional[float] = None,
+           shares: Optional[Dict[int, float]] = None) -> Dict[int, str]:
     """Per bucket, the candidate to run from measured costs (seconds per step; candidates in
     ``candidates`` order, the most faithful first): the first one that costs at most
-    ``(1 + margin)`` times the cheapest. A candidate without a cost is not eligible.
+    ``(1 + margin)`` times the cheapest, or at most the cheapest plus ``step_margin`` of the
+    bucket's share of the step (``step_s`` seconds, ``shares[idx]`` the bucket's fraction of the
+    model's elements; without them only the first rule). A candidate without a cost is not
+    eligible.
 
     Example::
 
@@ -105,7 +116,10 @@ def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
         if not per:
             raise ValueError(f"bucket {idx}: no candidate has a measured cost")
         best = min(per.values())
-        out[idx] = next(c for c in candidates if c in per and per[c] <= best * (1.0 + margin))
+        slack = best * margin
+        if step_s is not None and shares is not None:
+            slack = max(slack, step_margin * step_s * shares.get(idx, 0.0))
+        out[idx] = next(c for c in candidates if c in per and per[c] <= best + slack)
     return out
 
 
@@ -127,7 +141,8 @@ class AutoState:
                  model=None, timeout=None, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
                  min_bits: int = 4,
-                 recheck_every: int = 1000, margin: float = 0.05, pipeline: bool = True,
+                 recheck_every: int = 1000, margin: float = 0.05, step_margin: float = 0.05,
+                 pipeline: bool = True,
                  hierarchy: Optional[str] = None, per_node: Optional[int] = None,
                  _lazy: bool = False, _gather: Optional[bool] = None):
 
@@ -164,13 +179,18 @@ class AutoState:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
                 or not (margin >= 0 and math.isfinite(margin)):
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
+        if isinstance(step_margin, bool) or not isinstance(step_margin, (int, float)) \
+                or not 0 <= step_margin < 1:
+            raise ValueError(f"step_margin must be a number in [0, 1), got {step_margin!r}")
         self.options = dict(candidates=[c for c in self.candidates if c in FIDELITY],
                             min_rank=min_rank, max_density=max_density, min_bits=min_bits,
-                            trial_steps=trial_steps, recheck_every=recheck_every, margin=margin)
+                            trial_steps=trial_steps, recheck_every=recheck_every, margin=margin,
+                            step_margin=step_margin)
         if self.per_node:
             self.options.update(hierarchy=hierarchy, per_node=per_node)
         self.start_iter = 2 if start_iter is None else _check_int("start_iter", start_iter, 0)
         self.margin = float(margin)
+        self.step_margin = float(step_margin)
         self.pipeline = pipeline
         self.log_every = _check_int("log_every", log_every, 0)
         self.timeout = timeout
@@ -201,6 +221,11 @@ class AutoState:
         self._decided_at: Optional[int] = None
         self._seen: Optional[int] = None
         self._samples: Dict[Tuple[int, str], List[float]] = {}
+        # the trial's step times (from one iteration's first bucket to the next one's) and each
+        # bucket's elements: the scale of step_margin
+        self._step_seconds: List[float] = []
+        self._last_mark: Optional[Tuple[int, float]] = None
+        self._numel: Dict[int, int] = {}
         self._worker = None
         if dist.is_available() and dist.is_initialized() and not _lazy:
             self._make_worker()
@@ -247,31 +272,48 @@ class AutoState:
         is that bucket, whose device the consensus runs on."""
         if it < self.start_iter:
             return
+        now = time.perf_counter()
         if self._decided_trial != self._trial_start:  # in a trial, or just after one
+            if self._last_mark is not None and self._last_mark[0] == it - 1:
+                self._step_seconds.append(now - self._last_mark[1])
+            self._last_mark = (it, now)
             if it >= self._trial_start + self._trial_len():
                 self._decide(it, like)
         elif self.recheck_every and it >= self._decided_at + self.recheck_every:
             self._trial_start = it  # a new trial starts with this iteration
             self._samples = {}
+            self._step_seconds = []
+            self._last_mark = (it, now)
 
     def _decide(self, it: int, like: Optional[torch.Tensor] = None) -> None:
         buckets = sorted({idx for idx, _ in self._samples})
         cands = self.candidates
-        local = torch.full((len(buckets) * len(cands),), -1.0, dtype=torch.float32)
+        # every rank's costs, then its median step time (-1: none, a trial resumed at its end)
+        local = torch.full((len(buckets) * len(cands) + 1,), -1.0, dtype=torch.float32)
         for i, idx in enumerate(buckets):
             for j, c in enumerate(cands):
                 v = self._samples.get((idx, c))
                 if v:
                     local[i * len(cands) + j] = statistics.median(v)
+        if self._step_seconds:
+            local[-1] = statistics.median(self._step_seconds)
         mean = self._consensus(local, like)
         costs = {idx: {c: (float(mean[i * len(cands) + j]) if mean[i * len(cands) + j] >= 0
                            else None) for j, c in enumerate(cands)}
                  for i, idx in enumerate(buckets)}
-        self.choices = choose(costs, cands, self.margin) if buckets else {}
-        self.trials.append({"iter": it, "costs": costs, "choices": dict(self.choices)})
+        # the same on every rank: the mean step time and the buckets' sizes (DDP's, alike)
+        step_s = float(mean[-1]) if mean[-1] > 0 else None
+        total = sum(self._numel.get(idx, 0) for idx in buckets)
+        shares = {idx: self._numel.get(idx, 0) / total for idx in buckets} if total else None
+        self.choices = choose(costs, cands, self.margin, self.step_margin, step_s,
+                              shares) if buckets else {}
+        self.trials.append({"iter": it, "costs": costs, "choices": dict(self.choices),
+                            "step_seconds": step_s})
         self._decided_trial = self._trial_start
         self._decided_at = it
         self._samples = {}
+        self._step_seconds = []
+        self._last_mark = None
         # the state of a compressor a bucket does not run is dropped: a later return starts clean
         for name, sub in self.subs.items():
             for idx in list(sub.buckets):
@@ -419,6 +461,8 @@ class AutoState:
         self._decided_trial = decided_trial
         self._decided_at = decided_at
         self._samples = {}
+        self._step_seconds = []
+        self._last_mark = None
         self._seen = None
         if resized and it >= start:  # a trial starts with the resumed iteration
             self._trial_start = it
@@ -453,6 +497,8 @@ def auto_hook(state: AutoState, bucket) -> torch.futures.Future[torch.Tensor]:
         state._new_step(it, bucket.buffer())
     phase, name, measured = state.phase(it)
     idx = bucket.index()
+    if measured:
+        state._numel[idx] = bucket.buffer().numel()
     if name is None:  # chosen; a bucket the trial did not see runs the most faithful candidate
         name = state.choices.get(idx, state.candidates[0])
     sub = state.subs[name]
