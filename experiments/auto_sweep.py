@@ -46,6 +46,9 @@ WORLDS = (2, 4)
 #: the compute floor, not a method
 METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant", "powersgd",
            "topk", "randomk", "onebit", "fp8")
+#: auto's mechanism under A/B (``--methods``): the earlier decision rule (no step_margin) and fp8
+#: among the candidates; not counted as methods a user picks ("best")
+AB_METHODS = ("auto-step0", "auto-fp8")
 #: the families whose accuracy needs DGC's momentum correction (docs/CHOOSING.md): not among
 #: auto's default candidates, so the report also measures auto against the best of the others
 NEEDS_DGC = ("topk", "randomk", "onebit")
@@ -83,7 +86,7 @@ def bench_command(s: Dict[str, Any], a) -> List[str]:
            "--delay", f"{s['rtt_ms'] / 2:g}ms",
            "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--batch", str(a.batch), "--bucket-cap-mb", "25",
-           "--only", ",".join(("no-comm",) + METHODS),
+           "--only", ",".join(("no-comm",) + tuple(a.methods)),
            "--timeout", str(a.setting_timeout)]
     if s["model"] == "mlp":
         cmd += ["--width", str(MLP["width"]), "--layers", str(MLP["layers"])]
@@ -180,7 +183,8 @@ def analyse(run: Dict[str, Any], rtt_ms: Optional[float] = None) -> Dict[str, An
             "vs_torch_powersgd": (auto["sps"] / sp["torch-powersgd"]["sps"]
                                   if "torch-powersgd" in sp else None),
             "behind": behind, "choices": rows["auto"].get("choices"),
-            "speeds": {m: sp[m]["sps"] / ddp["sps"] for m in methods}}
+            "ab_choices": {m: rows[m].get("choices") for m in AB_METHODS if m in rows},
+            "speeds": {m: sp[m]["sps"] / ddp["sps"] for m in (*methods, *AB_METHODS) if m in sp}}
 
 
 def load(folder: str, also: Sequence[str] = ()) -> List[Dict[str, Any]]:
@@ -199,6 +203,10 @@ def load(folder: str, also: Sequence[str] = ()) -> List[Dict[str, Any]]:
                 out.append(dict(s, run=run, folder=where, **analyse(run, s["rtt_ms"])))
                 break
     return out
+
+
+def _ratio(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def _choices_text(ch) -> str:
@@ -258,7 +266,7 @@ def report(folder: str, also: Sequence[str] = ()) -> str:
             + (" LOSS" if r["loss"] else ""),
             f"{r['best']} ({r['best_vs_ddp']:.2f})", f"{r['vs_best']:.2f}",
             f"{r['vs_best_plain']:.2f} ({r['best_plain']})",
-            f"{r['vs_torch_fp16']:.2f}", f"{r['vs_torch_powersgd']:.2f}",
+            _ratio(r["vs_torch_fp16"]), _ratio(r["vs_torch_powersgd"]),
             _choices_text(r["choices"])]) + " |")
     # targets
     n = len(res)
@@ -287,17 +295,30 @@ def report(folder: str, also: Sequence[str] = ()) -> str:
                  f"{sum(r['vs_best_plain'] >= 1 / 1.1 for r in res)} of {n}.")
     for hook, field, name in (("torch-fp16", "vs_torch_fp16", "fp16"),
                               ("torch-powersgd", "vs_torch_powersgd", "PowerSGD")):
+        if all(r[field] is None for r in res):
+            continue
         below = [f"{r['key']} {r[field]:.2f}" for r in res if hook in r["behind"]]
-        lines.append(f"- auto >= PyTorch's {name} hook: {sum(r[field] >= 1 for r in res)} of {n}; "
+        lines.append(f"- auto >= PyTorch's {name} hook: "
+                     f"{sum(r[field] is not None and r[field] >= 1 for r in res)} of {n}; "
                      f"below it beyond the rounds' spread: {len(below)}"
                      + (f" ({', '.join(below)})" if below else "") + ".")
     lines.append("\n## Every method against plain DDP (steps/s ratio)\n")
-    hdr = ["setting"] + list(METHODS[1:])
+    shown = [m for m in (*METHODS[1:], *AB_METHODS) if any(m in r["speeds"] for r in res)]
+    hdr = ["setting"] + shown
     lines.append("| " + " | ".join(hdr) + " |")
     lines.append("|" + "---|" * len(hdr))
     for r in res:
         lines.append("| " + " | ".join([r["key"]] + [
-            f"{r['speeds'][m]:.2f}" if m in r["speeds"] else "-" for m in METHODS[1:]]) + " |")
+            f"{r['speeds'][m]:.2f}" if m in r["speeds"] else "-" for m in shown]) + " |")
+    ab = [r for r in res if r["ab_choices"]]
+    if ab:
+        lines.append("\n## What the A/B variants of auto chose (bucket:candidate)\n")
+        names = [m for m in AB_METHODS if any(m in r["ab_choices"] for r in ab)]
+        lines.append("| setting | auto | " + " | ".join(names) + " |")
+        lines.append("|" + "---|" * (len(names) + 2))
+        for r in ab:
+            lines.append("| " + " | ".join([r["key"], _choices_text(r["choices"])] + [
+                _choices_text(r["ab_choices"].get(m)) for m in names]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -359,6 +380,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--also", action="append", default=[], metavar="DIR",
                     help="with --report: settings DIR has that the report's folder has not "
                          "(a sweep run in parts); repeatable")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"what each setting runs beside the compute floor: of {', '.join(METHODS)} "
+                         f"and auto's A/B variants {', '.join(AB_METHODS)}; plain DDP and auto "
+                         f"always (the ratios are against DDP, the figures about auto)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     ap.add_argument("--rates", default=",".join(RATES))
@@ -384,6 +409,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.worlds = [int(w) for w in a.worlds.split(",") if w]
     a.rates = [r for r in a.rates.split(",") if r]
     a.rtts = [float(r) for r in a.rtts.split(",") if r]
+    a.methods = [m for m in a.methods.split(",") if m]
+    for m in a.methods:
+        if m not in METHODS + AB_METHODS:
+            raise SystemExit(f"--methods: unknown {m!r}; known: {', '.join(METHODS + AB_METHODS)}")
+    for m in ("ddp", "auto"):
+        if m not in a.methods:
+            a.methods.insert(0, m)
     for m in a.models:
         if m not in MODELS:
             raise SystemExit(f"--models: unknown {m!r}; known: {', '.join(MODELS)}")

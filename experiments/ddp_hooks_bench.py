@@ -125,8 +125,10 @@ SWEEP_CONFIGS = [
     ("randomk", "randomk", {}),
     ("onebit", "onebit", {}),
     ("fp8", "fp8", {}),
-    # not in the sweep's own list (experiments.auto_sweep.METHODS): the A/B of fp8 among auto's
-    # candidates, run with --only
+    # not in the sweep's own list (experiments.auto_sweep.METHODS): A/Bs of auto's mechanism, run
+    # with --only (auto_sweep --methods): its decision without the step rule (step_margin 0, the
+    # rule before it), and fp8 among its candidates
+    ("auto-step0", "auto", {"step_margin": 0.0}),
     ("auto-fp8", "auto", {"candidates": ["allreduce", "fp16", "fp8", "quant", "powersgd"]}),
 ]
 

@@ -389,6 +389,23 @@ def test_auto_sweep_analysis_and_report(tmp_path):
                      ("mlp_w2_1gbit_rtt50ms", _sweep_run(heavy))):
         with open(other / f"{key}.json", "w") as f:
             json.dump(run, f)
+    # an A/B of auto's mechanism: its variants are shown, never the "best" method, and a run
+    # without PyTorch's hooks reports none for them
+    ab = {"ddp": [100, 100], "no-comm": [40, 40], "auto": [90, 90], "auto-step0": [20, 20]}
+    abr = sw.analyse(_sweep_run(ab, {"0": "allreduce"}), 0.1)
+    assert abr["best"] == "auto" and abr["speeds"]["auto-step0"] == pytest.approx(5.0)
+    assert abr["vs_torch_fp16"] is None
+    ab_dir = tmp_path / "ab"
+    ab_dir.mkdir()
+    run = _sweep_run(ab, {"0": "allreduce"})
+    run["rows"][-1]["choices"] = {"0": "fp16"}
+    with open(ab_dir / "vit_w2_40gbit_rtt0.1ms.json", "w") as f:
+        json.dump(run, f)
+    text = sw.report(str(ab_dir))
+    assert "| vit_w2_40gbit_rtt0.1ms | 0:allreduce | 0:fp16 |" in text
+    assert "PyTorch's fp16 hook" not in text and "| setting | auto | auto-step0 |" in text
+    with pytest.raises(SystemExit, match="--methods: unknown 'auto-bogus'"):
+        sw.main(["--methods", "ddp,auto-bogus", "--out", str(tmp_path / "none")])
     both = sw.load(str(tmp_path), [str(other)])
     assert [(r["key"], os.path.basename(r["folder"])) for r in both] == [
         ("mlp_w2_1gbit_rtt50ms", "other"), ("cnn_w2_40gbit_rtt0.1ms", tmp_path.name),
