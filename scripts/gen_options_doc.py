@@ -298,7 +298,8 @@ PY_OPTIONS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("auto", "candidates"): (
         "sequence of str",
         "The compressors tried, distinct names among {fidelity}; each bucket keeps the first in "
-        "that order (the most faithful first) within `margin` of the cheapest."),
+        "that order (the most faithful first) within `margin` of the cheapest, or within "
+        "`step_margin` of the step."),
     ("auto", "min_rank"): ("int", "PowerSGD's rank as a candidate; >= 1."),
     ("auto", "max_density"): ("float", "Top-k's ratio as a candidate, in (0, 1]."),
     ("auto", "trial_steps"): (
@@ -317,7 +318,8 @@ PY_OPTIONS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("auto", "step_margin"): (
         "float",
         "A more faithful candidate also wins when the cheapest would save less than this share "
-        "of the step (the bucket's share of the trial's median step time, by its elements): "
+        "of the step (the bucket's share, by its elements, of the trial's measured step time, "
+        "the mean over ranks of each rank's median): "
         "what compression costs the step beyond its bucket's timings (its CPU and memory "
         "traffic beside backward) is not measured; in [0, 1), 0 = off."),
     ("compress_fsdp", "model"): (

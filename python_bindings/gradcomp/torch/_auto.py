@@ -10,7 +10,8 @@ its plans, is not counted). The medians are averaged over the ranks (one small a
 hook's own process group, so every rank decides the same) and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
 the cheapest, or when the cheapest would save less than ``step_margin`` of the step (the
-bucket's share of the trial's median step time, by its elements) (faithfulness: allreduce, bf16,
+bucket's share, by its elements, of the trial's step time: the mean over ranks of each rank's
+median measured step) (faithfulness: allreduce, bf16,
 fp16, fp8, quant, powersgd, topk). The second rule is there because what a bucket's cost leaves
 out is paid by the step: compression's own passes over memory and its worker thread take CPU and
 memory bandwidth from backward, which the hook's timings do not see. Where the link is fast, two
@@ -274,7 +275,10 @@ class AutoState:
             return
         now = time.perf_counter()
         if self._decided_trial != self._trial_start:  # in a trial, or just after one
-            if self._last_mark is not None and self._last_mark[0] == it - 1:
+            # a step counts when it was a measured one (not a candidate's first, which builds
+            # its plans) and the one right before this (a skipped step does not advance `it`)
+            if self._last_mark is not None and self._last_mark[0] == it - 1 \
+                    and self.phase(it - 1)[2]:
                 self._step_seconds.append(now - self._last_mark[1])
             self._last_mark = (it, now)
             if it >= self._trial_start + self._trial_len():
