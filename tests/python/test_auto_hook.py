@@ -59,9 +59,9 @@ class _Stats:
 
 
 def test_a_saving_below_step_margin_of_the_step_keeps_the_more_faithful_candidate(monkeypatch):
-    """As on the ViT at 40 Gbit/s without added latency (2 ranks), where the steps with fp16 ran
-    slower than plain DDP's: fp16 costs its one bucket 2 ms less than the plain average (17% of
-    the bucket's cost, under 3% of a 75 ms step). The trial's step time (from one iteration's
+    """A trial like the ViT's at 40 Gbit/s without added latency (2 ranks), where the steps with
+    fp16 ran slower than plain DDP's: here fp16 costs its one bucket 2 ms less than the plain
+    average (17% of the bucket's cost, under 3% of a 75 ms step). The trial's step time (from one iteration's
     first bucket to the next one's, on a clock the test drives) scales step_margin: the plain
     average stays; a saving of 10% of the step still switches; with step_margin=0 the bucket rule
     alone decides."""
