@@ -224,7 +224,10 @@ def test_hung_peer_makes_the_hook_raise_within_the_timeout(user_timeout, hook_ti
                                                            bound):
     r = _hung_peer(user_timeout, hook_timeout, d_hidden)
     assert r["error"], r
-    assert r["elapsed"] <= 1.1 * bound, r
+    # raised by the one timeout, not after a second wait (which would take 2 x bound) or a hang:
+    # the 0.8 x bound beyond it is for scheduling on a loaded machine (the ASan build beside the
+    # other CI lane on 2 cores took the 5 s timeout's error 7.2 s after backward began)
+    assert r["elapsed"] < 1.8 * bound, r
     assert r["buckets"] >= (2 if d_hidden > 64 else 1), r
 
 
