@@ -15,9 +15,10 @@ median measured step) (faithfulness: allreduce, bf16,
 fp16, fp8, quant, powersgd, topk). The second rule is there because what a bucket's cost leaves
 out is paid by the step: compression's own passes over memory and its worker thread take CPU and
 memory bandwidth from backward, which the hook's timings do not see. Where the link is fast, two
-candidates cost about the same per bucket and the less faithful one can make the whole step
-slower (the ViT at 40 Gbit/s, experiments/results/auto_sweep_2026-12-01_mlp_vit); a saving
-below a few percent of the step is also within the noise of a trial of a few steps. Every ``recheck_every``
+candidates cost about the same per bucket, and a saving below a few percent of the step is within
+the noise of a trial of a few steps: the rule keeps the more faithful candidate there, at a cost
+of at most that saving (on 36 settings it changed 9 choices and no speed beyond the runs' noise:
+experiments/results/auto_ab_2026-12-01). Every ``recheck_every``
 iterations the trial runs again (0: never). The ``allreduce`` candidate (and the plain steps
 before ``start_iter``) is DDP's own average, bit for bit (each gradient multiplied by 1/P, as
 DDP's reducer does without a hook, then torch.distributed's allreduce on the user's process
@@ -285,9 +286,14 @@ class AutoState:
                 self._decide(it, like)
         elif self.recheck_every and it >= self._decided_at + self.recheck_every:
             self._trial_start = it  # a new trial starts with this iteration
-            self._samples = {}
-            self._step_seconds = []
-            self._last_mark = (it, now)
+            self._clear_trial((it, now))
+
+    def _clear_trial(self, mark: Optional[Tuple[int, float]] = None) -> None:
+        """Forgets a trial's measurements: the costs and the step times (`mark`: the iteration
+        and time a new trial's first step starts at)."""
+        self._samples = {}
+        self._step_seconds = []
+        self._last_mark = mark
 
     def _decide(self, it: int, like: Optional[torch.Tensor] = None) -> None:
         buckets = sorted({idx for idx, _ in self._samples})
@@ -315,9 +321,7 @@ class AutoState:
                             "step_seconds": step_s})
         self._decided_trial = self._trial_start
         self._decided_at = it
-        self._samples = {}
-        self._step_seconds = []
-        self._last_mark = None
+        self._clear_trial()
         # the state of a compressor a bucket does not run is dropped: a later return starts clean
         for name, sub in self.subs.items():
             for idx in list(sub.buckets):
@@ -464,9 +468,7 @@ class AutoState:
         self._trial_start = trial_start
         self._decided_trial = decided_trial
         self._decided_at = decided_at
-        self._samples = {}
-        self._step_seconds = []
-        self._last_mark = None
+        self._clear_trial()
         self._seen = None
         if resized and it >= start:  # a trial starts with the resumed iteration
             self._trial_start = it
