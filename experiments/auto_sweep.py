@@ -46,9 +46,9 @@ WORLDS = (2, 4)
 #: the compute floor, not a method
 METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant", "powersgd",
            "topk", "randomk", "onebit", "fp8")
-#: auto's mechanism under A/B (``--methods``): the earlier decision rule (no step_margin) and fp8
-#: among the candidates; not counted as methods a user picks ("best")
-AB_METHODS = ("auto-step0", "auto-fp8")
+#: auto's mechanism under A/B (``--methods``): the earlier decision rule (no step_margin), fp8
+#: among the candidates, quant by each of its routes; not counted as methods a user picks ("best")
+AB_METHODS = ("auto-step0", "auto-fp8", "quant-2phase", "quant-gather")
 #: the families whose accuracy needs DGC's momentum correction (docs/CHOOSING.md): not among
 #: auto's default candidates, so the report also measures auto against the best of the others
 NEEDS_DGC = ("topk", "randomk", "onebit")
@@ -183,7 +183,8 @@ def analyse(run: Dict[str, Any], rtt_ms: Optional[float] = None) -> Dict[str, An
             "vs_torch_powersgd": (auto["sps"] / sp["torch-powersgd"]["sps"]
                                   if "torch-powersgd" in sp else None),
             "behind": behind, "choices": rows["auto"].get("choices"),
-            "ab_choices": {m: rows[m].get("choices") for m in AB_METHODS if m in rows},
+            "ab_choices": {m: rows[m].get("choices") for m in AB_METHODS
+                           if m in rows and m.startswith("auto")},  # (what auto's variants chose)
             "speeds": {m: sp[m]["sps"] / ddp["sps"] for m in (*methods, *AB_METHODS) if m in sp}}
 
 
@@ -382,7 +383,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "(a sweep run in parts); repeatable")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"what each setting runs beside the compute floor: of {', '.join(METHODS)} "
-                         f"and auto's A/B variants {', '.join(AB_METHODS)}; plain DDP and auto "
+                         f"and the A/B variants {', '.join(AB_METHODS)}; plain DDP and auto "
                          f"always (the ratios are against DDP, the figures about auto)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))

@@ -127,9 +127,12 @@ SWEEP_CONFIGS = [
     ("fp8", "fp8", {}),
     # not in the sweep's own list (experiments.auto_sweep.METHODS): A/Bs of auto's mechanism, run
     # with --only (auto_sweep --methods): its decision without the step rule (step_margin 0, the
-    # rule before it), and fp8 among its candidates
+    # rule before it), and fp8 among its candidates; quant by each of its routes (its default
+    # takes the gather route on 2 ranks, the two phases on more)
     ("auto-step0", "auto", {"step_margin": 0.0}),
     ("auto-fp8", "auto", {"candidates": ["allreduce", "fp16", "fp8", "quant", "powersgd"]}),
+    ("quant-2phase", "quant", {"route": "two_phase"}),
+    ("quant-gather", "quant", {"route": "gather"}),
 ]
 
 

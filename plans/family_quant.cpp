@@ -22,7 +22,21 @@ PlanOptions quant_defaults() {
           {"error_feedback", d.error_feedback},
           {"check_finite", d.check_finite},
           {"on_nonfinite", std::string(enum_name(OnNonFinite::kSkip))},
-          {"seed", static_cast<int64_t>(d.seed)}};
+          {"seed", static_cast<int64_t>(d.seed)},
+          {"route", std::string("auto")}};
+}
+
+/// The allreduce's route (see QuantPlan): two message rounds, or one allgather of every chunk.
+/// `auto`: the gather route on 2 ranks, where it moves the two phases' bytes in one round, with
+/// less local work (every code decoded once per rank, nothing encoded twice) and no second
+/// quantization; the two phases on more, where the gather route's bytes grow with P.
+QuantRoute quant_route_of(const Options& o, int world) {
+  const std::string& r = o.name("route");
+  GC_CHECK_ARG(r == "auto" || r == "two_phase" || r == "gather",
+               "invalid option for compressor 'quant': route must be 'auto', 'two_phase' or "
+               "'gather', got '",
+               r, "'");
+  return r == "gather" || (r == "auto" && world == 2) ? QuantRoute::kGather : QuantRoute::kTwoPhase;
 }
 
 /// The quant options (a form without rotate, error_feedback or check_finite has them off).
@@ -67,7 +81,8 @@ const Family& quant_family() {
     q.defaults = quant_defaults;
     q.build = [](const BucketSpec& b, const Options& o) -> std::unique_ptr<BucketPlan> {
       return std::make_unique<QuantPlan>(quant_config_of(o, b.bucket_id), b.numel, b.world, b.rank,
-                                         b.dtype, b.device, b.device_index, b.stream);
+                                         b.dtype, b.device, b.device_index, b.stream,
+                                         PlanForm::kAllreduce, true, quant_route_of(o, b.world));
     };
     q.shard_forms = {PlanForm::kReduceScatter, PlanForm::kAllgather};
     q.shard_defaults = quant_shard_defaults;
@@ -77,6 +92,19 @@ const Family& quant_family() {
       return std::make_unique<QuantPlan>(quant_config_of(o, b.bucket_id), b.numel, b.world, b.rank,
                                          b.dtype, b.device, b.device_index, b.stream, form,
                                          average);
+    };
+    q.option_docs = {
+        {"route",
+         "",
+         "How the allreduce moves its chunks: `two_phase`, an all-to-all of the worker chunks, "
+         "each rank averaging and quantizing its chunk again (server error feedback), and an "
+         "allgather of the averaged chunks (two message rounds, 2 chunks of the bucket's codes "
+         "per peer); `gather`, one allgather of every rank's whole coded bucket, each rank "
+         "averaging every chunk (one round, no second quantization, P chunks per peer: the same "
+         "bytes on 2 ranks, less local work); `auto`, `gather` on 2 ranks and `two_phase` on "
+         "more. A state of either route loads in the other (a server error moves into the "
+         "worker error).",
+         {"auto", "two_phase", "gather"}},
     };
     q.states = {{"quant-allreduce", reshard_quant_state},
                 {"quant-reduce-scatter", reshard_quant_shard_state}};

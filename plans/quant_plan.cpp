@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The multi-bit two-phase allreduce (QuantPlan, plans/quant_plan.hpp): worker quantization
-// and all-to-all of the chunks, server averaging and quantization, allgather. Local work goes
+// and all-to-all of the chunks, server averaging and quantization, allgather; or, by the gather
+// route, one allgather of every rank's chunks and every rank averaging all of them. Local work goes
 // through the kernels' entry points (kernels/entry.hpp); the collectives are only asked for.
 #include "plans/quant_plan.hpp"
 
@@ -90,9 +91,11 @@ struct QuantPlan::Impl : detail::TwoPhaseState {
 };
 
 QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank, DType grad_dtype,
-                     Device device, int device_index, void* stream, PlanForm form, bool average)
+                     Device device, int device_index, void* stream, PlanForm form, bool average,
+                     QuantRoute route)
     : cfg_(cfg),
       form_(form),
+      route_(route),
       average_(average),
       numel_(numel),
       world_(world),
@@ -107,6 +110,10 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
   GC_CHECK_ARG(dtype_valid(static_cast<uint8_t>(grad_dtype)), "quant: unsupported gradient dtype");
   if (device == Device::kCUDA && !built_with_cuda()) throw_not_built_with_cuda("QuantPlan on CUDA");
   GC_CHECK_ARG(static_cast<uint8_t>(form) <= 2, "quant: unknown plan form ", int(form));
+  GC_CHECK_ARG(static_cast<uint8_t>(route) <= 1, "quant: unknown route ", int(route));
+  GC_CHECK_ARG(route == QuantRoute::kTwoPhase || form == PlanForm::kAllreduce,
+               "quant: the gather route is the allreduce's (a shard form moves one chunk per "
+               "rank already)");
   if (form == PlanForm::kAllreduce) {
     chunk_elems_ = detail::two_phase_chunk_elems(numel, world, cfg_.block_size);
   } else {
@@ -140,6 +147,7 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
   h.add(static_cast<int>(cfg_.scale)).add(static_cast<int>(cfg_.scale_dtype));
   h.add(static_cast<int>(cfg_.rounding)).add(static_cast<int>(cfg_.rotate));
   h.add(static_cast<int>(average_));
+  if (route == QuantRoute::kGather) h.add(1);  // (the two-phase hash as it always was)
   options_hash_ = static_cast<uint32_t>(h.value());
   impl_ = std::make_unique<Impl>(device, stream);
   impl_->device_index = device_index;
@@ -155,7 +163,8 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
   // the bytes a chunk does not fill (padding, a short last chunk) stay zero for good
   device_zero(device, s.send.get<uint8_t>(P * B), P * B, stream);
   device_zero(device, s.gsend.get<uint8_t>(B), B, stream);
-  s.recv.get<uint8_t>(P * B);
+  // the gather route receives every rank's P chunks
+  s.recv.get<uint8_t>(route == QuantRoute::kGather ? P * P * B : P * B);
   s.grecv.get<uint8_t>(P * B);
   s.avg.get<float>(ce + 1);
 }
@@ -163,7 +172,7 @@ QuantPlan::QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
 QuantPlan::~QuantPlan() = default;
 
 std::string QuantPlan::name() const {
-  return form_ == PlanForm::kAllreduce       ? "quant"
+  return form_ == PlanForm::kAllreduce ? (route_ == QuantRoute::kGather ? "quant_gather" : "quant")
          : form_ == PlanForm::kReduceScatter ? "quant_rs"
                                              : "quant_ag";
 }
@@ -341,6 +350,10 @@ std::optional<Collective> QuantPlan::next() {
       }
       for (size_t q = 0; q < P; ++q)
         put_header(send + q * B, header(chunk_len(static_cast<int64_t>(q)), s.bad >= 0));
+      if (route_ == QuantRoute::kGather) {  // every rank's chunks to every rank
+        c.count = P * B;
+        return ask(CollectiveKind::kAllgather, send, s.recv.data(), "quant gather all", 4);
+      }
       return ask(CollectiveKind::kAllToAll, send, s.recv.data(), "quant worker chunks", 2);
     }
     case 2: {  // (2) server: average chunk `rank` of every worker, add server error, quantize
@@ -453,6 +466,63 @@ std::optional<Collective> QuantPlan::next() {
       set_skipped(false, true);
       return std::nullopt;
     }
+    case 4: {  // the gather route: every rank averages every chunk of every rank
+      const auto* recv = static_cast<const uint8_t*>(s.recv.data());
+      const size_t RB = P * B;  // one rank's P chunks: rank r's chunk q at r RB + q B
+      phase_ = 0;
+      std::vector<ChunkHeader> hs(P * P);
+      for (size_t r = 0; r < P; ++r)
+        for (size_t q = 0; q < P; ++q)
+          device_copy(&hs[r * P + q], Device::kCPU, recv + r * RB + q * B, device_,
+                      sizeof(ChunkHeader), s.stream);
+      // each sender's envelope from its first chunk. Every rank received the same bytes, so the
+      // verdict and every fault below are reached alike on every rank; a chunk damaged on its way
+      // to one rank is refused by that rank alone, as the two phases' averaged chunks are. No
+      // state changed on a failure (the step wrote only the other copy of the worker error).
+      std::vector<ChunkHeader> first(P);
+      for (size_t r = 0; r < P; ++r) first[r] = hs[r * P];
+      const detail::EnvelopeVerdict v = envelopes(first);
+      if (!v.agreed()) detail::throw_disagreement(v, name().c_str(), kMustMatch, step_, true);
+      std::string fault;
+      for (size_t r = 0; r < P && fault.empty(); ++r)
+        for (size_t q = 0; q < P && fault.empty(); ++q) {
+          const ChunkHeader& h = hs[r * P + q];
+          const int64_t L = chunk_len(static_cast<int64_t>(q));
+          if (std::memcmp(&h.envelope, &first[r].envelope, sizeof h.envelope) != 0)
+            fault = "carries another step envelope than its first chunk";
+          else if (h.count != static_cast<uint64_t>(L))
+            fault = detail::cat("holds ", h.count, " elements, not ", L);
+          else if (!flagged(h) && L > 0)
+            fault = scale_fault(recv + r * RB + q * B + sizeof(ChunkHeader), L);
+          if (!fault.empty()) fault = detail::cat("rank ", r, "'s chunk ", q, " ", fault);
+        }
+      GC_CHECK_ARG(fault.empty(), "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
+                   "; the step failed on every rank and no state changed");
+      if (v.flagged) return skip_step(s.grad.data, static_cast<size_t>(s.grad.nbytes()));
+      const DType ot = s.grad.dtype;
+      const size_t es = dtype_size(ot);
+      std::vector<const uint8_t*> bodies(P);
+      for (size_t q = 0; q < P; ++q) {
+        const int64_t L = chunk_len(static_cast<int64_t>(q));
+        if (L == 0) continue;
+        for (size_t r = 0; r < P; ++r) bodies[r] = recv + r * RB + q * B + sizeof(ChunkHeader);
+        void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(q * CE) * es;
+        float* f =
+            ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
+        geo.n = L;
+        k::quant_decode_average(s.ex, bodies.data(), world_, geo, 1.0f / static_cast<float>(world_),
+                                f, s.ws);
+        if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
+          k::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
+                             static_cast<int64_t>(q) * CE / cfg_.block_size, true);
+        if (ot != DType::kFloat32)
+          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
+      }
+      if (cfg_.error_feedback) s.cur = 1 - s.cur;  // the step's worker error becomes the state
+      ++step_;
+      set_skipped(false, true);
+      return std::nullopt;
+    }
     default:
       GC_CHECK_ARG(false, "quant rank ", rank_, ": next() called before begin() (no step in ",
                    "progress)");
@@ -548,9 +618,25 @@ void QuantPlan::load_state_dict(const uint8_t* data, size_t nbytes) {
   const auto loaded = detail::read_state(quant_schema(form_), data, nbytes, state_scalars());
   device_copy(impl_->we_in(), device_, loaded.arrays[0], Device::kCPU,
               static_cast<size_t>(numel_) * sizeof(float), impl_->stream);
-  if (form_ == PlanForm::kAllreduce)
+  if (form_ == PlanForm::kAllreduce && route_ == QuantRoute::kTwoPhase)
     device_copy(impl_->se_in(), device_, loaded.arrays[1], Device::kCPU,
                 static_cast<size_t>(chunk_elems_) * sizeof(float), impl_->stream);
+  if (form_ == PlanForm::kAllreduce && route_ == QuantRoute::kGather) {
+    // no server here: what the server error owes the average of this rank's chunk goes into this
+    // rank's worker error for it, P times (the average divides by P); both server copies stay 0
+    const int64_t off = static_cast<int64_t>(rank_) * chunk_elems_;
+    const int64_t L = std::clamp<int64_t>(numel_ - off, 0, chunk_elems_);
+    std::vector<float> se(static_cast<size_t>(L));  // (copied: the state's bytes are unaligned)
+    if (L > 0) std::memcpy(se.data(), loaded.arrays[1], se.size() * sizeof(float));
+    if (std::any_of(se.begin(), se.end(), [](float x) { return x != 0.0f; })) {
+      std::vector<float> we(static_cast<size_t>(L));
+      std::memcpy(we.data(), loaded.arrays[0] + static_cast<size_t>(off) * sizeof(float),
+                  we.size() * sizeof(float));
+      for (int64_t i = 0; i < L; ++i) we[i] += static_cast<float>(world_) * se[i];
+      device_copy(impl_->we_in() + off, device_, we.data(), Device::kCPU, we.size() * sizeof(float),
+                  impl_->stream);
+    }
+  }
   step_ = loaded.step;
   start_step();
 }

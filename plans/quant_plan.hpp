@@ -41,6 +41,20 @@ namespace gradcomp {
 /// and server errors are double-buffered (the step writes the other copy; a kept step swaps it
 /// in), so a failed or skipped step changes no state and undo_step() can take a kept step back.
 ///
+/// The gather route (QuantRoute::kGather, the allreduce form only): phase (1) as above, then one
+/// allgather of every rank's P chunks (P B bytes each), and every rank decodes chunk q of every
+/// rank, sums them in rank order in fp32 and multiplies by 1/P, as a server does, for every q:
+/// one message round instead of two, and no second quantization (no server error: the average
+/// of the decoded worker codes, the same bits on every rank). Each rank sends P B bytes to every
+/// peer where the two phases send 2 B: the same bytes on 2 ranks, P / 2 times them on more, so
+/// it pays where a link's latency costs more than those bytes. Every rank reads every rank's
+/// envelope and checks every chunk; a chunk damaged on its way to one rank is refused by that
+/// rank alone (as the two phases' averaged chunks are), with no state changed.
+/// Its state is the two phases' (the same kind, its server error zero): a state with a server
+/// error loads with that error moved into this rank's worker error for its chunk, P times over
+/// (the next average delivers it), so the route can change between a save and a restore
+/// without losing what error feedback still owes.
+///
 /// The sharded forms (PlanForm; the bucket is P equal chunks of n/P elements, no rotation):
 ///  - reduce-scatter: phase (1) with the worker error, then rank r decodes chunk r of every rank,
 ///    sums them in rank order in fp32 and writes the average (or, with `average` false, the sum)
@@ -63,11 +77,16 @@ namespace gradcomp {
 ///   gradcomp::QuantPlan plan(cfg, n, world, rank);
 ///   plan.begin(TensorView::cpu(g.data(), n));
 ///   while (auto c = plan.next()) driver.run(*c);   // g now holds the averaged gradient
+/// How the allreduce form moves its chunks (see QuantPlan): the all-to-all and the allgather of
+/// the averaged chunks, or one allgather of every rank's chunks.
+enum class QuantRoute : uint8_t { kTwoPhase = 0, kGather = 1 };
+
 class QuantPlan : public BucketPlan {
  public:
   QuantPlan(const QuantConfig& cfg, int64_t numel, int world, int rank,
             DType grad_dtype = DType::kFloat32, Device device = Device::kCPU, int device_index = 0,
-            void* stream = nullptr, PlanForm form = PlanForm::kAllreduce, bool average = true);
+            void* stream = nullptr, PlanForm form = PlanForm::kAllreduce, bool average = true,
+            QuantRoute route = QuantRoute::kTwoPhase);
   ~QuantPlan() override;
   /// Starts a step that averages grad (numel elements of the plan's dtype and device) in place.
   /// Checks before any state changes (InvalidArgument, also while a step is in progress). With
@@ -77,6 +96,7 @@ class QuantPlan : public BucketPlan {
   std::optional<Collective> next() override;
   std::string name() const override;
   PlanForm form() const { return form_; }
+  QuantRoute route() const { return route_; }
   int64_t numel() const override { return numel_; }
   Device device() const { return device_; }
   int64_t step() const { return step_; }
@@ -87,7 +107,8 @@ class QuantPlan : public BucketPlan {
   /// Bytes this rank hands to the collectives per step (all-to-all and / or allgather).
   uint64_t bytes_sent() const {
     const auto P = static_cast<uint64_t>(world_);
-    return block_bytes_ * (form_ == PlanForm::kAllreduce       ? P + 1
+    return block_bytes_ * (form_ == PlanForm::kAllreduce
+                               ? (route_ == QuantRoute::kGather ? P : P + 1)
                            : form_ == PlanForm::kReduceScatter ? P
                                                                : 1);
   }
@@ -96,7 +117,8 @@ class QuantPlan : public BucketPlan {
   const float* worker_error() const;
   const float* server_error() const;
   /// Floats behind worker_error() and server_error(): numel() and chunk_elems() for the
-  /// allreduce, numel() and 0 for the reduce-scatter (no server error), 0 and 0 for the allgather.
+  /// allreduce (the gather route's server error stays zero), numel() and 0 for the
+  /// reduce-scatter (no server error), 0 and 0 for the allgather.
   int64_t worker_error_elems() const { return form_ == PlanForm::kAllgather ? 0 : numel_; }
   int64_t server_error_elems() const { return form_ == PlanForm::kAllreduce ? chunk_elems_ : 0; }
   /// The allgather form keeps no state (no error feedback: what it gathers is parameters).
@@ -113,6 +135,7 @@ class QuantPlan : public BucketPlan {
   std::unique_ptr<Impl> impl_;
   QuantConfig cfg_;
   PlanForm form_;
+  QuantRoute route_;
   bool average_;
   int64_t numel_;
   int world_, rank_;
@@ -121,7 +144,8 @@ class QuantPlan : public BucketPlan {
   int64_t chunk_elems_ = 0;
   size_t block_bytes_ = 0;
   int64_t step_ = 0;
-  int phase_ = 0;  ///< 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked
+  /// 0 idle, 1 begun, 2 all-to-all asked, 3 allgather asked, 4 the gather route's allgather asked
+  int phase_ = 0;
   uint32_t options_hash_ = 0;  ///< what every rank's chunks depend on (step envelope)
 };
 

@@ -246,7 +246,8 @@ FAMILIES: Dict[str, str] = {
     "onebit": ("1-bit: sign and one scale per block, two-phase compressed allreduce with worker "
                "and server error."),
     "quant": ("Multi-bit quantization: 2/4/8 bits per value with a scale per block, two-phase "
-              "exchange with worker and server error."),
+              "exchange with worker and server error (or, by `route`, one allgather of every "
+              "rank's codes)."),
     "powersgd": "PowerSGD: low-rank approximation P Q^T of each matrix, with error feedback.",
 }
 

@@ -240,10 +240,12 @@ std::pair<size_t, size_t> defined(gc::PlanForm form, size_t n, size_t P, size_t 
 std::string form_name(gc::PlanForm f) { return std::string(gc::enum_name(f)); }
 
 /// Options beyond a family's defaults that change what its allreduce sends, each run as a case of
-/// its own: top-k's coded values (the multi-bit codec inside a sparse payload).
+/// its own: top-k's coded values (the multi-bit codec inside a sparse payload); quant by each of
+/// its routes on every rank count (its default takes the gather route on 2 ranks only).
 const std::map<std::string, std::vector<gc::PlanOptions>>& variants() {
   static const std::map<std::string, std::vector<gc::PlanOptions>> v = {
-      {"topk", {{{"value_bits", int64_t{2}}, {"value_block", int64_t{32}}}}}};
+      {"topk", {{{"value_bits", int64_t{2}}, {"value_block", int64_t{32}}}}},
+      {"quant", {{{"route", std::string("two_phase")}}, {{"route", std::string("gather")}}}}};
   return v;
 }
 
@@ -264,7 +266,10 @@ std::vector<Case> cases() {
       if (form != gc::PlanForm::kAllreduce || v == variants().end()) continue;
       for (const auto& o : v->second) {
         std::string label = t.name + " " + form_name(form);
-        for (const auto& [k, x] : o) label += " " + k + "=" + std::to_string(std::get<int64_t>(x));
+        for (const auto& [k, x] : o)
+          label += " " + k + "=" +
+                   (std::holds_alternative<std::string>(x) ? std::get<std::string>(x)
+                                                           : std::to_string(std::get<int64_t>(x)));
         out.push_back({t.name, form, o, label});
       }
     }
@@ -379,8 +384,8 @@ TEST(Conformance, ACorruptCheckpointIsRefusedAndChangesNothing) {
     SCOPED_TRACE(c.label);
     auto plans = trained(c, n, P, 1);
     const auto good = plans[0]->state_dict();
-    if (good.empty()) continue;                        // nothing to corrupt
-    auto other = make(c, n, P);                        // at step 0: what a refused load must leave
+    if (good.empty()) continue;  // nothing to corrupt
+    auto other = make(c, n, P);  // at step 0: what a refused load must leave
     const auto before = other[0]->state_dict();
     for (const size_t at : {size_t{0}, good.size() / 2, good.size() - 1}) {
       auto bad = good;

@@ -15,8 +15,8 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch._auto import choose  # noqa: E402
 
 from ddp_util import (Net, assert_resumed_equals_straight, load_checkpoint, make_data,  # noqa: E402
-                      params_equal_across_ranks, run, save_checkpoint, tmpdir, train,
-                      train_losses, training_steps)
+                      mark_ok, params_equal_across_ranks, run, run_ok, save_checkpoint, tmpdir,
+                      train, train_losses, training_steps)
 
 CANDS = ["allreduce", "fp16", "powersgd"]
 
@@ -330,14 +330,15 @@ def test_fp8_is_a_candidate_between_fp16_and_quant():
 
 
 @pytest.mark.parametrize("cands,world", [(["allreduce", "quant"], 2), (["allreduce", "fp8"], 2),
-                                         (["allreduce", "fp8"], 3)])
+                                         (["allreduce", "fp8"], 3), (["allreduce", "quant"], 3)])
 def test_auto_with_the_quant_or_fp8_candidate_trains_and_decides_alike(cands, world):
-    """quant (stateful) and fp8 (stateless, with a gather route of its own on more than 2 ranks
-    of gloo: the candidate "fp8/gather") among the candidates: every rank measures, decides the
-    same and ends with the same parameters."""
+    """quant (stateful) and fp8 (stateless) among the candidates, each with a gather route of its
+    own on more than 2 ranks of gloo (the candidates "quant/gather", "fp8/gather"): every rank
+    measures, decides the same and ends with the same parameters."""
     d = tmpdir()
     run(_auto_run, world, d, "straight", cands)
-    want = set(cands) | ({"fp8/gather"} if "fp8" in cands and world > 2 else set())
+    want = set(cands) | ({f"{c}/gather" for c in cands if c in ("fp8", "quant")} if world > 2
+                         else set())
     r = [json.load(open(os.path.join(d, f"straight_{k}.json"))) for k in range(world)]
     for x in r:
         assert x["same"] and x["iter"] == 30
@@ -382,3 +383,46 @@ def test_auto_allreduce_is_ddps_own_average_bit_for_bit():
     # the test can tell the two scalings apart: on this data they differ somewhere
     x = torch.randn(10000, generator=torch.Generator().manual_seed(3))
     assert not torch.equal(x / 3, x * (1.0 / 3))
+
+
+def _lend_gather_state(rank, world, out_dir):
+    """auto with quant alone (so "quant" and "quant/gather") decides on 3 ranks; its state then
+    loads where the gather route is no candidate (another backend's job: _gather=False), and
+    that state back where it is."""
+    from gradcomp.torch._auto import AutoState
+
+    data = make_data(rank, 12)
+    torch.manual_seed(0)
+    model = DDP(Net())
+    state, hook = gt.hook("auto", model=model, candidates=["quant"], trial_steps=2)
+    assert state.candidates == ["quant", "quant/gather"], state.candidates
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    train(model, opt, data)  # start_iter 2, 2 candidates x 2 steps: decided at 6
+    sd = state.state_dict()
+    assert len(set(sd["choices"].values())) == 1, sd["choices"]  # (Net: one bucket)
+    owner = next(iter(sd["choices"].values()))
+    other = "quant" if owner == "quant/gather" else "quant/gather"
+    assert not sd["subs"][other]["buckets"], "the unchosen route's state was kept"
+    held = {k: v["state"] for k, v in sd["subs"][owner]["buckets"].items()}
+    assert held and all(len(b) > 0 for b in held.values())
+    # where quant has no gather route: quant holds what either route held
+    flat = AutoState(None, model=model, candidates=["quant"], trial_steps=2, _gather=False)
+    assert flat.candidates == ["quant"]
+    flat.load_state_dict(sd)
+    got = {k: v["state"] for k, v in flat.subs["quant"].state_dict()["buckets"].items()}
+    assert got == held, "the gather route's worker error was dropped"
+    assert set(flat.choices.values()) == {"quant"}
+    # and back: the gather route is lent quant's state
+    back = AutoState(None, model=model, candidates=["quant"], trial_steps=2, _gather=True)
+    back.load_state_dict(flat.state_dict())
+    for n in ("quant", "quant/gather"):
+        got = {k: v["state"] for k, v in back.subs[n].state_dict()["buckets"].items()}
+        assert got == held, n
+    for s in (state, flat, back):
+        s.close()
+    mark_ok(out_dir, rank)
+
+
+def test_quants_gather_route_state_is_lent_both_ways_never_dropped():
+    run_ok(_lend_gather_state, 3)

@@ -391,14 +391,18 @@ def test_auto_sweep_analysis_and_report(tmp_path):
             json.dump(run, f)
     # an A/B of auto's mechanism: its variants are shown, never the "best" method, and a run
     # without PyTorch's hooks reports none for them
-    ab = {"ddp": [100, 100], "no-comm": [40, 40], "auto": [90, 90], "auto-step0": [20, 20]}
+    ab = {"ddp": [100, 100], "no-comm": [40, 40], "auto": [90, 90], "auto-step0": [20, 20],
+          "quant-2phase": [10, 10]}
     abr = sw.analyse(_sweep_run(ab, {"0": "allreduce"}), 0.1)
     assert abr["best"] == "auto" and abr["speeds"]["auto-step0"] == pytest.approx(5.0)
+    # a fixed family's variant (quant by one route) has a speed, and no choices to show
+    assert abr["speeds"]["quant-2phase"] == pytest.approx(10.0)
+    assert set(abr["ab_choices"]) == {"auto-step0"}
     assert abr["vs_torch_fp16"] is None
     ab_dir = tmp_path / "ab"
     ab_dir.mkdir()
-    run = _sweep_run(ab, {"0": "allreduce"})
-    run["rows"][-1]["choices"] = {"0": "fp16"}
+    run = _sweep_run({k: v for k, v in ab.items() if k != "quant-2phase"}, {"0": "allreduce"})
+    run["rows"][-1]["choices"] = {"0": "fp16"}  # (auto-step0's row)
     with open(ab_dir / "vit_w2_40gbit_rtt0.1ms.json", "w") as f:
         json.dump(run, f)
     text = sw.report(str(ab_dir))

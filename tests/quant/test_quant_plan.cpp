@@ -41,6 +41,7 @@ struct Ref {
   QuantConfig cfg;
   int P;
   int64_t n, CE;
+  bool gather = false;  ///< the gather route: the average of the decoded worker chunks, no server
 };
 
 uint16_t ref_half_up(float v) {  // the smallest fp16 >= v (v >= 0), at most 65504
@@ -153,7 +154,13 @@ std::vector<float> ref_step(const Ref& R, RefRanks& st, const std::vector<std::v
     for (int64_t i = 0; i < L; ++i) {
       float s = 0;
       for (int r = 0; r < R.P; ++r) s += dec[r][q * CE + i];
-      y[i] = inv_p * s + (ef ? st.se[q][i] : 0.0f);
+      y[i] = inv_p * s + (ef && !R.gather ? st.se[q][i] : 0.0f);
+    }
+    if (R.gather) {  // no second quantization
+      std::copy(y.begin(), y.end(), out.begin() + q * CE);
+      if (R.cfg.rotate && L / S > 0)
+        kernels::cpu::hadamard_rotate_baseline(out.data() + q * CE, L / S, S, q * CE / S, true);
+      continue;
     }
     const auto d = ref_quantize(R, y, R.P + q, q * CE, step);
     for (int64_t i = 0; i < L; ++i) {
@@ -168,16 +175,22 @@ std::vector<float> ref_step(const Ref& R, RefRanks& st, const std::vector<std::v
 
 // ---------------------------------------------------------------- helpers
 std::vector<std::unique_ptr<QuantPlan>> make_ranks(const QuantConfig& c, int64_t n, int P,
-                                                   DType t = DType::kFloat32) {
+                                                   DType t = DType::kFloat32,
+                                                   QuantRoute route = QuantRoute::kTwoPhase) {
   std::vector<std::unique_ptr<QuantPlan>> v;
-  for (int r = 0; r < P; ++r) v.push_back(std::make_unique<QuantPlan>(c, n, P, r, t));
+  for (int r = 0; r < P; ++r)
+    v.push_back(std::make_unique<QuantPlan>(c, n, P, r, t, Device::kCPU, 0, nullptr,
+                                            PlanForm::kAllreduce, true, route));
   return v;
 }
 
 // The plans of P ranks and the scalar reference's state for them, stepped side by side.
 struct ReferenceRun {
-  ReferenceRun(const QuantConfig& c, int64_t n, int P, DType t = DType::kFloat32)
-      : plans(make_ranks(c, n, P, t)), R{c, P, n, plans[0]->chunk_elems()}, st(R) {}
+  ReferenceRun(const QuantConfig& c, int64_t n, int P, DType t = DType::kFloat32,
+               QuantRoute route = QuantRoute::kTwoPhase)
+      : plans(make_ranks(c, n, P, t, route)),
+        R{c, P, n, plans[0]->chunk_elems(), route == QuantRoute::kGather},
+        st(R) {}
   /// The reference's average of one step of g (every rank's fp32 gradient); advances its state.
   std::vector<float> average(const std::vector<std::vector<float>>& g, int64_t step) {
     return ref_step(R, st, g, step);
@@ -209,6 +222,21 @@ std::vector<std::vector<uint8_t>> step_and_save(std::vector<PlanPtr>& plans, int
   std::vector<std::vector<uint8_t>> st;
   for (auto& p : plans) st.push_back(p->state_dict());
   return st;
+}
+
+// Every rank's state, in rank order.
+template <class PlanPtr>
+std::vector<std::vector<uint8_t>> states_of(std::vector<PlanPtr>& plans) {
+  std::vector<std::vector<uint8_t>> st;
+  for (auto& p : plans) st.push_back(p->state_dict());
+  return st;
+}
+
+// Every rank's normal gradient of n values, rank r's drawn with seed seed + r.
+std::vector<std::vector<float>> rank_inputs(int64_t n, int P, uint32_t seed) {
+  std::vector<std::vector<float>> g(P);
+  for (int r = 0; r < P; ++r) g[r] = normal(n, seed + static_cast<uint32_t>(r));
+  return g;
 }
 
 // Runs one step that must fail on every rank with InvalidArgument, the message naming `why`.
@@ -681,16 +709,8 @@ TEST(QuantPlan, OtherOptionsAndDamagedChunksFailOnEveryRank) {
   c.scale_dtype = DType::kFloat16;
   const int64_t n = 2000;
   const int P = 3;
-  auto states = [](auto& plans) {
-    std::vector<std::vector<uint8_t>> st;
-    for (auto& p : plans) st.push_back(p->state_dict());
-    return st;
-  };
-  auto inputs = [&](uint32_t seed) {
-    std::vector<std::vector<float>> g(P);
-    for (int r = 0; r < P; ++r) g[r] = normal(n, seed + static_cast<uint32_t>(r));
-    return g;
-  };
+  auto states = [](auto& plans) { return states_of(plans); };
+  auto inputs = [&](uint32_t seed) { return rank_inputs(n, P, seed); };
   // on rank 2 only: stochastic rounding, or no rotation (a chunk of another basis that the
   // owner would sum with the others into a wrong average); chunks of the same size either way
   for (const bool other_rotate : {false, true}) {
@@ -822,6 +842,276 @@ TEST(QuantPlan, MakePlanOptions) {
   EXPECT_THROW(make_plan("quant", b, {{"scale_dtype", std::string("bfloat16")}}), InvalidArgument);
   EXPECT_THROW(make_plan("quant", b, {{"rounding", std::string("up")}}), InvalidArgument);
   EXPECT_THROW(make_plan("quant", b, {{"momentum", 0.9}}), InvalidArgument);
+}
+
+// ---------------------------------------------------------------- the gather route
+// One allgather of every rank's chunks, every rank averaging all of them: the reference without
+// its server quantization, for every option, sizes 0, 1, odd, block +- 1 and large, 1-4 ranks.
+TEST(QuantGather, MatchesScalarReferenceForEveryOption) {
+  int checked = 0;
+  for (int bits : {2, 4, 8})
+    for (auto rounding : {QuantRounding::kNearest, QuantRounding::kStochastic})
+      for (auto scale : {QuantScale::kSymmetric, QuantScale::kAsymmetric})
+        for (bool rotate : {false, true})
+          for (int64_t n : {0, 1, 31, 127, 128, 129, 4137})
+            for (int P : {1, 2, 3, 4}) {
+              QuantConfig c;
+              c.bits = bits;
+              c.rounding = rounding;
+              c.scale = scale;
+              c.scale_dtype = (n % 2 == 1) ? DType::kFloat16 : DType::kFloat32;
+              c.rotate = rotate;
+              c.error_feedback = rounding == QuantRounding::kNearest || (n % 2 == 1);
+              c.seed = 11;
+              c.tensor_id = 5;
+              ReferenceRun ref(c, n, P, DType::kFloat32, QuantRoute::kGather);
+              for (int step = 0; step < 3; ++step) {
+                std::vector<std::vector<float>> g(P);
+                for (int r = 0; r < P; ++r) g[r] = normal(n, 100 * step + r, 0.1f + r);
+                const auto want = ref.average(g, step);
+                run(ref.plans, g);
+                for (int r = 0; r < P; ++r) {
+                  ASSERT_TRUE(test::same_bytes(g[r].data(), want.data(), n * sizeof(float)))
+                      << describe(c) << " n " << n << " P " << P << " rank " << r << " step "
+                      << step;
+                  if (c.error_feedback)
+                    ASSERT_TRUE(test::same_bytes(ref.plans[r]->worker_error(), ref.st.we[r].data(),
+                                                 n * sizeof(float)));
+                  for (int64_t i = 0; i < ref.plans[r]->chunk_elems(); ++i)
+                    ASSERT_EQ(ref.plans[r]->server_error()[i], 0.0f);  // no server
+                }
+              }
+              ++checked;
+            }
+  EXPECT_EQ(checked, 3 * 2 * 2 * 2 * 7 * 4);
+  // large, fp16 and bf16 gradients (the fp32 reference of their widened values, rounded)
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    const int64_t n = t == DType::kFloat32 ? 300001 : 5001;
+    const int P = 3;
+    QuantConfig c;
+    ReferenceRun ref(c, n, P, t, QuantRoute::kGather);
+    for (int step = 0; step < 2; ++step) {
+      std::vector<std::vector<float>> g(P);
+      std::vector<std::vector<uint16_t>> h(P);
+      for (int r = 0; r < P; ++r) {
+        g[r] = test::heavy_tailed(n, 10 * step + r);
+        if (t == DType::kFloat32) continue;
+        h[r].resize(n);
+        for (int64_t i = 0; i < n; ++i) {  // the gradient in its dtype, and its widened value
+          h[r][i] = t == DType::kFloat16 ? float_to_half(g[r][i]) : float_to_bf16(g[r][i]);
+          g[r][i] = t == DType::kFloat16 ? half_to_float(h[r][i]) : bf16_to_float(h[r][i]);
+        }
+      }
+      const auto want = ref.average(g, step);
+      if (t == DType::kFloat32) {
+        run(ref.plans, g);
+        for (int r = 0; r < P; ++r)
+          ASSERT_TRUE(test::same_bytes(g[r].data(), want.data(), n * sizeof(float))) << r;
+        continue;
+      }
+      std::vector<Plan*> ps;
+      for (int r = 0; r < P; ++r) {
+        ref.plans[r]->begin(TensorView(h[r].data(), {n}, t, Device::kCPU));
+        ps.push_back(ref.plans[r].get());
+      }
+      run_plans_in_process(ps);
+      for (int r = 0; r < P; ++r)
+        for (int64_t i = 0; i < n; ++i) {
+          const uint16_t e = t == DType::kFloat16 ? float_to_half(want[i]) : float_to_bf16(want[i]);
+          ASSERT_EQ(h[r][i], e) << dtype_name(t) << " rank " << r << " i " << i;
+        }
+    }
+  }
+}
+
+// One round of P chunks per rank: on 2 ranks the two phases' bytes (2 B each way), on more P / 2
+// times them; the same average on every rank.
+TEST(QuantGather, OneCollectiveAndItsBytes) {
+  QuantConfig c;
+  const int64_t n = 4000;
+  for (int P : {2, 3, 4}) {
+    auto plans = make_ranks(c, n, P, DType::kFloat32, QuantRoute::kGather);
+    auto two = make_ranks(c, n, P);
+    EXPECT_EQ(plans[0]->name(), "quant_gather");
+    EXPECT_EQ(plans[0]->bytes_sent(), static_cast<uint64_t>(P) * plans[0]->block_bytes());
+    std::vector<std::vector<float>> g(P);
+    for (int r = 0; r < P; ++r) g[r] = normal(n, r);
+    ASSERT_EQ(plans[0]->block_bytes(), two[0]->block_bytes());  // the same chunks
+    // the collectives each rank is asked for, recorded while the step runs by hand
+    std::vector<std::pair<CollectiveKind, size_t>> asked;
+    auto gg = g;
+    for (int r = 0; r < P; ++r) plans[r]->begin(TensorView::cpu(gg[r].data(), n));
+    for (auto cc = plans[0]->next(); cc; cc = plans[0]->next()) {
+      asked.emplace_back(cc->kind, cc->count);
+      // the other ranks' step, delivered as the in-process runner would
+      std::vector<std::optional<Collective>> cs{cc};
+      for (int r = 1; r < P; ++r) cs.push_back(plans[r]->next());
+      for (int r = 0; r < P; ++r)
+        for (int q = 0; q < P; ++q)
+          std::memcpy(static_cast<uint8_t*>(cs[r]->recv) + q * cc->count, cs[q]->send, cc->count);
+    }
+    for (int r = 1; r < P; ++r) EXPECT_FALSE(plans[r]->next().has_value());
+    ASSERT_EQ(asked.size(), 1u);
+    EXPECT_EQ(asked[0].first, CollectiveKind::kAllgather);
+    // per peer: P B (the two phases: an all-to-all block and an averaged chunk, 2 B)
+    EXPECT_EQ(asked[0].second, static_cast<size_t>(P) * two[0]->block_bytes());
+    for (int r = 1; r < P; ++r) EXPECT_EQ(gg[r], gg[0]);
+    run(two, g);
+    double d = 0, m = 0;  // the two routes average alike to within the codec's error
+    for (int64_t i = 0; i < n; ++i) {
+      d = std::max(d, double(std::fabs(gg[0][i] - g[0][i])));
+      m = std::max(m, double(std::fabs(g[0][i])));
+    }
+    EXPECT_LT(d, 0.25 * m) << P;
+  }
+}
+
+// A NaN on one rank skips the step on every rank with no state changed; ranks at different steps
+// or with other options fail on every rank; a chunk damaged on its way to one rank is refused by
+// that rank alone; undo restores the state.
+TEST(QuantGather, SkipsDisagreementsDamageAndUndo) {
+  QuantConfig c;
+  c.rotate = true;
+  const int64_t n = 3000;
+  const int P = 3;
+  auto plans = make_ranks(c, n, P, DType::kFloat32, QuantRoute::kGather);
+  auto states = [&] { return states_of(plans); };
+  auto inputs = [&](uint32_t seed) { return rank_inputs(n, P, seed); };
+  const auto st = step_and_save(plans, n, 0);
+  auto g = inputs(10);
+  g[1][777] = std::numeric_limits<float>::infinity();
+  run(plans, g);
+  for (int r = 0; r < P; ++r) {
+    EXPECT_TRUE(plans[r]->skipped());
+    EXPECT_TRUE(std::isnan(g[r][0]) && std::isnan(g[r][n - 1]));
+    EXPECT_EQ(plans[r]->state_dict(), st[r]);
+  }
+  // rank 1 restored one step back alone: every rank fails, nothing changes
+  auto h = inputs(20);
+  run(plans, h);
+  plans[1]->load_state_dict(st[1].data(), st[1].size());
+  auto before = states();
+  h = inputs(30);
+  expect_every_rank_fails(plans, step_by_hand(plans, h), before, "different steps");
+  for (int r = 0; r < P; ++r) plans[r]->load_state_dict(st[r].data(), st[r].size());
+  // other rounding on rank 2 (chunks of the same size): every rank fails
+  {
+    QuantConfig s2 = c;
+    s2.rounding = QuantRounding::kStochastic;
+    auto other = make_ranks(c, n, P, DType::kFloat32, QuantRoute::kGather);
+    other[2] = std::make_unique<QuantPlan>(s2, n, P, 2, DType::kFloat32, Device::kCPU, 0, nullptr,
+                                           PlanForm::kAllreduce, true, QuantRoute::kGather);
+    const auto b0 = states_of(other);
+    auto k = inputs(40);
+    expect_every_rank_fails(other, step_by_hand(other, k), b0, "the options differ across ranks");
+  }
+  // a count or a scale (its fp32 sign and exponent byte) damaged on its way to rank 0: rank 0
+  // refuses it, the others step on
+  const size_t H = 24;
+  for (size_t offset : {size_t{16}, H + 3}) {
+    before = states();
+    auto k = inputs(50);
+    const auto err = step_by_hand(plans, k, [&](int round, size_t r, uint8_t* recv, size_t) {
+      if (round == 0 && r == 0) recv[plans[0]->block_bytes() * P + offset] ^= 0xff;  // rank 1's
+    });
+    EXPECT_NE(err[0].find(offset == 16 ? "rank 1's chunk 0 holds" : "invalid scale"),
+              std::string::npos)
+        << err[0];
+    EXPECT_EQ(plans[0]->state_dict(), before[0]);
+    EXPECT_EQ(err[1], "");
+    for (int r = 0; r < P; ++r) plans[r]->load_state_dict(before[r].data(), before[r].size());
+  }
+  // undo takes a kept step back bitwise; the job trains on in step
+  before = states();
+  auto k = inputs(60);
+  run(plans, k);
+  for (auto& p : plans) p->undo_step();
+  EXPECT_EQ(states(), before);
+  k = inputs(70);
+  run(plans, k);
+  for (int r = 1; r < P; ++r) EXPECT_EQ(k[r], k[0]);
+}
+
+// A checkpoint continues bitwise on the gather route; a two-phase state, whose server errors the
+// gather route has no server for, loads with each rank's server error moved into its worker
+// error for its chunk, P times: the next average still delivers it (the first-order term).
+TEST(QuantGather, CheckpointsAndTheTwoPhaseState) {
+  QuantConfig c;
+  const int64_t n = 2501;
+  const int P = 3;
+  auto plans = make_ranks(c, n, P, DType::kFloat32, QuantRoute::kGather);
+  const auto st = step_and_save(plans, n, 1);
+  auto fresh = make_ranks(c, n, P, DType::kFloat32, QuantRoute::kGather);
+  for (int r = 0; r < P; ++r) fresh[r]->load_state_dict(st[r].data(), st[r].size());
+  std::vector<std::vector<float>> a(P), b;
+  for (int r = 0; r < P; ++r) a[r] = normal(n, 5 + r);
+  b = a;
+  run(plans, a);
+  run(fresh, b);
+  EXPECT_EQ(a, b);
+  // two-phase -> gather
+  auto two = make_ranks(c, n, P);
+  const auto ts = step_and_save(two, n, 3);
+  auto gat = make_ranks(c, n, P, DType::kFloat32, QuantRoute::kGather);
+  const int64_t CE = two[0]->chunk_elems();
+  double owed = 0;
+  for (int r = 0; r < P; ++r) {
+    gat[r]->load_state_dict(ts[r].data(), ts[r].size());
+    EXPECT_EQ(gat[r]->step(), 1);
+    for (int64_t i = 0; i < n; ++i) {
+      const int q = static_cast<int>(i / CE);
+      const float want =
+          q == r ? two[r]->worker_error()[i] + float(P) * two[r]->server_error()[i - q * CE]
+                 : two[r]->worker_error()[i];
+      ASSERT_EQ(gat[r]->worker_error()[i], want) << "rank " << r << " i " << i;
+    }
+    for (int64_t i = 0; i < CE; ++i) {
+      ASSERT_EQ(gat[r]->server_error()[i], 0.0f);
+      owed += std::fabs(two[r]->server_error()[i]);
+    }
+  }
+  EXPECT_GT(owed, 0.0);  // the two-phase state did hold a server error to move
+  // gather -> two-phase: the worker errors as they are, no server error
+  auto back = make_ranks(c, n, P);
+  const auto gs = step_and_save(gat, n, 7);
+  for (int r = 0; r < P; ++r) {
+    back[r]->load_state_dict(gs[r].data(), gs[r].size());
+    EXPECT_TRUE(
+        test::same_bytes(back[r]->worker_error(), gat[r]->worker_error(), n * sizeof(float)));
+  }
+}
+
+TEST(QuantGather, MakePlanRoute) {
+  BucketSpec b;
+  b.numel = 1000;
+  b.world = 3;
+  auto p = make_plan("quant", b, {{"route", std::string("gather")}});
+  auto* q = dynamic_cast<QuantPlan*>(p.get());
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(q->route(), QuantRoute::kGather);
+  // auto: the gather route on 2 ranks only
+  for (int P : {1, 2, 3, 4}) {
+    BucketSpec w = b;
+    w.world = P;
+    EXPECT_EQ(dynamic_cast<QuantPlan*>(make_plan("quant", w).get())->route(),
+              P == 2 ? QuantRoute::kGather : QuantRoute::kTwoPhase)
+        << P;
+    EXPECT_EQ(
+        dynamic_cast<QuantPlan*>(make_plan("quant", w, {{"route", std::string("two_phase")}}).get())
+            ->route(),
+        QuantRoute::kTwoPhase);
+  }
+  EXPECT_THROW(make_plan("quant", b, {{"route", std::string("sparse")}}), InvalidArgument);
+  EXPECT_THROW(make_plan("quant", b, {{"route", std::string("reduce_scatter")}}), InvalidArgument);
+  EXPECT_THROW(QuantPlan(QuantConfig{}, 1000, 2, 0, DType::kFloat32, Device::kCPU, 0, nullptr,
+                         PlanForm::kReduceScatter, true, QuantRoute::kGather),
+               InvalidArgument);
+  // the shard forms take no route
+  BucketSpec s = b;
+  s.numel = 999;
+  EXPECT_THROW(
+      make_shard_plan("quant", s, PlanForm::kReduceScatter, {{"route", std::string("gather")}}),
+      InvalidArgument);
 }
 
 // ---------------------------------------------------------------- the sharded forms

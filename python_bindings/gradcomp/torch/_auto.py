@@ -26,9 +26,9 @@ group), issued by the hook at once, so that on a fast link auto costs what any c
 over plain DDP (one pass over the bucket for the 1/P); its cost is measured from launch to
 completion.
 
-On gloo with more than 2 ranks fp16, bf16 and fp8 are also tried by their ``gather`` route, as
-``"fp16/gather"`` (see GATHER). With ``hierarchy="node"`` (and ``per_node``, or torchrun's
-``LOCAL_WORLD_SIZE``) every candidate is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
+On gloo with more than 2 ranks fp16, bf16, fp8 and quant are also tried by their ``gather``
+route, as ``"fp16/gather"`` or ``"quant/gather"`` (see GATHER). With ``hierarchy="node"`` (and
+``per_node``, or torchrun's ``LOCAL_WORLD_SIZE``) every candidate is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
 ``"<name>@node"``; the flat form comes first, so it is kept when the two cost the same.
 
 The accuracy budget is the candidate list and three bounds: ``min_rank`` (PowerSGD's rank),
@@ -76,9 +76,13 @@ HIER = "@node"
 #: and bf16 it is bitwise the same average; fp8's reduce-scatter route rounds the summed chunks
 #: to fp8 a second time, its gather route does not (both stateless, so a checkpoint's choice of
 #: either loads as the other where only one exists). (On 2 ranks the plans take the gather
-#: route themselves.)
+#: route themselves.) So does quant: its two phases (an all-to-all of the codes, each rank's
+#: chunk averaged and quantized again, an allgather) against its gather route (one allgather of
+#: every rank's codes, each rank averaging all of them: no second quantization). Its state (the
+#: worker error) is the same kind by either route: a checkpoint lends either route's state to
+#: the other (see _check_auto).
 GATHER = "/gather"
-_ROUTED = ("fp16", "bf16", "fp8")
+_ROUTED = ("fp16", "bf16", "fp8", "quant")
 
 
 def _family(name: str) -> Tuple[str, Dict[str, Any], bool]:
@@ -423,10 +427,18 @@ class AutoState:
                              f"'auto'")
         subs = sd.get("subs")
         if isinstance(subs, dict):
-            # the gather-route candidates exist on some groups only (see GATHER) and are
-            # stateless: a state from a job with other ones (another world size) drops those it
-            # has and lends its flat candidate's state to those it lacks
-            subs = {n: s for n, s in subs.items() if GATHER not in n or n in self.subs}
+            # the gather-route candidates exist on some groups only (see GATHER): a state from a
+            # job with other ones (another world size or backend) lends its flat candidate's
+            # state to those it lacks, and drops those it has, after lending what they hold to
+            # their flat candidate where it has nothing for a bucket (quant's worker error: the
+            # same kind of state by either route; the others are stateless)
+            for n in [n for n in subs if GATHER in n and n not in self.subs]:
+                flat, gone = subs.get(n.replace(GATHER, "")), subs.pop(n)
+                if isinstance(flat, dict) and isinstance(gone, dict) and \
+                        isinstance(flat.get("buckets"), dict) and \
+                        isinstance(gone.get("buckets"), dict):
+                    subs[n.replace(GATHER, "")] = dict(flat, buckets={**gone["buckets"],
+                                                                      **flat["buckets"]})
             for n in self.subs:
                 flat = subs.get(n.replace(GATHER, ""))
                 if GATHER in n and n not in subs and isinstance(flat, dict):
