@@ -26,8 +26,10 @@ experiments/results/fashion_mnist_onebit_rotation_2026-11-24.md). Random-k with 
 sent whole (dense_below = 32768, the default now; 2026-11-25): 1% with momentum
 correction 87.40% and 10% 85.80% against plain 86.90% on torch 1.13, 87.05% and 85.90% against
 87.00% on torch 2.15; every tensor sampled (dense_below=0, before the fix) 1% ended at 9.60% on
-torch 1.13 and stopped on a non-finite gradient on torch 2.15. A collapse (76 points) fails every
-margin; test_old_randomk_form_is_what_diverged keeps the divergence of the old form."""
+torch 1.13 and stopped on a non-finite gradient on torch 2.15. 4-bit quant, which on these 2 ranks
+takes its one-round gather route (the default there since 5206f75; 2026-12-01): 86.85% against
+plain 86.90% on torch 1.13, 86.65% against 87.00% on torch 2.15. A collapse (76 points) fails
+every margin; test_old_randomk_form_is_what_diverged keeps the divergence of the old form."""
 import functools
 import os
 
@@ -46,7 +48,8 @@ STEPS = 300
 # a collapse fails it.
 FSDP_MARGIN = 2.0
 MARGIN = {"onebit:momentum=0.9": 4.0, "onebit": 4.0, "fp16": 4.0, "bf16": 4.0, "topk": 4.0,
-          "topk-dgc": 4.0, "powersgd": 4.0, "randomk-mc": 4.0, "randomk10-mc": 4.0}  # points
+          "topk-dgc": 4.0, "powersgd": 4.0, "randomk-mc": 4.0, "randomk10-mc": 4.0,
+          "quant4": 4.0}  # points
 
 
 @functools.lru_cache(maxsize=None)  # each configuration trains once per session
@@ -72,7 +75,8 @@ def plain():
 release_only = pytest.mark.skipif(
     not ci_stages.full_run(), reason="a variant or a past form, trained only in full runs "
                                      "(GRADCOMP_CI_FULL=1): CI time; the default forms run here")
-REGULAR = ("onebit:momentum=0.9", "fp16", "topk", "powersgd", "randomk-mc")
+# quant4 on these 2 ranks runs quant's default there, the one-round gather route
+REGULAR = ("onebit:momentum=0.9", "fp16", "topk", "powersgd", "randomk-mc", "quant4")
 
 
 @pytest.mark.parametrize("cfg", [c if c in REGULAR else pytest.param(c, marks=release_only)
