@@ -288,10 +288,11 @@ def test_auto_takes_the_fewest_message_rounds_where_latency_dominates(tmp_path):
     allreduces per bucket (P, then Q: 4 rounds), so at this latency it costs about twice as much
     whatever it saves in bytes; fp16 on 2 ranks of gloo sends its whole buffer in one allgather
     (1 round, the ring's bytes), and so does quant (its gather route, on 2 ranks its default).
-    auto measures that on the link, never picks the multi-phase plan, and takes the most
-    faithful one-round one."""
+    auto measures that on the link and never picks a multi-round plan: it takes fp16 or quant,
+    the more faithful fp16 unless quant measured cheaper by more than the margins (on this tiny
+    bucket the two differ by the link's jitter)."""
     r, costs = _auto_on(tmp_path, 2)
-    assert r["choices"] == {0: "fp16"}, r
+    assert r["choices"][0] in ("fp16", "quant"), r
     assert LAT * 0.98 <= costs["quant"] <= costs["allreduce"] - 0.5 * LAT, costs
     # what auto measured: the rounds x the latency, each plan's own count
     assert costs["allreduce"] >= 2 * LAT * 0.98, costs
@@ -304,9 +305,10 @@ def test_auto_takes_fp16s_one_round_route_on_three_ranks(tmp_path):
     """The same corner on 3 ranks, where fp16's default route takes two message rounds (an
     all-to-all, then the allgather) and its gather route one (for 3/2 times the bytes, nothing on
     this link): auto tries the gather route as a candidate of its own ("fp16/gather") and takes
-    it; the ring allreduce takes 4 rounds, quant 2 (1 by its gather route), PowerSGD 8."""
+    it or quant's ("quant/gather", one round too: the two differ by the link's jitter here); the
+    ring allreduce takes 4 rounds, quant 2 (1 by its gather route), PowerSGD 8."""
     r, costs = _auto_on(tmp_path, 3)
-    assert r["choices"] == {0: "fp16/gather"}, r
+    assert r["choices"][0] in ("fp16/gather", "quant/gather"), r
     assert LAT * 0.98 <= costs["fp16/gather"] <= costs["fp16"] - 0.5 * LAT, costs
     assert LAT * 0.98 <= costs["quant/gather"] <= costs["quant"] - 0.5 * LAT, costs
     assert costs["allreduce"] >= 4 * LAT * 0.98, costs
