@@ -238,10 +238,10 @@ std::optional<Collective> QuantPlan::next() {
   auto put_header = [&](uint8_t* dst, const ChunkHeader& h) {
     device_copy(dst, device_, &h, Device::kCPU, sizeof h, s.stream);
   };
-  // the P received chunks' headers (B bytes apart), on the host
-  auto get_headers = [&](const uint8_t* src) {
-    std::vector<ChunkHeader> hs(P);
-    for (size_t q = 0; q < P; ++q)
+  // the `count` (default P) received chunks' headers (B bytes apart), on the host
+  auto get_headers = [&](const uint8_t* src, size_t count = 0) {
+    std::vector<ChunkHeader> hs(count ? count : P);
+    for (size_t q = 0; q < hs.size(); ++q)
       device_copy(&hs[q], Device::kCPU, src + q * B, device_, sizeof(ChunkHeader), s.stream);
     return hs;
   };
@@ -300,6 +300,22 @@ std::optional<Collective> QuantPlan::next() {
                    "was dropped on every rank and no state changed (on_nonfinite='raise')");
     }
     return std::nullopt;
+  };
+  // the last step of both routes: the average of chunk q, decoded from `nb` bodies (summed in
+  // rank order, times `scale`), rotated back and cast into the gradient
+  auto decode_chunk = [&](size_t q, const uint8_t* const* bodies, int nb, float scale) {
+    const int64_t L = chunk_len(static_cast<int64_t>(q));
+    if (L == 0) return;
+    const DType ot = s.grad.dtype;
+    void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(q * CE) * dtype_size(ot);
+    float* f = ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
+    geo.n = L;
+    k::quant_decode_average(s.ex, bodies, nb, geo, scale, f, s.ws);
+    if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
+      k::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
+                         static_cast<int64_t>(q) * CE / cfg_.block_size, true);
+    if (ot != DType::kFloat32)
+      k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
   };
   Collective c;
   c.device = device_;
@@ -444,22 +460,9 @@ std::optional<Collective> QuantPlan::next() {
       GC_CHECK_ARG(fault.empty(), "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
                    "; the step failed on every rank and no state changed");
       if (v.flagged) return skip_step(s.grad.data, static_cast<size_t>(s.grad.nbytes()));
-      const DType ot = s.grad.dtype;
-      const size_t es = dtype_size(ot);
       for (size_t q = 0; q < P; ++q) {
-        const int64_t L = chunk_len(static_cast<int64_t>(q));
-        if (L == 0) continue;
         const uint8_t* body = grecv + q * B + sizeof(ChunkHeader);
-        void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(q * CE) * es;
-        float* f =
-            ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
-        geo.n = L;
-        k::quant_decode_average(s.ex, &body, 1, geo, 1.0f, f, s.ws);
-        if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
-          k::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
-                             static_cast<int64_t>(q) * CE / cfg_.block_size, true);
-        if (ot != DType::kFloat32)
-          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
+        decode_chunk(q, &body, 1, 1.0f);
       }
       if (cfg_.error_feedback) s.cur = 1 - s.cur;  // the step's errors become the state
       ++step_;
@@ -470,11 +473,7 @@ std::optional<Collective> QuantPlan::next() {
       const auto* recv = static_cast<const uint8_t*>(s.recv.data());
       const size_t RB = P * B;  // one rank's P chunks: rank r's chunk q at r RB + q B
       phase_ = 0;
-      std::vector<ChunkHeader> hs(P * P);
-      for (size_t r = 0; r < P; ++r)
-        for (size_t q = 0; q < P; ++q)
-          device_copy(&hs[r * P + q], Device::kCPU, recv + r * RB + q * B, device_,
-                      sizeof(ChunkHeader), s.stream);
+      const std::vector<ChunkHeader> hs = get_headers(recv, P * P);  // (r P + q: B bytes apart)
       // each sender's envelope from its first chunk. Every rank received the same bytes, so the
       // verdict and every fault below are reached alike on every rank; a chunk damaged on its way
       // to one rank is refused by that rank alone, as the two phases' averaged chunks are. No
@@ -499,24 +498,10 @@ std::optional<Collective> QuantPlan::next() {
       GC_CHECK_ARG(fault.empty(), "quant tensor ", cfg_.tensor_id, " rank ", rank_, ": ", fault,
                    "; the step failed on every rank and no state changed");
       if (v.flagged) return skip_step(s.grad.data, static_cast<size_t>(s.grad.nbytes()));
-      const DType ot = s.grad.dtype;
-      const size_t es = dtype_size(ot);
       std::vector<const uint8_t*> bodies(P);
       for (size_t q = 0; q < P; ++q) {
-        const int64_t L = chunk_len(static_cast<int64_t>(q));
-        if (L == 0) continue;
         for (size_t r = 0; r < P; ++r) bodies[r] = recv + r * RB + q * B + sizeof(ChunkHeader);
-        void* dst = static_cast<uint8_t*>(s.grad.data) + static_cast<size_t>(q * CE) * es;
-        float* f =
-            ot == DType::kFloat32 ? static_cast<float*>(dst) : static_cast<float*>(s.avg.data());
-        geo.n = L;
-        k::quant_decode_average(s.ex, bodies.data(), world_, geo, 1.0f / static_cast<float>(world_),
-                                f, s.ws);
-        if (cfg_.rotate)  // chunks hold whole blocks: chunk q starts at global block q CE / S
-          k::hadamard_rotate(s.ex, f, L / cfg_.block_size, cfg_.block_size,
-                             static_cast<int64_t>(q) * CE / cfg_.block_size, true);
-        if (ot != DType::kFloat32)
-          k::convert_saturating({device_, s.stream}, f, dst, ot, L);  // finite stays finite
+        decode_chunk(q, bodies.data(), world_, 1.0f / static_cast<float>(world_));
       }
       if (cfg_.error_feedback) s.cur = 1 - s.cur;  // the step's worker error becomes the state
       ++step_;
