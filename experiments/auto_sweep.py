@@ -47,8 +47,9 @@ WORLDS = (2, 4)
 METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant", "powersgd",
            "topk", "randomk", "onebit", "fp8")
 #: auto's mechanism under A/B (``--methods``): the earlier decision rule (no step_margin), fp8
-#: among the candidates, quant by each of its routes; not counted as methods a user picks ("best")
-AB_METHODS = ("auto-step0", "auto-fp8", "quant-2phase", "quant-gather")
+#: among the candidates, quant by each of its routes, auto without fp16's ring route (its
+#: candidate list before that route); not counted as methods a user picks ("best")
+AB_METHODS = ("auto-step0", "auto-fp8", "quant-2phase", "quant-gather", "auto-noring")
 #: the families whose accuracy needs DGC's momentum correction (docs/CHOOSING.md): not among
 #: auto's default candidates, so the report also measures auto against the best of the others
 NEEDS_DGC = ("topk", "randomk", "onebit")

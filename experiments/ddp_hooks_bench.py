@@ -128,11 +128,13 @@ SWEEP_CONFIGS = [
     # not in the sweep's own list (experiments.auto_sweep.METHODS): A/Bs of auto's mechanism, run
     # with --only (auto_sweep --methods): its decision without the step rule (step_margin 0, the
     # rule before it), and fp8 among its candidates; quant by each of its routes (its default
-    # takes the gather route on 2 ranks, the two phases on more)
+    # takes the gather route on 2 ranks, the two phases on more); auto without fp16's ring route
     ("auto-step0", "auto", {"step_margin": 0.0}),
     ("auto-fp8", "auto", {"candidates": ["allreduce", "fp16", "fp8", "quant", "powersgd"]}),
     ("quant-2phase", "quant", {"route": "two_phase"}),
     ("quant-gather", "quant", {"route": "gather"}),
+    # auto without fp16's ring route among its candidates (the candidate list before it)
+    ("auto-noring", "auto", {"_without_ring": True}),
 ]
 
 
@@ -183,6 +185,16 @@ def _setup(kind, opts, model, per_node=1):
         return None
     import gradcomp.torch as gt
     o = dict(opts)
+    if o.pop("_without_ring", False):  # the A/B of fp16's ring route as auto's candidate
+        from gradcomp.torch import _auto
+        ring, _auto._RING_ROUTED = _auto._RING_ROUTED, ()
+        try:
+            state, hook = gt.hook(kind, model=model, **o)
+        finally:
+            _auto._RING_ROUTED = ring
+        assert not any(c.endswith(_auto.RING) for c in state.candidates), state.candidates
+        model.register_comm_hook(state, hook)
+        return state
     if o.get("hierarchy"):
         o.setdefault("per_node", per_node)
     state, hook = gt.hook(kind, model=model, **o)

@@ -323,6 +323,33 @@ def test_quant_is_a_candidate_with_its_bits_bound():
             gt.hook("auto", candidates=["quant"], min_bits=bad)
 
 
+def test_route_candidates_where_gloo_has_more_than_two_ranks():
+    """Where the routes are candidates of their own (gloo, more than 2 ranks: _gather=True), each
+    follows its flat candidate, the gather route first, and runs its family by that route; a
+    checkpoint that chose a route loads where the route is no candidate as the flat family."""
+    from gradcomp.torch._auto import AutoState
+
+    routed = AutoState(None, _gather=True, _lazy=True)
+    assert routed.candidates == ["allreduce", "fp16", "fp16/gather", "fp16/allreduce", "quant",
+                                 "quant/gather", "powersgd"]
+    assert routed.subs["fp16/allreduce"].compressor == "fp16"
+    assert routed.subs["fp16/allreduce"].options["route"] == "allreduce"
+    assert routed.subs["fp16/gather"].options["route"] == "gather"
+    assert routed.subs["quant/gather"].options["route"] == "gather"
+    assert routed.options["candidates"] == ["allreduce", "fp16", "quant", "powersgd"]
+    routed.choices = {0: "fp16/allreduce", 1: "quant/gather", 2: "fp16/gather"}
+    flat = AutoState(None, _gather=False, _lazy=True)
+    assert flat.candidates == ["allreduce", "fp16", "quant", "powersgd"]
+    flat.load_state_dict(routed.state_dict())
+    assert flat.choices == {0: "fp16", 1: "quant", 2: "fp16"}
+    # and back: the routes' candidates exist again, the flat choices stand
+    back = AutoState(None, _gather=True, _lazy=True)
+    back.load_state_dict(flat.state_dict())
+    assert back.choices == flat.choices and back.candidates == routed.candidates
+    for s in (routed, flat, back):
+        s.close()
+
+
 def test_fp8_is_a_candidate_between_fp16_and_quant():
     state, _ = gt.hook("auto", candidates=["quant", "fp8", "allreduce", "fp16"])
     assert state.candidates == ["allreduce", "fp16", "fp8", "quant"]  # in faithfulness order
@@ -330,14 +357,17 @@ def test_fp8_is_a_candidate_between_fp16_and_quant():
 
 
 @pytest.mark.parametrize("cands,world", [(["allreduce", "quant"], 2), (["allreduce", "fp8"], 2),
-                                         (["allreduce", "fp8"], 3), (["allreduce", "quant"], 3)])
+                                         (["allreduce", "fp8"], 3), (["allreduce", "quant"], 3),
+                                         (["allreduce", "fp16"], 3)])
 def test_auto_with_the_quant_or_fp8_candidate_trains_and_decides_alike(cands, world):
     """quant (stateful) and fp8 (stateless) among the candidates, each with a gather route of its
-    own on more than 2 ranks of gloo (the candidates "quant/gather", "fp8/gather"): every rank
-    measures, decides the same and ends with the same parameters."""
+    own on more than 2 ranks of gloo (the candidates "quant/gather", "fp8/gather"), and fp16 with
+    its gather and ring routes ("fp16/gather", "fp16/allreduce"): every rank measures every
+    route, decides the same and ends with the same parameters."""
     d = tmpdir()
     run(_auto_run, world, d, "straight", cands)
-    want = set(cands) | ({f"{c}/gather" for c in cands if c in ("fp8", "quant")} if world > 2
+    want = set(cands) | ({f"{c}/gather" for c in cands if c in ("fp8", "quant", "fp16")}
+                         | {f"{c}/allreduce" for c in cands if c == "fp16"} if world > 2
                          else set())
     r = [json.load(open(os.path.join(d, f"straight_{k}.json"))) for k in range(world)]
     for x in r:

@@ -27,7 +27,8 @@ over plain DDP (one pass over the bucket for the 1/P); its cost is measured from
 completion.
 
 On gloo with more than 2 ranks fp16, bf16, fp8 and quant are also tried by their ``gather``
-route, as ``"fp16/gather"`` or ``"quant/gather"`` (see GATHER). With ``hierarchy="node"`` (and
+route, as ``"fp16/gather"`` or ``"quant/gather"`` (see GATHER), and fp16 by its ``allreduce``
+route, as ``"fp16/allreduce"`` (gloo's ring, PyTorch's fp16 hook's collective; see RING). With ``hierarchy="node"`` (and
 ``per_node``, or torchrun's ``LOCAL_WORLD_SIZE``) every candidate is also tried as a two-level plan (full precision inside a node, the candidate across nodes), as
 ``"<name>@node"``; the flat form comes first, so it is kept when the two cost the same.
 
@@ -83,15 +84,47 @@ HIER = "@node"
 #: the other (see _check_auto).
 GATHER = "/gather"
 _ROUTED = ("fp16", "bf16", "fp8", "quant")
+#: fp16's allreduce route on gloo with more than 2 ranks: gloo's own ring allreduce of the fp16
+#: buffer (what PyTorch's fp16_compress_hook issues), 2 (P - 1) message rounds where the
+#: reduce-scatter route takes two, but its segments are pipelined round the ring: where latency
+#: is small, it moved the same bytes 8-10% sooner than the two phases (the CNN on 4 ranks with 1
+#: Gbit/s links, 89 against 96 ms a step; the MLP, 280 against 305-322 ms), which left auto below
+#: PyTorch's fp16 hook on fast, near links. Measured as a candidate of its own under this suffix,
+#: after the gather route (both are kept on a tie). Its sum is in fp16, in ring order (the same
+#: bits on every rank); the other routes sum in fp32 in rank order. bf16 has no such route worth
+#: trying: gloo does not sum bf16 (the driver widens it to fp32, twice the bytes). Stateless, so
+#: a checkpoint's choice of it loads as fp16 where the candidate does not exist.
+RING = "/allreduce"
+_RING_ROUTED = ("fp16",)
+#: every route suffix, and the route option it stands for
+_ROUTES = {GATHER: "gather", RING: "allreduce"}
+
+
+def _route_suffix(name: str) -> str:
+    """The route suffix of a (flat, not two-level) candidate name, "" for its default route."""
+    return next((sfx for sfx in _ROUTES if name.endswith(sfx)), "")
+
+
+def _flat(name: str) -> str:
+    """A candidate's name without its route suffix ("fp16/gather" -> "fp16")."""
+    sfx = _route_suffix(name)
+    return name[:-len(sfx)] if sfx else name
 
 
 def _family(name: str) -> Tuple[str, Dict[str, Any], bool]:
     """(family, extra options, two-level) of a candidate name."""
     hier = name.endswith(HIER)
     fam = name[:-len(HIER)] if hier else name
-    if fam.endswith(GATHER):
-        return fam[:-len(GATHER)], {"route": "gather"}, hier
+    sfx = _route_suffix(fam)
+    if sfx:
+        return fam[:-len(sfx)], {"route": _ROUTES[sfx]}, hier
     return fam, {}, hier
+
+
+def _routes(c: str) -> Tuple[str, ...]:
+    """Candidate c and its route candidates (on gloo with more than 2 ranks; see GATHER, RING)."""
+    return (c, *((c + GATHER,) if c in _ROUTED else ()),
+            *((c + RING,) if c in _RING_ROUTED else ()))
 
 
 def _gathers(group) -> bool:
@@ -168,8 +201,7 @@ class AutoState:
         self._gather = bool(_gather) if _gather is not None else \
             bool(live and not self.per_node and _gathers(process_group))
         if self._gather:
-            self.candidates = [n for c in self.candidates
-                               for n in ((c, c + GATHER) if c in _ROUTED else (c,))]
+            self.candidates = [n for c in self.candidates for n in _routes(c)]
         _check_int("min_rank", min_rank, 1)
         if _check_int("min_bits", min_bits, 2) not in (2, 4, 8):
             raise ValueError(f"min_bits must be 2, 4 or 8, got {min_bits!r}")
@@ -427,21 +459,20 @@ class AutoState:
                              f"'auto'")
         subs = sd.get("subs")
         if isinstance(subs, dict):
-            # the gather-route candidates exist on some groups only (see GATHER): a state from a
+            # the route candidates exist on some groups only (see GATHER, RING): a state from a
             # job with other ones (another world size or backend) lends its flat candidate's
             # state to those it lacks, and drops those it has, after lending what they hold to
             # their flat candidate where it has nothing for a bucket (quant's worker error: the
             # same kind of state by either route; the others are stateless)
-            for n in [n for n in subs if GATHER in n and n not in self.subs]:
-                flat, gone = subs.get(n.replace(GATHER, "")), subs.pop(n)
+            for n in [n for n in subs if _route_suffix(n) and n not in self.subs]:
+                flat, gone = subs.get(_flat(n)), subs.pop(n)
                 if isinstance(flat, dict) and isinstance(gone, dict) and \
                         isinstance(flat.get("buckets"), dict) and \
                         isinstance(gone.get("buckets"), dict):
-                    subs[n.replace(GATHER, "")] = dict(flat, buckets={**gone["buckets"],
-                                                                      **flat["buckets"]})
+                    subs[_flat(n)] = dict(flat, buckets={**gone["buckets"], **flat["buckets"]})
             for n in self.subs:
-                flat = subs.get(n.replace(GATHER, ""))
-                if GATHER in n and n not in subs and isinstance(flat, dict):
+                flat = subs.get(_flat(n))
+                if _route_suffix(n) and n not in subs and isinstance(flat, dict):
                     subs[n] = dict(flat, options={**(flat.get("options") or {}),
                                                   **_family(n)[1]})
         if not isinstance(subs, dict) or sorted(subs) != sorted(self.subs):
@@ -454,9 +485,10 @@ class AutoState:
             it = _check_int("state_dict['iter']", sd.get("iter"), 0)
             choices = {_check_int("a choice's bucket", k if not isinstance(k, str) else int(k), 0):
                        v for k, v in sd["choices"].items()}
-            # a gather-route choice where this group has none: the flat route (the same average
-            # for fp16 and bf16; fp8's rounds the sums once more; see GATHER)
-            choices = {k: (v.replace(GATHER, "") if isinstance(v, str) and GATHER in v
+            # a route's choice where this group has no such candidate: the flat route (the same
+            # average for fp16's and bf16's gather route; fp8's rounds the sums once more; fp16's
+            # ring sums in fp16; see GATHER, RING)
+            choices = {k: (_flat(v) if isinstance(v, str) and _route_suffix(v)
                            and v not in self.candidates else v) for k, v in choices.items()}
             if any(v not in self.candidates and v != "allreduce" for v in choices.values()):
                 raise ValueError(f"state_dict['choices'] names unknown candidates: {choices}")
