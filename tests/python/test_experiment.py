@@ -321,6 +321,38 @@ def _sweep_module():
     return auto_sweep
 
 
+def test_every_sweep_method_is_a_bench_configuration_and_the_ring_ab_has_no_ring():
+    """What the sweep asks the bench for exists there (an unknown name would run nothing), and
+    the A/B variant of auto without fp16's ring route builds auto's candidate list without it,
+    leaving the module's list as it was."""
+    from experiments import ddp_hooks_bench as bench
+    from gradcomp.torch import _auto
+
+    sw = _sweep_module()
+    names = {c[0] for c in bench.SWEEP_CONFIGS}
+    assert set(sw.METHODS + sw.AB_METHODS) <= names, set(sw.METHODS + sw.AB_METHODS) - names
+
+    class _Model(torch.nn.Linear):  # what _setup registers the hook on, without a DDP
+        def __init__(self):
+            super().__init__(4, 4)
+
+        def register_comm_hook(self, state, hook):
+            self.state = state
+
+    # (_gather: as on gloo with more than 2 ranks, where the route candidates exist)
+    opts = dict(next(c[2] for c in bench.SWEEP_CONFIGS if c[0] == "auto-noring"), _gather=True)
+    m = _Model()
+    state = bench._setup("auto", opts, m)
+    assert state is m.state
+    assert state.candidates == ["allreduce", "fp16", "fp16/gather", "quant", "quant/gather",
+                                "powersgd"]
+    assert _auto._RING_ROUTED == ("fp16",)
+    full = bench._setup("auto", {"_gather": True}, _Model())
+    assert "fp16/allreduce" in full.candidates
+    for s in (state, full):
+        s.close()
+
+
 def _sweep_run(rounds_ms, choices=None):
     """A fake bench result: method -> each round's median step time in ms."""
     rows = [{"name": n, "all_rounds": [t / 1e3 for t in ts],
