@@ -135,6 +135,9 @@ SWEEP_CONFIGS = [
     ("quant-gather", "quant", {"route": "gather"}),
     # auto without fp16's ring route among its candidates (the candidate list before it)
     ("auto-noring", "auto", {"_without_ring": True}),
+    # auto with the earlier cost across ranks (the mean of the ranks' medians, each rank's time
+    # including its wait for later ranks) instead of each step's least over the ranks
+    ("auto-meancost", "auto", {"_mean_cost": True}),
 ]
 
 
@@ -197,7 +200,10 @@ def _setup(kind, opts, model, per_node=1):
         return state
     if o.get("hierarchy"):
         o.setdefault("per_node", per_node)
+    mean_cost = o.pop("_mean_cost", False)  # the A/B of auto's cost across ranks
     state, hook = gt.hook(kind, model=model, **o)
+    if mean_cost:
+        state._skew_free = False
     model.register_comm_hook(state, hook)
     return state
 

@@ -51,6 +51,44 @@ def test_choose_picks_cheapest_unless_a_more_faithful_one_is_within_margin():
     assert choose(costs, CANDS, step_margin=0.5, step_s=0.4) == choose(costs, CANDS)
 
 
+def test_a_candidates_cost_is_per_step_the_least_over_the_ranks():
+    """Per measured step the rank that started last (the least time: the others also count their
+    wait for it), then the median over the steps; -1 (no sample) is left out."""
+    from gradcomp.torch._auto import _mean_cost, _skew_free_cost
+
+    # 3 ranks, 2 steps of a bucket whose exchange takes 5 ms: at step 0 rank 0 waited 40 ms for
+    # rank 2, at step 1 rank 1 waited 60 ms for rank 2
+    s = torch.tensor([[0.045, 0.008], [0.006, 0.065], [0.005, 0.005]])
+    assert _skew_free_cost(s) == pytest.approx(0.005)
+    # the earlier rule: the mean of the ranks' medians, 9.5x the exchange here
+    assert _mean_cost(s) == pytest.approx((0.0265 + 0.0355 + 0.005) / 3)
+    holes = torch.tensor([[-1.0, 0.010, -1.0], [0.020, 0.030, -1.0]])
+    assert _skew_free_cost(holes) == pytest.approx(0.015)  # median of 0.020 and 0.010
+    assert _skew_free_cost(torch.full((2, 3), -1.0)) is None
+    assert _mean_cost(torch.full((2, 3), -1.0)) is None
+
+
+def _gather_rows(rank, world, out_dir):
+    from gradcomp.torch._auto import AutoState
+
+    state = AutoState(None, candidates=["allreduce"])
+    mine = torch.tensor([rank + 0.1, -1.0, 1e-3 * (rank + 1), 3.0 ** -rank])
+    every = state._gather_ranks(mine)
+    torch.save(every, os.path.join(out_dir, f"rows_{rank}.pt"))
+    state.close()
+    mark_ok(out_dir, rank)
+
+
+def test_every_rank_gets_every_ranks_row():
+    d = tmpdir()
+    run(_gather_rows, 3, d)
+    assert all(os.path.exists(os.path.join(d, f"ok_{r}")) for r in range(3))
+    got = [torch.load(os.path.join(d, f"rows_{r}.pt")) for r in range(3)]
+    assert all(torch.equal(g, got[0]) for g in got), "the ranks hold different matrices"
+    want = torch.tensor([[r + 0.1, -1.0, 1e-3 * (r + 1), 3.0 ** -r] for r in range(3)])
+    assert got[0].shape == (3, 4) and torch.allclose(got[0], want, rtol=1e-6, atol=0), got[0]
+
+
 class _Stats:
     """A plan run's timings as the hook's sampler reads them."""
 

@@ -321,10 +321,10 @@ def _sweep_module():
     return auto_sweep
 
 
-def test_every_sweep_method_is_a_bench_configuration_and_the_ring_ab_has_no_ring():
+def test_every_sweep_method_is_a_bench_configuration_and_the_ab_variants_differ():
     """What the sweep asks the bench for exists there (an unknown name would run nothing), and
     the A/B variant of auto without fp16's ring route builds auto's candidate list without it,
-    leaving the module's list as it was."""
+    leaving the module's list as it was; the one with the earlier cost rule has it."""
     from experiments import ddp_hooks_bench as bench
     from gradcomp.torch import _auto
 
@@ -348,8 +348,11 @@ def test_every_sweep_method_is_a_bench_configuration_and_the_ring_ab_has_no_ring
                                 "powersgd"]
     assert _auto._RING_ROUTED == ("fp16",)
     full = bench._setup("auto", {"_gather": True}, _Model())
-    assert "fp16/allreduce" in full.candidates
-    for s in (state, full):
+    assert "fp16/allreduce" in full.candidates and full._skew_free
+    mean = bench._setup("auto", dict(next(c[2] for c in bench.SWEEP_CONFIGS
+                                          if c[0] == "auto-meancost")), _Model())
+    assert not mean._skew_free
+    for s in (state, full, mean):
         s.close()
 
 

@@ -6,8 +6,10 @@ the first iteration), a *trial* runs every candidate for ``trial_steps`` iterati
 bucket, on the real model, process group and link. Each bucket's cost in a step is what the hook
 itself spent on it: local compression work plus launching and waiting for its collectives
 (``local_seconds + comm_seconds`` of the plan run; the first step of each candidate, which builds
-its plans, is not counted). The medians are averaged over the ranks (one small allreduce on the
-hook's own process group, so every rank decides the same) and each bucket gets the cheapest
+its plans, is not counted). The ranks' samples are gathered (one small allreduce on the hook's
+own process group, so every rank decides the same); a candidate's cost is, per measured step,
+the least over the ranks (the rank that started last, which waits for no one: the others' times
+include their wait for it), then the median over the steps; and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
 the cheapest, or when the cheapest would save less than ``step_margin`` of the step (the
 bucket's share, by its elements, of the trial's step time: the mean over ranks of each rank's
@@ -162,6 +164,27 @@ def choose(costs: Dict[int, Dict[str, float]], candidates: Sequence[str],
     return out
 
 
+def _skew_free_cost(samples: torch.Tensor) -> Optional[float]:
+    """A candidate's cost for one bucket from every rank's samples (rows: ranks, columns: the
+    trial's measured steps, -1 where none): per step the least over the ranks, then the median
+    over the steps. A rank's time in a bucket's plan runs from its own start to the collectives'
+    end, which every rank reaches together, so the ranks that finished backward earlier also
+    count their wait for the last one; the last to start waits for nobody, and its time is what
+    the candidate adds to the step. On 4 ranks sharing 2 cores that wait (12-80 ms per rank for
+    a 4.8 MB bucket that takes a few ms to move) was what set the mean of the ranks' times, and
+    with it the choice (experiments/results/auto_skew_ab_2026-12-02)."""
+    mins = [float(col[col >= 0].min()) for col in samples.t() if bool((col >= 0).any())]
+    return statistics.median(mins) if mins else None
+
+
+def _mean_cost(samples: torch.Tensor) -> Optional[float]:
+    """The earlier rule (an A/B variant): each rank's median over its samples, averaged over the
+    ranks that have any."""
+    meds = [statistics.median([float(x) for x in row if x >= 0]) for row in samples
+            if bool((row >= 0).any())]
+    return sum(meds) / len(meds) if meds else None
+
+
 def _check_int(name: str, v: Any, low: int) -> int:
     return _as_int(v, name, low)  # (the one integer check of the hooks)
 
@@ -264,6 +287,9 @@ class AutoState:
         self._step_seconds: List[float] = []
         self._last_mark: Optional[Tuple[int, float]] = None
         self._numel: Dict[int, int] = {}
+        # the cost of a candidate across ranks: per step the least (see _skew_free_cost); False:
+        # the mean of the ranks' medians, the rule before it (for the A/B, not an option)
+        self._skew_free = True
         self._worker = None
         if dist.is_available() and dist.is_initialized() and not _lazy:
             self._make_worker()
@@ -334,21 +360,25 @@ class AutoState:
     def _decide(self, it: int, like: Optional[torch.Tensor] = None) -> None:
         buckets = sorted({idx for idx, _ in self._samples})
         cands = self.candidates
-        # every rank's costs, then its median step time (-1: none, a trial resumed at its end)
-        local = torch.full((len(buckets) * len(cands) + 1,), -1.0, dtype=torch.float32)
+        # every rank's samples (-1: none), step by step, then its median step time (-1: none, a
+        # trial resumed at its end); a candidate has at most trial_steps - 1 measured steps
+        k = self.trial_steps
+        local = torch.full((len(buckets) * len(cands) * k + 1,), -1.0, dtype=torch.float32)
         for i, idx in enumerate(buckets):
             for j, c in enumerate(cands):
-                v = self._samples.get((idx, c))
-                if v:
-                    local[i * len(cands) + j] = statistics.median(v)
+                v = (self._samples.get((idx, c)) or [])[-k:]
+                base = (i * len(cands) + j) * k
+                local[base:base + len(v)] = torch.tensor(v, dtype=torch.float32)
         if self._step_seconds:
             local[-1] = statistics.median(self._step_seconds)
-        mean = self._consensus(local, like)
-        costs = {idx: {c: (float(mean[i * len(cands) + j]) if mean[i * len(cands) + j] >= 0
-                           else None) for j, c in enumerate(cands)}
+        every = self._gather_ranks(local, like)  # one row per rank, the same on every rank
+        rule = _skew_free_cost if self._skew_free else _mean_cost
+        costs = {idx: {c: rule(every[:, (i * len(cands) + j) * k:(i * len(cands) + j + 1) * k])
+                       for j, c in enumerate(cands)}
                  for i, idx in enumerate(buckets)}
         # the same on every rank: the mean step time and the buckets' sizes (DDP's, alike)
-        step_s = float(mean[-1]) if mean[-1] > 0 else None
+        steps = every[:, -1][every[:, -1] > 0]
+        step_s = float(steps.mean()) if steps.numel() else None
         total = sum(self._numel.get(idx, 0) for idx in buckets)
         shares = {idx: self._numel.get(idx, 0) / total for idx in buckets} if total else None
         self.choices = choose(costs, cands, self.margin, self.step_margin, step_s,
@@ -366,21 +396,27 @@ class AutoState:
         log.info("gradcomp auto at iteration %d: %s", it,
                  ", ".join(f"bucket {i}: {c}" for i, c in sorted(self.choices.items())))
 
-    def _consensus(self, local: torch.Tensor,
-                   like: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The mean over ranks of every rank's measurements, through the hook's own worker (so
-        it is ordered with the hook's collectives on every rank), on the device of `like` (the
-        step's first bucket): the group may be NCCL's, which takes no CPU tensors."""
+    def _gather_ranks(self, local: torch.Tensor,
+                      like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Every rank's measurements, one row per rank in rank order (the same matrix on every
+        rank), through the hook's own worker (so it is ordered with the hook's collectives on
+        every rank), on the device of `like` (the step's first bucket): the group may be NCCL's,
+        which takes no CPU tensors. Each rank writes its row into zeros and one averaging
+        allreduce sums them (a sum with zeros is exact); the mean is scaled back by P."""
         if local.numel() == 0 or not (dist.is_available() and dist.is_initialized()):
-            return local
-        t = local if like is None else local.to(like.device)
+            return local.reshape(1, -1)
+        world, me = self.world, dist.get_rank(self.process_group)
+        rows = torch.zeros(world, local.numel(), dtype=torch.float32)
+        rows[me] = local
+        t = rows.reshape(-1) if like is None else rows.reshape(-1).to(like.device)
         dev, index = _device_of(t)
         stream = _stream_of(t)
-        plan = _C.make_plan("allreduce", t.numel(), "float32", self.world, device=dev,
+        plan = _C.make_plan("allreduce", t.numel(), "float32", world, device=dev,
                             device_index=index, stream=stream)
         plan.begin(t, stream)
         worker = self._worker or self._make_worker()
-        return worker.submit(plan, lambda: t, device=t.device).wait().cpu()
+        mean = worker.submit(plan, lambda: t, device=t.device).wait().cpu()
+        return (mean * world).reshape(world, -1)
 
     def _sampler(self, name: str):
         def on_done(idx: int, it: int, stats):  # filed by _close_step if the step is applied
