@@ -138,6 +138,10 @@ SWEEP_CONFIGS = [
     # auto with the earlier cost across ranks (the mean of the ranks' medians, each rank's time
     # including its wait for later ranks) instead of each step's least over the ranks
     ("auto-meancost", "auto", {"_mean_cost": True}),
+    # every small allreduce through gloo's ring (2 (P - 1) rounds) instead of one allgather and a
+    # rank-ordered sum (gradcomp.torch._driver.P2P_ALLREDUCE_BYTES): auto, and PowerSGD alone
+    ("auto-ringsums", "auto", {"_ring_sums": True}),
+    ("powersgd-ringsums", "powersgd", {"_ring_sums": True}),
 ]
 
 
@@ -179,8 +183,23 @@ def _batch(args, rank):
     return x, y, torch.nn.functional.cross_entropy
 
 
+def _p2p_allreduce_default() -> int:
+    try:
+        from gradcomp.torch import _driver
+    except ImportError:  # (gradcomp not installed: the bench's own tests of its parts)
+        return 0
+    return _driver.P2P_ALLREDUCE_BYTES
+
+
+_P2P_ALLREDUCE_BYTES = _p2p_allreduce_default()
+
+
 def _setup(kind, opts, model, per_node=1):
     """Registers the hook of one configuration; returns the gradcomp state or None."""
+    from gradcomp.torch import _driver
+    # (a module setting, read when a collective is launched: each configuration sets it, since
+    # they run one after another in the same processes)
+    _driver.P2P_ALLREDUCE_BYTES = 0 if opts.get("_ring_sums") else _P2P_ALLREDUCE_BYTES
     if kind == "ddp":
         return None
     if kind in baselines.KINDS:
@@ -188,6 +207,7 @@ def _setup(kind, opts, model, per_node=1):
         return None
     import gradcomp.torch as gt
     o = dict(opts)
+    o.pop("_ring_sums", None)
     if o.pop("_without_ring", False):  # the A/B of fp16's ring route as auto's candidate
         from gradcomp.torch import _auto
         ring, _auto._RING_ROUTED = _auto._RING_ROUTED, ()

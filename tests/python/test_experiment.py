@@ -352,7 +352,17 @@ def test_every_sweep_method_is_a_bench_configuration_and_the_ab_variants_differ(
     mean = bench._setup("auto", dict(next(c[2] for c in bench.SWEEP_CONFIGS
                                           if c[0] == "auto-meancost")), _Model())
     assert not mean._skew_free
-    for s in (state, full, mean):
+    # the ring-sum variants set the driver's small-allreduce threshold for their own steps, and
+    # the next configuration sets it back
+    from gradcomp.torch import _driver
+    default = _driver.P2P_ALLREDUCE_BYTES
+    assert default > 0
+    ring = bench._setup("powersgd", dict(next(c[2] for c in bench.SWEEP_CONFIGS
+                                              if c[0] == "powersgd-ringsums")), _Model())
+    assert _driver.P2P_ALLREDUCE_BYTES == 0 and ring.compressor == "powersgd"
+    bench._setup("ddp", {}, _Model())
+    assert _driver.P2P_ALLREDUCE_BYTES == default
+    for s in (state, full, mean, ring):
         s.close()
 
 
