@@ -68,6 +68,9 @@ STAGES = {
     "test_restart.py": (_ALL, "bitwise resume from checkpoints of every plan's C++ state, DDP's "
                               "bucket regrouping"),
     "test_topk_py.py": (_ALL, "the codecs' bindings; torch fp16/bf16 tensors through DLPack"),
+    "test_small_allreduce.py": (_ALL, "the driver's small allreduce as torch.distributed "
+                                      "point-to-point pairs (the version's p2p API); PowerSGD's "
+                                      "plan through it"),
     "test_latency.py": (_ALL, "the experiments' latency emulation: a process group written in "
                               "Python on torch 2.x (DDP and the hooks through it), refused on "
                               "1.13 (a version gate)"),
