@@ -206,22 +206,19 @@ def _setup(kind, opts, model, per_node=1):
         baselines.register(kind, model, opts)
         return None
     import gradcomp.torch as gt
+    from gradcomp.torch import _auto
     o = dict(opts)
     o.pop("_ring_sums", None)
-    if o.pop("_without_ring", False):  # the A/B of fp16's ring route as auto's candidate
-        from gradcomp.torch import _auto
-        ring, _auto._RING_ROUTED = _auto._RING_ROUTED, ()
-        try:
-            state, hook = gt.hook(kind, model=model, **o)
-        finally:
-            _auto._RING_ROUTED = ring
-        assert not any(c.endswith(_auto.RING) for c in state.candidates), state.candidates
-        model.register_comm_hook(state, hook)
-        return state
+    without_ring = o.pop("_without_ring", False)  # the A/B of fp16's ring route in auto
+    mean_cost = o.pop("_mean_cost", False)  # the A/B of auto's cost across ranks
     if o.get("hierarchy"):
         o.setdefault("per_node", per_node)
-    mean_cost = o.pop("_mean_cost", False)  # the A/B of auto's cost across ranks
-    state, hook = gt.hook(kind, model=model, **o)
+    ring = _auto._RING_ROUTED
+    _auto._RING_ROUTED = () if without_ring else ring  # (read when the candidates are listed)
+    try:
+        state, hook = gt.hook(kind, model=model, **o)
+    finally:
+        _auto._RING_ROUTED = ring
     if mean_cost:
         state._skew_free = False
     model.register_comm_hook(state, hook)

@@ -129,16 +129,16 @@ class _Done:
         return None
 
 
-class _Summed(_Done):
+class _Summed:
     """An allreduce as an allgather of every rank's buffer (see P2P_ALLREDUCE_BYTES): wait()
-    waits for the pairs, then writes the rank-ordered sum of the P rows of `every` into `out`."""
+    waits for the allgather's pairs, then writes the rank-ordered sum of the P rows of `every`
+    into `out`."""
 
-    def __init__(self, works, every: torch.Tensor, out: torch.Tensor):
-        super().__init__(works)
-        self._every, self._out = every, out
+    def __init__(self, gathered: _Done, every: torch.Tensor, out: torch.Tensor):
+        self._gathered, self._every, self._out = gathered, every, out
 
     def wait(self):
-        super().wait()
+        self._gathered.wait()
         if self._every is not None:
             every, self._every = self._every, None
             self._out.copy_(every[0])
@@ -152,8 +152,7 @@ def _all_reduce_p2p(buf: torch.Tensor, world: int, group) -> _Summed:
     buffer and a rank-ordered sum (see P2P_ALLREDUCE_BYTES)."""
     flat = buf.reshape(-1)
     every = torch.empty(world, flat.numel(), dtype=flat.dtype)
-    done = _all_gather_p2p(every.view(-1), flat, world, group)
-    return _Summed(done._works, every, flat)
+    return _Summed(_all_gather_p2p(every.view(-1), flat, world, group), every, flat)
 
 
 def _pairs(recv_parts, send_parts, group) -> _Done:
