@@ -3,8 +3,8 @@
 pairs) and a rank-ordered sum, up to _driver.P2P_ALLREDUCE_BYTES, gloo's ring above. Checked bit
 for bit against an independent rank-ordered sum on 2, 3 and 4 ranks (sizes 1, 2, 31, 4097 and the
 threshold itself), every rank holding the same bits, the ring taking over one value above the
-threshold (the same bits on every rank, the sum to rounding), and PowerSGD through it equal to
-PowerSGD through gloo's ring to rounding."""
+threshold (the same bits on every rank, the sum to rounding), the wire bytes counted by the route
+taken, and PowerSGD's allreduces through it, equal to PowerSGD through gloo's ring to rounding."""
 import os
 import types
 
@@ -38,7 +38,9 @@ def _worker(rank, world, out_dir):
     got = {}
     for n in SIZES:
         buf = _values(rank, n)
-        work = _driver.launch(_collective(buf, world), dist.group.WORLD)
+        col = _collective(buf, world)
+        got[f"wire/{n}"] = _driver._wire(col, dist.group.WORLD)
+        work = _driver.launch(col, dist.group.WORLD)
         got[f"pairs/{n}"] = isinstance(work, _driver._Summed)
         work.wait()
         want, mag = _values(0, n), _values(0, n).abs()
@@ -55,8 +57,12 @@ def _worker(rank, world, out_dir):
     shapes = [[64, 48], [48], [33, 17]]
     n = sum(int(torch.tensor(s).prod()) for s in shapes)
     out = {}
+    summed = []  # the allreduces that went as an allgather and a rank-ordered sum
+    by_gather = _driver._all_reduce_p2p
+    _driver._all_reduce_p2p = lambda *a: summed.append(a) or by_gather(*a)
     for limit in (_driver.P2P_ALLREDUCE_BYTES, 0):
         _driver.P2P_ALLREDUCE_BYTES = limit
+        del summed[:]
         plan = _C.make_plan("powersgd", n, "float32", world, options={"rank": 2},
                             shapes=shapes)
         g = _values(rank, n) * 1e-3
@@ -65,8 +71,11 @@ def _worker(rank, world, out_dir):
             plan.begin(x)
             stats = run_sync(plan, dist.group.WORLD)
         out[limit] = x
-        got[f"psgd_rounds/{limit}"] = stats.collectives
+        got[f"psgd_collectives/{limit}"] = stats.collectives
+        got[f"psgd_summed/{limit}"] = len(summed)
+        got[f"psgd_wire/{limit}"] = stats.wire_bytes
     _driver.P2P_ALLREDUCE_BYTES = LIMIT * 4
+    _driver._all_reduce_p2p = by_gather
     a, b = out.values()
     # (the two sums differ in their last bits, which PowerSGD's orthogonalization carries on)
     got["psgd_close"] = bool((a - b).abs().max() <= 1e-5 * a.abs().max())
@@ -86,8 +95,18 @@ def test_small_allreduce_is_the_rank_ordered_sum_on_every_rank(world):
             assert got[f"pairs/{n}"] == small, (rank, n)
             if small:
                 assert got[f"ordered/{n}"], (rank, n)
+            # wire bytes by the route taken: (P - 1) buffers by the allgather, the ring's
+            # 2 (P - 1) / P of one above the threshold
+            b = 4 * n
+            assert got[f"wire/{n}"] == ((world - 1) * b if small else 2 * (world - 1) * b // world)
         # (the ring's order shows in the bits of a sum of values over 12 decades)
         if world > 2:
             assert not got[f"ordered/{LIMIT + 1}"], "the ring summed in rank order"
         assert got["psgd_close"], rank
-        assert got[f"psgd_rounds/{_driver.P2P_ALLREDUCE_BYTES}"] == got["psgd_rounds/0"]
+        on = _driver.P2P_ALLREDUCE_BYTES
+        # PowerSGD's two allreduces a step (P, then Q), over 3 steps all summed by the
+        # allgather below the threshold, none with the threshold at 0; and counted by route
+        assert got[f"psgd_collectives/{on}"] == got["psgd_collectives/0"] == 2, rank
+        assert got[f"psgd_summed/{on}"] == 6 and got["psgd_summed/0"] == 0, rank
+        ring, pairs = got["psgd_wire/0"], got[f"psgd_wire/{on}"]
+        assert abs(2 * pairs - world * ring) <= 2 * world, (rank, pairs, ring)

@@ -179,7 +179,8 @@ def _skew_free_cost(samples: torch.Tensor) -> Optional[float]:
 
 def _mean_cost(samples: torch.Tensor) -> Optional[float]:
     """The earlier rule (an A/B variant): each rank's median over its samples, averaged over the
-    ranks that have any."""
+    ranks that have any (the earlier rule exactly where every rank has samples, as in every
+    trial run to its end; it averaged a rank's "none" marker in)."""
     meds = [statistics.median([float(x) for x in row if x >= 0]) for row in samples
             if bool((row >= 0).any())]
     return sum(meds) / len(meds) if meds else None
@@ -495,6 +496,7 @@ class AutoState:
                              f"'auto'")
         subs = sd.get("subs")
         if isinstance(subs, dict):
+            subs = dict(subs)  # remapped below: the caller's dict stays as it was, loaded or not
             # the route candidates exist on some groups only (see GATHER, RING): a state from a
             # job with other ones (another world size or backend) lends its flat candidate's
             # state to those it lacks, and drops those it has, after lending what they hold to

@@ -151,8 +151,30 @@ def _all_reduce_p2p(buf: torch.Tensor, world: int, group) -> _Summed:
     """An in-place allreduce-sum of `buf` (fp32, host memory) as one allgather of every rank's
     buffer and a rank-ordered sum (see P2P_ALLREDUCE_BYTES)."""
     flat = buf.reshape(-1)
-    every = torch.empty(world, flat.numel(), dtype=flat.dtype)
+    every = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
     return _Summed(_all_gather_p2p(every.view(-1), flat, world, group), every, flat)
+
+
+def _sums_by_gather(c, recv: torch.Tensor, group) -> bool:
+    """Whether allreduce c (its recv buffer, its own process group) goes as one allgather and a
+    rank-ordered sum (see P2P_ALLREDUCE_BYTES) rather than by gloo's ring."""
+    return (recv.dtype == torch.float32 and c.world > 1 and not recv.is_cuda
+            and c.send_bytes <= P2P_ALLREDUCE_BYTES and recv.is_contiguous() and _gloo(group))
+
+
+def _wire(c, group) -> int:
+    """wire_bytes() of collective c by the route launch() gives it: a small allreduce summed by
+    an allgather (see _sums_by_gather) puts (P - 1) times its buffer on the link, not the ring's
+    2 (P - 1) / P. Without a group (or one launch() would refuse for c): the ring's figure."""
+    kind = c.kind
+    if kind == "allreduce" and group is not None and c.type == "float32" and c.send_bytes:
+        try:
+            g = _group_for(c, group)
+        except RuntimeError:  # launch() raises it, with this collective's context
+            g = None
+        if g is not None and _sums_by_gather(c, _tensor(c.recv(), c.type), g):
+            kind = "allgather"
+    return wire_bytes(kind, c.send_bytes, c.world)
 
 
 def _pairs(recv_parts, send_parts, group) -> _Done:
@@ -281,9 +303,7 @@ def launch(c, group) -> torch.futures.Future:
                 return [recv]
 
             return fut.then(narrow)
-        if (recv.dtype == torch.float32 and c.world > 1 and not recv.is_cuda
-                and c.send_bytes <= P2P_ALLREDUCE_BYTES and recv.is_contiguous()
-                and _gloo(group)):
+        if _sums_by_gather(c, recv, group):
             return _all_reduce_p2p(recv, c.world, group)
         work = dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=group, async_op=True)
     elif kind == "allgather":
@@ -310,7 +330,9 @@ def launch(c, group) -> torch.futures.Future:
     return work.get_future()
 
 
-def _step(plan, stats: PlanStats):
+def _step(plan, stats: PlanStats, group=None):
+    """The plan's next local phase; counts its collective (if any) in stats, its wire bytes by
+    the route launch() takes on `group`."""
     t0 = time.perf_counter()
     c = plan.next()
     t1 = time.perf_counter()
@@ -319,9 +341,10 @@ def _step(plan, stats: PlanStats):
     if c is not None:
         stats.collectives += 1
         stats.bytes_sent += c.send_bytes
-        stats.wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
+        wire = _wire(c, group)
+        stats.wire_bytes += wire
         if _scope(c) != "node":  # what crosses the network between nodes (all of it when flat)
-            stats.cross_wire_bytes += wire_bytes(c.kind, c.send_bytes, c.world)
+            stats.cross_wire_bytes += wire
         stats.tags.append(c.tag)
     return c
 
@@ -330,7 +353,7 @@ def run_sync(plan, group) -> PlanStats:
     """Runs a begun plan to completion, blocking (for tools and tests)."""
     stats = PlanStats()
     while True:
-        c = _step(plan, stats)
+        c = _step(plan, stats, group)
         if c is None:
             return stats
         t0 = time.perf_counter()

@@ -216,7 +216,7 @@ class Worker:
         if pre is None:
             stats = PlanStats()
             stats.submitted, stats.started = submitted, time.perf_counter()
-            c = _step(plan, stats)
+            c = _step(plan, stats, self.group)
         else:  # its first local phase ran while the previous bucket was on the wire
             stats, c, err = pre
             if err is not None:
@@ -234,7 +234,7 @@ class Worker:
             except Exception as e:
                 self._failed = e
                 raise
-            c = _step(plan, stats)
+            c = _step(plan, stats, self.group)
         if done is not None:
             done(stats)
         return result()
@@ -259,7 +259,7 @@ class Worker:
         stats = PlanStats()
         stats.submitted, stats.started = submitted, t0
         try:
-            c, err = _step(plan, stats), None
+            c, err = _step(plan, stats, self.group), None
         except Exception as e:  # the error belongs to that bucket's future, raised in its _run
             c, err = None, e
         self._pending = job + ((stats, c, err),)
