@@ -114,6 +114,16 @@ def test_overflow_step_leaves_no_trace(name, opts, where):
     run_ok(_overflow_step, 2, name, opts, where)
 
 
+# on 3 ranks the families whose collectives are small fp32 allreduces sum them as one allgather
+# in rank order (the driver's one-round route, counted by its own wire bytes): the overflow step
+# must be skipped on every rank alike there too (plain allreduce is left out: it is the plain
+# sum, Inf where a rank's gradient is Inf, as PyTorch's own allreduce, on either route)
+@pytest.mark.parametrize("name,opts", [("powersgd", dict(rank=2)),
+                                       ("randomk", dict(ratio=0.05, dense_below=1000))])
+def test_overflow_step_leaves_no_trace_on_three_ranks(name, opts):
+    run_ok(_overflow_step, 3, name, opts, "layer")
+
+
 def _raise_policy(rank, world, out_dir):
     data = make_data(rank, 6)
     for name, opts in (("topk", dict(ratio=0.1)), ("onebit", {}), ("powersgd", dict(rank=2)),
