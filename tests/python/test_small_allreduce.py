@@ -38,9 +38,9 @@ def _worker(rank, world, out_dir):
     got = {}
     for n in SIZES:
         buf = _values(rank, n)
-        col = _collective(buf, world)
-        got[f"wire/{n}"] = _driver._wire(col, dist.group.WORLD)
-        work = _driver.launch(col, dist.group.WORLD)
+        counted = _driver.PlanStats()
+        work = _driver.launch(_collective(buf, world), dist.group.WORLD, counted)
+        got[f"wire/{n}"] = counted.wire_bytes
         got[f"pairs/{n}"] = isinstance(work, _driver._Summed)
         work.wait()
         want, mag = _values(0, n), _values(0, n).abs()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -162,21 +163,6 @@ def _sums_by_gather(c, recv: torch.Tensor, group) -> bool:
             and c.send_bytes <= P2P_ALLREDUCE_BYTES and recv.is_contiguous() and _gloo(group))
 
 
-def _wire(c, group) -> int:
-    """wire_bytes() of collective c by the route launch() gives it: a small allreduce summed by
-    an allgather (see _sums_by_gather) puts (P - 1) times its buffer on the link, not the ring's
-    2 (P - 1) / P. Without a group (or one launch() would refuse for c): the ring's figure."""
-    kind = c.kind
-    if kind == "allreduce" and group is not None and c.type == "float32" and c.send_bytes:
-        try:
-            g = _group_for(c, group)
-        except RuntimeError:  # launch() raises it, with this collective's context
-            g = None
-        if g is not None and _sums_by_gather(c, _tensor(c.recv(), c.type), g):
-            kind = "allgather"
-    return wire_bytes(kind, c.send_bytes, c.world)
-
-
 def _pairs(recv_parts, send_parts, group) -> _Done:
     """One irecv into recv_parts[p] from, and one isend of send_parts[p] to, every peer p of
     `group`, all in flight at once (this rank's own part is the caller's)."""
@@ -275,10 +261,12 @@ def _scope(c) -> str:
     return getattr(c, "scope", "world")
 
 
-def launch(c, group) -> torch.futures.Future:
+def launch(c, group, stats: Optional[PlanStats] = None) -> torch.futures.Future:
     """Starts one collective asynchronously; returns an object whose wait() blocks until it is
     done (a torch Future, or _Done for an exchange made of point-to-point works). `group`: a
-    process group, or a Topology for a hierarchical plan (each collective's scope picks)."""
+    process group, or a Topology for a hierarchical plan (each collective's scope picks).
+    `stats`: counts the collective's wire bytes by the route taken here (a small allreduce summed
+    by an allgather puts P - 1 buffers on the link, not the ring's 2 (P - 1) / P of one)."""
     group = _group_for(c, group)
     if c.send_bytes == 0:  # nothing to move (an empty bucket); gloo's all-to-all divides by it
         done = torch.futures.Future()
@@ -287,6 +275,12 @@ def launch(c, group) -> torch.futures.Future:
     send = _tensor(c.send(), c.type)
     recv = _tensor(c.recv(), c.type)
     kind = c.kind
+    summed = kind == "allreduce" and _sums_by_gather(c, recv, group)
+    if stats is not None:
+        wire = wire_bytes("allgather" if summed else kind, c.send_bytes, c.world)
+        stats.wire_bytes += wire
+        if _scope(c) != "node":  # what crosses the network between nodes (all of it when flat)
+            stats.cross_wire_bytes += wire
     if kind == "allreduce":
         if not c.in_place:
             recv.copy_(send)
@@ -303,7 +297,7 @@ def launch(c, group) -> torch.futures.Future:
                 return [recv]
 
             return fut.then(narrow)
-        if _sums_by_gather(c, recv, group):
+        if summed:
             return _all_reduce_p2p(recv, c.world, group)
         work = dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=group, async_op=True)
     elif kind == "allgather":
@@ -330,9 +324,9 @@ def launch(c, group) -> torch.futures.Future:
     return work.get_future()
 
 
-def _step(plan, stats: PlanStats, group=None):
-    """The plan's next local phase; counts its collective (if any) in stats, its wire bytes by
-    the route launch() takes on `group`."""
+def _step(plan, stats: PlanStats):
+    """The plan's next local phase; counts its collective (if any) in stats (its wire bytes:
+    launch(), which picks the route)."""
     t0 = time.perf_counter()
     c = plan.next()
     t1 = time.perf_counter()
@@ -341,10 +335,6 @@ def _step(plan, stats: PlanStats, group=None):
     if c is not None:
         stats.collectives += 1
         stats.bytes_sent += c.send_bytes
-        wire = _wire(c, group)
-        stats.wire_bytes += wire
-        if _scope(c) != "node":  # what crosses the network between nodes (all of it when flat)
-            stats.cross_wire_bytes += wire
         stats.tags.append(c.tag)
     return c
 
@@ -353,11 +343,11 @@ def run_sync(plan, group) -> PlanStats:
     """Runs a begun plan to completion, blocking (for tools and tests)."""
     stats = PlanStats()
     while True:
-        c = _step(plan, stats, group)
+        c = _step(plan, stats)
         if c is None:
             return stats
         t0 = time.perf_counter()
-        launch(c, group).wait()
+        launch(c, group, stats).wait()
         t1 = time.perf_counter()
         stats.comm_seconds += t1 - t0
         stats.events.append((c.tag, t0, t1))

@@ -216,7 +216,7 @@ class Worker:
         if pre is None:
             stats = PlanStats()
             stats.submitted, stats.started = submitted, time.perf_counter()
-            c = _step(plan, stats, self.group)
+            c = _step(plan, stats)
         else:  # its first local phase ran while the previous bucket was on the wire
             stats, c, err = pre
             if err is not None:
@@ -224,7 +224,7 @@ class Worker:
         while c is not None:
             try:
                 t0 = time.perf_counter()
-                work = launch(c, self.group)
+                work = launch(c, self.group, stats)
                 overlapped = self._prefetch()
                 work.wait()
                 t1 = time.perf_counter()
@@ -234,7 +234,7 @@ class Worker:
             except Exception as e:
                 self._failed = e
                 raise
-            c = _step(plan, stats, self.group)
+            c = _step(plan, stats)
         if done is not None:
             done(stats)
         return result()
@@ -259,7 +259,7 @@ class Worker:
         stats = PlanStats()
         stats.submitted, stats.started = submitted, t0
         try:
-            c, err = _step(plan, stats, self.group), None
+            c, err = _step(plan, stats), None
         except Exception as e:  # the error belongs to that bucket's future, raised in its _run
             c, err = None, e
         self._pending = job + ((stats, c, err),)
