@@ -142,6 +142,9 @@ SWEEP_CONFIGS = [
     # rank-ordered sum (gradcomp.torch._driver.P2P_ALLREDUCE_BYTES): auto, and PowerSGD alone
     ("auto-ringsums", "auto", {"_ring_sums": True}),
     ("powersgd-ringsums", "powersgd", {"_ring_sums": True}),
+    # auto with step_margin a share of the whole trial's mean step (every candidate's steps,
+    # plain DDP's included) instead of the fastest candidate's step
+    ("auto-trialstep", "auto", {"_trial_step": True}),
 ]
 
 
@@ -211,6 +214,7 @@ def _setup(kind, opts, model, per_node=1):
     o.pop("_ring_sums", None)
     without_ring = o.pop("_without_ring", False)  # the A/B of fp16's ring route in auto
     mean_cost = o.pop("_mean_cost", False)  # the A/B of auto's cost across ranks
+    trial_step = o.pop("_trial_step", False)  # the A/B of step_margin's step
     if o.get("hierarchy"):
         o.setdefault("per_node", per_node)
     ring = _auto._RING_ROUTED
@@ -221,6 +225,8 @@ def _setup(kind, opts, model, per_node=1):
         _auto._RING_ROUTED = ring
     if mean_cost:
         state._skew_free = False
+    if trial_step:
+        state._fastest_step = False
     model.register_comm_hook(state, hook)
     return state
 
@@ -276,15 +282,25 @@ def _worker(rank, world, init, args, out):
             import pstats
             print(f"\n== profile rank 0, {name} ==", flush=True)
             pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-        t = torch.tensor(times[warm:], dtype=torch.float64)
+        t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step: the slowest rank
-        step_times = t.tolist()
+        step_times = t.tolist()[warm:]
         hist = None
         choices = None
+        trial = None
         if kind == "auto":  # (ours-auto, ours-auto-topk)
             choices = dict(state.choices)
             assert state.trials and state.trials[-1]["iter"] <= warm, \
                 "auto: the trial did not end within the warm-up; raise --warmup-auto"
+            # what the trial measured, beside what its steps took: each candidate's consensus
+            # cost per bucket, and every warm-up step's time (the slowest rank's) with the
+            # candidate that ran it, so a choice the timed steps contradict can be traced
+            last = state.trials[-1]
+            trial = {"costs": {str(i): c for i, c in last["costs"].items()},
+                     "step_seconds": last["step_seconds"], "iter": last["iter"],
+                     "candidate_step_seconds": last.get("candidate_step_seconds"),
+                     "warm_steps": [[state.phase(i)[1], s] for i, s in
+                                    enumerate(t.tolist()[:warm])]}
         tl = None
         if state is not None:  # the last timed step's timeline (rank 0's clock)
             import gradcomp.torch as gt
@@ -320,7 +336,7 @@ def _worker(rank, world, init, args, out):
                              "bytes_source": source,
                              "params": n_params,
                              "local_s": hist["local_s"] if hist else None, "round": rnd,
-                             "choices": choices, "timeline": tl,
+                             "choices": choices, "trial": trial, "timeline": tl,
                              "all_rounds": (prev["all_rounds"] if prev else []) + [med]}
         else:
             prev["all_rounds"].append(med)

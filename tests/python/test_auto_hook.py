@@ -125,6 +125,53 @@ def test_a_saving_below_step_margin_of_the_step_keeps_the_more_faithful_candidat
         assert state.choices == {0: want}, (saving, step_margin, state.trials)
 
 
+def test_step_margin_scales_by_the_fastest_candidates_step_not_the_trials_mean(monkeypatch):
+    """The ViT's trial on 4 ranks at 100 Mbit/s, in small: plain DDP's and fp16's steps take
+    2.5-4x the compressed ones (0.8 and 0.5 s against 0.2 s), quant costs the bucket 70 ms and
+    PowerSGD 53 ms. The saving (17 ms) is more than 5% of the step the choice will run (the
+    fastest candidate's, 0.2 s: 10 ms), so PowerSGD is taken; 5% of the median of the trial's
+    steps (0.36 s: 18 ms) would have kept quant, the rule before (``_fastest_step=False``),
+    which the timed steps showed slower."""
+    from gradcomp.torch import _auto
+
+    clock = [0.0]
+    monkeypatch.setattr(_auto, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cands = ["allreduce", "fp16", "quant", "powersgd"]
+    cost = {"allreduce": 0.60, "fp16": 0.30, "quant": 0.070, "powersgd": 0.053}
+    step = {"allreduce": 0.8, "fp16": 0.5, "quant": 0.22, "powersgd": 0.2}
+    for fastest, want in ((True, "powersgd"), (False, "quant")):
+        state, _ = gt.hook("auto", candidates=cands, trial_steps=2, start_iter=1)
+        state._fastest_step = fastest
+        state._numel = {0: 1000}
+        for it in range(10):
+            state._new_step(it)
+            phase, name, measured = state.phase(it)
+            clock[0] += 1.0 if phase == "trial" and not measured else step[name or "allreduce"]
+            samples = [state._sampler(name)(0, it, _Stats(cost[name]))] if measured else []
+            state._close_step(True, samples)
+        assert [t["iter"] for t in state.trials] == [9]
+        t = state.trials[0]
+        assert t["candidate_step_seconds"] == pytest.approx(step), t
+        assert t["step_seconds"] == pytest.approx(0.2 if fastest else (0.5 + 0.22) / 2), t
+        assert state.choices == {0: want}, (fastest, t)
+
+
+def test_step_scale_from_the_ranks_step_times():
+    """Per candidate the mean over the ranks that measured its steps, then the least over the
+    candidates; a candidate without steps does not count; none at all falls back to the whole
+    trial's (the earlier rule), and with nothing measured the scale is unknown."""
+    from gradcomp.torch._auto import _step_scale
+
+    per = torch.tensor([[0.8, 0.30, 0.21], [0.9, 0.26, -1.0], [0.7, 0.28, 0.25]])
+    whole = torch.tensor([0.4, 0.5, -1.0])
+    assert _step_scale(per, whole) == pytest.approx(0.23)  # (0.21 + 0.25) / 2
+    assert _step_scale(per, whole, fastest=False) == pytest.approx(0.45)
+    none = torch.full((3, 3), -1.0)
+    assert _step_scale(none, whole) == pytest.approx(0.45)
+    assert _step_scale(none, torch.full((3,), -1.0)) is None
+    assert _step_scale(torch.empty(2, 0), torch.tensor([0.3, 0.5])) == pytest.approx(0.4)
+
+
 def test_schedule_plain_then_trial_then_chosen():
     state, _ = gt.hook("auto", trial_steps=2, start_iter=1)
     assert state.candidates == ["allreduce", "fp16", "quant", "powersgd"]  # the defaults

@@ -12,8 +12,9 @@ the least over the ranks (the rank that started last, which waits for no one: th
 include their wait for it), then the median over the steps; and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
 the cheapest, or when the cheapest would save less than ``step_margin`` of the step (the
-bucket's share, by its elements, of the trial's step time: the mean over ranks of each rank's
-median measured step) (faithfulness: allreduce, bf16,
+bucket's share, by its elements, of the step the fastest candidate ran in the trial: per
+candidate the mean over ranks of each rank's median measured step, then the least; see
+_step_scale) (faithfulness: allreduce, bf16,
 fp16, fp8, quant, powersgd, topk). The second rule is there because what a bucket's cost leaves
 out is paid by the step: compression's own passes over memory and its worker thread take CPU and
 memory bandwidth from backward, which the hook's timings do not see. Where the link is fast, two
@@ -186,6 +187,27 @@ def _mean_cost(samples: torch.Tensor) -> Optional[float]:
     return sum(meds) / len(meds) if meds else None
 
 
+def _step_scale(per_candidate: torch.Tensor, whole: torch.Tensor,
+                fastest: bool = True) -> Optional[float]:
+    """The step time that ``step_margin`` is a share of, from every rank's median step times
+    (seconds, -1 where none): ``per_candidate`` one column per candidate (the steps it ran in
+    the trial), ``whole`` one entry per rank (every measured step of the trial). The step the
+    choice will run is about as fast as the fastest candidate's, so that is the scale: per
+    candidate the mean over the ranks that have its steps, then the least over the candidates.
+    The mean over the whole trial (``fastest=False``, the rule before it) counts the slowest
+    candidates' steps in: where plain DDP's step took 4x the compressed ones (the ViT on 4 ranks
+    at 100 Mbit/s: a 438 ms trial mean against 237-306 ms with quant or PowerSGD), 5% of it
+    (22 ms) let quant's 71 ms stand against PowerSGD's 51 ms, and the step ran 264 ms where
+    PowerSGD's ran 201. A candidate none of whose steps was measured does not count; with no
+    step measured at all, the scale is unknown (None: only the bucket rule decides)."""
+    if fastest:
+        means = [float(col[col > 0].mean()) for col in per_candidate.t() if bool((col > 0).any())]
+        if means:
+            return min(means)
+    steps = whole[whole > 0]
+    return float(steps.mean()) if steps.numel() else None
+
+
 def _check_int(name: str, v: Any, low: int) -> int:
     return _as_int(v, name, low)  # (the one integer check of the hooks)
 
@@ -283,14 +305,17 @@ class AutoState:
         self._decided_at: Optional[int] = None
         self._seen: Optional[int] = None
         self._samples: Dict[Tuple[int, str], List[float]] = {}
-        # the trial's step times (from one iteration's first bucket to the next one's) and each
-        # bucket's elements: the scale of step_margin
-        self._step_seconds: List[float] = []
+        # the trial's step times (from one iteration's first bucket to the next one's) by the
+        # candidate that ran the step, and each bucket's elements: the scale of step_margin
+        self._step_seconds: Dict[str, List[float]] = {}
         self._last_mark: Optional[Tuple[int, float]] = None
         self._numel: Dict[int, int] = {}
         # the cost of a candidate across ranks: per step the least (see _skew_free_cost); False:
         # the mean of the ranks' medians, the rule before it (for the A/B, not an option)
         self._skew_free = True
+        # step_margin's step: the fastest candidate's (see _step_scale); False: the mean over
+        # the whole trial, the rule before it (for the A/B, not an option)
+        self._fastest_step = True
         self._worker = None
         if dist.is_available() and dist.is_initialized() and not _lazy:
             self._make_worker()
@@ -343,7 +368,8 @@ class AutoState:
             # its plans) and the one right before this (a skipped step does not advance `it`)
             if self._last_mark is not None and self._last_mark[0] == it - 1 \
                     and self.phase(it - 1)[2]:
-                self._step_seconds.append(now - self._last_mark[1])
+                self._step_seconds.setdefault(self.phase(it - 1)[1], []).append(
+                    now - self._last_mark[1])
             self._last_mark = (it, now)
             if it >= self._trial_start + self._trial_len():
                 self._decide(it, like)
@@ -355,37 +381,45 @@ class AutoState:
         """Forgets a trial's measurements: the costs and the step times (`mark`: the iteration
         and time a new trial's first step starts at)."""
         self._samples = {}
-        self._step_seconds = []
+        self._step_seconds = {}
         self._last_mark = mark
 
     def _decide(self, it: int, like: Optional[torch.Tensor] = None) -> None:
         buckets = sorted({idx for idx, _ in self._samples})
         cands = self.candidates
-        # every rank's samples (-1: none), step by step, then its median step time (-1: none, a
-        # trial resumed at its end); a candidate has at most trial_steps - 1 measured steps
-        k = self.trial_steps
-        local = torch.full((len(buckets) * len(cands) * k + 1,), -1.0, dtype=torch.float32)
+        # every rank's samples (-1: none), step by step, then its median step time under each
+        # candidate (-1: none, a trial resumed at its end, or a candidate whose measured steps
+        # were skipped); a candidate has at most trial_steps - 1 measured steps
+        k, n = self.trial_steps, len(cands)
+        base_steps = len(buckets) * n * k
+        local = torch.full((base_steps + n + 1,), -1.0, dtype=torch.float32)
         for i, idx in enumerate(buckets):
             for j, c in enumerate(cands):
                 v = (self._samples.get((idx, c)) or [])[-k:]
-                base = (i * len(cands) + j) * k
+                base = (i * n + j) * k
                 local[base:base + len(v)] = torch.tensor(v, dtype=torch.float32)
-        if self._step_seconds:
-            local[-1] = statistics.median(self._step_seconds)
+        for j, c in enumerate(cands):
+            if self._step_seconds.get(c):
+                local[base_steps + j] = statistics.median(self._step_seconds[c])
+        every_step = [x for c in cands for x in self._step_seconds.get(c, [])]
+        if every_step:
+            local[-1] = statistics.median(every_step)
         every = self._gather_ranks(local, like)  # one row per rank, the same on every rank
         rule = _skew_free_cost if self._skew_free else _mean_cost
-        costs = {idx: {c: rule(every[:, (i * len(cands) + j) * k:(i * len(cands) + j + 1) * k])
+        costs = {idx: {c: rule(every[:, (i * n + j) * k:(i * n + j + 1) * k])
                        for j, c in enumerate(cands)}
                  for i, idx in enumerate(buckets)}
-        # the same on every rank: the mean step time and the buckets' sizes (DDP's, alike)
-        steps = every[:, -1][every[:, -1] > 0]
-        step_s = float(steps.mean()) if steps.numel() else None
+        # the same on every rank: the step time and the buckets' sizes (DDP's, alike)
+        step_s = _step_scale(every[:, base_steps:base_steps + n], every[:, -1],
+                             self._fastest_step)
         total = sum(self._numel.get(idx, 0) for idx in buckets)
         shares = {idx: self._numel.get(idx, 0) / total for idx in buckets} if total else None
         self.choices = choose(costs, cands, self.margin, self.step_margin, step_s,
                               shares) if buckets else {}
+        per_step = {c: float(col[col > 0].mean()) for c, col in
+                    zip(cands, every[:, base_steps:base_steps + n].t()) if bool((col > 0).any())}
         self.trials.append({"iter": it, "costs": costs, "choices": dict(self.choices),
-                            "step_seconds": step_s})
+                            "step_seconds": step_s, "candidate_step_seconds": per_step})
         self._decided_trial = self._trial_start
         self._decided_at = it
         self._clear_trial()
