@@ -194,11 +194,12 @@ def _step_scale(per_candidate: torch.Tensor, whole: torch.Tensor,
     the trial), ``whole`` one entry per rank (every measured step of the trial). The step the
     choice will run is about as fast as the fastest candidate's, so that is the scale: per
     candidate the mean over the ranks that have its steps, then the least over the candidates.
-    The mean over the whole trial (``fastest=False``, the rule before it) counts the slowest
-    candidates' steps in: where plain DDP's step took 4x the compressed ones (the ViT on 4 ranks
-    at 100 Mbit/s: a 438 ms trial mean against 237-306 ms with quant or PowerSGD), 5% of it
-    (22 ms) let quant's 71 ms stand against PowerSGD's 51 ms, and the step ran 264 ms where
-    PowerSGD's ran 201. A candidate none of whose steps was measured does not count; with no
+    The whole trial's step (``fastest=False``, the rule before it: the mean over the ranks of
+    each rank's median over every measured step) counts the slow candidates' steps in: where
+    plain DDP's and fp16's steps took 2-4x the compressed ones (the ViT on 4 ranks at 100
+    Mbit/s: a 438 ms median against 236-326 ms with quant or PowerSGD), 5% of it (22 ms) let
+    quant's 71 ms stand against PowerSGD's 51 ms, and the timed steps ran 263 ms where
+    PowerSGD's ran 208 (experiments/results/auto_sweep_2026-12-02). A candidate none of whose steps was measured does not count; with no
     step measured at all, the scale is unknown (None: only the bucket rule decides)."""
     if fastest:
         means = [float(col[col > 0].mean()) for col in per_candidate.t() if bool((col > 0).any())]
