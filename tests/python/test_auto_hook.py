@@ -266,6 +266,10 @@ def test_auto_trains_decides_the_same_on_every_rank_and_restores():
             assert t["choices"], t
             for costs in t["costs"].values():
                 assert all(v is not None and v > 0 for v in costs.values()), costs
+            # every candidate's measured step, and step_margin's scale the fastest of them
+            per = t["candidate_step_seconds"]
+            assert sorted(per) == sorted(CANDS) and all(v > 0 for v in per.values()), t
+            assert t["step_seconds"] == pytest.approx(min(per.values())), t
         assert all(b >= 1 for b in x["history"]) and all(c > 0 for c in x["comm"])
     assert r[0]["trials"] == r[1]["trials"]  # consensus: the same costs and choices everywhere
 
