@@ -199,8 +199,9 @@ def _step_scale(per_candidate: torch.Tensor, whole: torch.Tensor,
     plain DDP's and fp16's steps took 2-4x the compressed ones (the ViT on 4 ranks at 100
     Mbit/s: a 438 ms median against 236-326 ms with quant or PowerSGD), 5% of it (22 ms) let
     quant's 71 ms stand against PowerSGD's 51 ms, and the timed steps ran 263 ms where
-    PowerSGD's ran 208 (experiments/results/auto_sweep_2026-12-02). A candidate none of whose steps was measured does not count; with no
-    step measured at all, the scale is unknown (None: only the bucket rule decides)."""
+    PowerSGD's ran 208 (experiments/results/auto_sweep_2026-12-02). A candidate none of whose
+    steps was measured does not count; with no step measured at all, the scale is unknown
+    (None: only the bucket rule decides)."""
     if fastest:
         means = [float(col[col > 0].mean()) for col in per_candidate.t() if bool((col > 0).any())]
         if means:
