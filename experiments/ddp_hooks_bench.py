@@ -337,9 +337,12 @@ def _worker(rank, world, init, args, out):
                              "params": n_params,
                              "local_s": hist["local_s"] if hist else None, "round": rnd,
                              "choices": choices, "trial": trial, "timeline": tl,
-                             "all_rounds": (prev["all_rounds"] if prev else []) + [med]}
+                             "all_rounds": (prev["all_rounds"] if prev else []) + [med],
+                             # every round's own trial and choice (auto decides anew each round)
+                             "all_trials": (prev["all_trials"] if prev else []) + [trial]}
         else:
             prev["all_rounds"].append(med)
+            prev["all_trials"].append(trial)
         if rank == 0:
             print(f"  [{rnd}] {name:20s} median {1e3 * med:8.1f} ms  mean {1e3 * mean:8.1f} ms"
                   f"  bytes/step {nbytes:,.0f}"
