@@ -50,7 +50,7 @@ METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant
 #: among the candidates, quant by each of its routes, auto without fp16's ring route (its
 #: candidate list before that route), auto with the mean of the ranks' costs (the rule before
 #: each step's least over the ranks), auto and PowerSGD with every small allreduce on gloo's
-#: ring, auto with step_margin a share of the whole trial's mean step (the rule before the
+#: ring, auto with step_margin a share of the whole trial's median step (the rule before the
 #: fastest candidate's step); not counted as methods a user picks ("best")
 AB_METHODS = ("auto-step0", "auto-fp8", "quant-2phase", "quant-gather", "auto-noring",
               "auto-meancost", "auto-ringsums", "powersgd-ringsums", "auto-trialstep")

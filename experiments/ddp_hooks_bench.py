@@ -142,7 +142,7 @@ SWEEP_CONFIGS = [
     # rank-ordered sum (gradcomp.torch._driver.P2P_ALLREDUCE_BYTES): auto, and PowerSGD alone
     ("auto-ringsums", "auto", {"_ring_sums": True}),
     ("powersgd-ringsums", "powersgd", {"_ring_sums": True}),
-    # auto with step_margin a share of the whole trial's mean step (every candidate's steps,
+    # auto with step_margin a share of the whole trial's median step (every candidate's steps,
     # plain DDP's included) instead of the fastest candidate's step
     ("auto-trialstep", "auto", {"_trial_step": True}),
 ]
@@ -296,7 +296,8 @@ def _worker(rank, world, init, args, out):
             # cost per bucket, and every warm-up step's time (the slowest rank's) with the
             # candidate that ran it, so a choice the timed steps contradict can be traced
             last = state.trials[-1]
-            trial = {"costs": {str(i): c for i, c in last["costs"].items()},
+            trial = {"choices": {str(i): c for i, c in last["choices"].items()},
+                     "costs": {str(i): c for i, c in last["costs"].items()},
                      "step_seconds": last["step_seconds"], "iter": last["iter"],
                      "candidate_step_seconds": last.get("candidate_step_seconds"),
                      "warm_steps": [[state.phase(i)[1], s] for i, s in
