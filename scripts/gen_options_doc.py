@@ -319,8 +319,10 @@ PY_OPTIONS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("auto", "step_margin"): (
         "float",
         "A more faithful candidate also wins when the cheapest would save less than this share "
-        "of the step (the bucket's share, by its elements, of the trial's measured step time, "
-        "the mean over ranks of each rank's median): "
+        "of the step (the bucket's share, by its elements, of the step the fastest candidate "
+        "ran in the trial: per candidate the mean over ranks of each rank's median measured "
+        "step, then the least over the candidates; the step the choice will run, where the "
+        "whole trial's median step would count plain DDP's slow steps in): "
         "what compression costs the step beyond its bucket's timings (its CPU and memory "
         "traffic beside backward) is not measured; in [0, 1), 0 = off."),
     ("compress_fsdp", "model"): (
