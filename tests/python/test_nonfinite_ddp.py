@@ -282,6 +282,11 @@ def _auto_overflow(rank, world, out_dir, cands=("allreduce", "fp16", "powersgd")
     assert state.trials, "no decision was made"
     # the step time the step rule scales by is measured (the gap over the skipped step is not)
     assert all(t["step_seconds"] and t["step_seconds"] > 0 for t in state.trials), state.trials
+    # ... as the fastest candidate's step, each candidate's from its own measured steps only
+    for t in state.trials:
+        per = t["candidate_step_seconds"]
+        assert per and all(v > 0 for v in per.values()), t
+        assert t["step_seconds"] == pytest.approx(min(per.values())), t
     assert params_equal_across_ranks(model)
     mark_ok(out_dir, rank)
 

@@ -187,6 +187,16 @@ def _mean_cost(samples: torch.Tensor) -> Optional[float]:
     return sum(meds) / len(meds) if meds else None
 
 
+def _candidate_steps(per_candidate: torch.Tensor,
+                     names: Optional[Sequence[str]] = None) -> Dict[Any, float]:
+    """Each candidate's step time from every rank's medians (one column per candidate, -1 where
+    none): the mean over the ranks that have it, keyed by ``names`` (or the column index); a
+    candidate no rank measured is left out."""
+    keys = list(names) if names is not None else list(range(per_candidate.shape[1]))
+    return {k: float(col[col > 0].mean()) for k, col in zip(keys, per_candidate.t())
+            if bool((col > 0).any())}
+
+
 def _step_scale(per_candidate: torch.Tensor, whole: torch.Tensor,
                 fastest: bool = True) -> Optional[float]:
     """The step time that ``step_margin`` is a share of, from every rank's median step times
@@ -203,9 +213,9 @@ def _step_scale(per_candidate: torch.Tensor, whole: torch.Tensor,
     steps was measured does not count; with no step measured at all, the scale is unknown
     (None: only the bucket rule decides)."""
     if fastest:
-        means = [float(col[col > 0].mean()) for col in per_candidate.t() if bool((col > 0).any())]
+        means = _candidate_steps(per_candidate)
         if means:
-            return min(means)
+            return min(means.values())
     steps = whole[whole > 0]
     return float(steps.mean()) if steps.numel() else None
 
@@ -418,8 +428,7 @@ class AutoState:
         shares = {idx: self._numel.get(idx, 0) / total for idx in buckets} if total else None
         self.choices = choose(costs, cands, self.margin, self.step_margin, step_s,
                               shares) if buckets else {}
-        per_step = {c: float(col[col > 0].mean()) for c, col in
-                    zip(cands, every[:, base_steps:base_steps + n].t()) if bool((col > 0).any())}
+        per_step = _candidate_steps(every[:, base_steps:base_steps + n], cands)
         self.trials.append({"iter": it, "costs": costs, "choices": dict(self.choices),
                             "step_seconds": step_s, "candidate_step_seconds": per_step})
         self._decided_trial = self._trial_start
