@@ -306,7 +306,8 @@ PY_OPTIONS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("auto", "trial_steps"): (
         "int",
         "Steps each candidate runs per trial (the first, which builds its plans, is not "
-        "measured); >= 2."),
+        "measured; the median of the others is its cost, so with 3 one slow step moves nothing); "
+        ">= 2."),
     ("auto", "min_bits"): ("int", "The quant candidate's bits per value: 2, 4 or 8."),
     ("auto", "recheck_every"): (
         "int",

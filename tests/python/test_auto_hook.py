@@ -156,6 +156,38 @@ def test_step_margin_scales_by_the_fastest_candidates_step_not_the_trials_mean(m
         assert state.choices == {0: want}, (fastest, t)
 
 
+def test_one_slow_step_does_not_decide_the_trial(monkeypatch):
+    """By default each candidate runs 4 steps: its plans' build, then 3 measured, whose median a
+    single step slowed by a busy machine does not move. PowerSGD costs the bucket 53 ms and quant
+    70 ms, but one of PowerSGD's measured steps took 200 ms: with 3 measured steps PowerSGD is
+    still taken; with 2 (trial_steps=3, the default before) their median is the mean, 127 ms,
+    and quant would be."""
+    from gradcomp.torch import _auto
+
+    clock = [0.0]
+    monkeypatch.setattr(_auto, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cands = ["quant", "powersgd"]
+    cost = {"quant": 0.070, "powersgd": 0.053}
+    assert gt.hook("auto")[0].trial_steps == 4
+    for steps, want in ((None, "powersgd"), (3, "quant")):
+        opts = {} if steps is None else {"trial_steps": steps}
+        state, _ = gt.hook("auto", candidates=cands, start_iter=1, **opts)
+        state._numel = {0: 1000}
+        seen = 0
+        for it in range(1 + len(cands) * state.trial_steps + 1):
+            state._new_step(it)
+            phase, name, measured = state.phase(it)
+            clock[0] += 0.3
+            c = cost.get(name, 0.0)
+            if measured and name == "powersgd":
+                seen += 1
+                c = 0.200 if seen == 1 else c  # the busy machine's step
+            samples = [state._sampler(name)(0, it, _Stats(c))] if measured else []
+            state._close_step(True, samples)
+        assert len(state.trials) == 1
+        assert state.choices == {0: want}, (steps, state.trials)
+
+
 def test_step_scale_from_the_ranks_step_times():
     """Per candidate the mean over the ranks that measured its steps, then the least over the
     candidates; a candidate without steps does not count; none at all falls back to the whole

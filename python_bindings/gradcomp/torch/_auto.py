@@ -9,7 +9,9 @@ itself spent on it: local compression work plus launching and waiting for its co
 its plans, is not counted). The ranks' samples are gathered (one small allreduce on the hook's
 own process group, so every rank decides the same); a candidate's cost is, per measured step,
 the least over the ranks (the rank that started last, which waits for no one: the others' times
-include their wait for it), then the median over the steps; and each bucket gets the cheapest
+include their wait for it), then the median over the steps (3 measured by default: a step that a
+busy machine slowed, which only ever adds time, then moves nothing, where the median of 2 is
+their mean); and each bucket gets the cheapest
 candidate, except that a more faithful candidate wins when it costs at most ``1 + margin`` times
 the cheapest, or when the cheapest would save less than ``step_margin`` of the step (the
 bucket's share, by its elements, of the step the fastest candidate ran in the trial: per
@@ -236,7 +238,7 @@ class AutoState:
 
     def __init__(self, process_group=None, start_iter: Optional[int] = None, log_every: int = 0,
                  model=None, timeout=None, candidates: Iterable[str] = DEFAULT_CANDIDATES,
-                 min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 3,
+                 min_rank: int = 4, max_density: float = 0.01, trial_steps: int = 4,
                  min_bits: int = 4,
                  recheck_every: int = 1000, margin: float = 0.05, step_margin: float = 0.05,
                  pipeline: bool = True,

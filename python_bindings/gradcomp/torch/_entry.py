@@ -32,7 +32,7 @@ def hook(compressor: str, process_group=None, start_iter: Optional[int] = None,
 
     ``"auto"`` measures the candidates on the real model and link and picks per bucket (see
     :mod:`gradcomp.torch._auto`): ``hook("auto", candidates=("allreduce", "fp16", "quant", "powersgd"),
-    min_rank=4, max_density=0.01, min_bits=4, trial_steps=3, recheck_every=1000,
+    min_rank=4, max_density=0.01, min_bits=4, trial_steps=4, recheck_every=1000,
     margin=0.05, step_margin=0.05)``.
 
     Every option is checked here, by the rules the C++ configuration applies: ValueError for an
