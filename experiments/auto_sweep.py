@@ -51,9 +51,11 @@ METHODS = ("ddp", "torch-fp16", "torch-powersgd", "auto", "fp16", "bf16", "quant
 #: candidate list before that route), auto with the mean of the ranks' costs (the rule before
 #: each step's least over the ranks), auto and PowerSGD with every small allreduce on gloo's
 #: ring, auto with step_margin a share of the whole trial's median step (the rule before the
-#: fastest candidate's step); not counted as methods a user picks ("best")
+#: fastest candidate's step), auto with 2 measured trial steps a candidate (the default before
+#: 3); not counted as methods a user picks ("best")
 AB_METHODS = ("auto-step0", "auto-fp8", "quant-2phase", "quant-gather", "auto-noring",
-              "auto-meancost", "auto-ringsums", "powersgd-ringsums", "auto-trialstep")
+              "auto-meancost", "auto-ringsums", "powersgd-ringsums", "auto-trialstep",
+              "auto-trial3")
 #: the families whose accuracy needs DGC's momentum correction (docs/CHOOSING.md): not among
 #: auto's default candidates, so the report also measures auto against the best of the others
 NEEDS_DGC = ("topk", "randomk", "onebit")

@@ -145,6 +145,8 @@ SWEEP_CONFIGS = [
     # auto with step_margin a share of the whole trial's median step (every candidate's steps,
     # plain DDP's included) instead of the fastest candidate's step
     ("auto-trialstep", "auto", {"_trial_step": True}),
+    # auto with 2 measured steps a candidate (trial_steps 3) instead of 3: the default before
+    ("auto-trial3", "auto", {"trial_steps": 3}),
 ]
 
 
