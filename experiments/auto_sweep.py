@@ -192,6 +192,11 @@ def analyse(run: Dict[str, Any], rtt_ms: Optional[float] = None) -> Dict[str, An
             "behind": behind, "choices": rows["auto"].get("choices"),
             "ab_choices": {m: rows[m].get("choices") for m in AB_METHODS
                            if m in rows and m.startswith("auto")},  # (what auto's variants chose)
+            # what auto and each variant chose in every round (each round runs its own trial):
+            # rounds that disagree are a trial deciding by its noise
+            "round_choices": {m: [t["choices"] for t in rows[m].get("all_trials") or [] if t]
+                              for m in ("auto", *AB_METHODS)
+                              if m in rows and m.startswith("auto")},
             "speeds": {m: sp[m]["sps"] / ddp["sps"] for m in (*methods, *AB_METHODS) if m in sp}}
 
 
@@ -327,6 +332,23 @@ def report(folder: str, also: Sequence[str] = ()) -> str:
         for r in ab:
             lines.append("| " + " | ".join([r["key"], _choices_text(r["choices"])] + [
                 _choices_text(r["ab_choices"].get(m)) for m in names]) + " |")
+        # every round's choice, and how often a setting's rounds agreed
+        rc = [r for r in ab if any(len(v) > 1 for v in r.get("round_choices", {}).values())]
+        if rc:
+            names = ["auto"] + names
+            lines.append("\n## Each round's choice (each round runs its own trial)\n")
+            agree = []
+            for m in names:
+                runs = [r["round_choices"][m] for r in rc if len(r["round_choices"].get(m, [])) > 1]
+                same = sum(all(c == v[0] for c in v) for v in runs)
+                agree.append(f"{m}: {same} of {len(runs)}")
+            lines.append("Settings whose rounds all chose alike: " + "; ".join(agree) + ".\n")
+            lines.append("| setting | " + " | ".join(names) + " |")
+            lines.append("|" + "---|" * (len(names) + 1))
+            for r in rc:
+                lines.append("| " + " | ".join([r["key"]] + [
+                    " / ".join(_choices_text(c) for c in r["round_choices"].get(m, [])) or "-"
+                    for m in names]) + " |")
     return "\n".join(lines) + "\n"
 
 
