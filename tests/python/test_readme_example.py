@@ -43,11 +43,12 @@ def _run_example(rank, world, port, code, model_seed, batches):
 
 
 def _worker(rank, world, out_dir, port, code):
-    env = _run_example(rank, world, port, code, 0, 16)
+    env = _run_example(rank, world, port, code, 0, 24)
     state, model = env["state"], env["model"]
     assert params_equal_across_ranks(model)
-    assert state.iter == 16
-    assert state.choices, "auto chose nothing in 16 steps"
+    assert state.iter == 24
+    # 2 plain steps, then a trial of 4 candidates x 4 steps: the choice from step 18 on
+    assert state.choices, "auto chose nothing in 24 steps"
     mark_ok(out_dir, rank)
 
 
