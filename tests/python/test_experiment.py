@@ -453,6 +453,15 @@ def test_auto_sweep_analysis_and_report(tmp_path):
     text = sw.report(str(ab_dir))
     assert "| vit_w2_40gbit_rtt0.1ms | 0:allreduce | 0:fp16 |" in text
     assert "PyTorch's fp16 hook" not in text and "| setting | auto | auto-step0 |" in text
+    # every round's own trial and choice: auto's two rounds disagree, auto-step0's agree
+    rows = {r["name"]: r for r in run["rows"]}
+    rows["auto"]["all_trials"] = [{"choices": {"0": "allreduce"}}, {"choices": {"0": "fp16"}}]
+    rows["auto-step0"]["all_trials"] = [{"choices": {"0": "fp16"}}, {"choices": {"0": "fp16"}}]
+    with open(ab_dir / "vit_w2_40gbit_rtt0.1ms.json", "w") as f:
+        json.dump(run, f)
+    text = sw.report(str(ab_dir))
+    assert "Settings whose rounds all chose alike: auto: 0 of 1; auto-step0: 1 of 1." in text
+    assert "| vit_w2_40gbit_rtt0.1ms | 0:allreduce / 0:fp16 | 0:fp16 / 0:fp16 |" in text
     with pytest.raises(SystemExit, match="--methods: unknown 'auto-bogus'"):
         sw.main(["--methods", "ddp,auto-bogus", "--out", str(tmp_path / "none")])
     both = sw.load(str(tmp_path), [str(other)])
