@@ -96,30 +96,46 @@ class _Stats:
         self.local_seconds, self.comm_seconds = s / 4, 3 * s / 4
 
 
-def test_a_saving_below_step_margin_of_the_step_keeps_the_more_faithful_candidate(monkeypatch):
-    """A trial like the ViT's at 40 Gbit/s without added latency (2 ranks), where the steps with
-    fp16 ran slower than plain DDP's: here fp16 costs its one bucket 2 ms less than the plain
-    average (17% of the bucket's cost, under 3% of a 75 ms step). The trial's step time (from one iteration's
-    first bucket to the next one's, on a clock the test drives) scales step_margin: the plain
-    average stays; a saving of 10% of the step still switches; with step_margin=0 the bucket rule
-    alone decides."""
+def _drive_trial(monkeypatch, state, cost, step, build=None, slow=None):
+    """Runs `state`'s schedule (bucket 0 of 1000 elements) from iteration 0 to one step past its
+    trial, on a clock the test drives: each iteration moves it by `step` (seconds, or a dict by
+    candidate, plain DDP's steps as "allreduce"), a candidate's first trial step (its plans'
+    build, not measured) by `build` where given. A measured step reports cost[name] for the
+    bucket, or slow[(name, k)] for that candidate's k-th measured step (1-based)."""
     from gradcomp.torch import _auto
 
     clock = [0.0]
     monkeypatch.setattr(_auto, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    state._numel = {0: 1000}
+    seen = {}
+    for it in range(1 + len(state.candidates) * state.trial_steps + 1):
+        state._new_step(it)
+        phase, name, measured = state.phase(it)
+        if build is not None and phase == "trial" and not measured:
+            clock[0] += build
+        else:
+            clock[0] += step[name or "allreduce"] if isinstance(step, dict) else step
+        samples = []
+        if measured:
+            seen[name] = seen.get(name, 0) + 1
+            c = (slow or {}).get((name, seen[name]), cost[name])
+            samples = [state._sampler(name)(0, it, _Stats(c))]
+        state._close_step(True, samples)
+
+
+def test_a_saving_below_step_margin_of_the_step_keeps_the_more_faithful_candidate(monkeypatch):
+    """A trial like the ViT's at 40 Gbit/s without added latency (2 ranks), where the steps with
+    fp16 ran slower than plain DDP's: here fp16 costs its one bucket 2 ms less than the plain
+    average (17% of the bucket's cost, under 3% of a 75 ms step). The trial's step time (from one
+    iteration's first bucket to the next one's) scales step_margin: the plain average stays; a
+    saving of 10% of the step still switches; with step_margin=0 the bucket rule alone decides."""
     for saving, step_margin, want in ((0.002, 0.05, "allreduce"), (0.0075, 0.05, "fp16"),
                                       (0.002, 0.0, "fp16")):
         state, _ = gt.hook("auto", candidates=["allreduce", "fp16"], trial_steps=2,
                            start_iter=1, step_margin=step_margin)
-        state._numel = {0: 1000}
         cost = {"allreduce": 0.012, "fp16": 0.012 - saving}
-        for it in range(6):
-            state._new_step(it)
-            # a candidate's first trial step builds its plans (here 1 s): not a step time
-            clock[0] += 1.0 if state.phase(it)[0] == "trial" and not state.phase(it)[2] else 0.075
-            phase, name, measured = state.phase(it)
-            samples = [state._sampler(name)(0, it, _Stats(cost[name]))] if measured else []
-            state._close_step(True, samples)
+        # a candidate's first trial step builds its plans (here 1 s): not a step time
+        _drive_trial(monkeypatch, state, cost, step=0.075, build=1.0)
         assert [t["iter"] for t in state.trials] == [5]
         assert state.trials[0]["step_seconds"] == pytest.approx(0.075)
         assert state.choices == {0: want}, (saving, step_margin, state.trials)
@@ -132,23 +148,13 @@ def test_step_margin_scales_by_the_fastest_candidates_step_not_the_trials_mean(m
     fastest candidate's, 0.2 s: 10 ms), so PowerSGD is taken; 5% of the median of the trial's
     steps (0.36 s: 18 ms) would have kept quant, the rule before (``_fastest_step=False``),
     which the timed steps showed slower."""
-    from gradcomp.torch import _auto
-
-    clock = [0.0]
-    monkeypatch.setattr(_auto, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     cands = ["allreduce", "fp16", "quant", "powersgd"]
     cost = {"allreduce": 0.60, "fp16": 0.30, "quant": 0.070, "powersgd": 0.053}
     step = {"allreduce": 0.8, "fp16": 0.5, "quant": 0.22, "powersgd": 0.2}
     for fastest, want in ((True, "powersgd"), (False, "quant")):
         state, _ = gt.hook("auto", candidates=cands, trial_steps=2, start_iter=1)
         state._fastest_step = fastest
-        state._numel = {0: 1000}
-        for it in range(10):
-            state._new_step(it)
-            phase, name, measured = state.phase(it)
-            clock[0] += 1.0 if phase == "trial" and not measured else step[name or "allreduce"]
-            samples = [state._sampler(name)(0, it, _Stats(cost[name]))] if measured else []
-            state._close_step(True, samples)
+        _drive_trial(monkeypatch, state, cost, step=step, build=1.0)
         assert [t["iter"] for t in state.trials] == [9]
         t = state.trials[0]
         assert t["candidate_step_seconds"] == pytest.approx(step), t
@@ -162,28 +168,14 @@ def test_one_slow_step_does_not_decide_the_trial(monkeypatch):
     70 ms, but one of PowerSGD's measured steps took 200 ms: with 3 measured steps PowerSGD is
     still taken; with 2 (trial_steps=3, the default before) their median is the mean, 127 ms,
     and quant would be."""
-    from gradcomp.torch import _auto
-
-    clock = [0.0]
-    monkeypatch.setattr(_auto, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     cands = ["quant", "powersgd"]
     cost = {"quant": 0.070, "powersgd": 0.053}
     assert gt.hook("auto")[0].trial_steps == 4
     for steps, want in ((None, "powersgd"), (3, "quant")):
         opts = {} if steps is None else {"trial_steps": steps}
         state, _ = gt.hook("auto", candidates=cands, start_iter=1, **opts)
-        state._numel = {0: 1000}
-        seen = 0
-        for it in range(1 + len(cands) * state.trial_steps + 1):
-            state._new_step(it)
-            phase, name, measured = state.phase(it)
-            clock[0] += 0.3
-            c = cost.get(name, 0.0)
-            if measured and name == "powersgd":
-                seen += 1
-                c = 0.200 if seen == 1 else c  # the busy machine's step
-            samples = [state._sampler(name)(0, it, _Stats(c))] if measured else []
-            state._close_step(True, samples)
+        # the busy machine's step: PowerSGD's first measured one
+        _drive_trial(monkeypatch, state, cost, step=0.3, slow={("powersgd", 1): 0.200})
         assert len(state.trials) == 1
         assert state.choices == {0: want}, (steps, state.trials)
 

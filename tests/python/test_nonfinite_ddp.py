@@ -238,25 +238,28 @@ def test_bucket_mismatch_error_reaches_the_user_and_ddp_stays_usable():
 
 
 def _auto_overflow(rank, world, out_dir, cands=("allreduce", "fp16", "powersgd"), bad=2,
-                   counted=False):
+                   counted=False, steps=3):
     torch.manual_seed(0)
     data = make_data(rank, 12)
     model = DDP(Net(d_hidden=600), bucket_cap_mb=0.01)
-    state, hook = gt.hook("auto", model=model, candidates=cands, trial_steps=3, start_iter=1)
+    opts = {} if steps is None else {"trial_steps": steps}  # None: auto's default
+    state, hook = gt.hook("auto", model=model, candidates=cands, start_iter=1, **opts)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     def samples():
         return sum(len(v) for v in state._samples.values())
 
-    # iteration `bad` is a measured trial step (2: allreduce's; 5: the second candidate's); the
-    # overflow there must leave no timing sample and not advance the schedule; its retry (the
-    # same iteration) is measured as usual
+    # iteration `bad` is a measured trial step (with 3 steps a candidate, 2: allreduce's; 5: the
+    # second candidate's); the overflow there must leave no timing sample and not advance the
+    # schedule; its retry (the same iteration) is measured as usual
     for s, (x, y) in enumerate(data):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         if s == bad and rank == 1:
             loss = loss * float("inf")
+        if s == bad:
+            assert state.phase(state.iter)[0] == "trial" and state.phase(state.iter)[2]
         if s == bad and world > 2 and "quant" in cands:
             assert state.phase(state.iter)[1:] == ("quant/gather", True), state.candidates
         before_iter, before_samples = state.iter, samples()
@@ -291,13 +294,16 @@ def _auto_overflow(rank, world, out_dir, cands=("allreduce", "fp16", "powersgd")
     mark_ok(out_dir, rank)
 
 
-@pytest.mark.parametrize("cands,bad,counted,world", [
-    (("allreduce", "fp16", "powersgd"), 2, False, 2),
-    (("allreduce", "fp8"), 5, True, 2),
-    (("allreduce", "fp16"), 5, True, 2),
+@pytest.mark.parametrize("cands,bad,counted,world,steps", [
+    (("allreduce", "fp16", "powersgd"), 2, False, 2, 3),
+    (("allreduce", "fp8"), 5, True, 2, 3),
+    (("allreduce", "fp16"), 5, True, 2, 3),
     # on 3 ranks quant's gather route is a candidate of its own ("quant/gather", iterations
     # 7-9): stateful, so its overflow step is skipped on every rank and taken back
-    (("allreduce", "quant"), 8, False, 3)])
+    (("allreduce", "quant"), 8, False, 3, 3),
+    # the default trial (4 steps a candidate: iterations 1-4 allreduce's, 5-8 PowerSGD's, each
+    # candidate's first one building its plans): PowerSGD's first measured step overflows
+    (("allreduce", "powersgd"), 6, False, 2, None)])
 def test_auto_hook_overflow_step_leaves_no_sample_and_keeps_the_schedule(cands, bad, counted,
-                                                                         world):
-    run_ok(_auto_overflow, world, cands, bad, counted)
+                                                                         world, steps):
+    run_ok(_auto_overflow, world, cands, bad, counted, steps)
